@@ -1,0 +1,200 @@
+"""The contracts shared by the server-side hook and the farm, in exactly one place.
+
+Both sides import this module; it imports nothing but the standard library, so the SGLang
+plugin can load it without the farm and the worker can load it without torch.
+
+- rid: ``hsd-<sample_key>-a<attempt>-n<token_count>``
+- dump file (tmpfs): ``<dump_dir>/<rid>.safetensors`` or ``<dump_dir>/<rid>.err``
+- final file (disk): ``<out>/samples/<shard>/<sample_key>.safetensors``
+- run fingerprint: the fields that make two hidden-state files comparable
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PATCH_VERSION = "0.1.0"
+
+# --- rid -------------------------------------------------------------------------------------
+
+RID_PREFIX = "hsd-"
+_KEY_CHARS = r"A-Za-z0-9_.\-"
+RID_RE = re.compile(rf"^hsd-(?P<key>[{_KEY_CHARS}]+)-a(?P<attempt>\d+)-n(?P<n>\d+)$")
+MAX_KEY_LEN = 96
+
+
+@dataclass(frozen=True)
+class Rid:
+    """A parsed request id: which sample, which attempt, how many tokens were sent."""
+
+    sample_key: str
+    attempt: int
+    token_count: int
+
+    def __str__(self) -> str:
+        return f"{RID_PREFIX}{self.sample_key}-a{self.attempt}-n{self.token_count}"
+
+
+def make_rid(sample_key: str, attempt: int, token_count: int) -> str:
+    """Build the rid for one extraction request.
+
+    Raises:
+        ValueError: the key is not a sanitised sample key, or the numbers are out of range.
+    """
+    if not is_valid_sample_key(sample_key):
+        raise ValueError(f"not a sanitised sample key: {sample_key!r}")
+    if attempt < 0 or token_count < 1:
+        raise ValueError(f"bad attempt/token_count: {attempt}/{token_count}")
+    return str(Rid(sample_key, attempt, token_count))
+
+
+def parse_rid(rid: object) -> Rid | None:
+    """Parse a rid; None for anything that is not an extraction request of ours."""
+    if not isinstance(rid, str):
+        return None
+    m = RID_RE.match(rid)
+    if m is None:
+        return None
+    return Rid(m["key"], int(m["attempt"]), int(m["n"]))
+
+
+# --- sample keys -----------------------------------------------------------------------------
+
+_SAFE_KEY_RE = re.compile(rf"^[A-Za-z0-9_][{_KEY_CHARS}]*$")
+_UNSAFE_CHAR_RE = re.compile(rf"[^{_KEY_CHARS}]")
+
+
+def is_valid_sample_key(key: str) -> bool:
+    """True if ``key`` is usable as a file name and inside a rid as it is."""
+    return len(key) <= MAX_KEY_LEN and bool(_SAFE_KEY_RE.match(key)) and ".." not in key
+
+
+def sample_key_for(source_id: object, index: int) -> str:
+    """Turn a record's id (any JSON scalar, or None) into a safe, stable sample key.
+
+    An id that is already safe is kept as it is. Anything else (path separators, ``..``,
+    spaces, non-ASCII, over-long) is replaced character by character and suffixed with a
+    hash of the original, so two different ids never map to the same key by sanitising.
+    Records without an id are keyed by their position: ``rec-<index>``.
+    """
+    if source_id is None:
+        return f"rec-{index:08d}"
+    text = source_id if isinstance(source_id, str) else json.dumps(source_id)
+    if is_valid_sample_key(text):
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    cleaned = _UNSAFE_CHAR_RE.sub("_", text).replace("..", "__").lstrip("._-")
+    cleaned = cleaned[: MAX_KEY_LEN - len(digest) - 1]
+    return f"{cleaned}_{digest}" if cleaned else f"id_{digest}"
+
+
+def shard_of(sample_key: str, shards: int = 256) -> str:
+    """The sub-directory a final file lives in: a stable hash bucket, 2 hex digits."""
+    bucket = int(hashlib.sha256(sample_key.encode()).hexdigest()[:8], 16) % shards
+    return f"{bucket:02x}"
+
+
+# --- files -----------------------------------------------------------------------------------
+
+DUMP_SUFFIX = ".safetensors"
+ERR_SUFFIX = ".err"
+READY_PREFIX = ".ready."
+TMP_MARK = ".tmp."  # every temp file of ours contains this, so cleanup can find them
+
+# Tensor names, shared by the dump file and the final file (SpecForge's offline key names).
+T_INPUT_IDS = "input_ids"
+T_LOSS_MASK = "loss_mask"
+T_HIDDEN = "hidden_state"
+T_AUX = "aux_hidden_state"
+AUX_LAYERS = 3
+
+# Metadata keys written by the hook into every dump.
+M_LAYERS = "layers_to_capture"
+M_CONFIG_SHA = "model_config_sha256"
+M_PATCH_VERSION = "patch_version"
+M_SERVER_VERSION = "server_version"
+M_RID = "rid"
+
+
+def dump_path(dump_dir: Path, rid: str) -> Path:
+    return dump_dir / f"{rid}{DUMP_SUFFIX}"
+
+
+def err_path(dump_dir: Path, rid: str) -> Path:
+    return dump_dir / f"{rid}{ERR_SUFFIX}"
+
+
+def final_path(out_dir: Path, sample_key: str) -> Path:
+    return out_dir / "samples" / shard_of(sample_key) / f"{sample_key}{DUMP_SUFFIX}"
+
+
+def is_temp_name(name: str) -> bool:
+    return TMP_MARK in name
+
+
+# --- fingerprint -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What makes two runs' hidden states comparable. Any difference refuses mixing.
+
+    Versions of hsfarm and SGLang are recorded in the manifest beside it but are not part of
+    the identity: a bug-fix release must not orphan a half-done multi-day run.
+    """
+
+    model_path: str
+    config_sha256: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    layers_to_capture: tuple[int, ...]
+    layer_convention: str
+    hidden_size: int
+    dtype: str
+    max_tokens: int
+    overlong: str
+
+    @property
+    def id(self) -> str:
+        """A short stable id, used in task ids and Redis keys."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["layers_to_capture"] = list(self.layers_to_capture)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Fingerprint:
+        fields = dict(d)
+        fields["layers_to_capture"] = tuple(fields["layers_to_capture"])  # type: ignore[arg-type]
+        return cls(**fields)  # type: ignore[arg-type]
+
+    def differences(self, other: Fingerprint) -> list[str]:
+        """Human-readable list of fields that differ: ``name: mine != theirs``."""
+        a, b = self.to_json(), other.to_json()
+        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if a[k] != b[k]]
+
+
+LAYER_CONVENTION = "sglang-capture-input-of-layer"
+
+
+def default_layers_to_capture(num_layers: int) -> tuple[int, ...]:
+    """SGLang's default EAGLE-3 capture ids: the inputs of layers 2, L//2 and L-3.
+
+    These are HF ``hidden_states[i]`` indices (the input of layer i = output of layer i-1),
+    the same as SpecForge's draft-config ids [1, L//2-1, L-4] plus one.
+    """
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,284 @@
+"""Model-agnostic dump writer: assemble per-request rows across forward passes, write files.
+
+Used unchanged by the SGLang plugin and by the reference server. The caller hands over one
+forward pass at a time as a flattened batch (rows of all requests, in request order) with the
+request ids and per-request prefix/extend lengths, exactly as SGLang's ForwardBatch carries
+them. Only rids that parse as ours (``contracts.parse_rid``) are kept; everything else
+(health checks, warm-up, other clients) is ignored without a copy.
+
+Why the staging seam: on a GPU the copy must stay off the critical path, so a ``Stager``
+starts an asynchronous device-to-host copy and returns at once; the writer thread waits for
+it. On CPU the stager is a plain clone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import save_file
+
+from sglang_patch import contracts as c
+
+log = logging.getLogger("hsfarm.dump")
+
+
+class Staged(Protocol):
+    def wait(self) -> list[torch.Tensor]: ...
+
+
+class Stager(Protocol):
+    """Starts copying device tensors to host memory; ``wait`` on the result gives CPU tensors."""
+
+    def stage(self, tensors: list[torch.Tensor]) -> Staged: ...
+
+
+@dataclass
+class _Done:
+    tensors: list[torch.Tensor]
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.tensors
+
+
+class CpuStager:
+    """Synchronous copy (clone) for CPU tensors: the reference server and tests."""
+
+    def stage(self, tensors: list[torch.Tensor]) -> Staged:
+        return _Done([t.detach().to("cpu", copy=True) for t in tensors])
+
+
+@dataclass
+class _Pending:
+    n: int
+    next_pos: int = 0
+    parts: list[Staged] = field(default_factory=list)
+    updated_s: float = 0.0
+
+
+@dataclass
+class DumpJob:
+    """A finished request (parts staged) or a failure message, for the writer thread."""
+
+    rid: str
+    parts: list[Staged] | None = None
+    error: str | None = None
+    token_count: int = 0
+
+
+class DumpWriter:
+    """One background thread writing ``<rid>.safetensors`` / ``<rid>.err`` atomically.
+
+    The queue is bounded: when the disk (tmpfs) is slower than the model, ``submit`` blocks
+    the caller instead of letting host memory grow without limit.
+    """
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        metadata: dict[str, str],
+        max_queue: int = 8,
+        min_free_bytes: int = 64 << 20,
+    ) -> None:
+        self.dump_dir = dump_dir
+        self.metadata = dict(metadata)
+        self.min_free_bytes = min_free_bytes
+        self._q: queue.Queue[DumpJob | None] = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="hsfarm-dump-writer", daemon=True)
+        self.written = 0
+        self.errors = 0
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+
+    def submit(self, job: DumpJob) -> None:
+        self._q.put(job)  # blocks when full: backpressure, by design
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until every submitted job is on disk (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._q.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            try:
+                if job is None:
+                    return
+                self._write(job)
+            except Exception as e:  # the writer must never die: report and go on
+                log.exception("dump writer failed for %s", job.rid if job else "?")
+                if job is not None:
+                    self._write_err(job.rid, f"writer failed: {type(e).__name__}: {e}")
+            finally:
+                self._q.task_done()
+
+    def _write(self, job: DumpJob) -> None:
+        if job.error is not None or job.parts is None:
+            self._write_err(job.rid, job.error or "no data")
+            return
+        chunks = [p.wait() for p in job.parts]
+        ids = torch.cat([ch[0] for ch in chunks]).to(torch.int64)
+        hidden = torch.cat([ch[1] for ch in chunks]).to(torch.bfloat16)
+        aux = torch.cat([ch[2] for ch in chunks]).to(torch.bfloat16)
+        need = ids.numel() * 8 + (hidden.numel() + aux.numel()) * 2
+        free = free_bytes(self.dump_dir)
+        if free - need < self.min_free_bytes:
+            self._write_err(
+                job.rid,
+                f"dump dir full: {free} bytes free, need {need} + reserve {self.min_free_bytes}",
+            )
+            return
+        tensors = {c.T_INPUT_IDS: ids, c.T_HIDDEN: hidden.contiguous(), c.T_AUX: aux.contiguous()}
+        meta = {**self.metadata, c.M_RID: job.rid}
+        final = c.dump_path(self.dump_dir, job.rid)
+        tmp = self.dump_dir / f".{job.rid}{c.TMP_MARK}{os.getpid()}"
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.written += 1
+
+    def _write_err(self, rid: str, message: str) -> None:
+        self.errors += 1
+        log.warning("dump error %s: %s", rid, message)
+        tmp = self.dump_dir / f".{rid}{c.TMP_MARK}{os.getpid()}.err"
+        try:
+            tmp.write_text(message + "\n")
+            os.replace(tmp, c.err_path(self.dump_dir, rid))
+        except OSError:
+            log.exception("cannot even write the .err file for %s", rid)
+            tmp.unlink(missing_ok=True)
+
+
+class DumpCollector:
+    """Assembles each of our requests from its chunks and hands it to the writer when whole.
+
+    Detects, and reports as ``<rid>.err`` (never a silently short file):
+    - a gap: a chunk whose prefix is not where the previous chunk ended (also what a radix-cache
+      hit looks like: the first chunk arrives with a non-zero prefix);
+    - truncation/overrun: more tokens than the rid declares;
+    - abandonment: no chunk for ``ttl_s`` (aborted requests; the state is dropped).
+    """
+
+    def __init__(
+        self,
+        writer: DumpWriter,
+        stager: Stager | None = None,
+        ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.writer = writer
+        self.stager: Stager = stager or CpuStager()
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._pending: dict[str, _Pending] = {}
+        self._last_sweep_s = clock()
+
+    def on_forward(
+        self,
+        rids: Sequence[str],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: torch.Tensor,
+    ) -> None:
+        """Take one forward pass's rows. Padding rows after the last request are ignored."""
+        now = self.clock()
+        n_req = len(rids)
+        rows = sum(int(x) for x in extend_lens[:n_req])
+        if hidden.shape[0] < rows or aux.shape[0] < rows or input_ids.shape[0] < rows:
+            raise ValueError(
+                f"batch layout: {rows} rows expected, got ids {input_ids.shape[0]}, "
+                f"hidden {hidden.shape[0]}, aux {aux.shape[0]}"
+            )
+        offset = 0
+        for i in range(n_req):
+            ext, prefix = int(extend_lens[i]), int(prefix_lens[i])
+            start, offset = offset, offset + ext
+            rid = c.parse_rid(rids[i])
+            if rid is None or ext == 0:
+                continue
+            self._take_chunk(rids[i], rid, prefix, ext, now, input_ids, hidden, aux, start)
+        if now - self._last_sweep_s > min(self.ttl_s, 30.0):
+            self.sweep(now)
+
+    def _take_chunk(
+        self,
+        rid_s: str,
+        rid: c.Rid,
+        prefix: int,
+        ext: int,
+        now: float,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: torch.Tensor,
+        start: int,
+    ) -> None:
+        state = self._pending.get(rid_s)
+        if prefix == 0:
+            state = self._pending[rid_s] = _Pending(n=rid.token_count)
+        elif state is None or state.next_pos != prefix:
+            self._pending.pop(rid_s, None)
+            have = "no earlier chunk" if state is None else f"earlier chunks end at {state.next_pos}"
+            self._fail(rid_s, f"gap: chunk starts at {prefix}, {have} (prefix-cache hit?)")
+            return
+        end = prefix + ext
+        if end > state.n:
+            self._pending.pop(rid_s, None)
+            self._fail(rid_s, f"overrun: {end} tokens seen, rid declares {state.n}")
+            return
+        sl = slice(start, start + ext)
+        state.parts.append(self.stager.stage([ids[sl], hidden[sl], aux[sl]]))
+        state.next_pos, state.updated_s = end, now
+        if end == state.n:
+            del self._pending[rid_s]
+            self.writer.submit(DumpJob(rid_s, parts=state.parts, token_count=state.n))
+
+    def _fail(self, rid: str, message: str) -> None:
+        self.writer.submit(DumpJob(rid, error=message))
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop requests with no chunk for ``ttl_s``; write their ``.err``. Returns how many."""
+        now = self.clock() if now is None else now
+        self._last_sweep_s = now
+        stale = [r for r, s in self._pending.items() if now - s.updated_s > self.ttl_s]
+        for rid in stale:
+            s = self._pending.pop(rid)
+            self._fail(rid, f"incomplete: {s.next_pos} of {s.n} tokens, no chunk for {self.ttl_s}s")
+        return len(stale)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
+    """Write ``.ready.<pid>`` (JSON, atomically): proof that the hook runs in this process."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    body = {**info, "pid": os.getpid(), "time": time.time(), "patch_version": c.PATCH_VERSION}
+    path = dump_dir / f"{c.READY_PREFIX}{os.getpid()}"
+    tmp = dump_dir / f"{c.READY_PREFIX}{os.getpid()}{c.TMP_MARK}"
+    tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path

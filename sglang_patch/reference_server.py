@@ -1,0 +1,369 @@
+"""Reference server: SGLang's HTTP subset over a transformers model, through the same dump code.
+
+    python -m sglang_patch.reference_server --port 30000 --dump-dir /dev/shm/hsd \
+        [--model tiny|PATH] [--chunked-prefill-size 8192]
+
+Endpoints: ``POST /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``
+(alias ``/get_model_info``), ``GET /server_info`` (alias ``/get_server_info``).
+
+Like SGLang, concurrent requests are batched, a prompt longer than the chunk budget is split
+across forward passes (and batches), health checks run a real forward with a
+``HEALTH_CHECK_*`` rid, and the HTTP answer may come before the dump file is renamed into
+place. It is what tests, the demo and CPU-only users run; it never stands in for checking the
+SGLang path against SGLang's own source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from sglang_patch import contracts as c
+from sglang_patch.dump_writer import DumpCollector, DumpWriter, write_ready_marker
+from sglang_patch.reference_model import ReferenceModel
+from sglang_patch.tiny_model import ensure_tiny_model
+
+log = logging.getLogger("hsfarm.reference_server")
+SERVER_VERSION = f"reference-{c.PATCH_VERSION}"
+
+
+class BadRequest(Exception):
+    """A request SGLang would reject with a 400."""
+
+
+@dataclass(eq=False)
+class _Req:
+    rid: str
+    ids: list[int]
+    max_new_tokens: int
+    future: asyncio.Future[dict[str, Any]]
+    cache: Any = None
+    pos: int = 0
+    next_token: int = 0
+    aborted: bool = False
+
+
+@dataclass
+class _Batch:
+    items: list[tuple[_Req, int, int]] = field(default_factory=list)  # (req, prefix, extend)
+
+
+class Scheduler:
+    """Continuous prefill batching with chunking, one model thread, like SGLang's scheduler."""
+
+    def __init__(self, model: ReferenceModel, collector: DumpCollector, chunk_size: int,
+                 max_batch_tokens: int = 16384) -> None:
+        self.model = model
+        self.collector = collector
+        self.budget = chunk_size if chunk_size > 0 else max_batch_tokens
+        self.chunked = chunk_size > 0
+        self._waiting: list[_Req] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.running: set[str] = set()
+        self.forward_passes = 0
+
+    def submit(self, req: _Req) -> None:
+        if req.rid in self.running:
+            raise BadRequest(f"Duplicate request ID: {req.rid}")
+        self.running.add(req.rid)
+        self._waiting.append(req)
+        self._wake.set()
+
+    def abort(self, req: _Req) -> None:
+        req.aborted = True
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._waiting = [r for r in self._waiting if not self._finish_if_aborted(r)]
+            batch = self._next_batch()
+            if not batch.items:
+                self._wake.clear()
+                continue
+            try:
+                await loop.run_in_executor(self._executor, self._forward, batch)
+            except Exception as e:  # a broken batch fails its requests, not the server
+                log.exception("forward failed")
+                for req, _, _ in batch.items:
+                    self._finish(req, error=e)
+                continue
+            for req, _, _ in batch.items:
+                if req.pos == len(req.ids):
+                    self._finish(req)
+
+    def _next_batch(self) -> _Batch:
+        batch, budget = _Batch(), self.budget
+        for req in self._waiting:
+            remaining = len(req.ids) - req.pos
+            take = min(remaining, budget) if self.chunked else remaining
+            if take <= 0 or (not self.chunked and batch.items and take > budget):
+                break
+            batch.items.append((req, req.pos, take))
+            budget -= take
+        return batch
+
+    def _forward(self, batch: _Batch) -> None:
+        ids, hidden, aux = [], [], []
+        for req, prefix, take in batch.items:
+            if req.cache is None:
+                req.cache = self.model.new_cache()
+            chunk = req.ids[prefix : prefix + take]
+            out = self.model.forward_chunk(req.cache, chunk, prefix)
+            ids.append(torch.tensor(chunk, dtype=torch.int64))
+            hidden.append(out.hidden)
+            aux.append(out.aux)
+            req.next_token = out.next_token
+        self.collector.on_forward(
+            rids=[r.rid for r, _, _ in batch.items],
+            prefix_lens=[p for _, p, _ in batch.items],
+            extend_lens=[t for _, _, t in batch.items],
+            input_ids=torch.cat(ids),
+            hidden=torch.cat(hidden),
+            aux=torch.cat(aux),
+        )
+        for req, prefix, take in batch.items:
+            req.pos = prefix + take
+        self.forward_passes += 1
+
+    def _finish_if_aborted(self, req: _Req) -> bool:
+        if req.aborted:
+            self._finish(req, error=asyncio.CancelledError())
+        return req.aborted
+
+    def _finish(self, req: _Req, error: BaseException | None = None) -> None:
+        self.running.discard(req.rid)
+        req.cache = None
+        if req in self._waiting:
+            self._waiting.remove(req)
+        if req.future.done():
+            return
+        if error is not None:
+            req.future.set_exception(error)
+            return
+        out_ids = [req.next_token] if req.max_new_tokens else []
+        req.future.set_result({
+            "text": "",
+            "output_ids": out_ids,
+            "meta_info": {
+                "id": req.rid,
+                "prompt_tokens": len(req.ids),
+                "completion_tokens": len(out_ids),
+                "cached_tokens": 0,
+                "finish_reason": {"type": "length", "length": req.max_new_tokens},
+            },
+        })
+
+
+def _parse_generate(body: Any, vocab_size: int, context_len: int,
+                    tokenizer: Any) -> tuple[str, list[int], int]:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise BadRequest("rid must be a string (batched requests are not supported)")
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise BadRequest("Either text or input_ids should be provided.")
+    if text is not None:
+        if not isinstance(text, str):
+            raise BadRequest("text must be a string (batched requests are not supported)")
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise BadRequest("input_ids must be a non-empty list of integers")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"The input_ids {bad} is out of vocabulary range [0, {vocab_size}).")
+    if len(ids) > context_len:
+        raise BadRequest(
+            f"The input ({len(ids)} tokens) is longer than the model's context length "
+            f"({context_len} tokens)."
+        )
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise BadRequest("sampling_params must be an object")
+    mnt = sp.get("max_new_tokens", 0)
+    if type(mnt) is not int or mnt not in (0, 1):
+        raise BadRequest("the reference server supports sampling_params.max_new_tokens 0 or 1")
+    return rid, ids, mnt
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}, "object": "error"}, status=status)
+
+
+class ReferenceServer:
+    """The aiohttp application around one Scheduler."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.model_path = _resolve_model(args.model, Path(args.cache_dir))
+        self.model = ReferenceModel(
+            self.model_path,
+            layers_to_capture=tuple(args.layers_to_capture) if args.layers_to_capture else None,
+            dtype=getattr(torch, args.dtype),
+            threads=args.threads,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.dump_dir = Path(args.dump_dir)
+        meta = {
+            c.M_LAYERS: json.dumps(list(self.model.layers_to_capture)),
+            c.M_CONFIG_SHA: self.model.config_sha256,
+            c.M_PATCH_VERSION: c.PATCH_VERSION,
+            c.M_SERVER_VERSION: SERVER_VERSION,
+        }
+        self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes)
+        self.collector = DumpCollector(self.writer, ttl_s=args.dump_ttl_s)
+        self.scheduler: Scheduler | None = None
+
+    def ready_info(self) -> dict[str, object]:
+        return {
+            "server_version": SERVER_VERSION,
+            "sglang_version": None,
+            "layers_to_capture": list(self.model.layers_to_capture),
+            "model_path": str(self.model_path),
+            "model_config_sha256": self.model.config_sha256,
+            "hidden_size": self.model.hidden_size,
+            "tp_size": 1,
+        }
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([
+            web.post("/generate", self.generate),
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health_generate),
+            web.get("/model_info", self.model_info),
+            web.get("/get_model_info", self.model_info),
+            web.get("/server_info", self.server_info),
+            web.get("/get_server_info", self.server_info),
+        ])
+        app.on_startup.append(self._start)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.scheduler = Scheduler(self.model, self.collector, self.args.chunked_prefill_size)
+        app["scheduler_task"] = asyncio.create_task(self.scheduler.run())
+        write_ready_marker(self.dump_dir, self.ready_info())
+        log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s", self.model_path,
+                 self.dump_dir, self.model.layers_to_capture, self.args.chunked_prefill_size)
+
+    async def _run(self, rid: str, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        assert self.scheduler is not None
+        req = _Req(rid, ids, max_new_tokens, asyncio.get_running_loop().create_future())
+        self.scheduler.submit(req)
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self.scheduler.abort(req)  # client went away: SGLang aborts the request too
+            raise
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"invalid JSON body: {e}")
+        try:
+            rid, ids, mnt = _parse_generate(body, self.model.vocab_size, self.model.context_len,
+                                            self.tokenizer)
+            result = await self._run(rid, ids, mnt)
+        except BadRequest as e:
+            return _error(400, str(e))
+        return web.json_response(result)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        try:
+            await asyncio.wait_for(self._run(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], 1), 20)
+        except Exception as e:
+            return _error(503, f"health check failed: {e}")
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": str(self.model_path),
+            "tokenizer_path": str(self.model_path),
+            "is_generation": True,
+            "model_type": self.model.config.model_type,
+            "architectures": list(getattr(self.model.config, "architectures", None) or []),
+            "weight_version": "default",
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "version": SERVER_VERSION,
+            "model_path": str(self.model_path),
+            "chunked_prefill_size": self.args.chunked_prefill_size,
+            "context_length": self.model.context_len,
+            "max_req_input_len": self.model.context_len,
+            "hsfarm_dump_dir": str(self.dump_dir),
+            "hsfarm": self.ready_info(),
+            "forward_passes": self.scheduler.forward_passes if self.scheduler else 0,
+            "dumps_written": self.writer.written,
+            "dump_errors": self.writer.errors,
+        })
+
+
+def _resolve_model(model: str, cache_dir: Path) -> Path:
+    if model == "tiny":
+        return ensure_tiny_model(cache_dir)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {model}: no config.json there (a local model dir or 'tiny')")
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_patch.reference_server",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dump-dir", required=True, help="where dumps go (tmpfs in production)")
+    p.add_argument("--model", default="tiny", help="'tiny' (built locally) or a local HF dir")
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hsfarm"),
+                   help="where the tiny model is built")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192,
+                   help="max tokens per forward pass; -1 disables chunking (SGLang semantics)")
+    p.add_argument("--layers-to-capture", type=int, nargs=3, default=None,
+                   help="SGLang capture ids (input of layer i); default [2, L//2, L-3]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dump-ttl-s", type=float, default=600.0)
+    p.add_argument("--dump-reserve-bytes", type=int, default=16 << 20,
+                   help="keep this much free in the dump dir; a dump that would not fit → .err")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = ReferenceServer(args)
+    try:  # run_app turns SIGTERM/SIGINT into a graceful exit; then flush pending dumps
+        web.run_app(server.app(), host=args.host, port=args.port, access_log=None,
+                    print=lambda *_: None, handle_signals=True)
+    finally:
+        server.writer.flush(timeout_s=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
