@@ -143,10 +143,11 @@ class Fingerprint:
     """What makes two runs' hidden states comparable. Any difference refuses mixing.
 
     Versions of hsfarm and SGLang are recorded in the manifest beside it but are not part of
-    the identity: a bug-fix release must not orphan a half-done multi-day run.
+    the identity: a bug-fix release must not orphan a half-done multi-day run. Nor is the
+    model's path (hosts mount it in different places) or its weights (hundreds of GB to hash):
+    the model is identified by its config and tokenizer.
     """
 
-    model_path: str
     config_sha256: str
     tokenizer_sha256: str
     chat_template_sha256: str

@@ -1,0 +1,149 @@
+"""Stream a data file's records as byte spans, in constant memory.
+
+Two formats, told apart by the first non-blank byte: ``[`` a JSON array, ``{`` JSONL. Each
+record comes out as its exact bytes plus offset and length, so a task can point at it and the
+worker can re-read and hash-check it later. The array scanner tracks only nesting depth and
+string state (no JSON library streams byte offsets of top-level elements); each record is
+then parsed by orjson, so a malformed record is rejected on its own and the rest go on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+BOM = b"\xef\xbb\xbf"
+_CHUNK = 1 << 20
+_WS = frozenset(b" \t\r\n")
+_STRUCT = re.compile(rb'[\\"{}\[\],]')
+
+
+@dataclass(frozen=True)
+class Span:
+    """One record's bytes; ``where`` names it for people ("line 7" / "record 7")."""
+
+    index: int
+    offset: int
+    raw: bytes
+    where: str
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """A problem with the file as a whole or a stretch of it (not one parseable record)."""
+
+    where: str
+    reason: str
+
+
+class DataFileError(Exception):
+    """The file cannot be read as records at all (missing, empty, wrong top-level type)."""
+
+
+def scan(path: Path) -> Iterator[Span | FileProblem]:
+    """Yield every record span, and problems where the structure is broken.
+
+    Raises:
+        DataFileError: the file is missing, empty, or neither a JSON array nor JSONL.
+    """
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataFileError(f"{path}: {e.strerror}") from e
+    with f:
+        head = f.read(_CHUNK)
+        start = len(BOM) if head.startswith(BOM) else 0
+        first = next((i for i in range(start, len(head)) if head[i] not in _WS), None)
+        while first is None and len(head) == _CHUNK:  # a long run of blanks
+            more = f.read(_CHUNK)
+            if not more:
+                break
+            head += more
+            first = next((i for i in range(start, len(head)) if head[i] not in _WS), None)
+        if first is None:
+            raise DataFileError(f"{path}: empty file, no records")
+        f.seek(0)
+        kind = head[first : first + 1]
+        if kind == b"[":
+            yield from _scan_array(f, first + 1)
+        elif kind == b"{":
+            yield from _scan_jsonl(f, start)
+        else:
+            shown = head[first : first + 20].decode("utf-8", "replace")
+            raise DataFileError(
+                f"{path}: top level must be a JSON array of samples or JSONL (one object per "
+                f"line); it starts with {shown!r}"
+            )
+
+
+def _scan_jsonl(f, start: int) -> Iterator[Span | FileProblem]:  # type: ignore[no-untyped-def]
+    f.seek(start)
+    offset, index = start, 0
+    for lineno, line in enumerate(f, 1):
+        body = line.rstrip(b"\r\n")
+        if body.strip():
+            lead = len(body) - len(body.lstrip())
+            yield Span(index, offset + lead, body.strip(), f"line {lineno}")
+            index += 1
+        offset += len(line)
+
+
+def _scan_array(f, pos: int) -> Iterator[Span | FileProblem]:  # type: ignore[no-untyped-def]
+    """Split a top-level array into element spans by tracking depth and strings.
+
+    Only structural bytes are visited (a regex finds them), so the loop runs per quote or
+    bracket, not per byte; the element bytes are then read back with ``pread``.
+    """
+    fd = f.fileno()
+    f.seek(pos)
+    depth, in_str, skip_to = 0, False, -1
+    elem_from, index, offset = pos, 0, pos
+    while True:
+        block = f.read(_CHUNK)
+        if not block:
+            break
+        for m in _STRUCT.finditer(block):
+            at = offset + m.start()
+            b = block[m.start()]
+            if at < skip_to:
+                continue  # the character after a backslash
+            if in_str:
+                if b == 0x5C:
+                    skip_to = at + 2
+                elif b == 0x22:
+                    in_str = False
+            elif b == 0x22:
+                in_str = True
+            elif b in (0x7B, 0x5B):
+                depth += 1
+            elif b in (0x7D, 0x5D) and depth > 0:
+                depth -= 1
+            elif depth == 0 and b in (0x2C, 0x5D):  # ',' or ']' at top level
+                span = _span(fd, index, elem_from, at)
+                if span is not None:
+                    yield span
+                    index += 1
+                elif b == 0x2C:
+                    yield FileProblem(f"record {index} (byte {at})", "empty element (',,')")
+                if b == 0x5D:
+                    if os.pread(fd, 1 << 16, at + 1).strip():
+                        yield FileProblem(f"after record {index - 1}",
+                                          "data after the closing ']' is ignored")
+                    return
+                elem_from = at + 1
+        offset += len(block)
+    where = f"after record {index - 1}" if index else "at the start"
+    yield FileProblem(where, "truncated file: the top-level array is never closed; "
+                             f"the {offset - elem_from} bytes after it do not form a record")
+
+
+def _span(fd: int, index: int, start: int, end: int) -> Span | None:
+    raw = os.pread(fd, end - start, start)
+    body = raw.strip()
+    if not body:
+        return None
+    lead = len(raw) - len(raw.lstrip())
+    return Span(index, start + lead, body, f"record {index}")

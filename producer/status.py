@@ -1,0 +1,68 @@
+"""``status``: where a run stands, from the Redis index and the broker."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import redis
+
+from producer.queue_scan import broker_depth
+from sglang_patch import contracts as c
+from worker import keys
+from worker.index import RunIndex
+from worker.settings import Settings
+
+
+@dataclass(frozen=True)
+class Status:
+    total: int
+    done: int
+    queued: int
+    unacked: int
+    running: int
+    failed: int
+    rejected: int
+    bytes: int
+    tokens: int
+    rate_per_s: float
+    eta_s: float | None
+
+    @property
+    def remaining(self) -> int:
+        return max(self.total - self.done - self.failed - self.rejected, 0)
+
+    @property
+    def finished(self) -> bool:
+        """Every sample has an outcome and nothing is in flight."""
+        return self.remaining == 0 and self.queued == 0 and self.unacked == 0
+
+    def to_json(self) -> dict[str, object]:
+        return {**asdict(self), "remaining": self.remaining, "finished": self.finished}
+
+    def line(self) -> str:
+        eta = "-" if self.eta_s is None else f"{self.eta_s:.0f}s"
+        return (f"total {self.total}  done {self.done}  queued {self.queued}  "
+                f"running {self.running}  failed {self.failed}  rejected {self.rejected}  "
+                f"{self.bytes / 1e6:.1f} MB  {self.rate_per_s:.2f} samples/s  ETA {eta}")
+
+
+def read_status(settings: Settings, fingerprint: c.Fingerprint, window_s: float = 120.0) -> Status:
+    r = redis.Redis.from_url(settings.redis_url)
+    counts = RunIndex(r, fingerprint.id).counts(window_s)
+    waiting, unacked = broker_depth(r, settings.queue)
+    rate = counts.done_last_window / window_s
+    remaining = max(counts.total - counts.done - counts.failed - counts.rejected, 0)
+    return Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
+                  running=counts.running, failed=counts.failed, rejected=counts.rejected,
+                  bytes=counts.bytes, tokens=counts.tokens, rate_per_s=rate,
+                  eta_s=(remaining / rate) if rate > 0 else None)
+
+
+def failures(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
+    """One line per failed or rejected sample: key, kind, reason."""
+    index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
+    out = []
+    for kind in (keys.FAILED, keys.REJECTED):
+        for key, body in sorted(index.outcomes(kind).items()):
+            out.append(f"{kind:8} {key}: {body.get('reason')}")
+    return out

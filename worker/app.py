@@ -1,0 +1,61 @@
+"""The Celery app, configured by DESIGN.md's reliability rules. Only the app lives here.
+
+``celery -A worker worker`` finds ``app`` through ``worker/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import orjson
+from celery import Celery
+from kombu.serialization import register
+
+from worker.settings import Settings
+
+SERIALIZER = "orjson"
+TASK_NAME = "hsfarm.extract"
+
+# orjson under its own content type (never application/json, which would replace kombu's
+# json decoder globally). JSON only: pickle is never accepted anywhere.
+register(SERIALIZER, orjson.dumps, orjson.loads,
+         content_type="application/x-orjson", content_encoding="utf-8")
+
+
+def celery_config(s: Settings) -> dict[str, object]:
+    """The whole Celery configuration, derived from the settings."""
+    return {
+        "broker_url": s.redis_url,
+        "task_serializer": SERIALIZER,
+        "accept_content": [SERIALIZER, "json"],
+        "result_serializer": "json",
+        "result_accept_content": ["json"],
+        "task_ignore_result": True,  # the output disk is the source of truth
+        "task_default_queue": s.queue,
+        "task_acks_late": True,  # acknowledge only after the verified write
+        "task_reject_on_worker_lost": True,  # a killed pool process → message requeued
+        "task_acks_on_failure": True,  # failures are handled with retry(), see tasks.py
+        "task_acks_on_timeout": False,  # a hard timeout requeues; attempts are bounded
+        "task_soft_time_limit": s.task_time_limit_s - 20,
+        "task_time_limit": s.task_time_limit_s,
+        "worker_prefetch_multiplier": 1,  # each process holds one message at most
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_soft_shutdown_timeout": 30.0,
+        "worker_enable_soft_shutdown_on_idle": True,
+        "worker_send_task_events": True,  # for Flower
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {
+            # The only copy of visibility_timeout that kombu reads; same in every process.
+            "visibility_timeout": s.visibility_timeout_s,
+            "unacked_restore_interval": s.restore_interval_s,
+            "unacked_restore_throttle": 1,
+            "socket_timeout": 30,
+            "socket_connect_timeout": 5,
+        },
+    }
+
+
+settings = Settings.from_env()
+app = Celery("hsfarm", set_as_current=True)
+app.conf.update(celery_config(settings))
+app.conf.imports = ("worker.tasks",)

@@ -1,0 +1,109 @@
+"""Tokenize a sample with the served model's tokenizer and chat template; build the loss mask.
+
+The loss mask covers exactly what each assistant message adds to the rendered conversation
+after its generation prompt (its content and end-of-turn marker). It is found by rendering the
+template incrementally, as vLLM's speculators do, so it is correct for multi-turn
+conversations and any template that renders a conversation as a prefix of its continuation;
+templates that do not (some rewrite earlier turns) are reported per sample, never guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from worker.errors import BadInput, ConfigError
+from worker.samples import Sample
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated_from: int = 0  # original length when truncated, else 0
+
+
+class ChatTokenizer:
+    """Wraps a Hugging Face fast tokenizer with the run's length policy."""
+
+    def __init__(self, tokenizer: Any, max_tokens: int, overlong: str) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError("a fast tokenizer is required (offsets are needed for the mask)")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("the served model's tokenizer has no chat template")
+        self.tok = tokenizer
+        self.max_tokens = max_tokens
+        self.overlong = overlong
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, path: str, max_tokens: int, overlong: str) -> ChatTokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the tokenizer from {path}: {e}") from e
+        return cls(tok, max_tokens, overlong)
+
+    def encode(self, sample: Sample) -> Tokenized:
+        """Raises BadInput (template, length, vocabulary) with the reason."""
+        if sample.input_ids:
+            ids, mask = list(sample.input_ids), list(sample.loss_mask)
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise BadInput(f"input_ids contains {bad}, outside the vocabulary "
+                               f"(size {self.vocab_size})")
+        else:
+            ids, mask = self._encode_messages(list(sample.messages))
+        return self._fit(ids, mask)
+
+    def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
+        try:
+            text = self.tok.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=gen_prompt)
+        except Exception as e:  # jinja raises anything (TemplateError, TypeError, ...)
+            raise BadInput(f"chat template rejected the conversation: {e}") from e
+        return str(text)
+
+    def _assistant_spans(self, messages: list[dict[str, str]], full: str) -> list[range]:
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], gen_prompt=True) if i else ""
+            upto = self._render(messages[: i + 1], gen_prompt=False)
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise BadInput(
+                    f"chat template is not prefix-stable at message {i}: rendering the "
+                    "conversation up to it is not a prefix of the whole; cannot place the "
+                    "loss mask"
+                )
+            spans.append(range(len(before), len(upto)))
+        return spans
+
+    def _encode_messages(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        full = self._render(messages, gen_prompt=False)
+        spans = self._assistant_spans(messages, full)
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = list(enc["input_ids"])
+        mask = [0] * len(ids)
+        for t, (start, end) in enumerate(enc["offset_mapping"]):
+            if end > start and any(start in s for s in spans):
+                mask[t] = 1
+        if not any(mask):
+            raise BadInput("assistant turns are empty after templating: nothing to train on")
+        return ids, mask
+
+    def _fit(self, ids: list[int], mask: list[int]) -> Tokenized:
+        n = len(ids)
+        if n <= self.max_tokens:
+            return Tokenized(ids, mask)
+        if self.overlong == "reject":
+            raise BadInput(f"sample has {n} tokens, over the maximum of {self.max_tokens} "
+                           "(FARM_MAX_TOKENS; FARM_OVERLONG=truncate keeps the first part)")
+        ids, mask = ids[: self.max_tokens], mask[: self.max_tokens]
+        if not any(mask):
+            raise BadInput(f"sample has {n} tokens; truncated to {self.max_tokens} it has no "
+                           "assistant tokens left")
+        return Tokenized(ids, mask, truncated_from=n)

@@ -1,0 +1,86 @@
+"""The HTTP client for the (patched SGLang or reference) server. One session per process.
+
+Translates aiohttp's exceptions at this boundary: a 4xx is the sample's fault (``BadInput``),
+anything else (refused connection, 5xx, timeout) is ``Transient``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from worker.errors import BadInput, Transient
+
+
+class ServerClient:
+    """Async client; create inside the event loop that will use it."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout, json_serialize=lambda o: orjson.dumps(o).decode()
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+        url = f"{self.base_url}{path}"
+        try:
+            async with self.session.request(method, url, json=body) as resp:
+                data = await resp.read()
+                if 400 <= resp.status < 500:
+                    raise BadInput(f"server rejected {path} ({resp.status}): {_message(data)}")
+                if resp.status >= 300:
+                    raise Transient(f"server error on {path} ({resp.status}): {_message(data)}")
+                return orjson.loads(data) if data else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            raise Transient(f"{method} {url}: {type(e).__name__}: {e}") from e
+        except orjson.JSONDecodeError as e:
+            raise Transient(f"{method} {url}: response is not JSON: {e}") from e
+
+    async def generate(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
+        """Prefill-only request (max_new_tokens=0): the hook dumps it, nothing is decoded."""
+        body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}}
+        result = await self._request("POST", "/generate", body)
+        if not isinstance(result, dict):
+            raise Transient(f"unexpected /generate answer: {result!r:.200}")
+        return result
+
+    async def model_info(self) -> dict[str, Any]:
+        info = await self._request("GET", "/model_info")
+        if not isinstance(info, dict) or "model_path" not in info:
+            raise Transient(f"unexpected /model_info answer: {info!r:.200}")
+        return info
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health")
+        except (Transient, BadInput):
+            return False
+        return True
+
+
+def _message(data: bytes) -> str:
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data[:300].decode("utf-8", "replace")
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return str(body)[:300]

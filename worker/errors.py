@@ -1,0 +1,30 @@
+"""The farm's errors, a small tree. Third-party exceptions are translated at one boundary.
+
+    FarmError
+    ├── ConfigError      bad settings or an output dir of another run; the process stops
+    ├── BadInput         the sample itself is wrong; never retried, recorded as rejected
+    ├── Transient        server down, timeout, disk full; retried with backoff, bounded
+    └── Corrupt          a dump or file failed a check; retried, then recorded as failed
+"""
+
+from __future__ import annotations
+
+
+class FarmError(Exception):
+    """Root of every error the farm raises on purpose."""
+
+
+class ConfigError(FarmError):
+    """Settings, environment or output directory are unusable; fix and restart."""
+
+
+class BadInput(FarmError):
+    """The sample is invalid (format, length, template). Recorded as rejected, never retried."""
+
+
+class Transient(FarmError):
+    """A condition that may pass (server restarting, timeout, low space). Retried with backoff."""
+
+
+class Corrupt(FarmError):
+    """A dump or output file failed validation. Retried; recorded as failed when attempts end."""

@@ -1,0 +1,93 @@
+"""Work out the run fingerprint from the settings and the served model's files.
+
+The producer and every worker compute it the same way, so task ids and Redis keys agree. The
+model path comes from ``FARM_MODEL_PATH`` or, when empty, from the server's ``/model_info``
+(the worker runs on the server's host, so the path is valid there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from sglang_patch import contracts as c
+from worker.client import ServerClient
+from worker.errors import ConfigError, Transient
+from worker.settings import Settings
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "tiktoken.model", "chat_template.jinja", "vocab.json",
+                   "merges.txt")
+
+
+def resolve_model_path(settings: Settings, wait_s: float = 0.0) -> Path:
+    """``FARM_MODEL_PATH``, else ask the server, waiting up to ``wait_s`` for it to answer.
+
+    Raises:
+        ConfigError: no path set and the server did not answer, or the path has no config.
+    """
+    if settings.model_path:
+        path = Path(settings.model_path)
+    else:
+        async def ask() -> dict[str, Any]:
+            client = ServerClient(settings.server_url, timeout_s=30.0)
+            deadline = time.monotonic() + wait_s
+            try:
+                while True:
+                    try:
+                        return await client.model_info()
+                    except Transient:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(1.0)
+            finally:
+                await client.close()
+
+        try:
+            info = asyncio.run(ask())
+        except Transient as e:
+            raise ConfigError(
+                f"cannot ask the server at {settings.server_url} which model it serves ({e}); "
+                "start it first or set FARM_MODEL_PATH"
+            ) from e
+        path = Path(str(info.get("tokenizer_path") or info["model_path"]))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model path {path} has no config.json (set FARM_MODEL_PATH to a "
+                          "local copy of the served model's files)")
+    return path
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal wrappers (Kimi-K2.5) keep the language model's numbers in text_config."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) and "hidden_size" in inner else config
+
+
+def compute_fingerprint(settings: Settings, model_path: Path, chat_template: str) -> c.Fingerprint:
+    """Raises ConfigError when the model files do not say what is needed."""
+    config_bytes = (model_path / "config.json").read_bytes()
+    try:
+        cfg = text_config(json.loads(config_bytes))
+        layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{model_path}/config.json lacks num_hidden_layers/hidden_size: {e}")
+    tok_hash = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        p = model_path / name
+        if p.is_file():
+            tok_hash.update(name.encode() + b"\0" + p.read_bytes())
+    return c.Fingerprint(
+        config_sha256=hashlib.sha256(config_bytes).hexdigest(),
+        tokenizer_sha256=tok_hash.hexdigest(),
+        chat_template_sha256=hashlib.sha256(chat_template.encode()).hexdigest(),
+        layers_to_capture=settings.layers_to_capture or c.default_layers_to_capture(layers),
+        layer_convention=c.LAYER_CONVENTION,
+        hidden_size=hidden,
+        dtype="bfloat16",
+        max_tokens=settings.max_tokens,
+        overlong=settings.overlong,
+    )

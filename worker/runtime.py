@@ -1,0 +1,88 @@
+"""Everything a worker process holds for its life: built once, after the pool forks.
+
+One event loop and one aiohttp session per process (Celery has no asyncio pool; prefork is
+the pool that requeues a task whose process died). The tokenizer, fingerprint, output store
+and Redis index live here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from sglang_patch import contracts as c
+from worker.chat import ChatTokenizer
+from worker.client import ServerClient
+from worker.fingerprint import compute_fingerprint, resolve_model_path
+from worker.index import RunIndex
+from worker.settings import Settings
+from worker.store import OutputStore
+
+log = logging.getLogger("hsfarm.worker")
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    loop: asyncio.AbstractEventLoop
+    client: ServerClient
+    chat: ChatTokenizer
+    fingerprint: c.Fingerprint
+    store: OutputStore
+    index: RunIndex
+    hostname: str
+
+    @classmethod
+    def build(cls, settings: Settings, server_wait_s: float = 0.0) -> Runtime:
+        """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer)."""
+        model_path = resolve_model_path(settings, wait_s=server_wait_s)
+        chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens,
+                                             settings.overlong)
+        fp = compute_fingerprint(settings, model_path, chat.tok.chat_template)
+        store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
+                            versions={"hsfarm": c.PATCH_VERSION,
+                                      "model_path": str(model_path)}).open()
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        r = redis.Redis.from_url(settings.redis_url, socket_timeout=30,
+                                 socket_connect_timeout=5, health_check_interval=30)
+        rt = cls(settings=settings, loop=loop,
+                 client=ServerClient(settings.server_url, settings.request_timeout_s),
+                 chat=chat, fingerprint=fp, store=store, index=RunIndex(r, fp.id),
+                 hostname=socket.gethostname())
+        settings.dump_dir.mkdir(parents=True, exist_ok=True)
+        return rt
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self.client.close())
+        finally:
+            self.loop.close()
+
+
+def clean_start(settings: Settings, store: OutputStore) -> None:
+    """Start-up cleanup (worker main process): leftovers of crashed runs, never finished files.
+
+    - output dir: temp files whose writer is dead (``OutputStore.clean_stale_temp``);
+    - dump dir: our dumps and temp files older than the task time limit; no worker can still
+      be waiting for them (a task waits at most that long), and tmpfs is RAM.
+    """
+    store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
+    cutoff = time.time() - settings.task_time_limit_s
+    removed = 0
+    for p in Path(settings.dump_dir).glob("*"):
+        ours = c.is_temp_name(p.name) or c.parse_rid(p.name.rsplit(".", 1)[0]) is not None
+        try:
+            if ours and p.is_file() and p.stat().st_mtime < cutoff:
+                p.unlink()
+                removed += 1
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d stale dumps from %s", removed, settings.dump_dir)

@@ -1,0 +1,120 @@
+"""Settings: one frozen dataclass, built from the environment once at start-up, passed down.
+
+Nothing else in the farm reads ``os.environ``. Every setting has a default that works on one
+machine; ``Settings.describe()`` lists them (``python -m producer settings``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from worker.errors import ConfigError
+
+_GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every knob of the farm. Field name ``x_y`` ↔ environment variable ``FARM_X_Y``."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    server_url: str = "http://127.0.0.1:30000"
+    dump_dir: Path = Path("/dev/shm/hsfarm-dumps")
+    output_dir: Path = Path("hsfarm-out")
+    model_path: str = ""  # empty: ask the server (/model_info)
+    layers_to_capture: tuple[int, ...] = ()  # empty: SGLang's default for the model
+    max_tokens: int = 8192
+    overlong: str = "reject"  # or "truncate"
+    queue: str = "hsfarm"
+    max_attempts: int = 5
+    request_timeout_s: float = 600.0
+    dump_timeout_s: float = 120.0
+    task_time_limit_s: float = 900.0
+    visibility_timeout_s: float = 1200.0
+    restore_interval_s: float = 10.0
+    retry_backoff_s: float = 2.0
+    retry_backoff_max_s: float = 60.0
+    min_free_output_bytes: int = 2 * _GiB
+    min_free_dump_bytes: int = 256 << 20
+    low_space_poll_s: float = 10.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ConfigError("invalid settings: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        out = []
+        if self.overlong not in ("reject", "truncate"):
+            out.append(f"FARM_OVERLONG must be 'reject' or 'truncate', not {self.overlong!r}")
+        if self.max_tokens < 2:
+            out.append(f"FARM_MAX_TOKENS must be >= 2, not {self.max_tokens}")
+        if self.max_attempts < 1:
+            out.append(f"FARM_MAX_ATTEMPTS must be >= 1, not {self.max_attempts}")
+        if self.layers_to_capture and len(self.layers_to_capture) != 3:
+            out.append(f"FARM_LAYERS_TO_CAPTURE needs 3 ids, got {list(self.layers_to_capture)}")
+        # A message must never outlive its visibility timeout while it runs (it would be
+        # delivered twice), nor while it waits for a retry countdown.
+        if self.task_time_limit_s + self.retry_backoff_max_s >= self.visibility_timeout_s:
+            out.append(
+                "FARM_VISIBILITY_TIMEOUT_S must exceed FARM_TASK_TIME_LIMIT_S + "
+                f"FARM_RETRY_BACKOFF_MAX_S ({self.visibility_timeout_s} <= "
+                f"{self.task_time_limit_s} + {self.retry_backoff_max_s})"
+            )
+        if self.dump_timeout_s + 30 > self.task_time_limit_s:
+            out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 30 s or more")
+        return out
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Build from ``FARM_*`` variables (and ``REDIS_URL``).
+
+        Raises:
+            ConfigError: a value does not parse, or the combination is invalid.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = _env_name(f.name)
+            raw = env.get(name)
+            if raw is None and f.name == "redis_url":
+                raw = env.get("REDIS_URL")
+            if raw is None or raw == "":
+                continue
+            try:
+                values[f.name] = _parse(getattr(cls, f.name), raw)
+            except ValueError as e:
+                raise ConfigError(f"{name}={raw!r}: {e}") from e
+        return cls(**values)
+
+    def describe(self) -> list[str]:
+        return [f"{_env_name(f.name)}={getattr(self, f.name)}" for f in fields(self)]
+
+
+def _env_name(field_name: str) -> str:
+    return "REDIS_URL" if field_name == "redis_url" else f"FARM_{field_name.upper()}"
+
+
+def _int_list(raw: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in raw.replace(",", " ").split())
+
+
+def _parse(default: object, raw: str) -> Any:
+    """Parse ``raw`` into the type of the field's default."""
+    parsers: list[tuple[type, Callable[[str], Any]]] = [
+        (bool, lambda s: s.lower() in ("1", "true", "yes", "on")),
+        (int, lambda s: int(float(s)) if "e" in s.lower() else int(s)),
+        (float, float),
+        (Path, Path),
+        (tuple, _int_list),
+        (str, str),
+    ]
+    for kind, parse in parsers:
+        if isinstance(default, kind):
+            return parse(raw)
+    raise ValueError(f"no parser for {type(default).__name__}")

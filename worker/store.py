@@ -1,0 +1,234 @@
+"""The output directory: manifest, durable final files, verification from disk, cleanup.
+
+Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors``.
+Every write is temp file → fsync → rename → fsync(dir); "verified" means read back with the
+page cache dropped and every per-tensor checksum compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sglang_patch import contracts as c
+from worker import tensorfile
+from worker.errors import ConfigError, Corrupt, Transient
+
+log = logging.getLogger("hsfarm.store")
+
+MANIFEST = "manifest.json"
+M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
+M_FINGERPRINT, M_CHECKSUMS, M_TRUNCATED = "fingerprint_id", "sha256", "truncated_from"
+FINAL_TENSORS = {  # name -> (dtype, rank) of the final file
+    c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
+}
+
+
+@dataclass(frozen=True)
+class Verified:
+    path: Path
+    tokens: int
+    size_bytes: int
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_write_bytes(path: Path, data: bytes) -> None:
+    """Write small files (the manifest) the same careful way."""
+    tmp = path.with_name(f".{path.name}{c.TMP_MARK}{_tmp_tag()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _tmp_tag() -> str:
+    """host.pid.random: lets start-up cleanup tell a crashed writer's temp from a live one's."""
+    return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
+def checksum(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).data).hexdigest()
+
+
+class OutputStore:
+    """One run's output directory. ``open`` checks or writes the manifest first."""
+
+    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint, min_free_bytes: int = 0,
+                 versions: dict[str, str] | None = None) -> None:
+        self.out_dir = out_dir
+        self.fingerprint = fingerprint
+        self.min_free_bytes = min_free_bytes
+        self.versions = versions or {}
+
+    def open(self) -> OutputStore:
+        """Create the dir and manifest, or check that the existing manifest matches.
+
+        Raises:
+            ConfigError: the directory belongs to a run with a different fingerprint.
+        """
+        (self.out_dir / "samples").mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / MANIFEST
+        if not path.exists():
+            body = {"fingerprint_id": self.fingerprint.id,
+                    "fingerprint": self.fingerprint.to_json(),
+                    "versions": self.versions, "created_at": time.time()}
+            tmp = path.with_name(f".{MANIFEST}{c.TMP_MARK}{_tmp_tag()}")
+            tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # fails if another worker wrote it first: then compare
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(self.out_dir)
+        self._check_manifest(path)
+        return self
+
+    def _check_manifest(self, path: Path) -> None:
+        try:
+            theirs = c.Fingerprint.from_json(json.loads(path.read_text())["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}: unreadable manifest ({e}); move it away to start anew")
+        diff = self.fingerprint.differences(theirs)
+        if diff:
+            raise ConfigError(
+                f"{self.out_dir} holds hidden states of another run; refusing to mix them. "
+                f"Differences (this run != directory): {'; '.join(diff)}. "
+                "Use a new FARM_OUTPUT_DIR, or restore the original settings."
+            )
+
+    def final_path(self, key: str) -> Path:
+        return c.final_path(self.out_dir, key)
+
+    def check_space(self) -> None:
+        """Raises Transient when the output disk is below its free-space reserve."""
+        st = os.statvfs(self.out_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < self.min_free_bytes:
+            raise Transient(f"output disk low: {free} bytes free < reserve {self.min_free_bytes}")
+
+    def write(self, key: str, tensors: dict[str, tensorfile.Tensor],
+              metadata: dict[str, str]) -> Path:
+        """Write a final file durably and atomically. Raises Transient on ENOSPC/EIO."""
+        meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id,
+                M_CHECKSUMS: json.dumps({k: checksum(t.array) for k, t in tensors.items()},
+                                        sort_keys=True)}
+        final = self.final_path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
+        try:
+            tensorfile.write(tmp, tensors, meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+        except OSError as e:
+            raise Transient(f"writing {final}: {e}") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+        return final
+
+    def verify(self, key: str, content_sha256: str | None = None) -> Verified:
+        """Read the final file back from disk and check it completely.
+
+        Raises:
+            Corrupt: missing tensors, wrong dtypes/shapes, checksum or fingerprint mismatch.
+            FileNotFoundError: there is no final file.
+        """
+        path = self.final_path(key)
+        tf = tensorfile.read(path, drop_cache=True)
+        meta = tf.metadata
+        problems = []
+        if meta.get(M_KEY) != key:
+            problems.append(f"sample_key {meta.get(M_KEY)!r}")
+        if meta.get(M_FINGERPRINT) != self.fingerprint.id:
+            problems.append(f"fingerprint {meta.get(M_FINGERPRINT)!r} != {self.fingerprint.id}")
+        if content_sha256 is not None and meta.get(M_CONTENT) != content_sha256:
+            problems.append(f"content hash {meta.get(M_CONTENT)!r} != {content_sha256}")
+        problems += self._shape_problems(tf)
+        sums = json.loads(meta.get(M_CHECKSUMS, "{}"))
+        for name, t in tf.tensors.items():
+            if sums.get(name) != checksum(t.array):
+                problems.append(f"checksum of {name}")
+        if problems:
+            raise Corrupt(f"{path}: " + "; ".join(problems))
+        return Verified(path, int(tf.tensors[c.T_INPUT_IDS].shape[0]), tf.size_bytes)
+
+    def _shape_problems(self, tf: tensorfile.TensorFile) -> list[str]:
+        missing = set(FINAL_TENSORS) - set(tf.tensors)
+        if missing:
+            return [f"missing tensors {sorted(missing)}"]
+        out = [f"{k} dtype {tf.tensors[k].dtype}" for k, d in FINAL_TENSORS.items()
+               if tf.tensors[k].dtype != d]
+        t = tf.tensors[c.T_INPUT_IDS].shape[0]
+        h = self.fingerprint.hidden_size
+        want = {c.T_INPUT_IDS: (t,), c.T_LOSS_MASK: (t,), c.T_HIDDEN: (t, h),
+                c.T_AUX: (t, c.AUX_LAYERS * h)}
+        out += [f"{k} shape {tf.tensors[k].shape} != {s}" for k, s in want.items()
+                if tf.tensors[k].shape != s]
+        return out
+
+    def quick_check(self, key: str, content_sha256: str) -> bool:
+        """Cheap "is it done": the header parses and names this sample, content and run.
+
+        For enqueue's idempotency over tens of thousands of files; ``verify`` (and ``audit``)
+        read every byte.
+        """
+        try:
+            meta = tensorfile.header_metadata(self.final_path(key))
+        except (OSError, Corrupt):
+            return False
+        return (meta.get(M_KEY) == key and meta.get(M_CONTENT) == content_sha256
+                and meta.get(M_FINGERPRINT) == self.fingerprint.id)
+
+    def clean_stale_temp(self, max_age_s: float) -> int:
+        """Remove temp files left by crashed writers; never touch finished files.
+
+        A temp file is stale when its writer (same host) is no longer alive, or it is older
+        than ``max_age_s`` (writers on other hosts sharing the directory).
+        """
+        host, removed = socket.gethostname(), 0
+        for p in self.out_dir.rglob(f"*{c.TMP_MARK}*"):
+            try:
+                tag = p.name.split(c.TMP_MARK, 1)[1]
+                t_host, t_pid = tag.rsplit(".", 2)[0], int(tag.rsplit(".", 2)[1])
+                dead = t_host == host and not _pid_alive(t_pid)
+                if dead or time.time() - p.stat().st_mtime > max_age_s:
+                    p.unlink()
+                    removed += 1
+            except (IndexError, ValueError, OSError):
+                continue
+        if removed:
+            log.info("removed %d stale temp files under %s", removed, self.out_dir)
+        return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

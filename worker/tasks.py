@@ -1,0 +1,120 @@
+"""The Celery task: one sample per task, acknowledged only after a verified write.
+
+Error policy (Celery acks an exception, so every failure is handled explicitly here):
+- ``BadInput`` → recorded as rejected, acknowledged, never retried;
+- ``Transient`` / ``Corrupt`` / soft time limit → ``self.retry`` with exponential backoff;
+- after ``FARM_MAX_ATTEMPTS`` started attempts (retries, redeliveries after crashes and hard
+  time-outs all count) → recorded as failed with the last reason, acknowledged.
+Low space is not an attempt: the task waits for space, holding its one message, so the
+process takes no new work until space returns (see ``_wait_for_space``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Any
+
+from celery import Task
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+
+from worker import extract as ex
+from worker.app import TASK_NAME, app, settings
+from worker.errors import BadInput, Corrupt, Transient
+from worker.runtime import Runtime, clean_start
+from worker.samples import SampleRef
+
+log = logging.getLogger("hsfarm.task")
+_runtime: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    """This process's runtime, built on first use (after the pool forked)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime.build(settings, server_wait_s=settings.request_timeout_s)
+    return _runtime
+
+
+@worker_init.connect
+def _on_worker_init(**_: Any) -> None:
+    # Main process, before forking: fail fast on a bad setup (foreign output dir, no
+    # server) and clean what crashed runs left behind.
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    rt = Runtime.build(settings, server_wait_s=settings.request_timeout_s)
+    clean_start(settings, rt.store)
+    rt.close()
+
+
+@worker_process_init.connect
+def _on_process_init(**_: Any) -> None:
+    global _runtime
+    _runtime = None  # never share a loop/session/socket across fork
+    runtime()
+
+
+@worker_process_shutdown.connect
+def _on_process_shutdown(**_: Any) -> None:
+    if _runtime is not None:
+        _runtime.close()
+
+
+def _backoff_s(attempt: int) -> float:
+    base = settings.retry_backoff_s * (2 ** max(attempt - 1, 0))
+    return min(base, settings.retry_backoff_max_s) * random.uniform(0.8, 1.2)
+
+
+def _wait_for_space(rt: Runtime, key: str) -> bool:
+    """Block while space is short (up to half the time limit). True when space is back."""
+    deadline = time.monotonic() + settings.task_time_limit_s / 2
+    while True:
+        try:
+            ex.check_space(rt)
+            return True
+        except Transient as e:
+            if time.monotonic() > deadline:
+                return False
+            log.warning("%s paused: %s", key, e)
+            time.sleep(settings.low_space_poll_s)
+
+
+@app.task(bind=True, name=TASK_NAME, max_retries=None, acks_late=True,
+          reject_on_worker_lost=True)
+def extract(self: Task, ref_json: dict[str, Any]) -> dict[str, Any]:
+    """Extract one sample's hidden states into a verified final file."""
+    rt = runtime()
+    ref = SampleRef.from_json(ref_json)
+    done = ex.already_done(rt, ref)
+    if done is not None:
+        log.info("%s already done (verified from disk)", ref.key)
+        return {"status": done.status, "key": ref.key}
+    if not _wait_for_space(rt, ref.key):
+        raise self.retry(countdown=settings.low_space_poll_s)
+    attempt = rt.index.next_attempt(ref.key)
+    if attempt > settings.max_attempts:
+        reason = f"gave up after {settings.max_attempts} attempts (crashes or hard time-outs)"
+        rt.index.mark_failed(ref.key, reason, attempt - 1)
+        log.error("%s failed: %s", ref.key, reason)
+        return {"status": "failed", "key": ref.key}
+    rt.index.mark_running(ref.key, f"{rt.hostname}:{os.getpid()}", attempt)
+    try:
+        result = ex.extract(rt, ref, attempt)
+    except BadInput as e:
+        rt.index.mark_rejected(ref.key, str(e), f"record {ref.index}", sha=ref.sha256)
+        log.warning("%s a%d rejected: %s", ref.key, attempt, e)
+        return {"status": "rejected", "key": ref.key, "reason": str(e)}
+    except (Transient, Corrupt, SoftTimeLimitExceeded) as e:
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if attempt >= settings.max_attempts:
+            rt.index.mark_failed(ref.key, reason, attempt)
+            log.error("%s a%d failed for good: %s", ref.key, attempt, reason)
+            return {"status": "failed", "key": ref.key, "reason": reason}
+        countdown = _backoff_s(attempt)
+        rt.index.clear_running(ref.key)
+        log.warning("%s a%d retry in %.1fs: %s", ref.key, attempt, countdown, reason)
+        raise self.retry(countdown=countdown) from e
+    return {"status": result.status, "key": ref.key, "tokens": result.tokens}

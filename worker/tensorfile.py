@@ -1,0 +1,100 @@
+"""Safetensors files without torch: raw little-endian buffers as numpy arrays.
+
+bf16 has no numpy dtype, so bf16 tensors are held as ``uint16`` arrays and written with the
+``bfloat16`` tag; the bytes are exactly the ones the hook wrote. Uses the safetensors
+library's own serializer and parser.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, TensorSpec, deserialize, safe_open, serialize_file
+
+from worker.errors import Corrupt
+
+# safetensors dtype tag -> (numpy dtype holding the raw bytes, name used when writing)
+_DTYPES = {
+    "BF16": (np.dtype("<u2"), "bfloat16"),
+    "I64": (np.dtype("<i8"), "int64"),
+    "I32": (np.dtype("<i4"), "int32"),
+    "U8": (np.dtype("u1"), "uint8"),
+    "F32": (np.dtype("<f4"), "float32"),
+}
+
+
+@dataclass
+class Tensor:
+    """A tensor's raw data: ``array`` holds the bytes (bf16 as uint16); ``dtype`` the file tag."""
+
+    dtype: str  # "BF16", "I64", ...
+    array: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+
+@dataclass
+class TensorFile:
+    tensors: dict[str, Tensor]
+    metadata: dict[str, str]
+    size_bytes: int
+
+
+def read(path: Path, drop_cache: bool = False) -> TensorFile:
+    """Read and parse a whole file.
+
+    Args:
+        drop_cache: evict the file's pages first, so the bytes come from the disk, not from
+            the page cache (used to verify what was written).
+
+    Raises:
+        Corrupt: the file is not a well-formed safetensors file.
+        OSError: the file cannot be opened or read.
+    """
+    with open(path, "rb") as f:
+        if drop_cache:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        raw = f.read()
+    try:
+        parsed = deserialize(raw)
+        with safe_open(str(path), framework="numpy") as h:
+            metadata = dict(h.metadata() or {})
+    except (SafetensorError, ValueError, OSError) as e:
+        raise Corrupt(f"{path.name}: not a valid safetensors file: {e}") from e
+    tensors = {}
+    for name, t in parsed:
+        if t["dtype"] not in _DTYPES:
+            raise Corrupt(f"{path.name}: tensor {name} has unsupported dtype {t['dtype']}")
+        arr = np.frombuffer(t["data"], dtype=_DTYPES[t["dtype"]][0]).reshape(t["shape"])
+        tensors[name] = Tensor(t["dtype"], arr)
+    return TensorFile(tensors, metadata, len(raw))
+
+
+def write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file (no fsync, no rename: the caller owns durability)."""
+    arrays = {k: np.ascontiguousarray(t.array) for k, t in tensors.items()}
+    specs = {
+        k: TensorSpec(dtype=_DTYPES[t.dtype][1], shape=list(arrays[k].shape),
+                      data_ptr=arrays[k].ctypes.data, data_len=arrays[k].nbytes)
+        for k, t in tensors.items()
+    }
+    serialize_file(specs, str(path), metadata=metadata)
+
+
+def header_metadata(path: Path) -> dict[str, str]:
+    """Only the metadata (reads the header, not the data). Raises Corrupt or OSError."""
+    try:
+        with safe_open(str(path), framework="numpy") as h:
+            return dict(h.metadata() or {})
+    except (SafetensorError, ValueError) as e:
+        raise Corrupt(f"{path.name}: not a valid safetensors file: {e}") from e
+
+
+def bf16_nonfinite(arr: np.ndarray) -> int:
+    """How many bf16 values (held as uint16) are NaN or ±Inf: exponent bits all ones."""
+    return int(np.count_nonzero((arr & 0x7F80) == 0x7F80))
