@@ -58,8 +58,8 @@ PAIRS = [
      "Only if you ask: with AOF and appendfsync always every write is on disk before the reply; "
      "with no persistence a restart loses everything."),
     ("Write a bash loop that retries a command five times.",
-     "for i in 1 2 3 4 5; do\n  cmd && break\n  echo \"attempt $i failed\" >&2\n  sleep $((i * 2))\n"
-     "done"),
+     "for i in 1 2 3 4 5; do\n  cmd && break\n  echo \"attempt $i failed\" >&2\n"
+     "  sleep $((i * 2))\ndone"),
     ("What is bf16?",
      "bfloat16 keeps float32's 8-bit exponent with a 7-bit mantissa: the same range, less "
      "precision, half the bytes."),
@@ -77,7 +77,8 @@ PAIRS = [
     ("Why is my Celery task running twice?",
      "With acks_late, a task that runs longer than the broker's visibility timeout is "
      "delivered again. Keep the time limit below the timeout and make the task idempotent."),
-    ("한국어로 '감사합니다'는 무슨 뜻인가요?", "'감사합니다'는 'thank you'라는 뜻의 정중한 표현입니다."),
+    ("한국어로 '감사합니다'는 무슨 뜻인가요?",
+     "'감사합니다'는 'thank you'라는 뜻의 정중한 표현입니다."),
     ("Explain the difference between a process and a thread.",
      "Processes have separate address spaces; threads share one. Threads are cheaper to start "
      "and switch, processes isolate failures."),

@@ -12,12 +12,19 @@ import sys
 import time
 from pathlib import Path
 
-from producer.enqueue import enqueue
+import redis
+
+from producer.audit import audit
+from producer.enqueue import enqueue, requeue
 from producer.reader import DataFileError
 from producer.status import failures, read_status
 from sglang_patch.contracts import Fingerprint
+from worker.chat import ChatTokenizer
 from worker.errors import ConfigError
+from worker.fingerprint import compute_fingerprint, resolve_model_path
+from worker.index import RunIndex
 from worker.settings import Settings
+from worker.store import OutputStore
 
 EXIT_OK, EXIT_PARTIAL, EXIT_ERROR = 0, 1, 2
 
@@ -38,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", type=float, default=0, metavar="S", help="repeat every S seconds")
     s.add_argument("--check", action="store_true",
                    help="exit 0 only if every sample has an outcome and none failed")
+    a = sub.add_parser("audit", help="read back and check every output file")
+    a.add_argument("--data", type=Path, default=None,
+                   help="the data file (default: the one last enqueued for this run)")
+    a.add_argument("--requeue", action="store_true",
+                   help="publish the missing, corrupt and incompatible samples again")
+    a.add_argument("--jobs", type=int, default=4, help="files checked in parallel")
+    d = sub.add_parser("demo", help="run the whole farm locally on the example data")
+    d.add_argument("--work-dir", type=Path, default=None, help="default: ./demo-out")
+    d.add_argument("--data", type=Path, default=None, help="default: examples/data.json")
     sub.add_parser("settings", help="print the effective settings")
     return p
 
@@ -49,22 +65,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "settings":
             print("\n".join(settings.describe()))
             return EXIT_OK
-        fingerprint = _fingerprint(settings)
+        if args.cmd == "demo":
+            from producer.demo import main_demo
+
+            return main_demo(args.work_dir, args.data, settings.redis_url)
+        fingerprint, chat = _run_context(settings)
         if args.cmd == "enqueue":
             return _enqueue(settings, fingerprint, args)
+        if args.cmd == "audit":
+            return _audit(settings, fingerprint, chat, args)
         return _status(settings, fingerprint, args)
     except (ConfigError, DataFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
 
 
-def _fingerprint(settings: Settings) -> Fingerprint:
-    from worker.chat import ChatTokenizer
-    from worker.fingerprint import compute_fingerprint, resolve_model_path
-
+def _run_context(settings: Settings) -> tuple[Fingerprint, ChatTokenizer]:
+    """The run's fingerprint, computed exactly as the workers do, and its tokenizer."""
     model_path = resolve_model_path(settings, wait_s=5)
     chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens, settings.overlong)
-    return compute_fingerprint(settings, model_path, chat.tok.chat_template)
+    return compute_fingerprint(settings, model_path, chat.tok.chat_template), chat
 
 
 def _enqueue(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespace) -> int:
@@ -92,3 +112,21 @@ def _status(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespa
     if args.check:
         return EXIT_OK if st.finished and st.failed == 0 else EXIT_PARTIAL
     return EXIT_OK
+
+
+def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
+           args: argparse.Namespace) -> int:
+    data = args.data
+    if data is None:
+        index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
+        recorded = index.meta().get("data_file")
+        if not recorded:
+            raise ConfigError("no data file recorded for this run: pass --data FILE")
+        data = Path(recorded)
+    store = OutputStore(settings.output_dir, fingerprint)
+    report = audit(store, chat, data, jobs=args.jobs)
+    print(f"run {fingerprint.id}, data {data}")
+    print("\n".join(report.lines()))
+    if args.requeue and report.to_requeue:
+        print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
+    return EXIT_OK if report.ok else EXIT_PARTIAL

@@ -8,15 +8,16 @@ are deterministic from (fingerprint, sample key).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 from tqdm import tqdm
 
 from producer.queue_scan import broker_task_ids
-from producer.reader import FileProblem, Span, scan
+from producer.reader import DataFileError, FileProblem, scan
 from sglang_patch import contracts as c
 from worker import keys
 from worker.app import TASK_NAME, app
@@ -62,40 +63,62 @@ def task_id(fingerprint_id: str, key: str) -> str:
     return f"hsd-{fingerprint_id}-{key}"
 
 
-@dataclass
-class _Candidate:
-    ref: SampleRef
-    where: str
+def publish(producer: Any, settings: Settings, fingerprint: c.Fingerprint,
+            ref: SampleRef) -> None:
+    """Send one task (within a ``producer_or_acquire`` block, batched by the caller)."""
+    app.send_task(TASK_NAME, args=[ref.to_json()], task_id=task_id(fingerprint.id, ref.key),
+                  queue=settings.queue, producer=producer)
 
 
-def _candidates(path: Path, summary: Summary, limit: int | None,
-                bar: tqdm) -> Iterator[_Candidate]:
-    """Valid records with their keys; invalid ones go to ``summary.rejected``."""
+def requeue(settings: Settings, fingerprint: c.Fingerprint, refs: list[SampleRef]) -> int:
+    """Publish ``refs`` again, clearing their failed/rejected marks. Returns how many."""
+    index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
+    in_broker = broker_task_ids(index.r, settings.queue)
+    sent = 0
+    with app.producer_or_acquire() as producer, producer.batch(max_size=500):
+        for ref in refs:
+            if task_id(fingerprint.id, ref.key) in in_broker:
+                continue
+            index.forget_outcome(ref.key)
+            publish(producer, settings, fingerprint, ref)
+            sent += 1
+    return sent
+
+
+def sample_refs(path: Path, rejected: list[tuple[str, str]],
+                problems: list[tuple[str, str]], limit: int | None = None,
+                progress: Callable[[int], None] | None = None) -> Iterator[SampleRef]:
+    """The valid records of ``path`` as task references, in file order.
+
+    Invalid records go to ``rejected`` and broken stretches of the file to ``problems``, each
+    as (where, reason); a record whose id repeats an earlier one is rejected as a duplicate.
+    Memory grows with the number of records (their keys), not with the file's size.
+    """
     seen: dict[str, str] = {}
     abs_path = str(path.resolve())
+    count = 0
     for item in scan(path):
         if isinstance(item, FileProblem):
-            summary.problems.append((item.where, item.reason))
+            problems.append((item.where, item.reason))
             continue
-        assert isinstance(item, Span)
-        if limit is not None and summary.records >= limit:
+        if limit is not None and count >= limit:
             return
-        summary.records += 1
-        bar.update(item.offset + len(item.raw) - bar.n)
+        count += 1
+        if progress is not None:
+            progress(item.offset + len(item.raw))
         try:
             sample = parse_record(item.raw)
         except BadInput as e:
-            summary.rejected.append((item.where, str(e)))
+            rejected.append((item.where, str(e)))
             continue
         key = c.sample_key_for(sample.source_id, item.index)
         if key in seen:
-            summary.rejected.append((item.where, f"duplicate id {sample.source_id!r} "
-                                                 f"(same sample key as {seen[key]})"))
+            rejected.append((item.where, f"duplicate id {sample.source_id!r} "
+                                         f"(same sample key as {seen[key]})"))
             continue
         seen[key] = item.where
-        ref = SampleRef(key=key, file=abs_path, offset=item.offset, length=len(item.raw),
+        yield SampleRef(key=key, file=abs_path, offset=item.offset, length=len(item.raw),
                         sha256=content_hash(item.raw), index=item.index)
-        yield _Candidate(ref, item.where)
 
 
 def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
@@ -113,11 +136,18 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     rejected_before = index.outcomes(keys.REJECTED)
     failed_before = index.outcomes(keys.FAILED)
     summary = Summary()
-    bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc="enqueue",
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DataFileError(f"{path}: {e.strerror}") from e
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc="enqueue",
                disable=not progress)
+    refs = sample_refs(path, summary.rejected, summary.problems, limit,
+                       progress=lambda at: bar.update(at - bar.n))
     with bar, app.producer_or_acquire() as producer, producer.batch(max_size=500):
-        for cand in _candidates(path, summary, limit, bar):
-            ref, tid = cand.ref, task_id(fingerprint.id, cand.ref.key)
+        for ref in refs:
+            summary.records += 1
+            tid = task_id(fingerprint.id, ref.key)
             if tid in in_broker:
                 summary.already_queued += 1
             elif store.quick_check(ref.key, ref.sha256):
@@ -130,9 +160,9 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
                 if not dry_run:
                     if ref.key in failed_before or ref.key in rejected_before:
                         index.forget_outcome(ref.key)
-                    app.send_task(TASK_NAME, args=[ref.to_json()], task_id=tid,
-                                  queue=settings.queue, producer=producer)
+                    publish(producer, settings, fingerprint, ref)
                 summary.published += 1
+    summary.records += len(summary.rejected)
     if not dry_run:
         for where, reason in summary.rejected:
             index.mark_rejected(f"@{where}", reason, record=where)

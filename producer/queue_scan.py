@@ -15,7 +15,7 @@ from worker import keys
 _PAGE = 2000
 
 
-def _task_id(raw: bytes, unacked: bool = False) -> str | None:
+def _task_id(raw: bytes | str, unacked: bool = False) -> str | None:
     """The task id in a queued message, or in an ``unacked`` entry ([message, exchange, key])."""
     try:
         body = orjson.loads(raw)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 BOM = b"\xef\xbb\xbf"
 _CHUNK = 1 << 20
@@ -50,7 +51,7 @@ def scan(path: Path) -> Iterator[Span | FileProblem]:
         DataFileError: the file is missing, empty, or neither a JSON array nor JSONL.
     """
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 (closed by the with below)
     except OSError as e:
         raise DataFileError(f"{path}: {e.strerror}") from e
     with f:
@@ -79,7 +80,7 @@ def scan(path: Path) -> Iterator[Span | FileProblem]:
             )
 
 
-def _scan_jsonl(f, start: int) -> Iterator[Span | FileProblem]:  # type: ignore[no-untyped-def]
+def _scan_jsonl(f: BinaryIO, start: int) -> Iterator[Span | FileProblem]:
     f.seek(start)
     offset, index = start, 0
     for lineno, line in enumerate(f, 1):
@@ -91,7 +92,7 @@ def _scan_jsonl(f, start: int) -> Iterator[Span | FileProblem]:  # type: ignore[
         offset += len(line)
 
 
-def _scan_array(f, pos: int) -> Iterator[Span | FileProblem]:  # type: ignore[no-untyped-def]
+def _scan_array(f: BinaryIO, pos: int) -> Iterator[Span | FileProblem]:
     """Split a top-level array into element spans by tracking depth and strings.
 
     Only structural bytes are visited (a regex finds them), so the loop runs per quote or

@@ -235,7 +235,8 @@ class DumpCollector:
             state = self._pending[rid_s] = _Pending(n=rid.token_count)
         elif state is None or state.next_pos != prefix:
             self._pending.pop(rid_s, None)
-            have = "no earlier chunk" if state is None else f"earlier chunks end at {state.next_pos}"
+            have = ("no earlier chunk" if state is None
+                    else f"earlier chunks end at {state.next_pos}")
             self._fail(rid_s, f"gap: chunk starts at {prefix}, {have} (prefix-cache hit?)")
             return
         end = prefix + ext

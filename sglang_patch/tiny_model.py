@@ -98,7 +98,6 @@ def _build(out: Path, num_layers: int, hidden_size: int) -> None:
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
     # Random init gives near-zero activations; scale embeddings so hidden states are not

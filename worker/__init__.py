@@ -1,4 +1,7 @@
-"""hsfarm worker: the Celery app and its one task. ``celery -A worker worker`` finds ``app`` here."""
+"""hsfarm worker: the Celery app and its one task.
+
+``celery -A worker worker`` finds ``app`` here.
+"""
 
 from worker.app import app
 

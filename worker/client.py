@@ -6,7 +6,6 @@ anything else (refused connection, 5xx, timeout) is ``Transient``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -45,7 +44,7 @@ class ServerClient:
                 if resp.status >= 300:
                     raise Transient(f"server error on {path} ({resp.status}): {_message(data)}")
                 return orjson.loads(data) if data else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise Transient(f"{method} {url}: {type(e).__name__}: {e}") from e
         except orjson.JSONDecodeError as e:
             raise Transient(f"{method} {url}: response is not JSON: {e}") from e

@@ -74,7 +74,9 @@ def compute_fingerprint(settings: Settings, model_path: Path, chat_template: str
         cfg = text_config(json.loads(config_bytes))
         layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{model_path}/config.json lacks num_hidden_layers/hidden_size: {e}")
+        raise ConfigError(
+            f"{model_path}/config.json lacks num_hidden_layers/hidden_size: {e}"
+        ) from e
     tok_hash = hashlib.sha256()
     for name in TOKENIZER_FILES:
         p = model_path / name

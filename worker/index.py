@@ -90,12 +90,12 @@ class RunIndex:
         self.r.hset(self.k(keys.META), mapping={k: str(v) for k, v in fields.items()})
 
     def meta(self) -> dict[str, str]:
-        raw = self.r.hgetall(self.k(keys.META))
+        raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.META))  # type: ignore[assignment]
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def outcomes(self, name: str) -> dict[str, dict[str, Any]]:
         """``failed`` or ``rejected`` entries: key -> {reason, ...}."""
-        raw = self.r.hgetall(self.k(name))
+        raw: dict[bytes, bytes] = self.r.hgetall(self.k(name))  # type: ignore[assignment]
         return {k.decode(): orjson.loads(v) for k, v in raw.items()}
 
     def counts(self, window_s: float = 300.0) -> Counts:

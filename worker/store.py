@@ -108,7 +108,9 @@ class OutputStore:
         try:
             theirs = c.Fingerprint.from_json(json.loads(path.read_text())["fingerprint"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{path}: unreadable manifest ({e}); move it away to start anew")
+            raise ConfigError(
+                f"{path}: unreadable manifest ({e}); move it away to start anew"
+            ) from e
         diff = self.fingerprint.differences(theirs)
         if diff:
             raise ConfigError(

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, TensorSpec, deserialize, safe_open, ser
 from worker.errors import Corrupt
 
 # safetensors dtype tag -> (numpy dtype holding the raw bytes, name used when writing)
-_DTYPES = {
+_DTYPES: dict[str, tuple[np.dtype, str]] = {
     "BF16": (np.dtype("<u2"), "bfloat16"),
     "I64": (np.dtype("<i8"), "int64"),
     "I32": (np.dtype("<i4"), "int32"),
@@ -68,10 +68,11 @@ def read(path: Path, drop_cache: bool = False) -> TensorFile:
         raise Corrupt(f"{path.name}: not a valid safetensors file: {e}") from e
     tensors = {}
     for name, t in parsed:
-        if t["dtype"] not in _DTYPES:
-            raise Corrupt(f"{path.name}: tensor {name} has unsupported dtype {t['dtype']}")
-        arr = np.frombuffer(t["data"], dtype=_DTYPES[t["dtype"]][0]).reshape(t["shape"])
-        tensors[name] = Tensor(t["dtype"], arr)
+        dtype, data, shape = str(t["dtype"]), t["data"], t["shape"]
+        if dtype not in _DTYPES:
+            raise Corrupt(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
+        assert isinstance(data, bytes | bytearray) and isinstance(shape, list)
+        tensors[name] = Tensor(dtype, np.frombuffer(data, dtype=_DTYPES[dtype][0]).reshape(shape))
     return TensorFile(tensors, metadata, len(raw))
 
 

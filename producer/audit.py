@@ -1,0 +1,106 @@
+"""``audit``: read every final file back from disk and check it against its source sample.
+
+Per sample of the data file: the final file exists, parses, has the right tensors, dtypes and
+shapes, its per-tensor checksums match, it belongs to this run (fingerprint) and this content
+(hash), and its input_ids and loss_mask equal a fresh tokenization of the source record.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from producer.enqueue import sample_refs
+from sglang_patch import contracts as c
+from worker import tensorfile
+from worker.chat import ChatTokenizer
+from worker.errors import BadInput, Corrupt
+from worker.samples import SampleRef, read_sample
+from worker.store import M_FINGERPRINT, OutputStore
+
+
+@dataclass
+class AuditReport:
+    checked: int = 0
+    whole: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    missing: list[str] = field(default_factory=list)
+    corrupt: list[tuple[str, str]] = field(default_factory=list)
+    incompatible: list[tuple[str, str]] = field(default_factory=list)
+    invalid_records: int = 0  # records enqueue rejects too: not expected on disk
+    to_requeue: list[SampleRef] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.corrupt or self.incompatible)
+
+    def lines(self, show: int = 50) -> list[str]:
+        out = [f"checked: {self.checked}", f"whole: {self.whole} ({self.tokens} tokens, "
+               f"{self.bytes / 1e6:.1f} MB)", f"missing: {len(self.missing)}",
+               f"corrupt: {len(self.corrupt)}", f"incompatible: {len(self.incompatible)}",
+               f"invalid records (not expected on disk): {self.invalid_records}"]
+        out += [f"  missing {k}" for k in self.missing[:show]]
+        out += [f"  corrupt {k}: {why}" for k, why in self.corrupt[:show]]
+        out += [f"  incompatible {k}: {why}" for k, why in self.incompatible[:show]]
+        return out
+
+
+def _check_one(store: OutputStore, chat: ChatTokenizer,
+               ref: SampleRef) -> tuple[str, str, int, int]:
+    """(verdict, reason, tokens, bytes); verdict in whole/missing/corrupt/incompatible/invalid.
+
+    "invalid": the record is one the worker rejects (too long, no assistant tokens, ...), so
+    no file is expected for it.
+    """
+    try:
+        sample, _ = read_sample(ref)
+        tok = chat.encode(sample)
+    except BadInput as e:
+        return "invalid", str(e), 0, 0
+    path = store.final_path(ref.key)
+    if not path.exists():
+        return "missing", "", 0, 0
+    try:
+        meta = tensorfile.header_metadata(path)
+        if meta.get(M_FINGERPRINT) != store.fingerprint.id:
+            return "incompatible", f"fingerprint {meta.get(M_FINGERPRINT)}", 0, 0
+        v = store.verify(ref.key, ref.sha256)
+        tf = tensorfile.read(path)
+    except (Corrupt, OSError) as e:
+        return "corrupt", str(e), 0, 0
+    ids, mask = tf.tensors[c.T_INPUT_IDS].array, tf.tensors[c.T_LOSS_MASK].array
+    if not np.array_equal(ids, np.asarray(tok.input_ids)):
+        return "corrupt", "input_ids differ from a fresh tokenization of the record", 0, 0
+    if not np.array_equal(mask, np.asarray(tok.loss_mask)):
+        return "corrupt", "loss_mask differs from a fresh tokenization of the record", 0, 0
+    return "whole", "", v.tokens, v.size_bytes
+
+
+def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, jobs: int = 4) -> AuditReport:
+    """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help."""
+    report = AuditReport()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        rejected: list[tuple[str, str]] = []
+        refs = list(sample_refs(data_file, rejected, []))
+        report.invalid_records += len(rejected)
+        results = pool.map(lambda ref: _check_one(store, chat, ref), refs)
+        for ref, (verdict, why, tokens, size) in zip(refs, results, strict=True):
+            report.checked += 1
+            if verdict == "whole":
+                report.whole += 1
+                report.tokens += tokens
+                report.bytes += size
+                continue
+            if verdict == "invalid":
+                report.invalid_records += 1
+                continue
+            report.to_requeue.append(ref)
+            if verdict == "missing":
+                report.missing.append(ref.key)
+            else:
+                getattr(report, verdict).append((ref.key, why))
+    return report

@@ -1,0 +1,221 @@
+"""A whole farm on one machine, as real processes: Redis, the reference server, Celery workers.
+
+Used by ``python -m producer demo`` and by the test suite (which kills these processes with
+real signals). Every process is started in its own session so that stopping it stops its
+children too, and ``LocalFarm.close`` leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from worker.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
+               poll_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+@dataclass
+class Proc:
+    """A started subprocess with its log file."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                          env=self.env, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal this process only (not its children)."""
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, then SIGKILL it if it does not go."""
+        if self.popen is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            with suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+            try:
+                self.popen.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with suppress(ProcessLookupError):  # stragglers of the group (orphaned children)
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def children(self) -> list[int]:
+        """Direct children's pids (e.g. Celery's pool processes)."""
+        path = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        try:
+            return [int(x) for x in path.read_text().split()]
+        except OSError:
+            return []
+
+
+@dataclass
+class LocalFarm:
+    """Starts and tracks the processes of one local farm under ``work_dir``."""
+
+    work_dir: Path
+    model: str = "tiny"
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "hsfarm")
+    chunked_prefill_size: int = 512
+    redis_url: str | None = None  # an existing Redis; None starts a private one
+    extra_env: dict[str, str] = field(default_factory=dict)
+    redis_port: int = 0
+    server_port: int = 0
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.server_port = self.server_port or free_port()
+
+    @property
+    def dump_dir(self) -> Path:
+        return self.work_dir / "dumps"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.work_dir / "out"
+
+    def env(self) -> dict[str, str]:
+        """The environment every farm process and CLI call gets."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("FARM_") and k != "REDIS_URL"}
+        env.update({
+            "REDIS_URL": self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0",
+            "FARM_SERVER_URL": f"http://127.0.0.1:{self.server_port}",
+            "FARM_DUMP_DIR": str(self.dump_dir),
+            "FARM_OUTPUT_DIR": str(self.output_dir),
+            "FARM_MIN_FREE_OUTPUT_BYTES": "0",
+            "FARM_MIN_FREE_DUMP_BYTES": "0",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def settings(self) -> Settings:
+        return Settings.from_env(self.env())
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.env()["REDIS_URL"])
+
+    def start_redis(self, appendfsync: str = "always") -> Proc:
+        """A private redis-server with AOF, as ops/redis.conf recommends for the broker."""
+        if not self.redis_port:
+            self.redis_port = free_port()
+        data = self.work_dir / "redis"
+        data.mkdir(exist_ok=True)
+        argv = [shutil.which("redis-server") or "redis-server", "--port", str(self.redis_port),
+                "--bind", "127.0.0.1", "--dir", str(data), "--save", "",
+                "--appendonly", "yes", "--appendfsync", appendfsync,
+                "--maxmemory-policy", "noeviction", "--daemonize", "no"]
+        proc = self._start("redis", argv)
+        wait_until(self._redis_up, 20, "redis-server")
+        return proc
+
+    def _redis_up(self) -> bool:
+        try:
+            return bool(self.redis().ping())
+        except redis.RedisError:
+            return False
+
+    def start_server(self, extra: list[str] | None = None) -> Proc:
+        argv = [sys.executable, "-m", "sglang_patch.reference_server",
+                "--port", str(self.server_port), "--dump-dir", str(self.dump_dir),
+                "--model", self.model, "--cache-dir", str(self.cache_dir),
+                "--chunked-prefill-size", str(self.chunked_prefill_size), "--threads", "1",
+                *(extra or [])]
+        proc = self._start("server", argv)
+        wait_until(lambda: self._server_up(proc), 120, "the reference server")
+        return proc
+
+    def _server_up(self, proc: Proc) -> bool:
+        if not proc.alive():
+            raise RuntimeError(f"reference server exited; see {proc.log}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.server_port), timeout=0.5):
+                pass
+        except OSError:
+            return False
+        return (self.dump_dir.is_dir()
+                and any(self.dump_dir.glob(".ready.*")))
+
+    def start_worker(self, name: str, concurrency: int = 2, extra: list[str] | None = None,
+                     wait: bool = True) -> Proc:
+        argv = [sys.executable, "-m", "celery", "-A", "worker", "worker", "-n", f"{name}@%h",
+                "-c", str(concurrency), "--loglevel", "INFO", "-P", "prefork",
+                "--without-gossip", "--without-mingle", *(extra or [])]
+        proc = self._start(name, argv)
+        if wait:
+            wait_until(lambda: self._worker_ready(proc, concurrency), 120, f"worker {name}")
+        return proc
+
+    def _worker_ready(self, proc: Proc, concurrency: int) -> bool:
+        if not proc.alive():
+            raise RuntimeError(f"worker {proc.name} exited; see {proc.log}")
+        return b" ready." in proc.log.read_bytes() and len(proc.children()) >= concurrency
+
+    def _start(self, name: str, argv: list[str]) -> Proc:
+        old = self.procs.get(name)
+        if old is not None and old.alive():
+            raise RuntimeError(f"{name} is already running")
+        proc = Proc(name, argv, self.work_dir / "logs" / f"{name}.log", self.env()).start()
+        self.procs[name] = proc
+        return proc
+
+    def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        """Run ``python -m producer ARGS`` against this farm."""
+        return subprocess.run([sys.executable, "-m", "producer", *args], env=self.env(),
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def close(self) -> None:
+        """Stop workers first (they restore unacked messages), then the server, then Redis."""
+        order = sorted(self.procs.values(), key=lambda p: ("redis", "server").index(p.name)
+                       if p.name in ("redis", "server") else -1)
+        for proc in order:
+            proc.stop()
