@@ -21,7 +21,7 @@ from producer.status import failures, read_status
 from sglang_patch.contracts import Fingerprint
 from worker.chat import ChatTokenizer
 from worker.errors import ConfigError
-from worker.fingerprint import compute_fingerprint, resolve_model_path
+from worker.fingerprint import load_run
 from worker.index import RunIndex
 from worker.settings import Settings
 from worker.store import OutputStore
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             from producer.demo import main_demo
 
             return main_demo(args.work_dir, args.data, settings.redis_url)
-        fingerprint, chat = _run_context(settings)
+        _, chat, fingerprint = load_run(settings, wait_s=5)
         if args.cmd == "enqueue":
             return _enqueue(settings, fingerprint, args)
         if args.cmd == "audit":
@@ -80,11 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-def _run_context(settings: Settings) -> tuple[Fingerprint, ChatTokenizer]:
-    """The run's fingerprint, computed exactly as the workers do, and its tokenizer."""
-    model_path = resolve_model_path(settings, wait_s=5)
-    chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens, settings.overlong)
-    return compute_fingerprint(settings, model_path, chat.tok.chat_template), chat
 
 
 def _enqueue(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ and stops every process it started.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -20,7 +19,11 @@ import redis
 from tqdm import tqdm
 
 from producer.localfarm import LocalFarm, wait_until
+from producer.status import Status, read_status
+from sglang_patch.contracts import Fingerprint
 from worker import keys
+from worker.fingerprint import load_run
+from worker.settings import Settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data.json"
 
@@ -59,20 +62,22 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
         for i in range(workers):
             farm.start_worker(f"demo{i + 1}", concurrency=concurrency)
         _step(f"{workers} celery workers x {concurrency} processes ready")
-        _clear_run_index(farm)
+        settings = farm.settings()
+        _, _, fp = load_run(settings)
+        _clear_run_index(farm, fp.id)
         t0 = time.monotonic()
         _step(f"python -m producer enqueue {data}")
         res = farm.cli("enqueue", str(data), "--no-progress")
         print(res.stdout + res.stderr, end="", flush=True)
         if res.returncode == 2:
             return 1
-        status = _follow(farm)
+        status = _follow(settings, fp)
         elapsed = time.monotonic() - t0
         _step("python -m producer audit")
         audit = farm.cli("audit")
         print(audit.stdout + audit.stderr, end="", flush=True)
         _summary(status, elapsed, time.monotonic() - t_start)
-        finished = status["finished"] and status["failed"] == 0
+        finished = status.finished and status.failed == 0
         return 0 if finished and audit.returncode == 0 else 1
     finally:
         farm.close()
@@ -80,51 +85,40 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
         _step("stopped everything" + (f"; STILL RUNNING: {left}" if left else ""))
 
 
-def _clear_run_index(farm: LocalFarm) -> None:
+def _clear_run_index(farm: LocalFarm, run: str) -> None:
     """A demo starts from nothing: drop what an earlier demo left in the run's Redis index."""
-    run = _status(farm)["run"]
     r = farm.redis()
     stale = list(r.scan_iter(f"{keys.PREFIX}:{run}:*", count=1000))
     if stale:
         r.delete(*stale)
 
 
-def _status(farm: LocalFarm) -> dict[str, object]:
-    res = farm.cli("status", "--json")
-    if res.returncode != 0:
-        raise RuntimeError(f"status failed: {res.stderr}")
-    return dict(json.loads(res.stdout.strip().splitlines()[-1]))
-
-
-def _follow(farm: LocalFarm, timeout_s: float = 1800) -> dict[str, object]:
+def _follow(settings: Settings, fp: Fingerprint, timeout_s: float = 1800) -> Status:
     """Show progress until every sample has an outcome and nothing is in flight."""
-    st = _status(farm)
-    total = int(st["total"])  # type: ignore[call-overload]
-    bar = tqdm(total=total, unit="sample", desc="extract", file=sys.stdout)
+    st = read_status(settings, fp)
+    bar = tqdm(total=st.total, unit="sample", desc="extract", file=sys.stdout)
 
-    def done() -> bool:
+    def finished() -> bool:
         nonlocal st
-        st = _status(farm)
-        finished = int(st["done"]) + int(st["rejected"]) + int(st["failed"])  # type: ignore[call-overload]
-        bar.update(finished - bar.n)
-        return bool(st["finished"])
+        st = read_status(settings, fp)
+        bar.update(st.done + st.rejected + st.failed - bar.n)
+        return st.finished
 
     try:
-        wait_until(done, timeout_s, "the run to finish", poll_s=1.0)
+        wait_until(finished, timeout_s, "the run to finish", poll_s=0.25)
     finally:
         bar.close()
     return st
 
 
-def _summary(st: dict[str, object], extract_s: float, wall_s: float) -> None:
-    done = int(st["done"])  # type: ignore[call-overload]
+def _summary(st: Status, extract_s: float, wall_s: float) -> None:
     _step("summary")
-    print(f"samples done:     {done}\n"
-          f"samples rejected: {st['rejected']}\n"
-          f"samples failed:   {st['failed']}\n"
-          f"tokens:           {st['tokens']}\n"
-          f"bytes written:    {int(st['bytes']) / 1e6:.1f} MB\n"  # type: ignore[call-overload]
-          f"throughput:       {done / extract_s:.1f} samples/s "
+    print(f"samples done:     {st.done}\n"
+          f"samples rejected: {st.rejected}\n"
+          f"samples failed:   {st.failed}\n"
+          f"tokens:           {st.tokens}\n"
+          f"bytes written:    {st.bytes / 1e6:.1f} MB\n"
+          f"throughput:       {st.done / extract_s:.1f} samples/s "
           f"({extract_s:.1f}s from enqueue to last file)\n"
           f"demo wall time:   {wall_s:.1f}s", flush=True)
 

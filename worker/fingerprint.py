@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
+from worker.chat import ChatTokenizer
 from worker.client import ServerClient
 from worker.errors import ConfigError, Transient
 from worker.settings import Settings
@@ -93,3 +94,10 @@ def compute_fingerprint(settings: Settings, model_path: Path, chat_template: str
         max_tokens=settings.max_tokens,
         overlong=settings.overlong,
     )
+
+
+def load_run(settings: Settings, wait_s: float = 0.0) -> tuple[Path, ChatTokenizer, c.Fingerprint]:
+    """Model path, tokenizer and fingerprint: what producer and workers both start from."""
+    model_path = resolve_model_path(settings, wait_s=wait_s)
+    chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens, settings.overlong)
+    return model_path, chat, compute_fingerprint(settings, model_path, chat.tok.chat_template)

@@ -19,7 +19,7 @@ import redis
 from sglang_patch import contracts as c
 from worker.chat import ChatTokenizer
 from worker.client import ServerClient
-from worker.fingerprint import compute_fingerprint, resolve_model_path
+from worker.fingerprint import load_run
 from worker.index import RunIndex
 from worker.settings import Settings
 from worker.store import OutputStore
@@ -41,10 +41,7 @@ class Runtime:
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0) -> Runtime:
         """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer)."""
-        model_path = resolve_model_path(settings, wait_s=server_wait_s)
-        chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens,
-                                             settings.overlong)
-        fp = compute_fingerprint(settings, model_path, chat.tok.chat_template)
+        model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
         store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
                             versions={"hsfarm": c.PATCH_VERSION,
                                       "model_path": str(model_path)}).open()
