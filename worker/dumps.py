@@ -29,6 +29,17 @@ def check_dump_space(dump_dir: Path, min_free_bytes: int) -> None:
         raise Transient(f"dump dir {dump_dir} low: {free} bytes free < reserve {min_free_bytes}")
 
 
+def discard_dumps(dump_dir: Path, sample_key: str) -> int:
+    """Delete every dump/err of this sample (earlier attempts that died before collecting)."""
+    removed = 0
+    for p in dump_dir.glob(f"{c.RID_PREFIX}{sample_key}-a*"):
+        rid = c.parse_rid(p.name.rsplit(".", 1)[0])
+        if rid is not None and rid.sample_key == sample_key:
+            p.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     """Return the dump's path once it exists.
 

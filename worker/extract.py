@@ -17,7 +17,7 @@ import numpy as np
 from sglang_patch import contracts as c
 from worker import store as st
 from worker import tensorfile
-from worker.dumps import check_dump_space, load_dump, wait_for_dump
+from worker.dumps import check_dump_space, discard_dumps, load_dump, wait_for_dump
 from worker.errors import Corrupt
 from worker.runtime import Runtime
 from worker.samples import SampleRef, read_sample
@@ -42,6 +42,7 @@ def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
         log.warning("%s existing final file is bad, redoing it: %s", ref.key, e)
         rt.store.final_path(ref.key).unlink(missing_ok=True)
         return None
+    discard_dumps(rt.settings.dump_dir, ref.key)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
     return Result("already-done", v.tokens, v.size_bytes)
 
@@ -59,9 +60,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int) -> Result:
     tok = rt.chat.encode(sample)
     n = len(tok.input_ids)
     rid = c.make_rid(ref.key, attempt, n)
-    dump_dir = rt.settings.dump_dir
-    for stale in (c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)):
-        stale.unlink(missing_ok=True)
+    discard_dumps(rt.settings.dump_dir, ref.key)
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
     dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids))

@@ -66,8 +66,8 @@ class Settings:
                 f"FARM_RETRY_BACKOFF_MAX_S ({self.visibility_timeout_s} <= "
                 f"{self.task_time_limit_s} + {self.retry_backoff_max_s})"
             )
-        if self.dump_timeout_s + 30 > self.task_time_limit_s:
-            out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 30 s or more")
+        if self.dump_timeout_s + 10 > self.task_time_limit_s:
+            out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
         return out
 
     @classmethod

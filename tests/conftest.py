@@ -1,0 +1,105 @@
+"""Shared fixtures: the tiny model, a private Redis, and whole local farms of real processes.
+
+Nothing here mocks Redis, Celery, HTTP or files: farms are real ``redis-server``,
+``celery worker`` and reference-server processes on loopback ports, in a temp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer.localfarm import LocalFarm, wait_until
+from sglang_patch import contracts as c
+from sglang_patch.tiny_model import ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "data.json"
+CACHE = Path(os.environ.get("HSFARM_TEST_CACHE", Path.home() / ".cache" / "hsfarm"))
+
+# Short limits so crash recovery is observable in seconds (the defaults are minutes).
+FAST_ENV = {
+    "FARM_DUMP_TIMEOUT_S": "8",
+    "FARM_REQUEST_TIMEOUT_S": "20",
+    "FARM_TASK_TIME_LIMIT_S": "30",
+    "FARM_VISIBILITY_TIMEOUT_S": "36",
+    "FARM_RESTORE_INTERVAL_S": "2",
+    "FARM_RETRY_BACKOFF_S": "0.5",
+    "FARM_RETRY_BACKOFF_MAX_S": "3",
+    "FARM_LOG_LEVEL": "INFO",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return ensure_tiny_model(CACHE)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def write_samples(path: Path, n: int, start: int = 0) -> list[dict[str, object]]:
+    """The first ``n`` example samples (from ``start``) as a JSON array file."""
+    samples = json.loads(EXAMPLES.read_text())[start : start + n]
+    path.write_text(json.dumps(samples, ensure_ascii=False))
+    return samples
+
+
+@pytest.fixture
+def farm(tmp_path: Path, tiny_model: Path) -> Iterator[LocalFarm]:
+    """A private Redis (AOF always) and the reference server; tests start their workers."""
+    f = LocalFarm(tmp_path / "farm", cache_dir=CACHE, chunked_prefill_size=256,
+                  extra_env=dict(FAST_ENV))
+    try:
+        f.start_redis()
+        f.start_server()
+        yield f
+    finally:
+        f.close()
+
+
+def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:
+    """Until every sample is done/rejected/failed and the broker holds nothing."""
+    from producer.queue_scan import broker_depth
+    from worker import keys
+
+    r = farm.redis()
+    queue = farm.settings().queue
+
+    def finished() -> bool:
+        run_keys = list(r.scan_iter(f"{keys.PREFIX}:*:{keys.DONE}"))
+        done = sum(int(r.zcard(k)) for k in run_keys)
+        outcomes = sum(int(r.hlen(k.decode().replace(keys.DONE, name)))
+                       for k in run_keys for name in (keys.FAILED, keys.REJECTED))
+        return done + outcomes >= total and broker_depth(r, queue) == (0, 0)
+
+    wait_until(finished, timeout_s, f"{total} samples to finish", poll_s=0.5)
+
+
+def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str]) -> None:
+    """The check every fault scenario ends with."""
+    from producer.queue_scan import broker_depth
+
+    out = farm.output_dir
+    finals = sorted(p for p in (out / "samples").rglob("*") if p.is_file())
+    names = [p.name for p in finals]
+    temps = [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+    assert not temps, f"temp files left: {temps}"
+    assert sorted(names) == sorted(f"{k}{c.DUMP_SUFFIX}" for k in keys_expected), (
+        "not exactly one final file per sample"
+    )
+    assert broker_depth(farm.redis(), farm.settings().queue) == (0, 0)
+    res = farm.cli("audit")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"whole: {len(keys_expected)} " in res.stdout
+    dumps = [p for p in farm.dump_dir.iterdir() if not p.name.startswith(c.READY_PREFIX)]
+    assert not dumps, f"dumps left in tmpfs: {dumps}"

@@ -1,0 +1,80 @@
+"""Contracts: rid format, sample keys, file layout, fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_patch import contracts as c
+
+
+def test_rid_round_trip() -> None:
+    rid = c.make_rid("ex-0001", 3, 1500)
+    assert rid == "hsd-ex-0001-a3-n1500"
+    assert c.parse_rid(rid) == c.Rid("ex-0001", 3, 1500)
+
+
+def test_rid_with_key_that_looks_like_a_suffix() -> None:
+    rid = c.make_rid("x-a1-n2", 4, 9)
+    assert c.parse_rid(rid) == c.Rid("x-a1-n2", 4, 9)
+
+
+@pytest.mark.parametrize("rid", [
+    "HEALTH_CHECK_abc", "warmup", "hsd-", "hsd-key-a1", "hsd-key-a1-nX", "hsd-k/x-a1-n3",
+    "hsd-key-a1-n3 ", None, 42,
+])
+def test_foreign_rids_are_not_ours(rid: object) -> None:
+    assert c.parse_rid(rid) is None
+
+
+def test_make_rid_refuses_unsanitised_keys() -> None:
+    with pytest.raises(ValueError):
+        c.make_rid("../etc", 1, 3)
+    with pytest.raises(ValueError):
+        c.make_rid("ok", 1, 0)
+
+
+@pytest.mark.parametrize("source_id", [
+    "../../etc/passwd", "a/b", "..", ".hidden", "x" * 500, "spaces here", "ünï", "a\\b", 17,
+    "", "-lead",
+])
+def test_sample_keys_are_safe_file_names(source_id: object) -> None:
+    key = c.sample_key_for(source_id, 5)
+    assert c.is_valid_sample_key(key)
+    assert "/" not in key and ".." not in key and not key.startswith(".")
+    assert len(key) <= c.MAX_KEY_LEN
+
+
+def test_safe_ids_are_kept_and_unsafe_ones_do_not_collide() -> None:
+    assert c.sample_key_for("ex-0001", 0) == "ex-0001"
+    assert c.sample_key_for(None, 7) == "rec-00000007"
+    assert c.sample_key_for("a/b", 0) != c.sample_key_for("a_b", 0)
+    assert c.sample_key_for("a/b", 0) != c.sample_key_for("a\\b", 0)
+    assert c.sample_key_for("x" * 500, 0) != c.sample_key_for("x" * 501, 0)
+
+
+def test_final_path_is_sharded_inside_the_output_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    p = c.final_path(tmp_path, "ex-0001")
+    assert p.parent.parent == tmp_path / "samples"
+    assert p.name == "ex-0001.safetensors"
+    assert p == c.final_path(tmp_path, "ex-0001")
+
+
+def _fp(**kw: object) -> c.Fingerprint:
+    base: dict[str, object] = dict(
+        config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+        layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION, hidden_size=64,
+        dtype="bfloat16", max_tokens=8192, overlong="reject")
+    base.update(kw)
+    return c.Fingerprint(**base)  # type: ignore[arg-type]
+
+
+def test_fingerprint_id_is_stable_and_sensitive() -> None:
+    assert _fp().id == _fp().id
+    assert _fp().id != _fp(layers_to_capture=(2, 4, 6)).id
+    assert c.Fingerprint.from_json(_fp().to_json()) == _fp()
+    assert _fp().differences(_fp(hidden_size=7168)) == ["hidden_size: 64 != 7168"]
+
+
+def test_default_layers_match_sglang() -> None:
+    assert c.default_layers_to_capture(61) == (2, 30, 58)  # Kimi-K2.5 / DeepSeek-V3
+    assert c.default_layers_to_capture(8) == (2, 4, 5)

@@ -1,0 +1,44 @@
+"""Settings from the environment: defaults, parsing, invalid combinations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.errors import ConfigError
+from worker.settings import Settings
+
+
+def test_defaults_work_on_one_machine() -> None:
+    s = Settings.from_env({})
+    assert s.redis_url.startswith("redis://127.0.0.1")
+    assert s.task_time_limit_s < s.visibility_timeout_s
+
+
+def test_parsing_each_kind() -> None:
+    s = Settings.from_env({
+        "REDIS_URL": "redis://h:1/2", "FARM_OUTPUT_DIR": "/x", "FARM_MAX_TOKENS": "4096",
+        "FARM_LAYERS_TO_CAPTURE": "2,30 58", "FARM_DUMP_TIMEOUT_S": "30.5",
+        "FARM_MIN_FREE_OUTPUT_BYTES": "1e9",
+    })
+    assert s.redis_url == "redis://h:1/2" and s.output_dir == Path("/x")
+    assert s.max_tokens == 4096 and s.layers_to_capture == (2, 30, 58)
+    assert s.dump_timeout_s == 30.5 and s.min_free_output_bytes == 10**9
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"FARM_MAX_TOKENS": "many"}, "FARM_MAX_TOKENS='many'"),
+    ({"FARM_OVERLONG": "drop"}, "FARM_OVERLONG must be"),
+    ({"FARM_LAYERS_TO_CAPTURE": "1,2"}, "needs 3 ids"),
+    ({"FARM_VISIBILITY_TIMEOUT_S": "100"}, "FARM_VISIBILITY_TIMEOUT_S must exceed"),
+    ({"FARM_DUMP_TIMEOUT_S": "2000"}, "must exceed FARM_DUMP_TIMEOUT_S"),
+])
+def test_invalid_settings_say_what_is_wrong(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env(env)
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        Settings().max_tokens = 3  # type: ignore[misc]
