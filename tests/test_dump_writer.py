@@ -1,0 +1,191 @@
+"""The dump collector and writer, driven with CPU tensors laid out like SGLang's batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sglang_patch import contracts as c
+from sglang_patch.dump_writer import DumpCollector, DumpWriter
+
+H = 8
+
+
+class Clock:
+    """A settable clock: the collector's TTL without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _request(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (n,), generator=g)
+    return ids, torch.randn(n, H, generator=g), torch.randn(n, 3 * H, generator=g)
+
+
+def _batch(parts: list[tuple[str, int, int, tuple[torch.Tensor, ...]]], pad: int = 0):  # type: ignore[no-untyped-def]
+    """(rid, prefix, extend, full request tensors) → collector arguments, plus padding rows."""
+    rids = [p[0] for p in parts]
+    prefix = [p[1] for p in parts]
+    extend = [p[2] for p in parts]
+    cols = [[t[pre : pre + ext] for t in full] for _, pre, ext, full in parts]
+    ids, hid, aux = (torch.cat([col[i] for col in cols] + [_pad(i, pad)]) for i in range(3))
+    # padding can also lengthen the per-request lists beyond len(rids) (SGLang does this)
+    return dict(rids=rids, prefix_lens=prefix + [0] * bool(pad), extend_lens=extend + [pad] *
+                bool(pad), input_ids=ids, hidden=hid, aux=aux)
+
+
+def _pad(i: int, n: int) -> torch.Tensor:
+    return torch.zeros((n,) if i == 0 else (n, H if i == 1 else 3 * H),
+                       dtype=torch.int64 if i == 0 else torch.float32)
+
+
+@pytest.fixture
+def rig(tmp_path: Path):  # type: ignore[no-untyped-def]
+    writer = DumpWriter(tmp_path, {c.M_LAYERS: "[2, 4, 5]"}, max_queue=2, min_free_bytes=0)
+    clock = Clock()
+    yield DumpCollector(writer, ttl_s=60, clock=clock), writer, clock, tmp_path
+    writer.close()
+
+
+def _load(d: Path, rid: str) -> dict[str, torch.Tensor]:
+    return load_file(str(c.dump_path(d, rid)))
+
+
+def test_mixed_batches_with_chunks_spread_over_batches(rig) -> None:  # type: ignore[no-untyped-def]
+    col, writer, _, d = rig
+    # Given two of our requests, one split into three chunks across batches, a health check,
+    # a foreign client's request and padding rows
+    a, b = c.make_rid("a", 1, 10), c.make_rid("b", 1, 4)
+    ra, rb, rh = _request(10, 1), _request(4, 2), _request(1, 3)
+    col.on_forward(**_batch([(a, 0, 3, ra), ("HEALTH_CHECK_1", 0, 1, rh)], pad=2))
+    col.on_forward(**_batch([("chat-xyz", 0, 1, rh), (a, 3, 5, ra), (b, 0, 2, rb)], pad=3))
+    col.on_forward(**_batch([(b, 2, 2, rb), (a, 8, 2, ra)]))
+    writer.flush()
+    # Then each of ours is assembled exactly, in bf16, and nothing else is written
+    for rid, (ids, hid, aux) in ((a, ra), (b, rb)):
+        got = _load(d, rid)
+        assert torch.equal(got[c.T_INPUT_IDS], ids)
+        assert torch.equal(got[c.T_HIDDEN], hid.to(torch.bfloat16))
+        assert torch.equal(got[c.T_AUX], aux.to(torch.bfloat16))
+    names = sorted(p.name for p in d.iterdir())
+    assert names == sorted([f"{a}.safetensors", f"{b}.safetensors"])
+    assert col.pending == 0
+
+
+def test_chunked_equals_one_piece(rig) -> None:  # type: ignore[no-untyped-def]
+    col, writer, _, d = rig
+    r = _request(9, 4)
+    one, many = c.make_rid("one", 1, 9), c.make_rid("many", 1, 9)
+    col.on_forward(**_batch([(one, 0, 9, r)]))
+    for pre in range(0, 9, 2):
+        col.on_forward(**_batch([(many, pre, min(2, 9 - pre), r)]))
+    writer.flush()
+    x, y = _load(d, one), _load(d, many)
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_retried_rid_starts_over(rig) -> None:  # type: ignore[no-untyped-def]
+    col, writer, _, d = rig
+    r = _request(6, 5)
+    rid = c.make_rid("k", 2, 6)
+    col.on_forward(**_batch([(rid, 0, 3, r)]))
+    col.on_forward(**_batch([(rid, 0, 3, r)]))  # re-sent from the start: state resets
+    col.on_forward(**_batch([(rid, 3, 3, r)]))
+    writer.flush()
+    assert torch.equal(_load(d, rid)[c.T_INPUT_IDS], r[0])
+
+
+def test_gap_prefix_hit_and_overrun_write_err(rig) -> None:  # type: ignore[no-untyped-def]
+    col, writer, _, d = rig
+    r = _request(8, 6)
+    gap, hit, over = (c.make_rid(k, 1, 8) for k in ("gap", "hit", "over"))
+    col.on_forward(**_batch([(gap, 0, 2, r), (hit, 4, 4, r), (over, 0, 6, r)]))
+    col.on_forward(**_batch([(gap, 5, 3, r), (over, 6, 2, r)]))
+    col.on_forward(**_batch([(c.make_rid("o2", 1, 3), 0, 4, r)]))
+    writer.flush()
+    err = {p.name: p.read_text() for p in d.glob("*.err")}
+    assert "gap: chunk starts at 5, earlier chunks end at 2" in err[f"{gap}.err"]
+    assert "gap: chunk starts at 4, no earlier chunk" in err[f"{hit}.err"]
+    assert "overrun: 4 tokens seen, rid declares 3" in err["hsd-o2-a1-n3.err"]
+    assert c.dump_path(d, over).exists()  # 6 + 2 == 8 is exactly whole
+    assert not list(d.glob("hsd-gap*.safetensors"))
+
+
+def test_abandoned_requests_are_dropped_after_ttl(rig) -> None:  # type: ignore[no-untyped-def]
+    col, writer, clock, d = rig
+    r = _request(8, 7)
+    rid = c.make_rid("slow", 1, 8)
+    col.on_forward(**_batch([(rid, 0, 3, r)]))
+    clock.now = 59
+    assert col.sweep() == 0
+    clock.now = 61
+    assert col.sweep() == 1
+    writer.flush()
+    assert "incomplete: 3 of 8 tokens" in c.err_path(d, rid).read_text()
+    assert col.pending == 0
+
+
+def test_too_few_rows_is_a_layout_error(rig) -> None:  # type: ignore[no-untyped-def]
+    col, _, _, _ = rig
+    r = _request(4, 8)
+    args = _batch([(c.make_rid("x", 1, 4), 0, 4, r)])
+    args["hidden"] = args["hidden"][:2]
+    with pytest.raises(ValueError, match="batch layout"):
+        col.on_forward(**args)
+
+
+def test_full_dump_dir_writes_err_not_a_file(tmp_path: Path) -> None:
+    # Given a writer that must keep more free space than any disk has
+    writer = DumpWriter(tmp_path, {}, min_free_bytes=1 << 62)
+    col = DumpCollector(writer)
+    rid = c.make_rid("big", 1, 4)
+    col.on_forward(**_batch([(rid, 0, 4, _request(4, 9))]))
+    writer.flush()
+    writer.close()
+    assert c.err_path(tmp_path, rid).read_text().startswith("dump dir full")
+    assert not c.dump_path(tmp_path, rid).exists()
+    assert [p.name for p in tmp_path.iterdir()] == [f"{rid}.err"]
+
+
+def test_bounded_queue_applies_backpressure(tmp_path: Path) -> None:
+    # Given a writer whose thread is stuck (the staged copy never completes)
+    import threading
+
+    gate = threading.Event()
+
+    class Slow:
+        def stage(self, tensors):  # type: ignore[no-untyped-def]
+            class S:
+                def wait(self):  # type: ignore[no-untyped-def]
+                    gate.wait()
+                    return [t.clone() for t in tensors]
+            return S()
+
+    writer = DumpWriter(tmp_path, {}, max_queue=1, min_free_bytes=0)
+    col = DumpCollector(writer, stager=Slow())
+    r = _request(2, 10)
+    done = threading.Event()
+
+    def produce() -> None:
+        for i in range(4):
+            col.on_forward(**_batch([(c.make_rid(f"q{i}", 1, 2), 0, 2, r)]))
+        done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    # Then the producer blocks (1 in the writer + 1 queued) instead of piling up memory
+    assert not done.wait(0.5)
+    gate.set()
+    assert done.wait(10)
+    t.join()
+    writer.flush()
+    writer.close()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4
