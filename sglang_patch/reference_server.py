@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class Scheduler:
     """Continuous prefill batching with chunking, one model thread, like SGLang's scheduler."""
 
     def __init__(self, model: ReferenceModel, collector: DumpCollector, chunk_size: int,
-                 max_batch_tokens: int = 16384) -> None:
+                 max_batch_tokens: int = 16384, forward_delay_s: float = 0.0) -> None:
         self.model = model
         self.collector = collector
         self.budget = chunk_size if chunk_size > 0 else max_batch_tokens
@@ -74,6 +75,7 @@ class Scheduler:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.running: set[str] = set()
         self.forward_passes = 0
+        self.forward_delay_s = forward_delay_s
 
     def submit(self, req: _Req) -> None:
         if req.rid in self.running:
@@ -138,6 +140,8 @@ class Scheduler:
         for req, prefix, take in batch.items:
             req.pos = prefix + take
         self.forward_passes += 1
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)
 
     def _finish_if_aborted(self, req: _Req) -> bool:
         if req.aborted:
@@ -257,7 +261,8 @@ class ReferenceServer:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.scheduler = Scheduler(self.model, self.collector, self.args.chunked_prefill_size)
+        self.scheduler = Scheduler(self.model, self.collector, self.args.chunked_prefill_size,
+                                   forward_delay_s=self.args.forward_delay_s)
         app["scheduler_task"] = asyncio.create_task(self.scheduler.run())
         write_ready_marker(self.dump_dir, self.ready_info())
         log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s", self.model_path,
@@ -348,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ttl-s", type=float, default=600.0)
     p.add_argument("--dump-reserve-bytes", type=int, default=16 << 20,
                    help="keep this much free in the dump dir; a dump that would not fit → .err")
+    p.add_argument("--forward-delay-s", type=float, default=0.0,
+                   help="sleep after each forward pass: a slower model, for tests and demos")
     p.add_argument("--log-level", default="INFO")
     return p
 
