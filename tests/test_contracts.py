@@ -52,7 +52,7 @@ def test_safe_ids_are_kept_and_unsafe_ones_do_not_collide() -> None:
     assert c.sample_key_for("x" * 500, 0) != c.sample_key_for("x" * 501, 0)
 
 
-def test_final_path_is_sharded_inside_the_output_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_final_path_is_sharded_inside_the_output_dir(tmp_path) -> None:
     p = c.final_path(tmp_path, "ex-0001")
     assert p.parent.parent == tmp_path / "samples"
     assert p.name == "ex-0001.safetensors"

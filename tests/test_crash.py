@@ -18,6 +18,10 @@ from tests.conftest import (
 from worker import keys
 
 
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
 def _running_pids(farm: LocalFarm) -> dict[int, str]:
     """pid → sample key for the tasks running right now (from the run index)."""
     r = farm.redis()
@@ -25,7 +29,7 @@ def _running_pids(farm: LocalFarm) -> dict[int, str]:
     for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.RUNNING}"):
         for key, body in r.hgetall(k).items():
             pid = int(json.loads(body)["worker"].rsplit(":", 1)[1])
-            out[pid] = key.decode()
+            out[pid] = _text(key)
     return out
 
 
@@ -33,7 +37,7 @@ def _attempts(farm: LocalFarm) -> dict[str, int]:
     r = farm.redis()
     out: dict[str, int] = {}
     for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.ATTEMPTS}"):
-        out.update({key.decode(): int(v) for key, v in r.hgetall(k).items()})
+        out.update({_text(key): int(v) for key, v in r.hgetall(k).items()})
     return out
 
 

@@ -30,7 +30,7 @@ def _request(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, torch.randn(n, H, generator=g), torch.randn(n, 3 * H, generator=g)
 
 
-def _batch(parts: list[tuple[str, int, int, tuple[torch.Tensor, ...]]], pad: int = 0):  # type: ignore[no-untyped-def]
+def _batch(parts: list[tuple[str, int, int, tuple[torch.Tensor, ...]]], pad: int = 0):
     """(rid, prefix, extend, full request tensors) → collector arguments, plus padding rows."""
     rids = [p[0] for p in parts]
     prefix = [p[1] for p in parts]
@@ -48,7 +48,7 @@ def _pad(i: int, n: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def rig(tmp_path: Path):  # type: ignore[no-untyped-def]
+def rig(tmp_path: Path):
     writer = DumpWriter(tmp_path, {c.M_LAYERS: "[2, 4, 5]"}, max_queue=2, min_free_bytes=0)
     clock = Clock()
     yield DumpCollector(writer, ttl_s=60, clock=clock), writer, clock, tmp_path
@@ -59,7 +59,7 @@ def _load(d: Path, rid: str) -> dict[str, torch.Tensor]:
     return load_file(str(c.dump_path(d, rid)))
 
 
-def test_mixed_batches_with_chunks_spread_over_batches(rig) -> None:  # type: ignore[no-untyped-def]
+def test_mixed_batches_with_chunks_spread_over_batches(rig) -> None:
     col, writer, _, d = rig
     # Given two of our requests, one split into three chunks across batches, a health check,
     # a foreign client's request and padding rows
@@ -80,7 +80,7 @@ def test_mixed_batches_with_chunks_spread_over_batches(rig) -> None:  # type: ig
     assert col.pending == 0
 
 
-def test_chunked_equals_one_piece(rig) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_equals_one_piece(rig) -> None:
     col, writer, _, d = rig
     r = _request(9, 4)
     one, many = c.make_rid("one", 1, 9), c.make_rid("many", 1, 9)
@@ -92,7 +92,7 @@ def test_chunked_equals_one_piece(rig) -> None:  # type: ignore[no-untyped-def]
     assert all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_a_retried_rid_starts_over(rig) -> None:  # type: ignore[no-untyped-def]
+def test_a_retried_rid_starts_over(rig) -> None:
     col, writer, _, d = rig
     r = _request(6, 5)
     rid = c.make_rid("k", 2, 6)
@@ -103,7 +103,7 @@ def test_a_retried_rid_starts_over(rig) -> None:  # type: ignore[no-untyped-def]
     assert torch.equal(_load(d, rid)[c.T_INPUT_IDS], r[0])
 
 
-def test_gap_prefix_hit_and_overrun_write_err(rig) -> None:  # type: ignore[no-untyped-def]
+def test_gap_prefix_hit_and_overrun_write_err(rig) -> None:
     col, writer, _, d = rig
     r = _request(8, 6)
     gap, hit, over = (c.make_rid(k, 1, 8) for k in ("gap", "hit", "over"))
@@ -119,7 +119,7 @@ def test_gap_prefix_hit_and_overrun_write_err(rig) -> None:  # type: ignore[no-u
     assert not list(d.glob("hsd-gap*.safetensors"))
 
 
-def test_abandoned_requests_are_dropped_after_ttl(rig) -> None:  # type: ignore[no-untyped-def]
+def test_abandoned_requests_are_dropped_after_ttl(rig) -> None:
     col, writer, clock, d = rig
     r = _request(8, 7)
     rid = c.make_rid("slow", 1, 8)
@@ -133,7 +133,7 @@ def test_abandoned_requests_are_dropped_after_ttl(rig) -> None:  # type: ignore[
     assert col.pending == 0
 
 
-def test_too_few_rows_is_a_layout_error(rig) -> None:  # type: ignore[no-untyped-def]
+def test_too_few_rows_is_a_layout_error(rig) -> None:
     col, _, _, _ = rig
     r = _request(4, 8)
     args = _batch([(c.make_rid("x", 1, 4), 0, 4, r)])
@@ -162,9 +162,9 @@ def test_bounded_queue_applies_backpressure(tmp_path: Path) -> None:
     gate = threading.Event()
 
     class Slow:
-        def stage(self, tensors):  # type: ignore[no-untyped-def]
+        def stage(self, tensors):
             class S:
-                def wait(self):  # type: ignore[no-untyped-def]
+                def wait(self):
                     gate.wait()
                     return [t.clone() for t in tensors]
             return S()

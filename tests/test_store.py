@@ -46,8 +46,8 @@ def test_write_then_verify_from_disk(tmp_path: Path) -> None:
     assert oct(path.stat().st_mode & 0o777) == "0o644"
     assert not [p for p in tmp_path.rglob("*") if c.is_temp_name(p.name)]
     # the file is a plain safetensors file that torch loads with the right dtypes
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     t = load_file(str(path))
     assert t[c.T_HIDDEN].dtype == torch.bfloat16 and t[c.T_HIDDEN].shape == (5, H)
@@ -59,7 +59,7 @@ def test_one_flipped_byte_is_caught(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(Corrupt, match="checksum of (aux_)?hidden_state"):
+    with pytest.raises(Corrupt, match=r"checksum of (aux_)?hidden_state"):
         store.verify("k1", "h1")
 
 
