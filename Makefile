@@ -6,8 +6,13 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# SGLang 0.5.23 for the plugin's tests, in its own venv: its metadata pins torch 2.14.1 and
+# its image code needs torchvision, so it cannot share the CPU torch 2.13.0 of $(VENV). Both
+# torch wheels come from this machine's local disk.
+SGVENV ?= .venv-sglang
+SGSTAMP := $(SGVENV)/.installed
 
-.PHONY: demo test lint system-deps clean
+.PHONY: demo test test-farm test-sglang lint system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,8 +31,26 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy .
 
-test: $(STAMP) system-deps lint
+$(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
+	python3 -m venv $(SGVENV)
+	$(SGVENV)/bin/pip install -q --upgrade pip
+	$(SGVENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 transformers==5.19.0 \
+		safetensors aiohttp orjson numpy pytest pytest-timeout
+	$(SGVENV)/bin/pip download -q --no-deps -d .sglang sglang==0.5.23
+	$(SGVENV)/bin/pip install -q --no-deps .sglang/sglang-0.5.23-*.whl \
+		-r tests/sglang-cpu-requirements.txt
+	$(SGVENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+test: lint test-farm test-sglang
+
+test-farm: $(STAMP) system-deps
 	$(PY) -m pytest
 
+# tests/sglang has its own conftest; --confcutdir keeps the farm's out of that venv.
+test-sglang: $(SGSTAMP)
+	PYTHONWARNINGS=ignore $(SGVENV)/bin/python -m pytest -p no:cacheprovider \
+		--confcutdir tests/sglang tests/sglang
+
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGVENV) .sglang demo-out .pytest_cache .mypy_cache .ruff_cache

@@ -96,11 +96,20 @@ class DumpWriter:
         self._thread = threading.Thread(target=self._run, name="hsfarm-dump-writer", daemon=True)
         self.written = 0
         self.errors = 0
+        self.blocked_s = 0.0  # time callers spent waiting on a full queue (backpressure)
+        self.max_depth = 0
         dump_dir.mkdir(parents=True, exist_ok=True)
         self._thread.start()
 
     def submit(self, job: DumpJob) -> None:
-        self._q.put(job)  # blocks when full: backpressure, by design
+        """Queue a job; blocks while the queue is full (backpressure, by design)."""
+        if self._q.full():
+            t0 = time.perf_counter()
+            self._q.put(job)
+            self.blocked_s += time.perf_counter() - t0
+        else:
+            self._q.put(job)
+        self.max_depth = max(self.max_depth, self._q.qsize())
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every submitted job is on disk (tests, shutdown)."""
@@ -131,9 +140,8 @@ class DumpWriter:
             self._write_err(job.rid, job.error or "no data")
             return
         chunks = [p.wait() for p in job.parts]
-        ids = torch.cat([ch[0] for ch in chunks]).to(torch.int64)
-        hidden = torch.cat([ch[1] for ch in chunks]).to(torch.bfloat16)
-        aux = torch.cat([ch[2] for ch in chunks]).to(torch.bfloat16)
+        ids, hidden, aux = (_join([ch[i] for ch in chunks], dt) for i, dt in
+                            ((0, torch.int64), (1, torch.bfloat16), (2, torch.bfloat16)))
         need = ids.numel() * 8 + (hidden.numel() + aux.numel()) * 2
         free = free_bytes(self.dump_dir)
         if free - need < self.min_free_bytes:
@@ -267,6 +275,12 @@ class DumpCollector:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+
+def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Concatenate chunks (no copy for a single chunk already in ``dtype``)."""
+    t = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return t.to(dtype).contiguous()
 
 
 def free_bytes(path: Path) -> int:

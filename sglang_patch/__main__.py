@@ -1,0 +1,8 @@
+import sys
+
+from sglang_patch.verify import main
+
+if len(sys.argv) < 2 or sys.argv[1] != "verify":
+    print("usage: python -m sglang_patch verify [--dump-dir DIR]", file=sys.stderr)
+    sys.exit(2)
+sys.exit(main(sys.argv[2:]))

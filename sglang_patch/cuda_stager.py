@@ -1,0 +1,54 @@
+"""Asynchronous device-to-host copies for the dump hook: pinned memory, a side stream, an event.
+
+Inside the forward pass the hook only enqueues copies: the side stream waits for the compute
+stream (so the rows are final), copies into pinned host buffers with ``non_blocking=True``,
+and records an event. The writer thread waits on that event, never the forward. The source
+tensors are marked as used by the side stream so the caching allocator does not hand their
+memory to the next layer before the copy has read it. Pinned buffers come from PyTorch's
+caching host allocator, so steady state allocates nothing new.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_patch.dump_writer import CpuStager, Stager
+
+
+class _CudaStaged:
+    def __init__(self, host: list[torch.Tensor], event: torch.cuda.Event) -> None:
+        self.host = host
+        self.event = event
+
+    def wait(self) -> list[torch.Tensor]:
+        self.event.synchronize()
+        return self.host
+
+
+class CudaStager:
+    """Stages GPU tensors into pinned host memory on a dedicated stream."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def stage(self, tensors: list[torch.Tensor]) -> _CudaStaged:
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        host = []
+        with torch.cuda.stream(self.stream):
+            for t in tensors:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)
+                host.append(buf)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return _CudaStaged(host, event)
+
+
+def stager_for(tensor: torch.Tensor) -> Stager:
+    """The right stager for where ``tensor`` lives."""
+    if tensor.is_cuda:
+        return CudaStager(tensor.device)
+    return CpuStager()

@@ -1,0 +1,158 @@
+"""``python -m sglang_patch verify [--dump-dir D]``: is SGLang really running our hook?
+
+Run it with the server's interpreter. Each check prints one line, PASS or FAIL with the fix;
+the exit code is 0 only when every check passes.
+
+1. this SGLang version is supported;
+2. SGLang's own plugin loader, from this interpreter, finds and applies our plugin;
+3. every hook target exists with the parameters we expect;
+4. the launch flags extraction needs parse with this SGLang's own argument parser;
+5. (``--dump-dir``) a running server wrote a fresh ready marker: versions, layers, model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import pkgutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_patch import contracts as c
+from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG
+from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS, sglang_version
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
+
+
+def check_version() -> Check:
+    v = sglang_version()
+    if v in SUPPORTED_SGLANG:
+        return Check("sglang version", True, v)
+    return Check("sglang version", False,
+                 f"{v} is not supported (supported: {', '.join(SUPPORTED_SGLANG)}); install "
+                 f"sglang=={SUPPORTED_SGLANG[-1]} or check the hook targets below by hand")
+
+
+_LOADER_PROBE = f"""
+import os, sys
+os.environ[{ENV_DUMP_DIR!r}] = os.environ.get({ENV_DUMP_DIR!r}) or "/tmp/hsfarm-verify"
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+load_plugins()
+hooked = sorted(t for t, hooks in HookRegistry._hooks.items()
+                if any(getattr(h, "__module__", "") == "sglang_patch.plugin" for _, h, _ in hooks))
+import pkgutil
+fn = pkgutil.resolve_name({TARGET_LOGITS!r})
+print("HOOKED", ",".join(hooked), "WRAPPED", getattr(fn, "__wrapped__", None) is not None)
+"""
+
+
+def check_loader(python: str = sys.executable) -> Check:
+    """Runs SGLang's ``load_plugins`` in a fresh process of this interpreter."""
+    try:
+        proc = subprocess.run([python, "-c", _LOADER_PROBE], capture_output=True, text=True,
+                              timeout=300)
+    except subprocess.TimeoutExpired:
+        return Check("plugin loader", False, "load_plugins() did not return in 300 s")
+    out = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    expected = ",".join(sorted(EXPECTED_PARAMS))
+    if proc.returncode == 0 and out == f"HOOKED {expected} WRAPPED True":
+        return Check("plugin loader", True, "SGLang's load_plugins() applied both hsfarm hooks")
+    why = out or proc.stderr.strip().splitlines()[-1:] or ["no output"]
+    return Check("plugin loader", False,
+                 f"SGLang did not apply the hsfarm plugin ({why}); install this project into "
+                 f"this interpreter ({python} -m pip install hsfarm[server]) so its "
+                 "'sglang.srt.plugins' entry point is visible, and do not set SGLANG_PLUGINS "
+                 "without 'hsfarm_dump'")
+
+
+def check_targets() -> Check:
+    problems = []
+    for target, expected in EXPECTED_PARAMS.items():
+        try:
+            fn = pkgutil.resolve_name(target)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{target} is missing ({e})")
+            continue
+        fn = inspect.unwrap(fn)
+        params = list(inspect.signature(fn).parameters)[: len(expected)]
+        if params != expected:
+            problems.append(f"{target} takes {params}, expected {expected}")
+    if problems:
+        return Check("hook targets", False, "; ".join(problems) +
+                     " — this SGLang changed the code the hook relies on; pin a supported one")
+    return Check("hook targets", True, ", ".join(sorted(EXPECTED_PARAMS)))
+
+
+def check_flags() -> Check:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["--model-path", "/models/x", "--tp-size", "8", *REQUIRED_FLAGS]
+    try:
+        _, unknown = parser.parse_known_args(argv)
+    except SystemExit:
+        return Check("launch flags", False, f"this SGLang rejects {' '.join(REQUIRED_FLAGS)}")
+    if unknown:
+        return Check("launch flags", False, f"unknown to this SGLang: {unknown}")
+    return Check("launch flags", True, " ".join(REQUIRED_FLAGS))
+
+
+def check_marker(dump_dir: Path, max_age_s: float) -> Check:
+    markers = sorted(dump_dir.glob(f"{c.READY_PREFIX}*"), key=lambda p: p.stat().st_mtime)
+    markers = [m for m in markers if not c.is_temp_name(m.name)]
+    if not markers:
+        return Check("ready marker", False,
+                     f"none in {dump_dir}: start the server with {ENV_DUMP_DIR}={dump_dir} and "
+                     "wait until it has loaded the model")
+    newest = markers[-1]
+    info = json.loads(newest.read_text())
+    age = time.time() - float(info.get("time", 0))
+    pid_alive = Path(f"/proc/{info.get('pid')}").exists()
+    if age > max_age_s and not pid_alive:
+        return Check("ready marker", False,
+                     f"{newest.name} is {age:.0f}s old and its process {info.get('pid')} is "
+                     "gone: stale, from an earlier server; restart the server with the variable")
+    return Check("ready marker", True,
+                 f"pid {info.get('pid')} ({'alive' if pid_alive else 'not on this host'}), "
+                 f"{info.get('server_version')}, patch {info.get('patch_version')}, layers "
+                 f"{info.get('layers_to_capture')}, model {info.get('model_path')} "
+                 f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_patch verify",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--dump-dir", type=Path, default=None)
+    p.add_argument("--max-age-s", type=float, default=3600.0,
+                   help="a marker older than this, whose process is gone, is stale")
+    args = p.parse_args(argv)
+    version = check_version()
+    checks: list[Callable[[], Check]] = [check_loader, check_targets, check_flags]
+    results = [version]
+    for fn in checks:
+        try:
+            results.append(fn())
+        except ImportError as e:
+            results.append(Check(fn.__name__.removeprefix("check_"), False,
+                                 f"cannot import SGLang here ({e}); run with the server's python"))
+    if args.dump_dir is not None:
+        results.append(check_marker(args.dump_dir, args.max_age_s))
+    for r in results:
+        print(r.line())
+    return 0 if all(r.ok for r in results) else 1

@@ -1,0 +1,252 @@
+"""The plugin inside real SGLang 0.5.23: loader, targets, layout checks, capture, verify."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sglang_patch import contracts as c
+from sglang_patch import plugin, verify
+
+H, V = 16, 50
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_version_targets_and_flags_are_what_we_expect() -> None:
+    # The hook targets exist with the parameters the wrappers are written against, and the
+    # launch flags parse with SGLang's own parser.
+    for check in (verify.check_version, verify.check_targets, verify.check_flags):
+        result = check()
+        assert result.ok, result.line()
+
+
+_PROBE = """
+import sys
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.layers.logits_processor import LogitsProcessor
+load_plugins()
+ours = sorted(t for t, hooks in HookRegistry._hooks.items()
+              if any(h.__module__ == "sglang_patch.plugin" for _, h, _ in hooks))
+wrapped = hasattr(LogitsProcessor.forward, "__wrapped__")
+print(ours, wrapped, "sglang_patch.sglang_hook" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("dump_dir", ["", "/tmp/hsfarm-test-dumps"])
+def test_sglang_loader_installs_plugin_only_with_variable(dump_dir: str) -> None:
+    # Given a fresh process, as SGLang spawns its schedulers
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_HS_DUMP_DIR"}
+    if dump_dir:
+        env["SGLANG_HS_DUMP_DIR"] = dump_dir
+    # When SGLang's own plugin loader runs
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout.strip().splitlines()[-1]
+    # Then our hooks are applied only when the variable is set, and cost nothing otherwise
+    if dump_dir:
+        assert out == f"{sorted([plugin.TARGET_LOAD, plugin.TARGET_LOGITS])} True False"
+    else:
+        assert out == "[] False False"
+
+
+def _server_args(**overrides: Any) -> Any:
+    """A real ServerArgs, resolved on CPU, launched as the README says (plus overrides)."""
+    from sglang.srt.server_args import ServerArgs
+
+    args = dict(model_path=str(ROOT / "tests"), device="cpu", disable_radix_cache=True,
+                disable_prefill_cuda_graph=True, enable_return_aux_hidden_states=True,
+                speculative_algorithm="EAGLE3")
+    args.update(overrides)
+    return ServerArgs(**args)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"pp_size": 2}, "--pp-size 1"),
+    ({"enable_dp_attention": True}, "DP attention"),
+    ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+    ({"disable_prefill_cuda_graph": False}, "--disable-prefill-cuda-graph"),
+    ({"disable_radix_cache": False}, "--disable-radix-cache"),
+    ({"enable_return_aux_hidden_states": False}, "--enable-return-aux-hidden-states"),
+    ({"enable_layernorm_sp": True}, "--enable-layernorm-sp"),
+])
+def test_load_hook_refuses_layouts_it_cannot_handle(plugins_loaded: Path,
+                                                    overrides: dict[str, Any],
+                                                    message: str) -> None:
+    # Through the real, patched ModelRunner.load_model: the check runs before the original
+    # (which needs a GPU, so a runner object stands in for ModelRunner's state).
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    runner = SimpleNamespace(server_args=_server_args(**overrides))
+    with pytest.raises(plugin.LayoutError, match=message):
+        ModelRunner.load_model(runner)
+
+
+def test_build_hook_writes_ready_marker(sglang_ctx: Any, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in runner: ModelRunner itself cannot be built without a GPU. Its model is a
+    # module tree holding layers_to_capture where DeepseekV2Model / LlamaModel keep it.
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
+    inner = torch.nn.Module()
+    inner.layers_to_capture = [2, 30, 58]  # type: ignore[assignment]
+    model = torch.nn.Module()
+    model.language_model = inner
+    runner = SimpleNamespace(server_args=_server_args(tp_size=8), model=model,
+                             model_config=SimpleNamespace(hidden_size=7168))
+    hook = plugin.build_hook(runner)
+    try:
+        marker = next(tmp_path.glob(".ready.*"))
+        import json
+
+        info = json.loads(marker.read_text())
+        assert info["layers_to_capture"] == [2, 30, 58] and info["sglang_version"] == "0.5.23"
+        assert info["tp_size"] == 8 and info["hidden_size"] == 7168 and info["pid"] == os.getpid()
+        assert verify.check_marker(tmp_path, 3600).ok
+    finally:
+        hook.writer.close()
+
+
+def _processor() -> Any:
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=H, vocab_size=V, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2)
+    return LogitsProcessor(cfg)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(V, H))
+
+
+def _request(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, V, (n,), generator=g), torch.randn(n, H, generator=g),
+            torch.randn(n, 3 * H, generator=g))
+
+
+def _forward(processor: Any, parts: list[tuple[str, int, int, Any]], pad: int = 0,
+             mode: str = "EXTEND") -> Any:
+    """One real LogitsProcessor.forward over a real ForwardBatch laid out like SGLang's."""
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardBatch,
+        ForwardMode,
+    )
+
+    rows = [[t[pre : pre + ext] for t in full] for _, pre, ext, full in parts]
+    ids = torch.cat([r[0] for r in rows] + [torch.zeros(pad, dtype=torch.int64)])
+    hid = torch.cat([r[1] for r in rows] + [torch.zeros(pad, H)])
+    aux = torch.cat([r[2] for r in rows] + [torch.zeros(pad, 3 * H)])
+    ext = [p[2] for p in parts] + ([pad] if pad else [])
+    pre = [p[1] for p in parts] + ([0] if pad else [])
+    fb = ForwardBatch(
+        forward_mode=getattr(ForwardMode, mode), batch_size=len(parts), input_ids=ids,
+        req_pool_indices=None,
+        seq_lens=torch.tensor([a + b for a, b in zip(pre, ext, strict=True)]),
+        out_cache_loc=None, seq_lens_sum=int(sum(pre) + sum(ext)), rids=[p[0] for p in parts],
+        extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre,
+        extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(pre))
+    fb.capture_hidden_mode = CaptureHiddenMode.NULL
+    # Kimi-K2.5 passes input_ids=None to the language model: the hook reads the batch's ids
+    aux_list = list(aux.split(H, dim=-1))
+    return processor(None, hid, _Head(), fb, aux_list)
+
+
+def test_capture_through_the_real_hook(hook: Any) -> None:
+    # Given our requests mixed with a health check and a foreign client, one request chunked
+    # over three batches, a retried rid, a truncated request and padding rows
+    proc = _processor()
+    a, b = c.make_rid("a", 1, 10), c.make_rid("b", 2, 4)
+    cut, retry = c.make_rid("cut", 1, 9), c.make_rid("r", 3, 5)
+    ra, rb, rh, rc, rr = (_request(n, s) for n, s in ((10, 1), (4, 2), (1, 3), (9, 4), (5, 5)))
+    out = _forward(proc, [(a, 0, 3, ra), ("HEALTH_CHECK_x", 0, 1, rh), (retry, 0, 2, rr)], pad=3)
+    # the original forward still ran: one next-token row per sequence (padding is one too)
+    assert out.next_token_logits.shape == (4, V)
+    _forward(proc, [("chatcmpl-1", 0, 1, rh), (a, 3, 5, ra), (b, 0, 4, rb),
+                    (retry, 0, 5, rr), (cut, 0, 4, rc)], pad=2)
+    _forward(proc, [(a, 8, 2, ra), (cut, 6, 3, rc)])  # cut lost rows 4..5: a gap
+    _forward(proc, [(a, 0, 1, ra)], mode="DECODE")  # decode passes are never dumped
+    hook.writer.flush()
+    d = hook.writer.dump_dir
+    # Then each whole request equals the same request in one piece, bit for bit in bf16
+    for rid, (ids, hid, aux) in ((a, ra), (b, rb), (retry, rr)):
+        got = load_file(str(c.dump_path(d, rid)))
+        assert torch.equal(got[c.T_INPUT_IDS], ids)
+        assert torch.equal(got[c.T_HIDDEN], hid.to(torch.bfloat16))
+        assert torch.equal(got[c.T_AUX], aux.to(torch.bfloat16))
+    assert "gap: chunk starts at 6" in c.err_path(d, cut).read_text()
+    ours = sorted(p.name for p in d.iterdir())
+    assert ours == sorted([f"{a}.safetensors", f"{b}.safetensors", f"{retry}.safetensors",
+                           f"{cut}.err"])
+
+
+def test_target_verify_and_foreign_batches_cost_nothing(hook: Any) -> None:
+    proc = _processor()
+    r = _request(4, 6)
+    _forward(proc, [(c.make_rid("tv", 1, 4), 0, 4, r)], mode="TARGET_VERIFY")
+    _forward(proc, [("HEALTH_CHECK_1", 0, 4, r)])
+    hook.writer.flush()
+    assert list(hook.writer.dump_dir.iterdir()) == []
+    assert hook.collector is None  # no stager was even built
+
+
+def _verify(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sglang_patch", "verify", *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_verify_passes_on_this_install() -> None:
+    ok = _verify()
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("PASS") == 4
+
+
+def test_verify_fails_when_sglang_does_not_load_the_plugin() -> None:
+    # SGLANG_PLUGINS is SGLang's allow-list: without our name there, the loader skips us,
+    # exactly as if this project were not installed in the server's interpreter
+    res = _verify(env={"SGLANG_PLUGINS": "some_other_plugin"})
+    assert res.returncode == 1
+    assert "FAIL  plugin loader: SGLang did not apply the hsfarm plugin" in res.stdout
+    assert "pip install hsfarm[server]" in res.stdout
+
+
+def test_verify_fails_on_an_unsupported_sglang_version(tmp_path: Path) -> None:
+    # Given an interpreter whose package metadata says sglang 0.4.0 (a dist-info first on the
+    # path: what importlib.metadata, and so pip, would report)
+    info = tmp_path / "sglang-0.4.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.4.0\n")
+    res = _verify(env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    assert res.returncode == 1
+    assert "FAIL  sglang version: 0.4.0 is not supported (supported: 0.5.23)" in res.stdout
+
+
+def test_verify_ready_marker_missing_stale_and_fresh(tmp_path: Path) -> None:
+    import json
+    import time
+
+    missing = _verify("--dump-dir", str(tmp_path))
+    assert missing.returncode == 1 and "FAIL  ready marker: none in" in missing.stdout
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    marker = tmp_path / f".ready.{dead.pid}"
+    marker.write_text(json.dumps({"pid": dead.pid, "time": time.time() - 7200,
+                                  "layers_to_capture": [2, 30, 58]}))
+    stale = _verify("--dump-dir", str(tmp_path))
+    assert stale.returncode == 1 and "stale, from an earlier server" in stale.stdout
+    marker.write_text(json.dumps({"pid": os.getpid(), "time": time.time(),
+                                  "layers_to_capture": [2, 30, 58], "server_version": "x"}))
+    fresh = _verify("--dump-dir", str(tmp_path))
+    assert fresh.returncode == 0, fresh.stdout
+    assert "layers [2, 30, 58]" in fresh.stdout
