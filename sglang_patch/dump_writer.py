@@ -155,11 +155,16 @@ class DumpWriter:
         final = c.dump_path(self.dump_dir, job.rid)
         tmp = self.dump_dir / f".{job.rid}{c.TMP_MARK}{os.getpid()}"
         try:
-            save_file(tensors, str(tmp), metadata=meta)
+            self._save(job.rid, tensors, tmp, meta)
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
         self.written += 1
+
+    def _save(self, rid: str, tensors: dict[str, torch.Tensor], path: Path,
+              metadata: dict[str, str]) -> None:
+        """Serialise one dump to ``path`` (a temp file; the caller renames it into place)."""
+        save_file(tensors, str(path), metadata=metadata)
 
     def _write_err(self, rid: str, message: str) -> None:
         self.errors += 1

@@ -33,6 +33,7 @@ from aiohttp import web
 
 from sglang_patch import contracts as c
 from sglang_patch.dump_writer import DumpCollector, DumpWriter, write_ready_marker
+from sglang_patch.faults import Fault, FaultyWriter
 from sglang_patch.reference_model import ReferenceModel
 from sglang_patch.tiny_model import ensure_tiny_model
 
@@ -231,7 +232,12 @@ class ReferenceServer:
             c.M_PATCH_VERSION: c.PATCH_VERSION,
             c.M_SERVER_VERSION: SERVER_VERSION,
         }
-        self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes)
+        faults = [Fault.parse(spec) for spec in args.inject_fault]
+        if faults:
+            self.writer: DumpWriter = FaultyWriter(self.dump_dir, meta, faults=faults,
+                                                   min_free_bytes=args.dump_reserve_bytes)
+        else:
+            self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes)
         self.collector = DumpCollector(self.writer, ttl_s=args.dump_ttl_s)
         self.scheduler: Scheduler | None = None
 
@@ -355,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep this much free in the dump dir; a dump that would not fit → .err")
     p.add_argument("--forward-delay-s", type=float, default=0.0,
                    help="sleep after each forward pass: a slower model, for tests and demos")
+    p.add_argument("--inject-fault", action="append", default=[], metavar="KIND:PREFIX[:N]",
+                   help="corrupt matching dumps (see sglang_patch/faults.py); tests only")
     p.add_argument("--log-level", default="INFO")
     return p
 

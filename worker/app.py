@@ -38,7 +38,7 @@ def celery_config(s: Settings) -> dict[str, object]:
         "task_time_limit": s.task_time_limit_s,
         "worker_prefetch_multiplier": 1,  # each process holds one message at most
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        "worker_soft_shutdown_timeout": 30.0,
+        "worker_soft_shutdown_timeout": s.soft_shutdown_s,
         "worker_enable_soft_shutdown_on_idle": True,
         "worker_send_task_events": True,  # for Flower
         "task_send_sent_event": True,

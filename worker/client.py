@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from worker.errors import BadInput, Transient
+from worker.errors import BadInput, ServerUnavailable, Transient
 
 
 class ServerClient:
@@ -44,6 +44,8 @@ class ServerClient:
                 if resp.status >= 300:
                     raise Transient(f"server error on {path} ({resp.status}): {_message(data)}")
                 return orjson.loads(data) if data else None
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
+            raise ServerUnavailable(f"{method} {url}: {type(e).__name__}: {e}") from e
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise Transient(f"{method} {url}: {type(e).__name__}: {e}") from e
         except orjson.JSONDecodeError as e:
@@ -63,9 +65,10 @@ class ServerClient:
             raise Transient(f"unexpected /model_info answer: {info!r:.200}")
         return info
 
-    async def health(self) -> bool:
+    async def reachable(self) -> bool:
+        """A cheap liveness probe (``/model_info``: no forward pass, unlike SGLang's /health)."""
         try:
-            await self._request("GET", "/health")
+            await self._request("GET", "/model_info")
         except (Transient, BadInput):
             return False
         return True

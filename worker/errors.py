@@ -3,7 +3,8 @@
     FarmError
     ├── ConfigError      bad settings or an output dir of another run; the process stops
     ├── BadInput         the sample itself is wrong; never retried, recorded as rejected
-    ├── Transient        server down, timeout, disk full; retried with backoff, bounded
+    ├── Transient        timeout, disk full, Redis away; retried with backoff, bounded
+    │   └── ServerUnavailable  cannot connect: the task waits for the server, attempt refunded
     └── Corrupt          a dump or file failed a check; retried, then recorded as failed
 """
 
@@ -24,6 +25,10 @@ class BadInput(FarmError):
 
 class Transient(FarmError):
     """A condition that may pass (server restarting, timeout, low space). Retried with backoff."""
+
+
+class ServerUnavailable(Transient):
+    """The inference server refuses connections (restarting, crashed). Not the sample's fault."""
 
 
 class Corrupt(FarmError):

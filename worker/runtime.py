@@ -43,8 +43,8 @@ class Runtime:
         """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer)."""
         model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
         store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
-                            versions={"hsfarm": c.PATCH_VERSION,
-                                      "model_path": str(model_path)}).open()
+                            versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
+                            debug_write_delay_s=settings.debug_write_delay_s).open()
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         r = redis.Redis.from_url(settings.redis_url, socket_timeout=30,

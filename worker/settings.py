@@ -41,7 +41,12 @@ class Settings:
     min_free_output_bytes: int = 2 * _GiB
     min_free_dump_bytes: int = 256 << 20
     low_space_poll_s: float = 10.0
+    server_wait_s: float = 300.0  # a task waits this long for a down server, holding its message
+    soft_shutdown_s: float = 30.0  # on SIGTERM (REMAP_SIGTERM=SIGQUIT): time to finish tasks
     log_level: str = "INFO"
+    # Fault injection for the crash tests only: sleep between writing a final file's temp file
+    # and its rename, so a test can kill a process mid-copy. Never set it in production.
+    debug_write_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -66,6 +71,8 @@ class Settings:
                 f"FARM_RETRY_BACKOFF_MAX_S ({self.visibility_timeout_s} <= "
                 f"{self.task_time_limit_s} + {self.retry_backoff_max_s})"
             )
+        if self.server_wait_s >= self.task_time_limit_s / 2:
+            out.append("FARM_SERVER_WAIT_S must be under half of FARM_TASK_TIME_LIMIT_S")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
             out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
         return out

@@ -72,11 +72,12 @@ class OutputStore:
     """One run's output directory. ``open`` checks or writes the manifest first."""
 
     def __init__(self, out_dir: Path, fingerprint: c.Fingerprint, min_free_bytes: int = 0,
-                 versions: dict[str, str] | None = None) -> None:
+                 versions: dict[str, str] | None = None, debug_write_delay_s: float = 0.0) -> None:
         self.out_dir = out_dir
         self.fingerprint = fingerprint
         self.min_free_bytes = min_free_bytes
         self.versions = versions or {}
+        self.debug_write_delay_s = debug_write_delay_s
 
     def open(self) -> OutputStore:
         """Create the dir and manifest, or check that the existing manifest matches.
@@ -138,8 +139,11 @@ class OutputStore:
         final = self.final_path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
+        self._remove_dead_temps(final)
         try:
             tensorfile.write(tmp, tensors, meta)
+            if self.debug_write_delay_s:
+                time.sleep(self.debug_write_delay_s)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
@@ -204,26 +208,38 @@ class OutputStore:
         return (meta.get(M_KEY) == key and meta.get(M_CONTENT) == content_sha256
                 and meta.get(M_FINGERPRINT) == self.fingerprint.id)
 
+    def _remove_dead_temps(self, final: Path) -> None:
+        """Temp files of this sample left by writers that were killed (a redelivered task)."""
+        for p in final.parent.glob(f".{final.name}{c.TMP_MARK}*"):
+            if _writer_dead(p.name):
+                p.unlink(missing_ok=True)
+
     def clean_stale_temp(self, max_age_s: float) -> int:
         """Remove temp files left by crashed writers; never touch finished files.
 
         A temp file is stale when its writer (same host) is no longer alive, or it is older
         than ``max_age_s`` (writers on other hosts sharing the directory).
         """
-        host, removed = socket.gethostname(), 0
+        removed = 0
         for p in self.out_dir.rglob(f"*{c.TMP_MARK}*"):
             try:
-                tag = p.name.split(c.TMP_MARK, 1)[1]
-                t_host, t_pid = tag.rsplit(".", 2)[0], int(tag.rsplit(".", 2)[1])
-                dead = t_host == host and not _pid_alive(t_pid)
-                if dead or time.time() - p.stat().st_mtime > max_age_s:
+                if _writer_dead(p.name) or time.time() - p.stat().st_mtime > max_age_s:
                     p.unlink()
                     removed += 1
-            except (IndexError, ValueError, OSError):
+            except OSError:
                 continue
         if removed:
             log.info("removed %d stale temp files under %s", removed, self.out_dir)
         return removed
+
+
+def _writer_dead(name: str) -> bool:
+    """True if a temp file's name says it was written by a process on this host now gone."""
+    try:
+        host, pid, _ = name.split(c.TMP_MARK, 1)[1].rsplit(".", 2)
+        return host == socket.gethostname() and not _pid_alive(int(pid))
+    except (IndexError, ValueError):
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

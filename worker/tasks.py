@@ -5,8 +5,10 @@ Error policy (Celery acks an exception, so every failure is handled explicitly h
 - ``Transient`` / ``Corrupt`` / soft time limit → ``self.retry`` with exponential backoff;
 - after ``FARM_MAX_ATTEMPTS`` started attempts (retries, redeliveries after crashes and hard
   time-outs all count) → recorded as failed with the last reason, acknowledged.
-Low space is not an attempt: the task waits for space, holding its one message, so the
-process takes no new work until space returns (see ``_wait_for_space``).
+- anything unexpected → logged with its traceback and retried like ``Corrupt`` (bounded):
+  an exception escaping to Celery would be acknowledged and the sample lost.
+Low space and a down server are not attempts: the task waits, holding its one message, so
+the process takes no new work until space returns or the server answers.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import time
 from typing import Any
 
 from celery import Task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from worker import extract as ex
 from worker.app import TASK_NAME, app, settings
-from worker.errors import BadInput, Corrupt, Transient
+from worker.errors import BadInput, Corrupt, ServerUnavailable, Transient
 from worker.runtime import Runtime, clean_start
 from worker.samples import SampleRef
 
@@ -68,6 +70,17 @@ def _backoff_s(attempt: int) -> float:
     return min(base, settings.retry_backoff_max_s) * random.uniform(0.8, 1.2)
 
 
+def _wait_for_server(rt: Runtime, key: str) -> None:
+    """Block until the server answers again (up to FARM_SERVER_WAIT_S)."""
+    deadline = time.monotonic() + settings.server_wait_s
+    log.warning("%s paused: server %s unreachable", key, settings.server_url)
+    while time.monotonic() < deadline:
+        if rt.loop.run_until_complete(rt.client.reachable()):
+            log.info("%s resumed: server answers", key)
+            return
+        time.sleep(1.0)
+
+
 def _wait_for_space(rt: Runtime, key: str) -> bool:
     """Block while space is short (up to half the time limit). True when space is back."""
     deadline = time.monotonic() + settings.task_time_limit_s / 2
@@ -86,8 +99,22 @@ def _wait_for_space(rt: Runtime, key: str) -> bool:
           reject_on_worker_lost=True)
 def extract(self: Task, ref_json: dict[str, Any]) -> dict[str, Any]:
     """Extract one sample's hidden states into a verified final file."""
+    try:
+        ref = SampleRef.from_json(ref_json)
+    except BadInput as e:  # not ours to retry: a message no producer of this farm wrote
+        log.error("dropping malformed task message: %s", e)
+        return {"status": "malformed"}
     rt = runtime()
-    ref = SampleRef.from_json(ref_json)
+    try:
+        return _extract(self, rt, ref)
+    except Retry:
+        raise
+    except Exception as e:  # before an attempt was counted: e.g. Redis away; never acked
+        log.warning("%s not started: %s: %s", ref.key, type(e).__name__, e)
+        raise self.retry(countdown=_backoff_s(1)) from e
+
+
+def _extract(self: Task, rt: Runtime, ref: SampleRef) -> dict[str, Any]:
     done = ex.already_done(rt, ref)
     if done is not None:
         log.info("%s already done (verified from disk)", ref.key)
@@ -107,7 +134,14 @@ def extract(self: Task, ref_json: dict[str, Any]) -> dict[str, Any]:
         rt.index.mark_rejected(ref.key, str(e), f"record {ref.index}", sha=ref.sha256)
         log.warning("%s a%d rejected: %s", ref.key, attempt, e)
         return {"status": "rejected", "key": ref.key, "reason": str(e)}
-    except (Transient, Corrupt, SoftTimeLimitExceeded) as e:
+    except ServerUnavailable as e:
+        log.warning("%s a%d server unavailable: %s", ref.key, attempt, e)
+        _wait_for_server(rt, ref.key)
+        rt.index.refund_attempt(ref.key)
+        raise self.retry(countdown=random.uniform(0, 1)) from e
+    except Exception as e:
+        if not isinstance(e, Transient | Corrupt | SoftTimeLimitExceeded):
+            log.exception("%s a%d unexpected error", ref.key, attempt)
         reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if attempt >= settings.max_attempts:
             rt.index.mark_failed(ref.key, reason, attempt)

@@ -1,0 +1,75 @@
+"""Fault injection for the reference server: dumps that are wrong in one specific way.
+
+    --inject-fault KIND:KEY_PREFIX[:ATTEMPTS]
+
+corrupts the dumps of requests whose sample key starts with KEY_PREFIX, on attempts up to
+ATTEMPTS (every attempt when omitted). KIND is one of:
+
+- ``nan``: one hidden-state value becomes NaN;
+- ``ids``: the first token id is off by one (the server ran something else);
+- ``shape``: the aux tensor loses a column;
+- ``truncate``: the file is cut in half.
+
+The corruption happens before the atomic rename, so a worker only ever sees the final, wrong
+file — as it would from a faulty server. For the fault tests and for trying the farm's checks
+by hand; never part of a real server.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sglang_patch import contracts as c
+from sglang_patch.dump_writer import DumpWriter
+
+KINDS = ("nan", "ids", "shape", "truncate")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    key_prefix: str
+    max_attempt: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in KINDS:
+            raise ValueError(f"--inject-fault {spec!r}: expected KIND:KEY_PREFIX[:ATTEMPTS] with "
+                             f"KIND in {', '.join(KINDS)}")
+        return cls(parts[0], parts[1], int(parts[2]) if len(parts) == 3 else None)
+
+    def applies(self, rid: str) -> bool:
+        r = c.parse_rid(rid)
+        return (r is not None and r.sample_key.startswith(self.key_prefix)
+                and (self.max_attempt is None or r.attempt <= self.max_attempt))
+
+
+class FaultyWriter(DumpWriter):
+    """A DumpWriter that corrupts matching dumps before they are renamed into place."""
+
+    def __init__(self, *args: object, faults: list[Fault], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.faults = faults
+
+    def _save(self, rid: str, tensors: dict[str, torch.Tensor], path: Path,
+              metadata: dict[str, str]) -> None:
+        fault = next((f for f in self.faults if f.applies(rid)), None)
+        if fault is None:
+            return super()._save(rid, tensors, path, metadata)
+        t = dict(tensors)
+        if fault.kind == "nan":
+            t[c.T_HIDDEN] = t[c.T_HIDDEN].clone()
+            t[c.T_HIDDEN][0, 0] = float("nan")
+        elif fault.kind == "ids":
+            t[c.T_INPUT_IDS] = t[c.T_INPUT_IDS].clone()
+            t[c.T_INPUT_IDS][0] += 1
+        elif fault.kind == "shape":
+            t[c.T_AUX] = t[c.T_AUX][:, :-1].contiguous()
+        super()._save(rid, t, path, metadata)
+        if fault.kind == "truncate":
+            os.truncate(path, path.stat().st_size // 2)
