@@ -1,121 +1,78 @@
-"""Crashes with real SIGKILLs: a worker's pool process, and a worker's main process."""
+"""Crashes with real SIGKILLs: a worker's pool process (mid-request and mid-copy), and a
+worker's main process."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
+import time
 from pathlib import Path
 
-from producer.localfarm import LocalFarm, wait_until
-from tests.conftest import (
-    CACHE,
-    FAST_ENV,
-    assert_farm_invariants,
-    wait_finished,
-    write_samples,
-)
-from worker import keys
+from producer.localfarm import wait_until
+from sglang_patch import contracts as c
+from tests.conftest import FAST_ENV, assert_farm_invariants, wait_finished
+from tests.faults import attempts, busy_child, enqueue, failed, kill, running_farm
 
 
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def _running_pids(farm: LocalFarm) -> dict[int, str]:
-    """pid → sample key for the tasks running right now (from the run index)."""
-    r = farm.redis()
-    out = {}
-    for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.RUNNING}"):
-        for key, body in r.hgetall(k).items():
-            pid = int(json.loads(body)["worker"].rsplit(":", 1)[1])
-            out[pid] = _text(key)
-    return out
-
-
-def _attempts(farm: LocalFarm) -> dict[str, int]:
-    r = farm.redis()
-    out: dict[str, int] = {}
-    for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.ATTEMPTS}"):
-        out.update({_text(key): int(v) for key, v in r.hgetall(k).items()})
-    return out
-
-
-def _start(farm: LocalFarm, tmp_path: Path, n: int) -> list[str]:
-    data = tmp_path / "data.json"
-    samples = write_samples(data, n)
-    res = farm.cli("enqueue", str(data), "--no-progress")
-    assert res.returncode == 0, res.stderr
-    return [str(s["id"]) for s in samples]
-
-
-def _kill_busy_child(farm: LocalFarm, worker: str) -> str:
-    """SIGKILL a pool process of ``worker`` while it is in the middle of a task."""
-    busy: dict[int, str] = {}
-
-    def found() -> bool:
-        nonlocal busy
-        children = set(farm.procs[worker].children())
-        busy = {p: k for p, k in _running_pids(farm).items() if p in children}
-        return bool(busy)
-
-    wait_until(found, 60, f"a busy pool process in {worker}", poll_s=0.02)
-    pid, key = next(iter(busy.items()))
-    os.kill(pid, signal.SIGKILL)
-    return key
-
-
-def test_sigkill_pool_process_mid_task(tmp_path: Path, tiny_model: Path) -> None:
-    # Given a slow-ish server (so tasks are caught mid-request) and two workers
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, chunked_prefill_size=64,
-                     extra_env=dict(FAST_ENV))
-    try:
-        farm.start_redis()
-        farm.start_server(["--forward-delay-s", "0.05"])
+def test_sigkill_pool_process_mid_request(tmp_path: Path, tiny_model: Path) -> None:
+    # Given a slow-ish server, so tasks are caught mid-request, and two workers
+    with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
         farm.start_worker("w1", concurrency=2)
         farm.start_worker("w2", concurrency=2)
-        keys_expected = _start(farm, tmp_path, 40)
+        keys = enqueue(farm, tmp_path, 40)
         # When pool processes are SIGKILLed in the middle of tasks, three times
-        killed = [_kill_busy_child(farm, w) for w in ("w1", "w2", "w1")]
+        killed = []
+        for w in ("w1", "w2", "w1"):
+            pid, key = busy_child(farm, w)
+            kill(pid)
+            killed.append(key)
         wait_finished(farm, 40)
         # Then every sample, the killed ones too, has exactly one verified file
-        assert_farm_invariants(farm, keys_expected)
-        attempts = _attempts(farm)
-        assert all(attempts[k] >= 2 for k in killed), (killed, attempts)
+        assert_farm_invariants(farm, keys)
+        assert all(attempts(farm)[k] >= 2 for k in killed), (killed, attempts(farm))
+        assert not failed(farm)
         assert "WorkerLostError" in farm.procs["w1"].log.read_text()
-    finally:
-        farm.close()
+
+
+def test_sigkill_pool_process_mid_copy(tmp_path: Path, tiny_model: Path) -> None:
+    # Given workers that pause between writing a final file's temp file and renaming it
+    with running_farm(tmp_path, env={"FARM_DEBUG_WRITE_DELAY_S": "0.5"}) as farm:
+        farm.start_worker("w1", concurrency=2)
+        keys = enqueue(farm, tmp_path, 12)
+        samples = farm.output_dir / "samples"
+        # When the writer of a half-written temp file is SIGKILLed, twice
+        temps: list[Path] = []
+
+        def temp_exists() -> bool:
+            temps[:] = [p for p in samples.rglob("*") if c.is_temp_name(p.name)]
+            return bool(temps)
+
+        for _ in range(2):
+            wait_until(temp_exists, 60, "a temp file being written", poll_s=0.01)
+            pid = int(temps[0].name.split(c.TMP_MARK, 1)[1].rsplit(".", 2)[1])
+            kill(pid)
+        wait_finished(farm, 12)
+        # Then no partial or temp file is left and every sample verifies
+        assert_farm_invariants(farm, keys)
+        assert not failed(farm)
 
 
 def test_sigkill_worker_main_process(tmp_path: Path, tiny_model: Path) -> None:
-    # Given two workers, one of which will lose its main process
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, chunked_prefill_size=64,
-                     extra_env=dict(FAST_ENV))
-    try:
-        farm.start_redis()
-        farm.start_server(["--forward-delay-s", "0.05"])
+    with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
         farm.start_worker("w1", concurrency=2)
         farm.start_worker("w2", concurrency=2)
-        keys_expected = _start(farm, tmp_path, 40)
+        keys = enqueue(farm, tmp_path, 40)
         # When w2's main process is SIGKILLed while its pool is busy
-        busy: list[int] = []
-
-        def w2_busy() -> bool:
-            children = set(farm.procs["w2"].children())
-            busy[:] = [p for p in _running_pids(farm) if p in children]
-            return bool(busy)
-
-        wait_until(w2_busy, 60, "w2 busy", poll_s=0.02)
+        pid, key = busy_child(farm, "w2")
+        t_kill = time.monotonic()
         farm.procs["w2"].kill(signal.SIGKILL)
         # its pool processes do not outlive it
-        wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in busy), 30,
-                   "w2's pool processes to exit")
-        # Then w1 finishes the queue, and w2's unacknowledged tasks come back after the
-        # visibility timeout (seconds here; FARM_VISIBILITY_TIMEOUT_S), not the 1-hour default
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), 30, "w2's pool to exit")
         farm.start_worker("w2b", concurrency=2)
         wait_finished(farm, 40, timeout_s=180)
-        assert_farm_invariants(farm, keys_expected)
-        logs = farm.procs["w1"].log.read_text() + farm.procs["w2b"].log.read_text()
-        assert "redelivered" in logs or max(_attempts(farm).values()) >= 2
-    finally:
-        farm.close()
+        recovery_s = time.monotonic() - t_kill
+        # Then its unacknowledged tasks came back after the configured visibility timeout
+        # (seconds here), not the 1-hour default, and everything verifies
+        limit = float(FAST_ENV["FARM_VISIBILITY_TIMEOUT_S"]) + 30
+        assert recovery_s < limit, f"recovered in {recovery_s:.0f}s, over {limit:.0f}s"
+        assert_farm_invariants(farm, keys)
+        assert attempts(farm)[key] >= 2 and not failed(farm)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from producer.localfarm import LocalFarm
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
-from tests.test_crash import _attempts
+from tests.faults import attempts as _attempts
 
 
 def test_enqueue_twice_and_after_done(tmp_path: Path, tiny_model: Path) -> None:

@@ -34,7 +34,7 @@ def celery_config(s: Settings) -> dict[str, object]:
         "task_reject_on_worker_lost": True,  # a killed pool process → message requeued
         "task_acks_on_failure": True,  # failures are handled with retry(), see tasks.py
         "task_acks_on_timeout": False,  # a hard timeout requeues; attempts are bounded
-        "task_soft_time_limit": s.task_time_limit_s - 20,
+        "task_soft_time_limit": s.task_time_limit_s - min(20.0, s.task_time_limit_s / 5),
         "task_time_limit": s.task_time_limit_s,
         "worker_prefetch_multiplier": 1,  # each process holds one message at most
         "worker_cancel_long_running_tasks_on_connection_loss": True,

@@ -16,7 +16,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import tensorfile
-from worker.errors import Corrupt, Transient
+from worker.errors import Corrupt, NoSpace, Transient
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
@@ -56,7 +56,7 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
             message = err.read_text(errors="replace").strip()
             err.unlink(missing_ok=True)
             if message.startswith("dump dir full"):
-                raise Transient(f"server-side dump failed: {message}")
+                raise NoSpace(f"server-side dump failed: {message}")
             raise Corrupt(f"server-side dump failed: {message}")
         if time.monotonic() > deadline:
             raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s "

@@ -4,7 +4,8 @@
     ├── ConfigError      bad settings or an output dir of another run; the process stops
     ├── BadInput         the sample itself is wrong; never retried, recorded as rejected
     ├── Transient        timeout, disk full, Redis away; retried with backoff, bounded
-    │   └── ServerUnavailable  cannot connect: the task waits for the server, attempt refunded
+    │   ├── ServerUnavailable  cannot connect: the task waits for the server, attempt refunded
+    │   └── NoSpace            ENOSPC on the output disk or a full dump dir: wait for space
     └── Corrupt          a dump or file failed a check; retried, then recorded as failed
 """
 
@@ -29,6 +30,10 @@ class Transient(FarmError):
 
 class ServerUnavailable(Transient):
     """The inference server refuses connections (restarting, crashed). Not the sample's fault."""
+
+
+class NoSpace(Transient):
+    """A disk (output) or tmpfs (dumps) ran out of space mid-write. Nothing partial remains."""
 
 
 class Corrupt(FarmError):

@@ -7,6 +7,7 @@ page cache dropped and every per-tensor checksum compared.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -21,7 +22,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import tensorfile
-from worker.errors import ConfigError, Corrupt, Transient
+from worker.errors import ConfigError, Corrupt, NoSpace, Transient
 
 log = logging.getLogger("hsfarm.store")
 
@@ -150,6 +151,8 @@ class OutputStore:
             os.replace(tmp, final)
             fsync_dir(final.parent)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(f"writing {final}: {e.strerror}") from e
             raise Transient(f"writing {final}: {e}") from e
         finally:
             tmp.unlink(missing_ok=True)

@@ -25,7 +25,7 @@ from celery.signals import worker_init, worker_process_init, worker_process_shut
 
 from worker import extract as ex
 from worker.app import TASK_NAME, app, settings
-from worker.errors import BadInput, Corrupt, ServerUnavailable, Transient
+from worker.errors import BadInput, Corrupt, NoSpace, ServerUnavailable, Transient
 from worker.runtime import Runtime, clean_start
 from worker.samples import SampleRef
 
@@ -134,6 +134,15 @@ def _extract(self: Task, rt: Runtime, ref: SampleRef) -> dict[str, Any]:
         rt.index.mark_rejected(ref.key, str(e), f"record {ref.index}", sha=ref.sha256)
         log.warning("%s a%d rejected: %s", ref.key, attempt, e)
         return {"status": "rejected", "key": ref.key, "reason": str(e)}
+    except NoSpace as e:
+        # counted (a sample that can never fit must end), but wait for space before retrying
+        log.warning("%s a%d out of space: %s", ref.key, attempt, e)
+        rt.index.clear_running(ref.key)
+        if attempt >= settings.max_attempts:
+            rt.index.mark_failed(ref.key, f"NoSpace: {e}", attempt)
+            return {"status": "failed", "key": ref.key, "reason": str(e)}
+        _wait_for_space(rt, ref.key)
+        raise self.retry(countdown=random.uniform(0, 1)) from e
     except ServerUnavailable as e:
         log.warning("%s a%d server unavailable: %s", ref.key, attempt, e)
         _wait_for_server(rt, ref.key)

@@ -1,0 +1,105 @@
+"""Helpers shared by the fault tests: farms with real processes, and ways to break them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from producer.localfarm import LocalFarm, wait_until
+from tests.conftest import CACHE, FAST_ENV, write_samples
+from worker import keys
+
+
+def text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+@contextmanager
+def running_farm(tmp_path: Path, server_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, chunk: int = 64,
+                 start_redis: bool = True) -> Iterator[LocalFarm]:
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, chunked_prefill_size=chunk,
+                     extra_env={**FAST_ENV, **(env or {})})
+    try:
+        if start_redis:
+            farm.start_redis()
+        farm.start_server(server_args)
+        yield farm
+    finally:
+        farm.close()
+
+
+def enqueue(farm: LocalFarm, tmp_path: Path, n: int, start: int = 0) -> list[str]:
+    data = tmp_path / "data.json"
+    samples = write_samples(data, n, start)
+    res = farm.cli("enqueue", str(data), "--no-progress")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return [str(s["id"]) for s in samples]
+
+
+def run_hash(farm: LocalFarm, name: str) -> dict[str, str]:
+    """One of the run index's hashes (all runs merged; tests have one)."""
+    r = farm.redis()
+    out: dict[str, str] = {}
+    for k in r.scan_iter(f"{keys.PREFIX}:*:{name}"):
+        out.update({text(a): text(b) for a, b in r.hgetall(k).items()})
+    return out
+
+
+def attempts(farm: LocalFarm) -> dict[str, int]:
+    return {k: int(v) for k, v in run_hash(farm, keys.ATTEMPTS).items()}
+
+
+def failed(farm: LocalFarm) -> dict[str, str]:
+    return {k: json.loads(v)["reason"] for k, v in run_hash(farm, keys.FAILED).items()}
+
+
+def running_pids(farm: LocalFarm) -> dict[int, str]:
+    """pid → sample key of the tasks running now."""
+    return {int(json.loads(v)["worker"].rsplit(":", 1)[1]): k
+            for k, v in run_hash(farm, keys.RUNNING).items()}
+
+
+def busy_child(farm: LocalFarm, worker: str, timeout_s: float = 60) -> tuple[int, str]:
+    """A pool process of ``worker`` that is in the middle of a task, and its sample."""
+    found: dict[int, str] = {}
+
+    def busy() -> bool:
+        children = set(farm.procs[worker].children())
+        found.clear()
+        found.update({p: k for p, k in running_pids(farm).items() if p in children})
+        return bool(found)
+
+    wait_until(busy, timeout_s, f"a busy pool process in {worker}", poll_s=0.02)
+    return next(iter(found.items()))
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    with suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+@contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real size-limited tmpfs (root only): writes past it fail with ENOSPC."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def can_mount_tmpfs(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe-mount"
+    try:
+        with small_tmpfs(probe, "1M"):
+            return True
+    except (subprocess.CalledProcessError, FileNotFoundError, PermissionError):
+        return False
