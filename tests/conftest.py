@@ -79,17 +79,18 @@ def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:
     queue = farm.settings().queue
 
     def finished() -> bool:
-        run_keys = list(r.scan_iter(f"{keys.PREFIX}:*:{keys.DONE}"))
-        done = sum(int(r.zcard(k)) for k in run_keys)
-        outcomes = sum(int(r.hlen(k.decode().replace(keys.DONE, name)))
-                       for k in run_keys for name in (keys.FAILED, keys.REJECTED))
+        runs = [k.decode().rsplit(":", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.META}")]
+        done = sum(int(r.zcard(f"{run}:{keys.DONE}")) for run in runs)
+        outcomes = sum(int(r.hlen(f"{run}:{name}"))
+                       for run in runs for name in (keys.FAILED, keys.REJECTED))
         return done + outcomes >= total and broker_depth(r, queue) == (0, 0)
 
     wait_until(finished, timeout_s, f"{total} samples to finish", poll_s=0.5)
 
 
-def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str]) -> None:
-    """The check every fault scenario ends with."""
+def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str],
+                           failed: tuple[str, ...] = ()) -> None:
+    """The check every fault scenario ends with. ``failed``: samples meant to fail (no file)."""
     from producer.queue_scan import broker_depth
 
     out = farm.output_dir
@@ -102,7 +103,8 @@ def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str]) -> None:
     )
     assert broker_depth(farm.redis(), farm.settings().queue) == (0, 0)
     res = farm.cli("audit")
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.returncode == (1 if failed else 0), res.stdout + res.stderr
     assert f"whole: {len(keys_expected)} " in res.stdout
+    assert f"missing: {len(failed)}\n" in res.stdout and "corrupt: 0\n" in res.stdout
     dumps = [p for p in farm.dump_dir.iterdir() if not p.name.startswith(c.READY_PREFIX)]
     assert not dumps, f"dumps left in tmpfs: {dumps}"
