@@ -154,7 +154,7 @@ def test_corrupt_dumps_are_retried_then_recorded(tmp_path: Path, tiny_model: Pat
         assert attempts(farm)["bad-nan"] == 3
         # the flaky one succeeded on its second attempt, and the rest were unaffected
         assert attempts(farm)["flaky-1"] == 2
-        assert_farm_invariants(farm, [s["id"] for s in ok] + ["flaky-1"],
+        assert_farm_invariants(farm, [f"ok-{i}" for i in range(8)] + ["flaky-1"],
                                failed=("bad-nan", "bad-ids", "bad-shape", "bad-trunc"))
         assert farm.cli("status", "--check").returncode == 1
 
