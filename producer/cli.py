@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 0 only if every sample has an outcome and none failed")
     a = sub.add_parser("audit", help="read back and check every output file")
     a.add_argument("--data", type=Path, default=None,
-                   help="the data file (default: the one last enqueued for this run)")
+                   help="the data file (default: every file enqueued for this run)")
     a.add_argument("--requeue", action="store_true",
                    help="publish the missing, corrupt and incompatible samples again")
     a.add_argument("--jobs", type=int, default=4, help="files checked in parallel")
@@ -111,17 +111,20 @@ def _status(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespa
 
 def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
            args: argparse.Namespace) -> int:
-    data = args.data
-    if data is None:
+    if args.data is not None:
+        files = [args.data]
+    else:
         index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
-        recorded = index.meta().get("data_file")
-        if not recorded:
+        files = [Path(f) for f in index.data_files()]
+        if not files:
             raise ConfigError("no data file recorded for this run: pass --data FILE")
-        data = Path(recorded)
     store = OutputStore(settings.output_dir, fingerprint)
-    report = audit(store, chat, data, jobs=args.jobs)
-    print(f"run {fingerprint.id}, data {data}")
-    print("\n".join(report.lines()))
-    if args.requeue and report.to_requeue:
-        print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
-    return EXIT_OK if report.ok else EXIT_PARTIAL
+    ok = True
+    for data in files:
+        report = audit(store, chat, data, jobs=args.jobs)
+        print(f"run {fingerprint.id}, data {data}")
+        print("\n".join(report.lines()))
+        if args.requeue and report.to_requeue:
+            print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
+        ok = ok and report.ok
+    return EXIT_OK if ok else EXIT_PARTIAL

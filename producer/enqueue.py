@@ -38,6 +38,7 @@ class Summary:
     previously_failed: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (where, reason)
     problems: list[tuple[str, str]] = field(default_factory=list)  # file-level, not records
+    notes: list[tuple[str, str]] = field(default_factory=list)  # accepted, but worth knowing
 
     def lines(self) -> list[str]:
         out = [
@@ -52,6 +53,7 @@ class Summary:
                        f"{self.previously_rejected}/{self.previously_failed} "
                        "(see 'status --failures'; --retry-failed retries the failed)")
         out += [f"  {where}: {reason}" for where, reason in self.problems + self.rejected]
+        out += [f"  note, {where}: {text}" for where, text in self.notes]
         return out
 
     @property
@@ -87,7 +89,8 @@ def requeue(settings: Settings, fingerprint: c.Fingerprint, refs: list[SampleRef
 
 def sample_refs(path: Path, rejected: list[tuple[str, str]],
                 problems: list[tuple[str, str]], limit: int | None = None,
-                progress: Callable[[int], None] | None = None) -> Iterator[SampleRef]:
+                progress: Callable[[int], None] | None = None,
+                notes: list[tuple[str, str]] | None = None) -> Iterator[SampleRef]:
     """The valid records of ``path`` as task references, in file order.
 
     Invalid records go to ``rejected`` and broken stretches of the file to ``problems``, each
@@ -117,6 +120,9 @@ def sample_refs(path: Path, rejected: list[tuple[str, str]],
                                          f"(same sample key as {seen[key]})"))
             continue
         seen[key] = item.where
+        if notes is not None and sample.source_id is not None and key != sample.source_id:
+            notes.append((item.where, f"id {str(sample.source_id)[:60]!r} is not usable as a "
+                                      f"file name; its sample key is {key!r}"))
         yield SampleRef(key=key, file=abs_path, offset=item.offset, length=len(item.raw),
                         sha256=content_hash(item.raw), index=item.index)
 
@@ -143,7 +149,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     bar = tqdm(total=size, unit="B", unit_scale=True, desc="enqueue",
                disable=not progress)
     refs = sample_refs(path, summary.rejected, summary.problems, limit,
-                       progress=lambda at: bar.update(at - bar.n))
+                       progress=lambda at: bar.update(at - bar.n), notes=summary.notes)
     with bar, app.producer_or_acquire() as producer, producer.batch(max_size=500):
         for ref in refs:
             summary.records += 1
@@ -166,6 +172,6 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     if not dry_run:
         for where, reason in summary.rejected:
             index.mark_rejected(f"@{where}", reason, record=where)
-        index.set_meta(total=summary.records,
-                       data_file=str(path.resolve()))
+        index.set_meta(total=summary.records, data_file=str(path.resolve()))
+        index.add_data_file(str(path.resolve()))
     return summary

@@ -125,6 +125,14 @@ class RunIndex:
         self.r.hset(self.k(keys.META), mapping={k: str(v) for k, v in fields.items()})
 
     @_redis_errors
+    def add_data_file(self, path: str) -> None:
+        self.r.sadd(self.k(keys.DATA_FILES), path)
+
+    @_redis_errors
+    def data_files(self) -> list[str]:
+        return sorted(x.decode() for x in self.r.smembers(self.k(keys.DATA_FILES)))  # type: ignore[union-attr]
+
+    @_redis_errors
     def meta(self) -> dict[str, str]:
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.META))  # type: ignore[assignment]
         return {k.decode(): v.decode() for k, v in raw.items()}

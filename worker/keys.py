@@ -14,7 +14,8 @@ FAILED = "failed"  # hash sample_key -> JSON {reason, attempts, at}
 REJECTED = "rejected"  # hash sample_key -> JSON {reason, at, record}
 RUNNING = "running"  # hash sample_key -> JSON {worker, attempt, since}
 ATTEMPTS = "attempts"  # hash sample_key -> number of attempts started
-META = "meta"  # hash: total, enqueued_at, data_file, ...
+META = "meta"  # hash: total, data_file (the last enqueued), ...
+DATA_FILES = "data_files"  # set of every data file enqueued for this run (what audit reads)
 PAUSED = "paused"  # hash worker hostname -> reason (low space)
 
 

@@ -89,9 +89,10 @@ def validate_record(obj: Any) -> Sample:
         raise BadInput(f"id must be a string or an integer, not {type(source_id).__name__}")
     if "input_ids" in obj:
         return _pretokenized(obj, source_id)
-    msgs = obj.get("messages", obj.get("conversations"))
-    if msgs is None:
+    field = next((f for f in ("messages", "conversations") if f in obj), None)
+    if field is None:
         raise BadInput("no 'messages', 'conversations' or 'input_ids' field")
+    msgs = obj[field]
     if not isinstance(msgs, list) or not msgs:
         raise BadInput("'messages' must be a non-empty list")
     messages = tuple(_message(m, i) for i, m in enumerate(msgs))
