@@ -1,0 +1,59 @@
+"""Security: JSON-only messages (a pickle is refused, never run), no pickle loading anywhere,
+no file outside the output directory."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import time
+from pathlib import Path
+
+from kombu import Connection, Exchange, Producer, Queue
+
+from tests.conftest import ROOT
+from tests.faults import running_farm
+
+
+class _Evil:
+    """Unpickling this would create a file: proof of code execution if it ever appears."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (self.marker,))
+
+
+def test_pickle_message_is_refused_and_never_executed(tmp_path: Path, tiny_model: Path) -> None:
+    marker = tmp_path / "pwned"
+    with running_farm(tmp_path) as farm:
+        farm.start_worker("w1", concurrency=1)
+        # Given a message serialized with pickle, addressed to our task on our queue
+        queue = farm.settings().queue
+        with Connection(farm.env()["REDIS_URL"]) as conn:
+            producer = Producer(conn, exchange=Exchange(queue), routing_key=queue)
+            producer.publish(
+                [[_Evil(marker)], {}, {}], serializer="pickle",
+                headers={"id": "evil-1", "task": "hsfarm.extract", "lang": "py"},
+                declare=[Queue(queue, Exchange(queue), routing_key=queue)])
+        # When the worker receives it
+        deadline = time.monotonic() + 20
+        log = ""
+        while time.monotonic() < deadline and "evil-1" not in log and "pickle" not in log:
+            time.sleep(0.2)
+            log = farm.procs["w1"].log.read_text()
+        # Then it is refused as disallowed content, and never unpickled
+        assert re.search(r"ContentDisallowed|Refusing to deserialize", log), log[-2000:]
+        assert not marker.exists()
+        assert farm.procs["w1"].alive()
+
+
+def test_no_code_loads_pickles() -> None:
+    # torch.load / pickle.load(s) unpickle arbitrary objects; the farm reads safetensors only
+    pattern = re.compile(r"\b(pickle\.loads?|torch\.load|cloudpickle|dill\.loads?)\s*\(")
+    hits = [f"{p.relative_to(ROOT)}:{n}"
+            for d in ("worker", "producer", "sglang_patch", "bench", "ops")
+            for p in (ROOT / d).rglob("*.py")
+            for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
+    assert pickle  # the test itself uses pickle only to build the hostile message
