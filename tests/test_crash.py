@@ -18,14 +18,14 @@ def test_sigkill_pool_process_mid_request(tmp_path: Path, tiny_model: Path) -> N
     with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
         farm.start_worker("w1", concurrency=2)
         farm.start_worker("w2", concurrency=2)
-        keys = enqueue(farm, tmp_path, 40)
+        keys = enqueue(farm, tmp_path, 24)
         # When pool processes are SIGKILLed in the middle of tasks, three times
         killed = []
         for w in ("w1", "w2", "w1"):
             pid, key = busy_child(farm, w)
             kill(pid)
             killed.append(key)
-        wait_finished(farm, 40)
+        wait_finished(farm, 24)
         # Then every sample, the killed ones too, has exactly one verified file
         assert_farm_invariants(farm, keys)
         assert all(attempts(farm)[k] >= 2 for k in killed), (killed, attempts(farm))
@@ -60,7 +60,7 @@ def test_sigkill_worker_main_process(tmp_path: Path, tiny_model: Path) -> None:
     with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
         farm.start_worker("w1", concurrency=2)
         farm.start_worker("w2", concurrency=2)
-        keys = enqueue(farm, tmp_path, 40)
+        keys = enqueue(farm, tmp_path, 24)
         # When w2's main process is SIGKILLed while its pool is busy
         pid, key = busy_child(farm, "w2")
         t_kill = time.monotonic()
@@ -68,7 +68,7 @@ def test_sigkill_worker_main_process(tmp_path: Path, tiny_model: Path) -> None:
         # its pool processes do not outlive it
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), 30, "w2's pool to exit")
         farm.start_worker("w2b", concurrency=2)
-        wait_finished(farm, 40, timeout_s=180)
+        wait_finished(farm, 24, timeout_s=180)
         recovery_s = time.monotonic() - t_kill
         # Then its unacknowledged tasks came back after the configured visibility timeout
         # (seconds here), not the 1-hour default, and everything verifies

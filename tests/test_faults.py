@@ -34,7 +34,7 @@ def test_sigterm_is_a_warm_shutdown(tmp_path: Path, tiny_model: Path) -> None:
     env = {"REMAP_SIGTERM": "SIGQUIT"}
     with running_farm(tmp_path, ["--forward-delay-s", "0.1"], env=env) as farm:
         farm.start_worker("w1", concurrency=2)
-        keys = enqueue(farm, tmp_path, 30)
+        keys = enqueue(farm, tmp_path, 16)
         busy_child(farm, "w1")
         in_flight = set(running_pids(farm).values())
         # When w1 gets SIGTERM in the middle of its tasks
@@ -51,7 +51,7 @@ def test_sigterm_is_a_warm_shutdown(tmp_path: Path, tiny_model: Path) -> None:
         done = set(run_hash(farm, keys_mod.BYTES))
         assert all(k in done or any(t.endswith(f"-{k}") for t in queued) for k in in_flight)
         farm.start_worker("w2", concurrency=2)
-        wait_finished(farm, 30, timeout_s=120)
+        wait_finished(farm, 16, timeout_s=120)
         assert_farm_invariants(farm, keys)
         assert not failed(farm)
 
@@ -60,14 +60,14 @@ def test_redis_killed_and_restarted(tmp_path: Path, tiny_model: Path) -> None:
     with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
         farm.start_worker("w1", concurrency=2)
         farm.start_worker("w2", concurrency=2)
-        keys = enqueue(farm, tmp_path, 40)
+        keys = enqueue(farm, tmp_path, 30)
         busy_child(farm, "w1")
         # When Redis (AOF, appendfsync always) is SIGKILLed mid-run and restarted
         farm.procs["redis"].kill(signal.SIGKILL)
         time.sleep(2)
         farm.start_redis()
         # Then the queue and index come back from the AOF and the run completes
-        wait_finished(farm, 40, timeout_s=180)
+        wait_finished(farm, 30, timeout_s=180)
         assert_farm_invariants(farm, keys)
         assert not failed(farm)
 
@@ -75,14 +75,14 @@ def test_redis_killed_and_restarted(tmp_path: Path, tiny_model: Path) -> None:
 def test_server_killed_and_restarted(tmp_path: Path, tiny_model: Path) -> None:
     with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
         farm.start_worker("w1", concurrency=2)
-        keys = enqueue(farm, tmp_path, 30)
+        keys = enqueue(farm, tmp_path, 20)
         busy_child(farm, "w1")
         # When the inference server is SIGKILLed mid-run and comes back a few seconds later
         farm.procs["server"].kill(signal.SIGKILL)
         time.sleep(3)
         farm.start_server(["--forward-delay-s", "0.05"])
         # Then the requests that failed are retried and every sample completes
-        wait_finished(farm, 30, timeout_s=180)
+        wait_finished(farm, 20, timeout_s=180)
         assert_farm_invariants(farm, keys)
         assert not failed(farm)
         log = farm.procs["w1"].log.read_text()

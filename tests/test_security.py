@@ -20,7 +20,7 @@ class _Evil:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[object, tuple[Path]]:
         return (Path.touch, (self.marker,))
 
 

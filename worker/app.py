@@ -59,3 +59,12 @@ settings = Settings.from_env()
 app = Celery("hsfarm", set_as_current=True)
 app.conf.update(celery_config(settings))
 app.conf.imports = ("worker.tasks",)
+
+
+def _add_janitor() -> None:
+    from worker.janitor import Janitor
+
+    app.steps["worker"].add(Janitor)
+
+
+_add_janitor()

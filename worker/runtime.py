@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import redis
 
@@ -64,22 +62,9 @@ class Runtime:
 
 
 def clean_start(settings: Settings, store: OutputStore) -> None:
-    """Start-up cleanup (worker main process): leftovers of crashed runs, never finished files.
+    """Start-up cleanup (worker main process): temp files of crashed writers in the output dir.
 
-    - output dir: temp files whose writer is dead (``OutputStore.clean_stale_temp``);
-    - dump dir: our dumps and temp files older than the task time limit; no worker can still
-      be waiting for them (a task waits at most that long), and tmpfs is RAM.
+    The dump dir is swept by the janitor bootstep (``worker/janitor.py``) at start and then
+    periodically; neither ever touches a finished output.
     """
     store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
-    cutoff = time.time() - settings.task_time_limit_s
-    removed = 0
-    for p in Path(settings.dump_dir).glob("*"):
-        ours = c.is_temp_name(p.name) or c.parse_rid(p.name.rsplit(".", 1)[0]) is not None
-        try:
-            if ours and p.is_file() and p.stat().st_mtime < cutoff:
-                p.unlink()
-                removed += 1
-        except OSError:
-            continue
-    if removed:
-        log.info("removed %d stale dumps from %s", removed, settings.dump_dir)

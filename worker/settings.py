@@ -43,6 +43,7 @@ class Settings:
     low_space_poll_s: float = 10.0
     server_wait_s: float = 300.0  # a task waits this long for a down server, holding its message
     soft_shutdown_s: float = 30.0  # on SIGTERM (REMAP_SIGTERM=SIGQUIT): time to finish tasks
+    janitor_interval_s: float = 30.0  # how often orphaned dumps are swept from the dump dir
     log_level: str = "INFO"
     # Fault injection for the crash tests only: sleep between writing a final file's temp file
     # and its rename, so a test can kill a process mid-copy. Never set it in production.
