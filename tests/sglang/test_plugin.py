@@ -250,3 +250,30 @@ def test_verify_ready_marker_missing_stale_and_fresh(tmp_path: Path) -> None:
     fresh = _verify("--dump-dir", str(tmp_path))
     assert fresh.returncode == 0, fresh.stdout
     assert "layers [2, 30, 58]" in fresh.stdout
+
+
+@pytest.mark.parametrize(("rank", "writes"), [(0, True), (1, False)])
+def test_only_attention_tp_rank_0_builds_a_writer(sglang_ctx: Any, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch, rank: int,
+                                                   writes: bool) -> None:
+    # The load hook around a stand-in for the original load_model (which needs a GPU): on
+    # attention-TP rank 0 it builds the writer; on every other rank nothing is built, so the
+    # logits hook returns at once there (no copy, no synchronisation).
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
+    # rank 0 is read from SGLang's real parallel context; other ranks are simulated by our own
+    # accessor (a consistent TP-2 topology needs the process groups that cannot exist here)
+    assert plugin.attn_tp_rank() == 0
+    if rank:
+        monkeypatch.setattr(plugin, "attn_tp_rank", lambda: rank)
+    inner = torch.nn.Module()
+    inner.layers_to_capture = [2, 4, 5]  # type: ignore[assignment]
+    runner = SimpleNamespace(server_args=_server_args(), model=inner,
+                             model_config=SimpleNamespace(hidden_size=H))
+    try:
+        plugin.around_load_model(lambda r: "loaded", runner)
+        assert (plugin._hook is not None) == writes
+        assert any(tmp_path.glob(".ready.*")) == writes
+    finally:
+        if plugin._hook is not None:
+            plugin._hook.writer.close()
+        plugin._hook = None
