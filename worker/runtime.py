@@ -60,11 +60,3 @@ class Runtime:
         finally:
             self.loop.close()
 
-
-def clean_start(settings: Settings, store: OutputStore) -> None:
-    """Start-up cleanup (worker main process): temp files of crashed writers in the output dir.
-
-    The dump dir is swept by the janitor bootstep (``worker/janitor.py``) at start and then
-    periodically; neither ever touches a finished output.
-    """
-    store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)

@@ -26,7 +26,7 @@ from celery.signals import worker_init, worker_process_init, worker_process_shut
 from worker import extract as ex
 from worker.app import TASK_NAME, app, settings
 from worker.errors import BadInput, Corrupt, NoSpace, ServerUnavailable, Transient
-from worker.runtime import Runtime, clean_start
+from worker.runtime import Runtime
 from worker.samples import SampleRef
 
 log = logging.getLogger("hsfarm.task")
@@ -48,7 +48,8 @@ def _on_worker_init(**_: Any) -> None:
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     rt = Runtime.build(settings, server_wait_s=settings.request_timeout_s)
-    clean_start(settings, rt.store)
+    # temp files of writers that died with a crashed run (the janitor bootstep does the dumps)
+    rt.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
     rt.close()
 
 
