@@ -42,7 +42,11 @@ $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	$(SGVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-test: lint test-farm test-sglang
+# The SGLang venv (mostly unpacking wheels) is built while the farm's tests run (mostly
+# waiting on real processes); its own tests run after, so the two suites never compete.
+test: lint
+	$(MAKE) -j2 test-farm $(SGSTAMP)
+	$(MAKE) test-sglang
 
 test-farm: $(STAMP) system-deps
 	$(PY) -m pytest

@@ -95,7 +95,7 @@ def test_build_hook_writes_ready_marker(sglang_ctx: Any, tmp_path: Path,
     # module tree holding layers_to_capture where DeepseekV2Model / LlamaModel keep it.
     monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
     inner = torch.nn.Module()
-    inner.layers_to_capture = [2, 30, 58]  # type: ignore[assignment]
+    inner.layers_to_capture = [2, 30, 58]
     model = torch.nn.Module()
     model.language_model = inner
     runner = SimpleNamespace(server_args=_server_args(tp_size=8), model=model,
@@ -266,7 +266,7 @@ def test_only_attention_tp_rank_0_builds_a_writer(sglang_ctx: Any, tmp_path: Pat
     if rank:
         monkeypatch.setattr(plugin, "attn_tp_rank", lambda: rank)
     inner = torch.nn.Module()
-    inner.layers_to_capture = [2, 4, 5]  # type: ignore[assignment]
+    inner.layers_to_capture = [2, 4, 5]
     runner = SimpleNamespace(server_args=_server_args(), model=inner,
                              model_config=SimpleNamespace(hidden_size=H))
     try:
