@@ -192,10 +192,3 @@ def default_layers_to_capture(num_layers: int) -> tuple[int, ...]:
     """
     return (2, num_layers // 2, num_layers - 3)
 
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -69,10 +69,6 @@ class RunIndex:
         self.r.hincrby(self.k(keys.ATTEMPTS), key, -1)
 
     @_redis_errors
-    def attempts(self, key: str) -> int:
-        return int(self.r.hget(self.k(keys.ATTEMPTS), key) or 0)
-
-    @_redis_errors
     def mark_running(self, key: str, worker: str, attempt: int) -> None:
         body = orjson.dumps({"worker": worker, "attempt": attempt, "since": time.time()})
         self.r.hset(self.k(keys.RUNNING), key, body)
@@ -115,10 +111,6 @@ class RunIndex:
         for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS):
             p.hdel(self.k(name), key)
         p.execute()
-
-    @_redis_errors
-    def is_done(self, key: str) -> bool:
-        return self.r.zscore(self.k(keys.DONE), key) is not None
 
     @_redis_errors
     def set_meta(self, **fields: Any) -> None:

@@ -49,17 +49,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def durable_write_bytes(path: Path, data: bytes) -> None:
-    """Write small files (the manifest) the same careful way."""
-    tmp = path.with_name(f".{path.name}{c.TMP_MARK}{_tmp_tag()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def _tmp_tag() -> str:
     """host.pid.random: lets start-up cleanup tell a crashed writer's temp from a live one's."""
     return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
