@@ -86,11 +86,11 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
 
 
 def _clear_run_index(farm: LocalFarm, run: str) -> None:
-    """A demo starts from nothing: drop what an earlier demo left in the run's Redis index."""
+    """A demo starts from nothing: drop what an earlier, interrupted demo left in Redis (its
+    run index and its own queue; the outputs were removed with the work dir)."""
     r = farm.redis()
     stale = list(r.scan_iter(f"{keys.PREFIX}:{run}:*", count=1000))
-    if stale:
-        r.delete(*stale)
+    r.delete(farm.settings().queue, *stale)
 
 
 def _follow(settings: Settings, fp: Fingerprint, timeout_s: float = 1800) -> Status:
