@@ -215,7 +215,8 @@ class LocalFarm:
 
     def close(self) -> None:
         """Stop workers first (they restore unacked messages), then the server, then Redis."""
-        order = sorted(self.procs.values(), key=lambda p: ("redis", "server").index(p.name)
-                       if p.name in ("redis", "server") else -1)
+        last = ("server", "redis")
+        order = sorted(self.procs.values(),
+                       key=lambda p: last.index(p.name) if p.name in last else -1)
         for proc in order:
             proc.stop()

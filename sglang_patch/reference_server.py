@@ -92,7 +92,9 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
-            self._waiting = [r for r in self._waiting if not self._finish_if_aborted(r)]
+            # _finish removes from _waiting: iterate over a copy, never the list itself
+            for req in [r for r in self._waiting if r.aborted]:
+                self._finish(req, error=asyncio.CancelledError())
             batch = self._next_batch()
             if not batch.items:
                 self._wake.clear()
@@ -143,11 +145,6 @@ class Scheduler:
         self.forward_passes += 1
         if self.forward_delay_s:
             time.sleep(self.forward_delay_s)
-
-    def _finish_if_aborted(self, req: _Req) -> bool:
-        if req.aborted:
-            self._finish(req, error=asyncio.CancelledError())
-        return req.aborted
 
     def _finish(self, req: _Req, error: BaseException | None = None) -> None:
         self.running.discard(req.rid)
@@ -373,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = ReferenceServer(args)
     try:  # run_app turns SIGTERM/SIGINT into a graceful exit; then flush pending dumps
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+        # request in the scheduler, as SGLang aborts requests whose client went away
         web.run_app(server.app(), host=args.host, port=args.port, access_log=None,
-                    print=lambda *_: None, handle_signals=True)
+                    print=lambda *_: None, handle_signals=True, handler_cancellation=True)
     finally:
         server.writer.flush(timeout_s=30)
     return 0

@@ -147,3 +147,28 @@ def _wait_load(d: Path, rid: str) -> dict[str, torch.Tensor]:
 
     wait_until(lambda: c.dump_path(d, rid).exists(), 10, rid)
     return load_file(str(c.dump_path(d, rid)))
+
+
+def test_aborted_requests_do_not_strand_the_others(servers: tuple[LocalFarm, LocalFarm],
+                                                   tokenizer: Any) -> None:
+    # Given several long requests waiting, some of whose clients give up (time out)
+    port = servers[1].server_port
+    ids = _ids(tokenizer, 12)
+    long_ids = sorted(ids, key=len)[-1]
+
+    def send(i: int, timeout_s: float) -> int:
+        body = json.dumps({"rid": c.make_rid(f"ab{i}", 1, len(long_ids)),
+                           "input_ids": long_ids}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
+                                     method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return resp.status
+        except (TimeoutError, urllib.error.URLError):
+            return 0
+
+    # When every other client aborts right away
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda i: send(i, 0.01 if i % 2 else 60), range(8)))
+    # Then every client that waited got its answer (none stranded behind an abort)
+    assert [codes[i] for i in range(0, 8, 2)] == [200] * 4
