@@ -69,10 +69,9 @@ def _check_one(store: OutputStore, chat: ChatTokenizer,
         if meta.get(M_FINGERPRINT) != store.fingerprint.id:
             return "incompatible", f"fingerprint {meta.get(M_FINGERPRINT)}", 0, 0
         v = store.verify(ref.key, ref.sha256)
-        tf = tensorfile.read(path)
     except (Corrupt, OSError) as e:
         return "corrupt", str(e), 0, 0
-    ids, mask = tf.tensors[c.T_INPUT_IDS].array, tf.tensors[c.T_LOSS_MASK].array
+    ids, mask = v.file.tensors[c.T_INPUT_IDS].array, v.file.tensors[c.T_LOSS_MASK].array
     if not np.array_equal(ids, np.asarray(tok.input_ids)):
         return "corrupt", "input_ids differ from a fresh tokenization of the record", 0, 0
     if not np.array_equal(mask, np.asarray(tok.loss_mask)):

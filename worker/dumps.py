@@ -7,8 +7,8 @@ the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-import os
 import time
 from pathlib import Path
 
@@ -19,14 +19,6 @@ from worker import tensorfile
 from worker.errors import Corrupt, NoSpace, Transient
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
-
-
-def check_dump_space(dump_dir: Path, min_free_bytes: int) -> None:
-    """Raises Transient when the dump dir (tmpfs: RAM) is below its reserve."""
-    st = os.statvfs(dump_dir)
-    free = st.f_bavail * st.f_frsize
-    if free < min_free_bytes:
-        raise Transient(f"dump dir {dump_dir} low: {free} bytes free < reserve {min_free_bytes}")
 
 
 def discard_dumps(dump_dir: Path, sample_key: str) -> int:
@@ -49,7 +41,7 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     """
     dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
     deadline = time.monotonic() + timeout_s
-    for i in range(1 << 30):
+    for i in itertools.count():
         if dump.exists():
             return dump
         if err.exists():
@@ -62,7 +54,7 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
             raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s "
                             "(is SGLANG_HS_DUMP_DIR the same directory? is the hook loaded?)")
         await asyncio.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
-    raise AssertionError("unreachable")
+    raise AssertionError("unreachable")  # itertools.count never ends
 
 
 def load_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> tensorfile.TensorFile:

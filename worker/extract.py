@@ -17,7 +17,7 @@ import numpy as np
 from sglang_patch import contracts as c
 from worker import store as st
 from worker import tensorfile
-from worker.dumps import check_dump_space, discard_dumps, load_dump, wait_for_dump
+from worker.dumps import discard_dumps, load_dump, wait_for_dump
 from worker.errors import Corrupt
 from worker.runtime import Runtime
 from worker.samples import SampleRef, read_sample
@@ -50,7 +50,7 @@ def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
 def check_space(rt: Runtime) -> None:
     """Raises Transient when the output disk or the dump dir is below its reserve."""
     rt.store.check_space()
-    check_dump_space(rt.settings.dump_dir, rt.settings.min_free_dump_bytes)
+    st.check_free(rt.settings.dump_dir, rt.settings.min_free_dump_bytes, "dump dir")
 
 
 def extract(rt: Runtime, ref: SampleRef, attempt: int) -> Result:

@@ -29,7 +29,7 @@ log = logging.getLogger("hsfarm.store")
 MANIFEST = "manifest.json"
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
 M_FINGERPRINT, M_CHECKSUMS, M_TRUNCATED = "fingerprint_id", "sha256", "truncated_from"
-FINAL_TENSORS = {  # name -> (dtype, rank) of the final file
+FINAL_TENSORS = {  # name -> dtype of the final file
     c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
 }
 
@@ -39,6 +39,19 @@ class Verified:
     path: Path
     tokens: int
     size_bytes: int
+    file: tensorfile.TensorFile  # what was read back, for callers that check more (audit)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free(path: Path, reserve_bytes: int, what: str) -> None:
+    """Raises Transient when ``path``'s file system has less than ``reserve_bytes`` free."""
+    free = free_bytes(path)
+    if free < reserve_bytes:
+        raise Transient(f"{what} {path} low: {free} bytes free < reserve {reserve_bytes}")
 
 
 def fsync_dir(path: Path) -> None:
@@ -115,10 +128,7 @@ class OutputStore:
 
     def check_space(self) -> None:
         """Raises Transient when the output disk is below its free-space reserve."""
-        st = os.statvfs(self.out_dir)
-        free = st.f_bavail * st.f_frsize
-        if free < self.min_free_bytes:
-            raise Transient(f"output disk low: {free} bytes free < reserve {self.min_free_bytes}")
+        check_free(self.out_dir, self.min_free_bytes, "output disk")
 
     def write(self, key: str, tensors: dict[str, tensorfile.Tensor],
               metadata: dict[str, str]) -> Path:
@@ -171,7 +181,7 @@ class OutputStore:
                 problems.append(f"checksum of {name}")
         if problems:
             raise Corrupt(f"{path}: " + "; ".join(problems))
-        return Verified(path, int(tf.tensors[c.T_INPUT_IDS].shape[0]), tf.size_bytes)
+        return Verified(path, int(tf.tensors[c.T_INPUT_IDS].shape[0]), tf.size_bytes, tf)
 
     def _shape_problems(self, tf: tensorfile.TensorFile) -> list[str]:
         missing = set(FINAL_TENSORS) - set(tf.tensors)

@@ -7,6 +7,7 @@ library's own serializer and parser.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +63,11 @@ def read(path: Path, drop_cache: bool = False) -> TensorFile:
         raw = f.read()
     try:
         parsed = deserialize(raw)
-        with safe_open(str(path), framework="numpy") as h:
-            metadata = dict(h.metadata() or {})
-    except (SafetensorError, ValueError, OSError) as e:
+    except (SafetensorError, ValueError) as e:
         raise Corrupt(f"{path.name}: not a valid safetensors file: {e}") from e
+    # the header deserialize just validated: 8-byte length, then JSON (no second open)
+    header_len = int.from_bytes(raw[:8], "little")
+    metadata = dict(json.loads(raw[8 : 8 + header_len]).get("__metadata__") or {})
     tensors = {}
     for name, t in parsed:
         dtype, data, shape = str(t["dtype"]), t["data"], t["shape"]
