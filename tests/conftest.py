@@ -91,8 +91,16 @@ def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:
 
 def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str],
                            failed: tuple[str, ...] = ()) -> None:
-    """The check every fault scenario ends with. ``failed``: samples meant to fail (no file)."""
+    """The check every fault scenario ends with: one verified file per sample, no temp or
+    partial files anywhere, an empty queue and unacked set, and nothing recorded as failed but
+    the samples in ``failed`` (meant to fail: no file for them)."""
     from producer.queue_scan import broker_depth
+    from worker import keys
+
+    r = farm.redis()
+    recorded = {k.decode() if isinstance(k, bytes) else k
+                for h in r.scan_iter(f"{keys.PREFIX}:*:{keys.FAILED}") for k in r.hkeys(h)}
+    assert recorded == set(failed), f"recorded as failed: {sorted(recorded)}"
 
     out = farm.output_dir
     finals = sorted(p for p in (out / "samples").rglob("*") if p.is_file())

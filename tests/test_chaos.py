@@ -15,7 +15,7 @@ import pytest
 from producer.localfarm import LocalFarm, wait_until
 from producer.queue_scan import broker_depth
 from tests.conftest import EXAMPLES, assert_farm_invariants, wait_finished
-from tests.faults import attempts, failed, kill, running_farm, running_pids
+from tests.faults import attempts, kill, running_farm, running_pids
 
 N_SAMPLES, N_KILLS = 300, 30
 CHAOS_ENV = {
@@ -120,7 +120,6 @@ def test_chaos_run(tmp_path: Path, tiny_model: Path) -> None:
         wall_s = time.monotonic() - t0
         # Then: 300/300 verified, nothing lost, corrupt or duplicated
         assert_farm_invariants(farm, keys)
-        assert not failed(farm)
         logs = "".join(p.log.read_text() for n, p in farm.procs.items() if n.startswith("w"))
         done_lines = re.findall(r" (\S+) a\d+ done n=", logs)
         duplicated = len(done_lines) - len(set(done_lines))
