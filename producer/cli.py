@@ -20,7 +20,7 @@ from producer.reader import DataFileError
 from producer.status import failures, read_status
 from sglang_patch.contracts import Fingerprint
 from worker.chat import ChatTokenizer
-from worker.errors import ConfigError
+from worker.errors import ConfigError, Transient
 from worker.fingerprint import load_run
 from worker.index import RunIndex
 from worker.settings import Settings
@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
-
-
+    except (redis.RedisError, Transient) as e:
+        where = settings.redis_url.rsplit("@", 1)[-1]
+        print(f"error: Redis at {where} did not answer ({e}); is it running? is REDIS_URL "
+              "right?", file=sys.stderr)
+        return EXIT_ERROR
 
 
 def _enqueue(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespace) -> int:

@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import orjson
 from celery import Celery
 from kombu.serialization import register
 
+from worker.errors import ConfigError
 from worker.settings import Settings
 
 SERIALIZER = "orjson"
@@ -55,7 +58,11 @@ def celery_config(s: Settings) -> dict[str, object]:
     }
 
 
-settings = Settings.from_env()
+try:
+    settings = Settings.from_env()
+except ConfigError as e:  # at import: `celery -A worker` and the CLI both stop with the message
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from e
 app = Celery("hsfarm", set_as_current=True)
 app.conf.update(celery_config(settings))
 app.conf.imports = ("worker.tasks",)
