@@ -77,6 +77,7 @@ def test_mixed_batches_with_chunks_spread_over_batches(rig) -> None:
         assert torch.equal(got[c.T_AUX], aux.to(torch.bfloat16))
     names = sorted(p.name for p in d.iterdir())
     assert names == sorted([f"{a}.safetensors", f"{b}.safetensors"])
+    assert all(p.stat().st_mode & 0o002 == 0 for p in d.iterdir())  # not world-writable
     assert col.pending == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,9 @@ def test_end_to_end_two_workers(farm: LocalFarm, tmp_path: Path, tiny_model: Pat
     keys = [str(s["id"]) for s in samples]
     assert_farm_invariants(farm, keys)
     assert farm.cli("status", "--check").returncode == 0
+    status = json.loads(farm.cli("status", "--json").stdout)
+    assert (status["total"], status["done"], status["queued"], status["failed"]) == (60, 60, 0, 0)
+    assert status["bytes"] > 0 and status["tokens"] > 0 and status["finished"]
     # And every file holds the model's real hidden states and the assistant-only loss mask
     for sample, key in zip(samples, keys, strict=True):
         t = load_file(str(c.final_path(farm.output_dir, key)))
