@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>", "<|pad|>"]
-VERSION = "v1"
+VERSION = "v2"  # v2: random norm weights
 
 _TRAINING_TEXT = """
 The quick brown fox jumps over the lazy dog. Hidden states are the activations of a model.
@@ -38,19 +38,25 @@ SELECT id, name FROM samples WHERE done = false ORDER BY id; for i in range(10):
 """
 
 
-def tiny_model_dir(cache_dir: Path) -> Path:
-    return cache_dir / f"tiny-llama-{VERSION}"
+def tiny_model_dir(cache_dir: Path, seed: int = 0) -> Path:
+    suffix = f"-seed{seed}" if seed else ""
+    return cache_dir / f"tiny-llama-{VERSION}{suffix}"
 
 
-def ensure_tiny_model(cache_dir: Path, num_layers: int = 8, hidden_size: int = 64) -> Path:
-    """Build the tiny model once into ``cache_dir`` (atomically; safe with concurrent callers)."""
-    target = tiny_model_dir(cache_dir)
+def ensure_tiny_model(cache_dir: Path, num_layers: int = 8, hidden_size: int = 64,
+                      seed: int = 0) -> Path:
+    """Build the tiny model once into ``cache_dir`` (atomically; safe with concurrent callers).
+
+    ``seed`` draws other weights for the same config and tokenizer: a "fine-tune" of the same
+    model, which a run must tell apart from the original.
+    """
+    target = tiny_model_dir(cache_dir, seed)
     if (target / "config.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-build.", dir=cache_dir))
     try:
-        _build(tmp, num_layers, hidden_size)
+        _build(tmp, num_layers, hidden_size, seed)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: theirs is identical
@@ -61,7 +67,7 @@ def ensure_tiny_model(cache_dir: Path, num_layers: int = 8, hidden_size: int = 6
     return target
 
 
-def _build(out: Path, num_layers: int, hidden_size: int) -> None:
+def _build(out: Path, num_layers: int, hidden_size: int, seed: int) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -85,7 +91,7 @@ def _build(out: Path, num_layers: int, hidden_size: int) -> None:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(fast),
         hidden_size=hidden_size,
@@ -102,6 +108,11 @@ def _build(out: Path, num_layers: int, hidden_size: int) -> None:
     model = LlamaForCausalLM(config)
     # Random init gives near-zero activations; scale embeddings so hidden states are not
     # all within bf16 rounding of each other (tests compare values, not just shapes).
+    # Norm weights are drawn too: with unit weights, applying the final RMSNorm once or twice
+    # gives the same numbers, and no test could catch a pre-/post-norm mix-up.
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 2.0)
     model.save_pretrained(out, safe_serialization=True)
