@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.reader import BOM, DataFileError, FileProblem, Span, scan
+from worker.datafile import BOM, DataFileError, FileProblem, Span, scan
 
 
 def _scan(tmp_path: Path, data: bytes) -> list[Span | FileProblem]:
