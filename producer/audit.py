@@ -38,6 +38,13 @@ class AuditReport:
     def ok(self) -> bool:
         return not (self.missing or self.corrupt or self.incompatible)
 
+    def add(self, other: AuditReport) -> None:
+        """Fold another data file's report into this one."""
+        for name in ("checked", "whole", "tokens", "bytes", "invalid_records"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("missing", "corrupt", "incompatible", "to_requeue"):
+            getattr(self, name).extend(getattr(other, name))
+
     def lines(self, show: int = 50) -> list[str]:
         out = [f"checked: {self.checked}", f"whole: {self.whole} ({self.tokens} tokens, "
                f"{self.bytes / 1e6:.1f} MB)", f"missing: {len(self.missing)}",

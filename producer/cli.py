@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from producer.audit import audit
+from producer.audit import AuditReport, audit
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import failures, missing_done_files, read_status
 from sglang_patch.contracts import Fingerprint
@@ -127,12 +127,11 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
         if not files:
             raise ConfigError("no data file recorded for this run: pass --data FILE")
     store = OutputStore(settings.output_dir, fingerprint)
-    ok = True
+    report = AuditReport()
     for data in files:
-        report = audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs)
-        print(f"run {fingerprint.id}, data {data}")
-        print("\n".join(report.lines()))
-        if args.requeue and report.to_requeue:
-            print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
-        ok = ok and report.ok
-    return EXIT_OK if ok else EXIT_PARTIAL
+        report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs))
+    print(f"run {fingerprint.id}, data: {', '.join(str(f) for f in files)}")
+    print("\n".join(report.lines()))
+    if args.requeue and report.to_requeue:
+        print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
+    return EXIT_OK if report.ok else EXIT_PARTIAL

@@ -12,8 +12,9 @@ wait for its lock). Two passes over the file:
    index is rebuilt after Redis lost it), its task is already queued, unacknowledged or
    leased by a running attempt, or the run already rejected this content or gave up on it.
 
-Records a file no longer holds (edited records without ids get new keys) are superseded:
-their outputs move to ``<out>/superseded/`` and they leave the run's index.
+Samples this file registered before but no longer holds (the file was edited or replaced),
+and that have no output yet, leave the run's index: nothing could ever run them, and the run
+could never finish. Those with an output stay, counted as done.
 Memory grows with the number of records (8 bytes each), not with the size of the file.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +58,7 @@ class Summary:
     already_queued: int = 0
     previously_rejected: int = 0
     previously_failed: int = 0
-    superseded: int = 0
+    vanished: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (where, reason)
     problems: list[tuple[str, str]] = field(default_factory=list)  # file-level, not records
     notes: list[tuple[str, str]] = field(default_factory=list)  # accepted, but worth knowing
@@ -75,9 +75,9 @@ class Summary:
             out.append(f"skipped, rejected/failed earlier in this run: "
                        f"{self.previously_rejected}/{self.previously_failed} "
                        "(see 'status --failures'; --retry-failed retries the failed)")
-        if self.superseded:
-            out.append(f"superseded: {self.superseded} (records no longer in the file; their "
-                       "outputs moved to superseded/ in the output dir)")
+        if self.vanished:
+            out.append(f"no longer in the file: {self.vanished} samples enqueued from it "
+                       "before, not done; dropped from the run")
         out += [f"  {where}: {reason}" for where, reason in self.problems + self.rejected]
         out += [f"  note, {where}: {text}" for where, text in self.notes]
         return out
@@ -309,7 +309,7 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
         for where, reason in summary.rejected:
             index.add_invalid(plan.fid, where, reason)
         if limit is None:
-            summary.superseded = _supersede(index, store, plan)
+            summary.vanished = _drop_vanished(index, plan)
         index.set_meta(last_enqueue=str(path.resolve()))
 
 
@@ -332,16 +332,12 @@ def _send(producer: Any, settings: Settings, fingerprint: c.Fingerprint, ref: Sa
                   queue=settings.queue, producer=producer)
 
 
-def _supersede(index: RunIndex, store: st.OutputStore, plan: _Plan) -> int:
-    """Samples this file registered before but holds no more: out of the run and its dir."""
+def _drop_vanished(index: RunIndex, plan: _Plan) -> int:
+    """Samples this file registered before, holds no more, and never finished: out of the
+    run (a done one keeps its file and stays)."""
+    done = index.done_keys()
     gone = [key for key, reg in index.all_registered().items()
-            if reg.fid == plan.fid and _digest(key) not in plan.keys_seen]
-    for key in gone:
-        src = store.final_path(key)
-        if src.exists():
-            dst = store.out_dir / "superseded" / src.parent.name / src.name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
+            if reg.fid == plan.fid and _digest(key) not in plan.keys_seen and key not in done]
     index.unregister(gone)
     return len(gone)
 

@@ -10,7 +10,7 @@ import pytest
 from worker.datafile import BOM, DataFileError, FileProblem, Oversized, Span, scan
 
 
-def _scan(tmp_path: Path, data: bytes) -> list[Span | FileProblem]:
+def _scan(tmp_path: Path, data: bytes) -> list[Span | Oversized | FileProblem]:
     p = tmp_path / "data"
     p.write_bytes(data)
     return list(scan(p))

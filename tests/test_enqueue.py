@@ -89,8 +89,8 @@ def test_an_edited_record_loses_nothing_after_it(tmp_path: Path, tiny_model: Pat
         wait_finished(farm, 19)
         # Then the moved records were found again; only record 5 is stale, and the run does
         # not call itself finished while audit finds it missing
-        status = json.loads(farm.cli("status", "--json").stdout)
-        assert (status["done"], status["stale"], status["failed"], status["rejected"]) == (19, 1, 0, 0)
+        st = json.loads(farm.cli("status", "--json").stdout)
+        assert (st["done"], st["stale"], st["failed"], st["rejected"]) == (19, 1, 0, 0)
         assert farm.cli("status", "--check").returncode == 1
         audit = farm.cli("audit")
         assert audit.returncode == 1 and "missing: 1\n" in audit.stdout, audit.stdout
@@ -137,7 +137,7 @@ def test_a_huge_record_is_rejected_unread(tmp_path: Path, tiny_model: Path) -> N
         huge = json.dumps({"id": "huge", "messages": [
             {"role": "user", "content": "x" * (60 << 20)}, {"role": "assistant", "content": "y"}]})
         with_huge = tmp_path / "with.jsonl"
-        with_huge.write_text("\n".join(small[:5] + [huge] + small[5:]) + "\n")
+        with_huge.write_text("\n".join([*small[:5], huge, *small[5:]]) + "\n")
         without = tmp_path / "without.jsonl"
         without.write_text("\n".join(small) + "\n")
         # When each is enqueued (into runs of their own: separate queues)

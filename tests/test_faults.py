@@ -172,25 +172,25 @@ def test_output_disk_full_pauses_then_resumes(tmp_path: Path, tiny_model: Path,
     # Given an output disk (a real 3 MB tmpfs) that fills up during the run, and no reserve:
     # writes fail with ENOSPC, which safetensors raises as SafetensorError, not OSError
     out = tmp_path / "farm" / "out"
-    with small_tmpfs(out, "3M"):
-        with running_farm(tmp_path, env={"FARM_MIN_FREE_OUTPUT_BYTES": "0"}) as farm:
-            farm.start_worker("w1", concurrency=2)
-            keys = enqueue(farm, tmp_path, 40)
-            # When it is full, the workers pause (smaller samples may still fit for a while),
-            # and no sample fails for it
-            wait_until(lambda: "paused (no attempt spent): NoSpace" in
-                       farm.procs["w1"].log.read_text(), 120, "a pause")
-            time.sleep(5)
-            assert len(run_hash(farm, keys_mod.BYTES)) < 40
-            assert not failed(farm)
-            assert not [p for p in out.rglob("*") if c.is_temp_name(p.name)]
-            # Then, once space returns, it resumes by itself and finishes everything
-            import subprocess
+    env = {"FARM_MIN_FREE_OUTPUT_BYTES": "0"}
+    with small_tmpfs(out, "3M"), running_farm(tmp_path, env=env) as farm:
+        farm.start_worker("w1", concurrency=2)
+        keys = enqueue(farm, tmp_path, 40)
+        # When it is full, the workers pause (smaller samples may still fit for a while),
+        # and no sample fails for it
+        wait_until(lambda: "paused (no attempt spent): NoSpace" in
+                   farm.procs["w1"].log.read_text(), 120, "a pause")
+        time.sleep(5)
+        assert len(run_hash(farm, keys_mod.BYTES)) < 40
+        assert not failed(farm)
+        assert not [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+        # Then, once space returns, it resumes by itself and finishes everything
+        import subprocess
 
-            subprocess.run(["mount", "-o", "remount,size=200M", str(out)], check=True)
-            wait_finished(farm, 40, timeout_s=180)
-            assert_farm_invariants(farm, keys)
-            assert set(attempts(farm).values()) == {1}
+        subprocess.run(["mount", "-o", "remount,size=200M", str(out)], check=True)
+        wait_finished(farm, 40, timeout_s=180)
+        assert_farm_invariants(farm, keys)
+        assert set(attempts(farm).values()) == {1}
 
 
 def test_dump_tmpfs_full_pauses_then_resumes(tmp_path: Path, tiny_model: Path,

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ def resolve_model_path(settings: Settings, wait_s: float = 0.0) -> Path:
         async def ask() -> dict[str, Any]:
             client = ServerClient(settings.server_url, timeout_s=30.0)
             t0 = time.monotonic()
-            said = t0
+            said = -math.inf
             try:
                 while True:
                     try:
@@ -49,10 +50,10 @@ def resolve_model_path(settings: Settings, wait_s: float = 0.0) -> Path:
                             raise
                         if time.monotonic() - said > 30:
                             said = time.monotonic()
-                            log.warning("waiting %.0fs for the server at %s to answer (model "
-                                        "loading?); FARM_MODEL_PATH is not set, so the model "
-                                        "is asked from it: %s", said - t0, settings.server_url,
-                                        e)
+                            log.warning("waiting for the server at %s to answer (%.0fs so "
+                                        "far; loading the model?): FARM_MODEL_PATH is not "
+                                        "set, so the model is asked from it: %s",
+                                        settings.server_url, said - t0, e)
                         await asyncio.sleep(1.0)
             finally:
                 await client.close()

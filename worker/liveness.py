@@ -16,12 +16,15 @@ HOST = socket.gethostname()
 
 
 def _start_ticks(pid: int) -> str | None:
+    """The process's start time, or None when it is gone (a zombie is gone: it runs no more,
+    its parent just has not collected its exit status yet)."""
     try:
         stat = open(f"/proc/{pid}/stat", "rb").read()  # noqa: SIM115 (tiny, read at once)
     except OSError:
         return None
-    # field 22, counted after the command name, which may hold spaces and parentheses
-    return stat.rsplit(b")", 1)[1].split()[19].decode()
+    # after the command name (which may hold spaces and parentheses): state, ..., starttime
+    fields = stat.rsplit(b")", 1)[1].split()
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
 
 
 @cache
