@@ -113,7 +113,7 @@ def test_hung_server_spends_no_attempts(tmp_path: Path, tiny_model: Path) -> Non
 def test_hung_write_is_ended_by_the_time_limit(tmp_path: Path, tiny_model: Path) -> None:
     # Given a write that never finishes within the task's time limit
     env = {"FARM_DEBUG_WRITE_DELAY_S": "60", "FARM_TASK_TIME_LIMIT_S": "12",
-           "FARM_DUMP_TIMEOUT_S": "2", "FARM_SERVER_WAIT_S": "4",
+           "FARM_DUMP_TIMEOUT_S": "2",
            "FARM_VISIBILITY_TIMEOUT_S": "20", "FARM_MAX_ATTEMPTS": "2"}
     with running_farm(tmp_path, env=env) as farm:
         farm.start_worker("w1", concurrency=2)

@@ -13,7 +13,11 @@ it cannot tell a dead consumer from a slow one. We can:
   of this host that no longer runs, or a heartbeat that expired) goes back to the front of
   the queue through kombu's own ``restore_by_tag`` (WATCH/MULTI on the unacked hash, so a
   concurrent acknowledgement wins and nothing is restored twice). A gone owner cannot
-  acknowledge late.
+  acknowledge late;
+- a message this worker owns but no longer holds (its acknowledgement or hand-back failed
+  while Redis was away, and Celery forgot it) goes back the same way, and so does one with
+  no owner at all once it is older than ``ORPHAN_AGE_S`` (its receiver died between kombu
+  recording the delivery and the receiver recording itself as its owner).
 
 Pool processes killed alone are already handled by Celery (``task_reject_on_worker_lost``);
 this is for the main process (SIGKILL, OOM killer, a host that died).
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 import redis
 from celery import Celery, bootsteps
+from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from worker import keys, liveness
@@ -36,6 +42,7 @@ log = logging.getLogger("hsfarm.reaper")
 
 # Forget an owner entry only while it still names that owner (another worker may own the tag
 # by now: the same message, delivered again).
+ORPHAN_AGE_S = 60.0
 _FORGET = "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then " \
           "return redis.call('HDEL', KEYS[1], ARGV[1]) else return 0 end"
 
@@ -55,28 +62,53 @@ def is_gone(r: redis.Redis, owner: str) -> bool:
     return not r.exists(heartbeat_key(owner))
 
 
-def reap(app: Celery, r: redis.Redis) -> int:
-    """Return the messages of gone owners to the queue; forget acknowledged ones.
+def held_tags() -> set[str]:
+    """Delivery tags of the messages this worker main process holds now (Celery's state)."""
+    requests = set(worker_state.reserved_requests) | set(worker_state.active_requests)
+    return {str(r.message.delivery_tag) for r in requests
+            if getattr(r, "message", None) is not None}
 
-    Returns how many messages were returned.
-    """
+
+def reap(app: Celery, r: redis.Redis, held: set[str]) -> int:
+    """Return to the queue the messages of gone owners, and this worker's own messages that
+    it no longer holds (``held``); forget acknowledged ones. Returns how many came back."""
     me = liveness.identity()
     owners = {_text(t): _text(o) for t, o in r.hgetall(keys.OWNERS).items()}
-    returned = 0
+    returned = _return_orphans(app, r, owners)
     for tag, owner in owners.items():
-        if owner == me:
+        if owner == me and tag in held:
             continue
         if not r.hexists(keys.KOMBU_UNACKED, tag):
             forget(r, tag, owner)  # acknowledged, or restored by kombu: nothing to do
             continue
-        if not is_gone(r, owner):
+        if owner == me:
+            why = "this worker no longer holds (its acknowledgement was lost)"
+        elif is_gone(r, owner):
+            why = f"gone worker {owner}"
+        else:
             continue
-        with app.connection_for_write() as conn:
-            conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
+        _restore(app, tag)
         forget(r, tag, owner)
         returned += 1
-        log.warning("returned message %s of gone worker %s to the queue", tag, owner)
+        log.warning("returned message %s of %s to the queue", tag, why)
     return returned
+
+
+def _return_orphans(app: Celery, r: redis.Redis, owners: dict[str, str]) -> int:
+    """Unacknowledged messages older than ``ORPHAN_AGE_S`` that nobody owns: back."""
+    old: list[bytes] = r.zrange(  # type: ignore[assignment]
+        keys.KOMBU_UNACKED_INDEX, 0, time.time() - ORPHAN_AGE_S, byscore=True)
+    orphans = [_text(t) for t in old if _text(t) not in owners]
+    for tag in orphans:
+        _restore(app, tag)
+        log.warning("returned message %s, which no worker owns, to the queue", tag)
+    return len(orphans)
+
+
+def _restore(app: Celery, tag: str) -> None:
+    """kombu's own restore: atomic against a concurrent acknowledgement."""
+    with app.connection_for_write() as conn:
+        conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
 
 
 def _text(x: bytes | str) -> str:
@@ -91,6 +123,14 @@ def forget(r: redis.Redis, tag: str, owner: str) -> None:
     r.eval(_FORGET, 1, keys.OWNERS, tag, owner)
 
 
+def _forget_if_settled(r: redis.Redis, tag: str) -> None:
+    """After an acknowledgement or a hand-back: forget the message, unless it is still
+    unacknowledged (kombu logs and swallows a failed ack while Redis is away); then it stays
+    ours, and the reaper returns it once Redis answers, since we no longer hold it."""
+    if not r.hexists(keys.KOMBU_UNACKED, tag):
+        forget(r, tag, liveness.identity())
+
+
 class OwnedRequest(Request):
     """A task request that records, in the worker main process, who holds its message."""
 
@@ -100,11 +140,11 @@ class OwnedRequest(Request):
 
     def acknowledge(self) -> None:
         super().acknowledge()
-        self._owner_call(lambda r, tag: forget(r, tag, liveness.identity()))
+        self._owner_call(_forget_if_settled)
 
     def reject(self, requeue: bool = False) -> None:
         super().reject(requeue=requeue)
-        self._owner_call(lambda r, tag: forget(r, tag, liveness.identity()))
+        self._owner_call(_forget_if_settled)
 
     def _owner_call(self, fn: Any) -> None:
         from worker.app import settings
@@ -148,7 +188,7 @@ class Reaper(bootsteps.StartStopStep):
         r = _client_for(settings)
         try:
             beat(r, settings)
-            reap(app, r)
+            reap(app, r, held_tags())
         except redis.RedisError as e:
             log.warning("reaper: redis: %s", e)
 

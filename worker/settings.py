@@ -40,8 +40,7 @@ class Settings:
     retry_backoff_max_s: float = 60.0
     min_free_output_bytes: int = 2 * _GiB
     min_free_dump_bytes: int = 256 << 20
-    low_space_poll_s: float = 10.0
-    server_wait_s: float = 300.0  # a task waits this long for a down server, holding its message
+    pause_poll_s: float = 10.0
     soft_shutdown_s: float = 30.0  # on SIGTERM (REMAP_SIGTERM=SIGQUIT): time to finish tasks
     janitor_interval_s: float = 30.0  # how often orphaned dumps are swept from the dump dir
     max_record_bytes: int = 4 << 20  # a record larger than this is rejected at enqueue
@@ -78,8 +77,6 @@ class Settings:
                 f"FARM_RETRY_BACKOFF_MAX_S ({self.visibility_timeout_s} <= "
                 f"{self.task_time_limit_s} + {self.retry_backoff_max_s})"
             )
-        if self.server_wait_s >= self.task_time_limit_s / 2:
-            out.append("FARM_SERVER_WAIT_S must be under half of FARM_TASK_TIME_LIMIT_S")
         if self.heartbeat_ttl_s < 2 * self.reaper_interval_s:
             out.append("FARM_HEARTBEAT_TTL_S must be at least twice FARM_REAPER_INTERVAL_S")
         if self.lease_ttl_s < 3:

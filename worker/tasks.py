@@ -188,7 +188,7 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
 
 
 def _wait(rt: Runtime, key: str, problem: Any, deadline: float) -> None:
-    if not waits.until_clear(rt, key, problem, deadline, settings.low_space_poll_s):
+    if not waits.until_clear(rt, key, problem, deadline, settings.pause_poll_s):
         raise Reject(f"{key}: still paused at the time limit", requeue=True)
 
 
