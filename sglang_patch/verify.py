@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_patch import contracts as c
-from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG
-from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS, sglang_version
+from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG, sglang_version
+from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS
 
 
 @dataclass
