@@ -76,7 +76,8 @@ def check_loader(python: str = sys.executable) -> Check:
     out = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     expected = ",".join(sorted(EXPECTED_PARAMS))
     if proc.returncode == 0 and out == f"HOOKED {expected} WRAPPED True":
-        return Check("plugin loader", True, "SGLang's load_plugins() applied both hsfarm hooks")
+        return Check("plugin loader", True,
+                     f"SGLang's load_plugins() applied all {len(EXPECTED_PARAMS)} hsfarm hooks")
     why = out or proc.stderr.strip().splitlines()[-1:] or ["no output"]
     return Check("plugin loader", False,
                  f"SGLang did not apply the hsfarm plugin ({why}); install this project into "

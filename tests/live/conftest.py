@@ -12,6 +12,7 @@ error against transformers) are printed at the end of the run.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def measured(line: str) -> None:
 def started(server: LiveServer, what: str) -> LiveServer:
     """Start a server and record how long it took."""
     server.start()
-    measured(f"{what}: up with the hook ready in {server.started_s:.1f}s")
+    hook = ", hook ready" if server.dump_dir is not None else ""
+    measured(f"{what}: up{hook} in {server.started_s:.1f}s")
     return server
 
 
@@ -53,8 +55,9 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixture
     return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
 
 
-def serve(server: LiveServer, what: str) -> Iterator[LiveServer]:
-    """A fixture body: start, yield, and always stop (with the log's tail if it failed)."""
+@contextmanager
+def running(server: LiveServer, what: str) -> Iterator[LiveServer]:
+    """Start the server (recording how long it took), and always stop it."""
     try:
         yield started(server, what)
     finally:

@@ -62,6 +62,7 @@ class LiveServer:
     via_script: bool = False  # launched by ops/launch-sglang.sh (ready = its probe passed)
     proc: Proc | None = None
     started_s: float = 0.0  # seconds from launch to answering with the hook ready
+    log_offset: int = 0  # the log's size at the last launch (a restart appends to it)
 
     @property
     def dumps(self) -> Path:
@@ -109,6 +110,7 @@ class LiveServer:
         """Start the server (not waiting); a fixed port survives a restart."""
         self.port = self.port or free_port()
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_offset = self.log.stat().st_size if self.log.exists() else 0
         self.proc = Proc(f"sglang-{self.port}", self.argv(), self.log, self.env()).start()
         return self.proc
 
@@ -125,7 +127,7 @@ class LiveServer:
         if self.proc is None or not self.proc.alive():
             raise RuntimeError(f"SGLang exited during start-up:\n{self.log_tail()}")
         if self.via_script:
-            return "\nready\n" in self.log.read_text(errors="replace")
+            return b"\nready\n" in self.log.read_bytes()[self.log_offset:]
         try:
             get_json(self.url, "/model_info")
         except (OSError, urllib.error.URLError):

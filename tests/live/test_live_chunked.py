@@ -13,7 +13,7 @@ import pytest
 
 from producer.localfarm import wait_until
 from sglang_patch import contracts as c
-from tests.live.conftest import measured, serve
+from tests.live.conftest import measured, running
 from tests.live.reference import check_dump
 from tests.live.sglang_server import LiveServer, sglang_python
 from tests.live.traffic import (
@@ -33,10 +33,11 @@ LAYERS = [2, 4, 5]  # SGLang's default for 8 layers: [2, L//2, L-3]
 
 @pytest.fixture(scope="module")
 def server(module_dir: Path, tiny_model: Path) -> Iterator[LiveServer]:
-    yield from serve(LiveServer(tiny_model, module_dir, module_dir / "dumps",
-                                extra=["--chunked-prefill-size", str(CHUNK),
-                                       "--enable-mixed-chunk", "--decode-log-interval", "1"]),
-                     f"TP=1, --chunked-prefill-size {CHUNK} --enable-mixed-chunk")
+    flags = ["--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk",
+             "--decode-log-interval", "1"]
+    server = LiveServer(tiny_model, module_dir, module_dir / "dumps", extra=flags)
+    with running(server, f"TP=1, --chunked-prefill-size {CHUNK} --enable-mixed-chunk"):
+        yield server
 
 
 @pytest.fixture
