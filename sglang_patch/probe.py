@@ -23,6 +23,7 @@ import numpy as np
 from sglang_patch import contracts as c
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
+ANSWER_TIMEOUT_S = 120.0  # for the server's answer (a busy server queues the probe)
 _BF16_EXPONENT = 0x7F80  # all exponent bits set: Inf or NaN
 
 
@@ -31,7 +32,8 @@ class ProbeFailed(Exception):
 
 
 def run_probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
-    """Probe the server; returns a one-line summary.
+    """Probe the server; returns a one-line summary. ``timeout_s``: how long to wait for the
+    dump once the server has answered (and at least that long for the answer).
 
     Raises:
         ProbeFailed: the server or the hook did not do its part; the message has the fix.
@@ -43,8 +45,9 @@ def run_probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
     t0 = time.monotonic()
     try:
         _post(url, "/generate", {"rid": rid, "input_ids": PROBE_IDS,
-                                 "sampling_params": {"max_new_tokens": 0}}, timeout_s)
-        path = _wait_for_dump(dump_dir, rid, t0 + timeout_s)
+                                 "sampling_params": {"max_new_tokens": 0}},
+              max(timeout_s, ANSWER_TIMEOUT_S))
+        path = _wait_for_dump(dump_dir, rid, time.monotonic() + timeout_s)
         layers, shapes = check_dump(path, hidden)
     finally:
         for p in (c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)):

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server", default=None, help="a running server's URL: send it a probe "
                    "request of ours and check its dump (needs --dump-dir)")
     p.add_argument("--timeout-s", type=float, default=60.0,
-                   help="how long the probe waits for its answer and dump")
+                   help="how long the probe waits for its dump once the server has answered")
     p.add_argument("--live-only", action="store_true",
                    help="only the checks of a running server (--dump-dir, --server)")
     p.add_argument("--max-age-s", type=float, default=3600.0,

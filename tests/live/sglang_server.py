@@ -5,10 +5,10 @@ with ``HSFARM_SGLANG_PYTHON``), the tests in the farm's (``.venv``): they talk t
 worker does, over HTTP and through the dump dir. The plugin is loaded by SGLang's own plugin
 loader in the scheduler processes, from the hsfarm install in that interpreter.
 
-What makes SGLang 0.5.23 run on a CPU without AMX (``../shared/research/sglang_live_cpu.md``,
-``docs/sglang-live.md``): the CPU engine, the torch-native attention backend, a bounded KV
-cache, and the test-only ``sgl_kernel`` stand-in of ``tests/sglang/cpu_kernel`` on the server's
-``PYTHONPATH`` (one function in torch; every other name raises).
+What makes SGLang 0.5.23 run on a CPU without AMX (``docs/sglang-live.md``): the CPU engine,
+the torch-native attention backend, a bounded KV cache, and the test-only ``sgl_kernel``
+stand-in of ``tests/sglang/cpu_kernel`` on the server's ``PYTHONPATH`` (one function in torch;
+every other name raises).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_a_server_without_the_plugin_fails_verify(tmp_path: Path, tiny_model: Pa
         # When verify checks it against the dump dir the farm would use (from the worker's
         # python: the live checks need neither SGLang nor torch)
         res = _verify(sys.executable, "--live-only", "--dump-dir", str(dumps),
-                      "--server", server.url, "--timeout-s", "20")
+                      "--server", server.url, "--timeout-s", "5")
         # Then both live checks fail, each saying what to do, and nothing was written
         assert res.returncode == 1, res.stdout
         assert f"FAIL  ready marker: none in {dumps}: start the server with " \
