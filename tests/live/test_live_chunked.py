@@ -128,11 +128,12 @@ def _verify(*args: str, python: Path | None = None) -> subprocess.CompletedProce
 
 
 def test_verify_probe_passes_against_this_server(server: LiveServer) -> None:
-    # When verify runs with the server's python, its own install checks and the live ones
-    res = _verify("--dump-dir", str(server.dumps), "--server", server.url)
-    # Then all six pass, the probe's dump was checked and removed
+    # When verify checks the running server (its install checks, which import all of SGLang
+    # once more, run in tests/sglang and in ops/launch-sglang.sh of test_live_farm.py)
+    res = _verify("--live-only", "--dump-dir", str(server.dumps), "--server", server.url)
+    # Then the marker and the probe pass, and the probe's dump was checked and removed
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("PASS") == 6, res.stdout
+    assert res.stdout.count("PASS") == 2, res.stdout
     assert "PASS  probe request: a 16-token request of ours" in res.stdout
     assert "layers [2, 4, 5], all finite" in res.stdout
     assert not list(server.dumps.glob("*_hsfarm_verify_*"))
