@@ -66,4 +66,4 @@ test-live: $(STAMP) $(SGSTAMP) system-deps
 	$(PY) -m pytest -o addopts=-ra -p no:cacheprovider tests/live
 
 clean:
-	rm -rf $(VENV) $(SGVENV) .sglang demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGVENV) .sglang demo-out build .pytest_cache .mypy_cache .ruff_cache
