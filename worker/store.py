@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 
 from sglang_patch import contracts as c
 from worker import tensorfile
@@ -28,6 +29,7 @@ log = logging.getLogger("hsfarm.store")
 
 MANIFEST = "manifest.json"
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
+M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_FINGERPRINT, M_CHECKSUMS, M_TRUNCATED = "fingerprint_id", "sha256", "truncated_from"
 FINAL_TENSORS = {  # name -> dtype of the final file
     c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
@@ -45,6 +47,18 @@ class Verified:
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull",
+                  "QuotaExceeded")
+
+
+def is_no_space(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT, whichever library raised it (safetensors raises ``SafetensorError``
+    with the OS error in its message, not an ``OSError``)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(text in str(e) for text in _NO_SPACE_TEXT)
 
 
 def check_free(path: Path, reserve_bytes: int, what: str) -> None:
@@ -149,9 +163,10 @@ class OutputStore:
             os.chmod(tmp, 0o644)
             os.replace(tmp, final)
             fsync_dir(final.parent)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise NoSpace(f"writing {final}: {e.strerror}") from e
+        except (OSError, SafetensorError) as e:
+            need = sum(t.array.nbytes for t in tensors.values())
+            if is_no_space(e):
+                raise NoSpace(f"writing {final}: {e}", need_bytes=need) from e
             raise Transient(f"writing {final}: {e}") from e
         finally:
             tmp.unlink(missing_ok=True)
@@ -196,19 +211,6 @@ class OutputStore:
         out += [f"{k} shape {tf.tensors[k].shape} != {s}" for k, s in want.items()
                 if tf.tensors[k].shape != s]
         return out
-
-    def quick_check(self, key: str, content_sha256: str) -> bool:
-        """Cheap "is it done": the header parses and names this sample, content and run.
-
-        For enqueue's idempotency over tens of thousands of files; ``verify`` (and ``audit``)
-        read every byte.
-        """
-        try:
-            meta = tensorfile.header_metadata(self.final_path(key))
-        except (OSError, Corrupt):
-            return False
-        return (meta.get(M_KEY) == key and meta.get(M_CONTENT) == content_sha256
-                and meta.get(M_FINGERPRINT) == self.fingerprint.id)
 
     def _remove_dead_temps(self, final: Path) -> None:
         """Temp files of this sample left by writers that were killed (a redelivered task)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, TensorSpec, deserialize, safe_open, serialize_file
+from safetensors import SafetensorError, TensorSpec, deserialize, serialize_file
 
 from worker.errors import Corrupt
 
@@ -89,13 +89,39 @@ def write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> N
     serialize_file(specs, str(path), metadata=metadata)
 
 
+@dataclass(frozen=True)
+class Header:
+    """A file's header only: metadata, tensor shapes, the file's size. No tensor data read."""
+
+    metadata: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    size_bytes: int
+
+
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def read_header(path: Path) -> Header:
+    """Parse the 8-byte length and JSON header. Raises Corrupt or OSError."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(_MAX_HEADER, size - 8):
+            raise Corrupt(f"{path.name}: not a valid safetensors file: header length {n}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        meta = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
+        shapes = {str(k): tuple(int(x) for x in v["shape"]) for k, v in header.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise Corrupt(f"{path.name}: not a valid safetensors file: bad header ({e})") from e
+    return Header(meta, shapes, size)
+
+
 def header_metadata(path: Path) -> dict[str, str]:
     """Only the metadata (reads the header, not the data). Raises Corrupt or OSError."""
-    try:
-        with safe_open(str(path), framework="numpy") as h:
-            return dict(h.metadata() or {})
-    except (SafetensorError, ValueError) as e:
-        raise Corrupt(f"{path.name}: not a valid safetensors file: {e}") from e
+    return read_header(path).metadata
 
 
 def bf16_nonfinite(arr: np.ndarray) -> int:
