@@ -57,9 +57,14 @@ def test_the_worker_alone_extracts_and_a_missing_library_stops_it(
         more = tmp_path / "more.json"
         write_samples(more, 3, start=1)
         res = _cli(worker_venv, farm.env(), "enqueue", str(more), "--no-progress")
-        # Then it stops at start-up with the fix (a configuration error, exit 2), and no sample
-        # is recorded as rejected for it
+        # Then the producer stops at start-up with the fix (a configuration error, exit 2)
         assert res.returncode == 2, res.stdout + res.stderr
         assert "error: cannot render the chat template" in res.stderr
         assert "jinja2" in res.stderr and "pip install hsfarm" in res.stderr
+        # And so does a worker of that venv, with the message in its log
+        worker = farm.start_worker("nojinja", concurrency=1, python=str(worker_venv),
+                                   wait=False)
+        assert worker.popen is not None and worker.popen.wait(120) == 2
+        assert "jinja2" in worker.log.read_text(errors="replace")
+        # And no sample was recorded as rejected for any of it
         assert run_hash(farm, keys.REJECTED) == {}
