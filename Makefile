@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 SGVENV ?= .venv-sglang
 SGSTAMP := $(SGVENV)/.installed
 
-.PHONY: demo test test-farm test-sglang lint system-deps clean
+.PHONY: demo test test-farm test-sglang test-live lint system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# redis-server is the only system package needed; install it only where it is missing.
+# System packages: redis-server (the broker), strace (the live TP=2 test watches which rank
+# writes). Installed only where missing.
 system-deps:
-	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	@command -v redis-server >/dev/null && command -v strace >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq redis-server strace; }
 
 demo: $(STAMP) system-deps
 	$(PY) -m producer demo
@@ -43,10 +45,12 @@ $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	touch $@
 
 # The SGLang venv (mostly unpacking wheels) is built while the farm's tests run (mostly
-# waiting on real processes); its own tests run after, so the two suites never compete.
+# waiting on real processes); its own tests and the live-server tests run after, one at a
+# time, so the suites never compete for the two cores.
 test: lint
 	$(MAKE) -j2 test-farm $(SGSTAMP)
 	$(MAKE) test-sglang
+	$(MAKE) test-live
 
 test-farm: $(STAMP) system-deps
 	$(PY) -m pytest
@@ -56,5 +60,10 @@ test-sglang: $(SGSTAMP)
 	PYTHONWARNINGS=ignore $(SGVENV)/bin/python -m pytest -p no:cacheprovider \
 		--confcutdir tests/sglang tests/sglang
 
+# Live SGLang servers (python -m sglang.launch_server in $(SGVENV)) driven from the farm's
+# venv, as a worker drives them: tests/live. HSFARM_SGLANG_PYTHON picks another server python.
+test-live: $(STAMP) $(SGSTAMP) system-deps
+	$(PY) -m pytest -o addopts=-ra -p no:cacheprovider tests/live
+
 clean:
-	rm -rf $(VENV) $(SGVENV) .sglang demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGVENV) .sglang demo-out build .pytest_cache .mypy_cache .ruff_cache

@@ -3,8 +3,10 @@
 #          [LAYERS="1 29 57"] ops/launch-sglang.sh [extra sglang args]
 # Checks the install (python -m sglang_patch verify), refuses to start while something else
 # holds the GPUs, starts SGLang with the dump hook and the flags extraction needs, and waits
-# until the server answers and the hook has written a fresh ready marker.
-# When right it ends with: "PASS  ready marker: pid ... layers [2, 30, 58] ..." and "ready".
+# until the hook has written a fresh ready marker and a probe request of ours came back as a
+# correct dump (python -m sglang_patch verify --live-only --server URL --dump-dir DIR).
+# When right it ends with "PASS  ready marker: pid ... layers [2, 30, 58] ...",
+# "PASS  probe request: a 16-token request of ours through ... all finite" and "ready".
 set -euo pipefail
 : "${MODEL_PATH:?set MODEL_PATH to the local model directory}"
 TP=${TP:-8}
@@ -35,8 +37,13 @@ trap 'kill $server 2>/dev/null || true' INT TERM
 for _ in $(seq 1 720); do
   if ! kill -0 "$server" 2>/dev/null; then echo "SGLang exited during start-up"; exit 1; fi
   if curl -sf "http://127.0.0.1:$PORT/model_info" >/dev/null \
-     && "$PY" -m sglang_patch verify --dump-dir "$DUMP_DIR" >/dev/null 2>&1; then
-    "$PY" -m sglang_patch verify --dump-dir "$DUMP_DIR" | tail -1
+     && "$PY" -m sglang_patch verify --live-only --dump-dir "$DUMP_DIR" >/dev/null 2>&1; then
+    # the hook is up: one probe request of ours must now come back as a correct dump
+    if ! "$PY" -m sglang_patch verify --live-only --dump-dir "$DUMP_DIR" \
+         --server "http://127.0.0.1:$PORT" --timeout-s 600; then
+      echo "the server runs but its dumps are wrong (above); stopping it"
+      kill "$server"; wait "$server" || true; exit 1
+    fi
     echo ready
     wait "$server"
     exit $?

@@ -103,6 +103,7 @@ class LocalFarm:
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "hsfarm")
     chunked_prefill_size: int = 512
     redis_url: str | None = None  # an existing Redis; None starts a private one
+    dumps: Path | None = None  # the dump dir, when not work_dir/dumps (a server of its own)
     extra_env: dict[str, str] = field(default_factory=dict)
     redis_port: int = 0
     server_port: int = 0
@@ -114,7 +115,7 @@ class LocalFarm:
 
     @property
     def dump_dir(self) -> Path:
-        return self.work_dir / "dumps"
+        return self.dumps or self.work_dir / "dumps"
 
     @property
     def output_dir(self) -> Path:
@@ -187,8 +188,9 @@ class LocalFarm:
                 and any(self.dump_dir.glob(".ready.*")))
 
     def start_worker(self, name: str, concurrency: int = 2, extra: list[str] | None = None,
-                     wait: bool = True) -> Proc:
-        argv = [sys.executable, "-m", "celery", "-A", "worker", "worker", "-n", f"{name}@%h",
+                     wait: bool = True, python: str = sys.executable) -> Proc:
+        """A ``celery -A worker worker`` of ``python`` (another venv's, to test an install)."""
+        argv = [python, "-m", "celery", "-A", "worker", "worker", "-n", f"{name}@%h",
                 "-c", str(concurrency), "--loglevel", "INFO", "-P", "prefork",
                 "--without-gossip", "--without-mingle", *(extra or [])]
         proc = self._start(name, argv)

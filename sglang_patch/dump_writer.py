@@ -168,14 +168,7 @@ class DumpWriter:
 
     def _write_err(self, rid: str, message: str) -> None:
         self.errors += 1
-        log.warning("dump error %s: %s", rid, message)
-        tmp = self.dump_dir / f".{rid}{c.TMP_MARK}{os.getpid()}.err"
-        try:
-            tmp.write_text(message + "\n")
-            os.replace(tmp, c.err_path(self.dump_dir, rid))
-        except OSError:
-            log.exception("cannot even write the .err file for %s", rid)
-            tmp.unlink(missing_ok=True)
+        write_err(self.dump_dir, rid, message)
 
 
 class DumpCollector:
@@ -186,6 +179,9 @@ class DumpCollector:
       hit looks like: the first chunk arrives with a non-zero prefix);
     - truncation/overrun: more tokens than the rid declares;
     - abandonment: no chunk for ``ttl_s`` (aborted requests; the state is dropped).
+
+    Rows past the prompt the rid declares are tokens generated after it (a decoding request
+    of ours inside a ``--enable-mixed-chunk`` batch): not prompt rows, so they are skipped.
     """
 
     def __init__(
@@ -243,6 +239,8 @@ class DumpCollector:
         aux: torch.Tensor,
         start: int,
     ) -> None:
+        if prefix >= rid.token_count:
+            return  # a token generated after the prompt (a decode row of a mixed batch)
         state = self._pending.get(rid_s)
         if prefix == 0:
             state = self._pending[rid_s] = _Pending(n=rid.token_count)
@@ -291,6 +289,56 @@ def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def write_err(dump_dir: Path, rid: str, message: str) -> None:
+    """Write ``<rid>.err`` atomically: the request of ours that cannot have a dump, and why."""
+    log.warning("dump error %s: %s", rid, message)
+    tmp = dump_dir / f".{rid}{c.TMP_MARK}{os.getpid()}.err"
+    try:
+        tmp.write_text(message + "\n")
+        os.replace(tmp, c.err_path(dump_dir, rid))
+    except OSError:
+        log.exception("cannot even write the .err file for %s", rid)
+        tmp.unlink(missing_ok=True)
+
+
+def remove_stale_files(dump_dir: Path) -> int:
+    """Remove the temp files and ready markers of hook processes that no longer exist.
+
+    What a server killed mid-write leaves in tmpfs (RAM): its half-written ``.<rid>.tmp.<pid>``
+    files and its ``.ready.<pid>`` marker. Files of living processes are never touched, nor
+    anything that is not a temp file or marker of ours. Returns how many were removed.
+    """
+    removed = 0
+    for path in dump_dir.iterdir():
+        pid = _writer_pid(path.name)
+        if pid is not None and not _process_exists(pid):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _writer_pid(name: str) -> int | None:
+    """The pid in a ready marker's or a hook temp file's name; None for any other file."""
+    if name.startswith(c.READY_PREFIX):
+        field = name[len(c.READY_PREFIX):]
+    elif name.startswith(".") and c.is_temp_name(name):
+        field = name.split(c.TMP_MARK, 1)[1]
+    else:
+        return None
+    digits = field.split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:

@@ -16,6 +16,20 @@ from typing import Any
 
 SUPPORTED_SGLANG = ("0.5.23",)
 
+
+class LayoutError(RuntimeError):
+    """The server was launched with options the dump hook cannot handle correctly."""
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version, from its package metadata; "" when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return ""
+
 # The launch flags extraction needs, as a user types them (checked against SGLang's parser by
 # ``python -m sglang_patch verify``).
 REQUIRED_FLAGS = [

@@ -27,7 +27,7 @@ class DumpHook:
         self.collector: DumpCollector | None = None  # stager chosen on first tensors
 
     def on_logits(self, hidden_states: Any, forward_batch: Any, aux_hidden_states: Any) -> None:
-        rids = self._our_batch(forward_batch)
+        rids = our_rids(forward_batch)
         if not rids:
             return
         if aux_hidden_states is None:
@@ -53,24 +53,24 @@ class DumpHook:
             aux=aux,
         )
 
-    @staticmethod
-    def _our_batch(fb: Any) -> list[str]:
-        """The batch's rids if it is a prefill pass holding one of ours, else []."""
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-        if not isinstance(fb, ForwardBatch):
-            return []  # LogitsMetadata passed directly: not a model forward of a batch
-        mode = fb.forward_mode
-        if mode is None or not mode.is_extend() or mode.is_target_verify():
-            return []
-        rids = fb.rids or []
-        if not any(c.parse_rid(r) is not None for r in rids):
-            return []
-        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+def our_rids(fb: Any) -> list[str]:
+    """The batch's rids if it is a prefill pass holding one of ours, else []."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-        if get_is_capture_mode():
-            return []
-        if fb.extend_seq_lens_cpu is None or fb.extend_prefix_lens_cpu is None:
-            log.error("extend batch without CPU lengths; cannot dump %s", rids)
-            return []
-        return list(rids)
+    if not isinstance(fb, ForwardBatch):
+        return []  # LogitsMetadata passed directly: not a model forward of a batch
+    mode = fb.forward_mode
+    if mode is None or not mode.is_extend() or mode.is_target_verify():
+        return []
+    rids = fb.rids or []
+    if not any(c.parse_rid(r) is not None for r in rids):
+        return []
+    from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+
+    if get_is_capture_mode():
+        return []
+    if fb.extend_seq_lens_cpu is None or fb.extend_prefix_lens_cpu is None:
+        log.error("extend batch without CPU lengths; cannot dump %s", rids)
+        return []
+    return list(rids)

@@ -1,31 +1,36 @@
-"""``python -m sglang_patch verify [--dump-dir D]``: is SGLang really running our hook?
+"""``python -m sglang_patch verify [--dump-dir D [--server URL]]``: does SGLang run our hook?
 
 Run it with the server's interpreter. Each check prints one line, PASS or FAIL with the fix;
 the exit code is 0 only when every check passes.
 
-1. this SGLang version is supported;
+1. SGLang is installed here, and its version is supported;
 2. SGLang's own plugin loader, from this interpreter, finds and applies our plugin;
 3. every hook target exists with the parameters we expect;
 4. the launch flags extraction needs parse with this SGLang's own argument parser;
-5. (``--dump-dir``) a running server wrote a fresh ready marker: versions, layers, model.
+5. (``--dump-dir``) a running server wrote a fresh ready marker: versions, layers, model;
+6. (``--server`` with ``--dump-dir``) one request of ours through that server leaves a dump in
+   the dump dir with the ids sent, the right shapes and layers, and finite values (``probe``).
+
+``--live-only`` skips 1-4 (the install, checked once before the launch): what
+``ops/launch-sglang.sh`` polls while the server starts. 5 and 6 need no SGLang here.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import pkgutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_patch import contracts as c
-from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG
-from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS, sglang_version
+from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG, sglang_version
+from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS
 
 
 @dataclass
@@ -71,7 +76,8 @@ def check_loader(python: str = sys.executable) -> Check:
     out = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     expected = ",".join(sorted(EXPECTED_PARAMS))
     if proc.returncode == 0 and out == f"HOOKED {expected} WRAPPED True":
-        return Check("plugin loader", True, "SGLang's load_plugins() applied both hsfarm hooks")
+        return Check("plugin loader", True,
+                     f"SGLang's load_plugins() applied all {len(EXPECTED_PARAMS)} hsfarm hooks")
     why = out or proc.stderr.strip().splitlines()[-1:] or ["no output"]
     return Check("plugin loader", False,
                  f"SGLang did not apply the hsfarm plugin ({why}); install this project into "
@@ -135,24 +141,53 @@ def check_marker(dump_dir: Path, max_age_s: float) -> Check:
                  f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sglang_patch verify",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--dump-dir", type=Path, default=None)
-    p.add_argument("--max-age-s", type=float, default=3600.0,
-                   help="a marker older than this, whose process is gone, is stale")
-    args = p.parse_args(argv)
-    version = check_version()
-    checks: list[Callable[[], Check]] = [check_loader, check_targets, check_flags]
-    results = [version]
-    for fn in checks:
+def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> Check:
+    from sglang_patch.probe import ProbeFailed, run_probe
+
+    try:
+        return Check("probe request", True, run_probe(server_url, dump_dir, timeout_s))
+    except ProbeFailed as e:
+        return Check("probe request", False, str(e))
+
+
+def install_checks() -> list[Check]:
+    """Checks 1-4: this interpreter's SGLang and the plugin in it."""
+    if importlib.util.find_spec("sglang") is None:
+        return [Check("sglang", False,
+                      f"SGLang is not installed here ({sys.executable}): run verify with the "
+                      "python that runs sglang.launch_server, with hsfarm installed in it")]
+    results = [check_version()]
+    for fn in (check_loader, check_targets, check_flags):
         try:
             results.append(fn())
         except ImportError as e:
             results.append(Check(fn.__name__.removeprefix("check_"), False,
                                  f"cannot import SGLang here ({e}); run with the server's python"))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_patch verify",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--dump-dir", type=Path, default=None)
+    p.add_argument("--server", default=None, help="a running server's URL: send it a probe "
+                   "request of ours and check its dump (needs --dump-dir)")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="how long the probe waits for its dump once the server has answered")
+    p.add_argument("--live-only", action="store_true",
+                   help="only the checks of a running server (--dump-dir, --server)")
+    p.add_argument("--max-age-s", type=float, default=3600.0,
+                   help="a marker older than this, whose process is gone, is stale")
+    args = p.parse_args(argv)
+    if args.server and args.dump_dir is None:
+        p.error("--server needs --dump-dir (the server's SGLANG_HS_DUMP_DIR)")
+    if args.live_only and args.dump_dir is None:
+        p.error("--live-only needs --dump-dir")
+    results = [] if args.live_only else install_checks()
     if args.dump_dir is not None:
         results.append(check_marker(args.dump_dir, args.max_age_s))
+    if args.server:
+        results.append(check_probe(args.server, args.dump_dir, args.timeout_s))
     for r in results:
-        print(r.line())
+        print(r.line(), flush=True)
     return 0 if all(r.ok for r in results) else 1

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from worker.chat import ChatTokenizer
-from worker.errors import BadInput
+from worker.errors import BadInput, ConfigError
 from worker.samples import Sample
 
 
@@ -61,3 +64,52 @@ def test_empty_assistant_turn_has_nothing_to_train(tokenizer: Any) -> None:
     # could produce an empty mask; the tiny template keeps <|eot_id|>
     tok = _chat(tokenizer).encode(_sample(("user", "q"), ("assistant", "")))
     assert sum(tok.loss_mask) == 1
+
+
+def _with_template(model_dir: Path, template: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = template
+    return tok
+
+
+def test_a_template_that_does_not_compile_is_a_config_error_at_start(tiny_model: Path) -> None:
+    # Given the served model's tokenizer with a template that has a syntax error
+    tok = _with_template(tiny_model, "{% for m in messages %}{{ m['content'] }")
+    # When the worker loads it, Then it stops with the fix, before any sample is blamed
+    with pytest.raises(ConfigError, match=r"chat template does not compile.*fix chat_template"):
+        _chat(tok)
+
+
+def test_a_conversation_the_template_refuses_is_still_bad_input(tiny_model: Path) -> None:
+    # Given a template that legitimately refuses system messages (as some models' do)
+    tok = _with_template(tiny_model, "{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    chat = _chat(tok)  # a plain conversation renders: the template itself is fine
+    # When a sample with a system message is encoded, Then that sample alone is rejected
+    with pytest.raises(BadInput, match="System role not supported"):
+        chat.encode(_sample(("system", "x"), ("user", "q"), ("assistant", "a")))
+
+
+_WITHOUT_JINJA2 = """
+import sys
+sys.modules["jinja2"] = None  # to every importer, exactly as if jinja2 were not installed
+from worker.chat import ChatTokenizer
+from worker.errors import ConfigError
+try:
+    ChatTokenizer.from_pretrained(sys.argv[1], 8192, "reject")
+except ConfigError as e:
+    print(f"ConfigError: {e}")
+"""
+
+
+def test_a_missing_jinja2_is_a_config_error_naming_the_fix(tiny_model: Path) -> None:
+    # Given a worker process in which jinja2 cannot be imported
+    # When it loads the served model's tokenizer (worker and producer start-up)
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_JINJA2, str(tiny_model)],
+                         capture_output=True, text=True, timeout=120)
+    # Then it stops with a ConfigError that says what to install, never BadInput
+    assert out.stdout.startswith("ConfigError: cannot render the chat template"), out
+    assert "jinja2" in out.stdout and "pip install hsfarm" in out.stdout

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from sglang_patch import contracts as c
-from sglang_patch.dump_writer import DumpCollector, DumpWriter
+from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
 
 H = 8
 
@@ -118,6 +121,43 @@ def test_gap_prefix_hit_and_overrun_write_err(rig) -> None:
     assert "overrun: 4 tokens seen, rid declares 3" in err["hsd-o2-a1-n3.err"]
     assert c.dump_path(d, over).exists()  # 6 + 2 == 8 is exactly whole
     assert not list(d.glob("hsd-gap*.safetensors"))
+
+
+def test_decode_rows_of_mixed_batches_are_not_prompt_rows(rig) -> None:
+    col, writer, _, d = rig
+    # Given a request of ours that decodes after its prompt, under --enable-mixed-chunk: its
+    # decode rows ride in the prefill batches of another request of ours (prefix = prompt
+    # length + tokens generated so far, one row each)
+    r, other = _request(5, 8), _request(6, 9)
+    dec, chunked = c.make_rid("dec", 1, 5), c.make_rid("chunked", 1, 6)
+    col.on_forward(**_batch([(dec, 0, 5, r)]))
+    gen = tuple(torch.cat([t, t[:2]]) for t in r)  # rows past the prompt
+    col.on_forward(**_batch([(chunked, 0, 3, other), (dec, 5, 1, gen)]))
+    col.on_forward(**_batch([(chunked, 3, 3, other), (dec, 6, 1, gen)]))
+    writer.flush()
+    # Then both dumps are exactly their prompts, and nothing is reported as a gap
+    assert not list(d.glob("*.err"))
+    assert torch.equal(_load(d, dec)[c.T_HIDDEN], r[1].to(torch.bfloat16))
+    assert torch.equal(_load(d, chunked)[c.T_AUX], other[2].to(torch.bfloat16))
+
+
+def test_stale_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    # Given what a killed hook process left (a half-written dump, an .err temp, its marker),
+    # the same from this living process, and files that are not the hook's temp files
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rid = c.make_rid("k", 1, 4)
+    stale = [f".{rid}{c.TMP_MARK}{gone.pid}", f".{rid}{c.TMP_MARK}{gone.pid}.err",
+             f"{c.READY_PREFIX}{gone.pid}", f"{c.READY_PREFIX}{gone.pid}{c.TMP_MARK}"]
+    alive = [f".{rid}{c.TMP_MARK}{os.getpid()}", f"{c.READY_PREFIX}{os.getpid()}"]
+    others = [f"{rid}.safetensors", f"{rid}.err", "notes.txt", f".x{c.TMP_MARK}not-a-pid"]
+    for name in stale + alive + others:
+        (tmp_path / name).write_text("x")
+    # When a new hook starts in that dump dir
+    removed = remove_stale_files(tmp_path)
+    # Then exactly the dead process's files are gone
+    assert removed == len(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(alive + others)
 
 
 def test_abandoned_requests_are_dropped_after_ttl(rig) -> None:

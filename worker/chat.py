@@ -5,6 +5,11 @@ after its generation prompt (its content and end-of-turn marker). It is found by
 template incrementally, as vLLM's speculators do, so it is correct for multi-turn
 conversations and any template that renders a conversation as a prefix of its continuation;
 templates that do not (some rewrite earlier turns) are reported per sample, never guessed.
+
+An environment problem is never bad input: a library the template engine needs that is missing
+(jinja2) or a template that does not compile raise ``ConfigError`` with the fix, at start-up
+(a probe conversation is rendered when the tokenizer is loaded) and per sample alike; only a
+conversation the template itself refuses is ``BadInput``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ from typing import Any
 
 from worker.errors import BadInput, ConfigError
 from worker.samples import Sample
+
+# Rendered once at start-up: any chat template must accept a plain two-turn conversation.
+PROBE_CONVERSATION = ({"role": "user", "content": "Hello"},
+                      {"role": "assistant", "content": "Hi there."})
+_ENGINE_FIX = ("install the worker's dependencies into its environment (pip install hsfarm; "
+               "chat templates need jinja2>=3.1.6)")
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,17 @@ class ChatTokenizer:
         self.max_tokens = max_tokens
         self.overlong = overlong
         self.vocab_size = len(tokenizer)
+        self._check_template()
+
+    def _check_template(self) -> None:
+        """Render the probe conversation: a broken template or engine stops the process now,
+        before any sample could be blamed for it."""
+        try:
+            self._render(list(PROBE_CONVERSATION), gen_prompt=False)
+        except BadInput as e:
+            raise ConfigError(f"the served model's chat template cannot render a plain "
+                              f"user/assistant conversation ({e}); fix the template "
+                              "(chat_template.jinja or tokenizer_config.json)") from e
 
     @classmethod
     def from_pretrained(cls, path: str, max_tokens: int, overlong: str) -> ChatTokenizer:
@@ -42,12 +64,16 @@ class ChatTokenizer:
 
         try:
             tok = AutoTokenizer.from_pretrained(path)
+        except ImportError as e:
+            raise ConfigError(f"the tokenizer at {path} needs a library this environment "
+                              f"lacks: {e}") from e
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load the tokenizer from {path}: {e}") from e
         return cls(tok, max_tokens, overlong)
 
     def encode(self, sample: Sample) -> Tokenized:
-        """Raises BadInput (template, length, vocabulary) with the reason."""
+        """Raises BadInput (template refusal, length, vocabulary) with the reason, or
+        ConfigError when the template engine or the template itself is broken."""
         if sample.input_ids:
             ids, mask = list(sample.input_ids), list(sample.loss_mask)
             bad = next((t for t in ids if t >= self.vocab_size), None)
@@ -59,10 +85,16 @@ class ChatTokenizer:
         return self._fit(ids, mask)
 
     def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
+        """Raises ConfigError (engine missing, template broken) or BadInput (refused)."""
         try:
             text = self.tok.apply_chat_template(messages, tokenize=False,
                                                 add_generation_prompt=gen_prompt)
+        except ImportError as e:
+            raise ConfigError(f"cannot render the chat template: {e}; {_ENGINE_FIX}") from e
         except Exception as e:  # jinja raises anything (TemplateError, TypeError, ...)
+            if _is_template_syntax_error(e):
+                raise ConfigError(f"the served model's chat template does not compile: {e}; "
+                                  "fix chat_template.jinja or tokenizer_config.json") from e
             raise BadInput(f"chat template rejected the conversation: {e}") from e
         return str(text)
 
@@ -107,3 +139,9 @@ class ChatTokenizer:
             raise BadInput(f"sample has {n} tokens; truncated to {self.max_tokens} it has no "
                            "assistant tokens left")
         return Tokenized(ids, mask, truncated_from=n)
+
+
+def _is_template_syntax_error(e: Exception) -> bool:
+    """A jinja2 compile error (also when jinja2 itself cannot be imported here)."""
+    return any(cls.__name__ == "TemplateSyntaxError" and cls.__module__.startswith("jinja2")
+               for cls in type(e).__mro__)

@@ -1,8 +1,10 @@
 """Tests against the real SGLang 0.5.23 source, run in .venv-sglang (see the Makefile).
 
 That venv has SGLang's Python package and what it imports on a CPU-only machine; nothing of
-SGLang is mocked. What cannot run here: a GPU forward, SGLang's ModelRunner (it needs a device,
-process groups and weights) and its CUDA kernels. Where a test needs a ModelRunner it says so.
+SGLang is mocked. The hook inside whole live servers is tested in tests/live (real
+``sglang.launch_server`` processes); what stays here is what a live 0.5.23 server on CPU cannot
+show, with a stand-in ModelRunner where one is needed (each test says so): layouts that cannot
+be launched here, capture ids that arrive late or never, gaps and truncation.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -52,7 +53,8 @@ def test_sglang_loader_installs_plugin_only_with_variable(dump_dir: str) -> None
                          text=True, timeout=300, check=True).stdout.strip().splitlines()[-1]
     # Then our hooks are applied only when the variable is set, and cost nothing otherwise
     if dump_dir:
-        assert out == f"{sorted([plugin.TARGET_LOAD, plugin.TARGET_LOGITS])} True False"
+        assert out == (f"{sorted([plugin.TARGET_LOAD, plugin.TARGET_ATTN, plugin.TARGET_LOGITS])}"
+                       " True False")
     else:
         assert out == "[] False False"
 
@@ -89,28 +91,83 @@ def test_load_hook_refuses_layouts_it_cannot_handle(plugins_loaded: Path,
         ModelRunner.load_model(runner)
 
 
-def test_build_hook_writes_ready_marker(sglang_ctx: Any, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # A stand-in runner: ModelRunner itself cannot be built without a GPU. Its model is a
-    # module tree holding layers_to_capture where DeepseekV2Model / LlamaModel keep it.
+@pytest.fixture
+def pending(sglang_ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The plugin's state after the patched load_model and init_attention_backends ran on a
+    stand-in runner whose model has no capture ids yet. A stand-in, because ModelRunner cannot
+    be built without a GPU, and because no live SGLang 0.5.23 server sets the ids later than
+    init_attention_backends (the live tests, tests/live/, show that path): this is the
+    protection against an SGLang that moves the call, or never makes it."""
     monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("SGLANG_HS_DUMP_RESERVE_BYTES", "0")
     inner = torch.nn.Module()
-    inner.layers_to_capture = [2, 30, 58]
+    inner.layers_to_capture = []
     model = torch.nn.Module()
-    model.language_model = inner
+    model.language_model = inner  # where Kimi-K2.5 keeps DeepseekV3's model
     runner = SimpleNamespace(server_args=_server_args(tp_size=8), model=model,
-                             model_config=SimpleNamespace(hidden_size=7168))
-    hook = plugin.build_hook(runner)
-    try:
-        marker = next(tmp_path.glob(".ready.*"))
-        import json
+                             model_config=SimpleNamespace(hidden_size=H))
+    plugin.around_load_model(lambda r: None, runner)
+    plugin.around_init_attention_backends(lambda r: None, runner)
+    yield inner
+    if plugin._hook is not None:
+        plugin._hook.writer.close()
+    plugin._hook = plugin._activation = None
 
-        info = json.loads(marker.read_text())
-        assert info["layers_to_capture"] == [2, 30, 58] and info["sglang_version"] == "0.5.23"
-        assert info["tp_size"] == 8 and info["hidden_size"] == 7168 and info["pid"] == os.getpid()
-        assert verify.check_marker(tmp_path, 3600).ok
-    finally:
-        hook.writer.close()
+
+def test_ids_that_never_arrive_give_our_requests_an_err_with_the_fix(pending: Any,
+                                                                    tmp_path: Path) -> None:
+    # Given a model whose capture ids are still unknown after load and attention set-up
+    assert plugin._hook is None and not list(tmp_path.glob(".ready.*"))
+    # When a batch holds a request of ours (ending here), one of ours mid-prompt and a
+    # foreign one, through the real patched LogitsProcessor.forward
+    proc = _processor()
+    done, mid = c.make_rid("done", 1, 4), c.make_rid("mid", 1, 9)
+    out = _forward(proc, [(done, 0, 4, _request(4, 1)), (mid, 0, 3, _request(9, 2)),
+                          ("chatcmpl-7", 0, 2, _request(2, 3))])
+    # Then the server goes on (the LM head ran), no marker or writer exists, the finished
+    # request of ours has a .err naming the fix, and nothing else was written
+    assert out.next_token_logits.shape == (3, V)
+    assert plugin._hook is None
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"{done}.err"]
+    message = c.err_path(tmp_path, done).read_text()
+    assert "--enable-return-aux-hidden-states" in message and "verify" in message
+
+
+def test_ids_that_arrive_late_bring_the_hook_up_at_the_first_request(pending: Any,
+                                                                    tmp_path: Path) -> None:
+    # Given ids that SGLang sets only after init_attention_backends
+    pending.layers_to_capture = [2, 4, 5]
+    # When the first request of ours arrives
+    proc = _processor()
+    rid = c.make_rid("late", 1, 6)
+    ids, hid, aux = _request(6, 4)
+    _forward(proc, [("HEALTH_CHECK_1", 0, 1, _request(1, 5)), (rid, 0, 6, (ids, hid, aux))])
+    plugin._hook.writer.flush()
+    # Then the hook came up there, its marker records the ids and where they were found,
+    # and the request's dump is whole
+    import json
+
+    info = json.loads(next(tmp_path.glob(".ready.*")).read_text())
+    assert info["layers_to_capture"] == [2, 4, 5]
+    assert info["ids_known"] == "at the first request" and info["tp_size"] == 8
+    got = load_file(str(c.dump_path(tmp_path, rid)))
+    assert torch.equal(got[c.T_HIDDEN], hid.to(torch.bfloat16))
+    assert torch.equal(got[c.T_AUX], aux.to(torch.bfloat16))
+
+
+def test_a_wrong_number_of_ids_is_refused_at_start_and_answered_while_serving(
+        pending: Any, tmp_path: Path) -> None:
+    # At start-up (init_attention_backends): the launch is refused with the fix
+    pending.layers_to_capture = [2, 4]
+    runner = plugin._activation.runner
+    with pytest.raises(plugin.LayoutError, match="--return-aux-hidden-state-layer-ids"):
+        plugin.around_init_attention_backends(lambda r: None, runner)
+    # While serving (ids changed after start): the request gets the reason, the server lives
+    rid = c.make_rid("two", 1, 3)
+    _forward(_processor(), [(rid, 0, 3, _request(3, 6))])
+    assert "needs exactly 3" in c.err_path(tmp_path, rid).read_text()
+    assert plugin._hook is None
 
 
 def _processor() -> Any:
@@ -250,30 +307,3 @@ def test_verify_ready_marker_missing_stale_and_fresh(tmp_path: Path) -> None:
     fresh = _verify("--dump-dir", str(tmp_path))
     assert fresh.returncode == 0, fresh.stdout
     assert "layers [2, 30, 58]" in fresh.stdout
-
-
-@pytest.mark.parametrize(("rank", "writes"), [(0, True), (1, False)])
-def test_only_attention_tp_rank_0_builds_a_writer(sglang_ctx: Any, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch, rank: int,
-                                                   writes: bool) -> None:
-    # The load hook around a stand-in for the original load_model (which needs a GPU): on
-    # attention-TP rank 0 it builds the writer; on every other rank nothing is built, so the
-    # logits hook returns at once there (no copy, no synchronisation).
-    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
-    # rank 0 is read from SGLang's real parallel context; other ranks are simulated by our own
-    # accessor (a consistent TP-2 topology needs the process groups that cannot exist here)
-    assert plugin.attn_tp_rank() == 0
-    if rank:
-        monkeypatch.setattr(plugin, "attn_tp_rank", lambda: rank)
-    inner = torch.nn.Module()
-    inner.layers_to_capture = [2, 4, 5]
-    runner = SimpleNamespace(server_args=_server_args(), model=inner,
-                             model_config=SimpleNamespace(hidden_size=H))
-    try:
-        plugin.around_load_model(lambda r: "loaded", runner)
-        assert (plugin._hook is not None) == writes
-        assert any(tmp_path.glob(".ready.*")) == writes
-    finally:
-        if plugin._hook is not None:
-            plugin._hook.writer.close()
-        plugin._hook = None

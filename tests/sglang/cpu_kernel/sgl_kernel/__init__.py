@@ -8,7 +8,7 @@ torch_native``, a prefill/decode run calls exactly one of them:
 torch with the semantics of SGLang's triton ``assign_req_to_token_pool``. Every other name
 exists only so that ``from sgl_kernel import X`` succeeds, and raises if it is ever called.
 
-Used only by the live-server tests (``tests/sglang/``), put on the server's ``PYTHONPATH`` by
+Used only by the live-server tests (``tests/live/``), put on the server's ``PYTHONPATH`` by
 them. No torch op is registered, so SGLang's AMX checks (``torch.ops.sgl_kernel.*``) stay off.
 """
 

@@ -1,0 +1,133 @@
+"""Bringing the dump hook up in one scheduler process, once SGLang has set the capture ids.
+
+In SGLang 0.5.23 the model's ``layers_to_capture`` is still empty when ``ModelRunner.load_model``
+returns: ``ModelRunner.init_attention_backends()`` fills it (through
+``configure_aux_hidden_state_capture`` → the model's ``set_eagle3_layers_to_capture``), and the
+scheduler calls that afterwards. Where SGLang sets them may move between versions, so the plugin
+looks at three points, on attention-TP rank 0 only: right after ``load_model``, right after
+``init_attention_backends``, and lazily at each forward pass holding a request of ours until the
+ids are known. The writer thread and the ready marker come up at the first point where the ids
+are known; the marker records them and that point. Before that nothing is written, and a request
+of ours that finishes while the ids are still unknown gets a ``<rid>.err`` naming the fix: never
+a crashed server, never a silent nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from sglang_patch import contracts as c
+from sglang_patch.dump_writer import remove_stale_files, write_err, write_ready_marker
+from sglang_patch.layout import LayoutError, sglang_version
+from sglang_patch.sglang_hook import DumpHook
+
+log = logging.getLogger("hsfarm.sglang_plugin")
+
+ENV_QUEUE = "SGLANG_HS_DUMP_QUEUE"  # finished requests buffered for the writer (backpressure)
+ENV_RESERVE = "SGLANG_HS_DUMP_RESERVE_BYTES"  # free tmpfs kept; a dump that would not fit → .err
+
+NO_IDS_FIX = ("the hsfarm dump hook is not active: SGLang never set the model's aux-capture "
+              "layer ids (layers_to_capture is empty after load_model, after "
+              "init_attention_backends and at this request), so no hidden states can be "
+              "dumped; launch with --enable-return-aux-hidden-states --speculative-algorithm "
+              "EAGLE3 [--return-aux-hidden-state-layer-ids ...] and run `python -m sglang_patch "
+              "verify` with the server's python: this SGLang may set the ids elsewhere")
+
+
+def find_layers_to_capture(model: Any) -> list[int]:
+    """The effective capture ids, wherever the model family keeps them (Kimi wraps DSV3)."""
+    for module in model.modules():
+        layers = getattr(module, "layers_to_capture", None)
+        if layers:
+            return [int(i) for i in layers]
+    return []
+
+
+def model_config_sha256(model_path: str) -> str:
+    path = Path(model_path) / "config.json"
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+class Activation:
+    """The hook of one scheduler process (attention-TP rank 0): pending until the ids exist."""
+
+    def __init__(self, runner: Any, dump_dir: Path) -> None:
+        self.runner = runner
+        self.dump_dir = dump_dir
+        self.hook: DumpHook | None = None
+        self._lock = threading.Lock()
+
+    def try_activate(self, where: str) -> DumpHook | None:
+        """Build the hook and its ready marker if the capture ids are known now.
+
+        Raises:
+            LayoutError: the model captures a number of layers other than three.
+        """
+        with self._lock:
+            if self.hook is None:
+                layers = find_layers_to_capture(self.runner.model)
+                if layers:
+                    self.hook = self._build(layers, where)
+        return self.hook
+
+    def _build(self, layers: list[int], where: str) -> DumpHook:
+        if len(layers) != c.AUX_LAYERS:
+            raise LayoutError(f"the model captures layers {layers}, the farm needs exactly "
+                              f"{c.AUX_LAYERS} (EAGLE-3's low/middle/high); pass three ids to "
+                              "--return-aux-hidden-state-layer-ids or none")
+        info = marker_info(self.runner, layers, where)
+        meta = {
+            c.M_LAYERS: json.dumps(layers),
+            c.M_CONFIG_SHA: str(info["model_config_sha256"]),
+            c.M_PATCH_VERSION: c.PATCH_VERSION,
+            c.M_SERVER_VERSION: str(info["server_version"]),
+        }
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale_files(self.dump_dir)
+        hook = DumpHook(self.dump_dir, meta,
+                        max_queue=int(os.environ.get(ENV_QUEUE, "4")),
+                        reserve_bytes=int(os.environ.get(ENV_RESERVE, str(1 << 30))))
+        write_ready_marker(self.dump_dir, info)
+        log.info("hsfarm dump hook active (ids known %s): layers %s, dump dir %s, %d stale "
+                 "files of dead processes removed", where, layers, self.dump_dir, stale)
+        return hook
+
+    def fail_finished_requests(self, forward_batch: Any, message: str = NO_IDS_FIX) -> None:
+        """``<rid>.err`` with the fix for each request of ours whose prompt ends in this pass."""
+        rids = list(forward_batch.rids or [])
+        prefixes = forward_batch.extend_prefix_lens_cpu
+        extends = forward_batch.extend_seq_lens_cpu
+        for i, rid_s in enumerate(rids):
+            rid = c.parse_rid(rid_s)
+            if rid is None:
+                continue
+            if prefixes is not None and extends is not None:
+                prefix = int(prefixes[i])
+                if not prefix < rid.token_count <= prefix + int(extends[i]):
+                    continue  # not this request's last prompt chunk
+            write_err(self.dump_dir, rid_s, message)
+
+
+def marker_info(runner: Any, layers: list[int], where: str) -> dict[str, object]:
+    """What the ready marker says: versions, the effective ids, the model, the layout."""
+    args = runner.server_args
+    config_sha = model_config_sha256(str(args.model_path))
+    return {
+        "server_version": f"sglang-{sglang_version()}",
+        "sglang_version": sglang_version(),
+        "layers_to_capture": layers,
+        "ids_known": where,
+        "model_path": str(args.model_path),
+        "model_config_sha256": config_sha,
+        "hidden_size": int(getattr(runner.model_config, "hidden_size", 0)),
+        "tp_size": int(getattr(args, "tp_size", 1)),
+    }

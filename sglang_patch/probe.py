@@ -1,0 +1,157 @@
+"""The live half of ``verify``: one request of ours through a running server, and its dump.
+
+``python -m sglang_patch verify --server URL --dump-dir D`` sends a short prefill-only request
+with a valid rid (``contracts.make_rid``) to the server, as a worker would, waits for the hook's
+``<rid>.safetensors`` in ``D``, checks it (token ids, shapes, dtypes, the three layers, finite
+values), removes it and says what it found. It needs neither torch nor SGLang here: only the
+HTTP API, the dump dir and safetensors' own parser, so it runs with any python on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sglang_patch import contracts as c
+
+PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
+ANSWER_TIMEOUT_S = 120.0  # for the server's answer (a busy server queues the probe)
+_BF16_EXPONENT = 0x7F80  # all exponent bits set: Inf or NaN
+
+
+class ProbeFailed(Exception):
+    """The probe found a problem; the message says what and what to do."""
+
+
+def run_probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
+    """Probe the server; returns a one-line summary. ``timeout_s``: how long to wait for the
+    dump once the server has answered (and at least that long for the answer).
+
+    Raises:
+        ProbeFailed: the server or the hook did not do its part; the message has the fix.
+    """
+    url = server_url.rstrip("/")
+    hidden = expected_hidden_size(_get(url, "/model_info"))
+    rid = c.make_rid(f"_hsfarm_verify_{os.getpid()}_{int(time.time() * 1000)}", 1,
+                     len(PROBE_IDS))
+    t0 = time.monotonic()
+    try:
+        _post(url, "/generate", {"rid": rid, "input_ids": PROBE_IDS,
+                                 "sampling_params": {"max_new_tokens": 0}},
+              max(timeout_s, ANSWER_TIMEOUT_S))
+        path = _wait_for_dump(dump_dir, rid, time.monotonic() + timeout_s)
+        layers, shapes = check_dump(path, hidden)
+    finally:
+        for p in (c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)):
+            p.unlink(missing_ok=True)
+    return (f"a {len(PROBE_IDS)}-token request of ours through {url}: dump in {dump_dir} after "
+            f"{time.monotonic() - t0:.1f}s, ids equal, {shapes}, layers {layers}, all finite")
+
+
+def expected_hidden_size(model_info: dict[str, Any]) -> int | None:
+    """The served model's hidden size from its config.json, when this host can read it."""
+    path = Path(str(model_info.get("model_path", ""))) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    inner = cfg.get("text_config")  # multimodal wrappers (Kimi-K2.5)
+    cfg = inner if isinstance(inner, dict) and "hidden_size" in inner else cfg
+    size = cfg.get("hidden_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def _wait_for_dump(dump_dir: Path, rid: str, deadline: float) -> Path:
+    dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
+    while time.monotonic() < deadline:
+        if dump.exists():
+            return dump
+        if err.exists():
+            raise ProbeFailed(f"the hook answered the probe with an error: "
+                              f"{err.read_text(errors='replace').strip()}")
+        time.sleep(0.05)
+    raise ProbeFailed(
+        f"the server answered the probe but no dump of it appeared in {dump_dir}: the hook is "
+        "not running in that server (SGLANG_HS_DUMP_DIR unset, or hsfarm not installed in the "
+        "server's python), or it writes elsewhere (SGLANG_HS_DUMP_DIR must be this directory)")
+
+
+def check_dump(path: Path, hidden: int | None) -> tuple[list[int], str]:
+    """Check one probe dump; returns its layer ids and a shape summary.
+
+    Raises:
+        ProbeFailed: with every problem found.
+    """
+    tensors, meta = read_safetensors(path)
+    n = len(PROBE_IDS)
+    problems = []
+    ids = tensors.get(c.T_INPUT_IDS)
+    if ids is None or ids[0] != "I64" or ids[1].tolist() != PROBE_IDS:
+        problems.append("input_ids are not the ids sent")
+    h = hidden or (tensors[c.T_HIDDEN][1].shape[-1] if c.T_HIDDEN in tensors else 0)
+    for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
+        got = tensors.get(name)
+        if got is None or got[0] != "BF16" or got[1].shape != (n, width):
+            shape = f"{got[0]}{list(got[1].shape)}" if got else "missing"
+            problems.append(f"{name} is {shape}, expected BF16[{n}, {width}]")
+        elif int(np.count_nonzero((got[1] & _BF16_EXPONENT) == _BF16_EXPONENT)):
+            problems.append(f"{name} has NaN/Inf values")
+    try:
+        layers = [int(i) for i in json.loads(meta.get(c.M_LAYERS, "[]"))]
+    except (TypeError, ValueError):
+        layers = []
+    if len(layers) != c.AUX_LAYERS:
+        problems.append(f"the dump records layers {layers}, expected {c.AUX_LAYERS} ids")
+    if problems:
+        raise ProbeFailed(f"the probe's dump is wrong: {'; '.join(problems)}; this hook or "
+                          "SGLang version does not capture what the farm needs")
+    return layers, f"hidden BF16[{n}, {h}], aux BF16[{n}, {3 * h}]"
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
+    """name → (dtype tag, raw array; bf16 as uint16), and the metadata. No torch needed."""
+    from safetensors import deserialize
+
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+    raw = {"BF16": "<u2", "I64": "<i8", "F32": "<f4", "I32": "<i4"}
+    out = {}
+    for name, t in deserialize(data):
+        tag = str(t["dtype"])
+        arr = np.frombuffer(bytes(t["data"]), dtype=raw.get(tag, "u1"))
+        out[name] = (tag, arr.reshape(t["shape"]) if tag in raw else arr)
+    return out, meta
+
+
+def _get(url: str, path: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url + path, timeout=30) as resp:
+            body = json.loads(resp.read())
+    except (OSError, ValueError) as e:
+        raise ProbeFailed(f"the server at {url} does not answer {path} ({e}); is it up, and "
+                          "is this its address?") from e
+    if not isinstance(body, dict):
+        raise ProbeFailed(f"{url}{path} answered {body!r:.100}: not an SGLang server?")
+    return body
+
+
+def _post(url: str, path: str, body: dict[str, Any], timeout_s: float) -> None:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:300].decode("utf-8", "replace")
+        raise ProbeFailed(f"the server refused the probe request ({e.code}): {detail}") from e
+    except OSError as e:
+        raise ProbeFailed(f"the probe request to {url}{path} failed: {e}") from e

@@ -1,0 +1,61 @@
+"""The oracle for live dumps: the same token ids through transformers, at the same layers.
+
+SGLang's capture id i is the input of layer i, transformers' ``hidden_states[i]``; the final
+state is post-norm (``last_hidden_state``). The dump is bf16, the reference float32, so the
+comparison is per token, relative to the token's largest value: bf16 keeps 8 significant bits
+(0.4% rounding), and a wrong layer, a missed or doubled norm or a shifted row is off by 10%+.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from sglang_patch import contracts as c
+
+BF16_TOLERANCE = 0.02  # worst per-token relative error allowed
+
+
+@functools.cache
+def _model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def reference(model_dir: Path, ids: list[int],
+              layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final post-norm [T,H], aux [T,3H]) for ``ids``, from transformers."""
+    out = _model(model_dir).model(torch.tensor([ids]), output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+    return out.last_hidden_state[0], aux
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The worst token's ``max |got - want| / max |want|``."""
+    scale = want.abs().amax(dim=-1).clamp_min(1e-6)
+    return float(((got.float() - want).abs().amax(dim=-1) / scale).max())
+
+
+def check_dump(path: Path, model_dir: Path, ids: list[int],
+               layers: list[int] | None = None) -> float:
+    """Assert the dump holds ``ids`` and transformers' states for them; returns the error."""
+    dump = load_file(str(path))
+    with open(path, "rb") as f:  # the metadata, from the file's own header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    recorded = json.loads(header["__metadata__"][c.M_LAYERS])
+    if layers is not None:
+        assert recorded == layers, (recorded, layers)
+    assert dump[c.T_INPUT_IDS].tolist() == ids
+    hidden, aux = reference(model_dir, ids, recorded)
+    assert dump[c.T_HIDDEN].dtype == torch.bfloat16 and dump[c.T_HIDDEN].shape == hidden.shape
+    assert dump[c.T_AUX].dtype == torch.bfloat16 and dump[c.T_AUX].shape == aux.shape
+    err = max(relative_error(dump[c.T_HIDDEN], hidden), relative_error(dump[c.T_AUX], aux))
+    assert err < BF16_TOLERANCE, f"{path.name}: {err:.4f} off transformers"
+    return err

@@ -1,0 +1,130 @@
+"""The whole farm against a live SGLang server started by ``ops/launch-sglang.sh``: real Redis,
+real ``celery -A worker worker`` processes, real dumps; then the server SIGKILLed mid-run and
+started again by the test."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from producer.localfarm import LocalFarm, wait_until
+from sglang_patch import contracts as c
+from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
+from tests.faults import enqueue, run_hash, text
+from tests.live.conftest import measured, running
+from tests.live.reference import BF16_TOLERANCE, reference, relative_error
+from tests.live.sglang_server import LiveServer
+from worker import keys as k
+
+# A live CPU server prefills a 4,451-token sample in seconds, not milliseconds, and a restart
+# takes a minute: longer limits than the reference server's, the same logic.
+LIVE_FARM_ENV = {**FAST_ENV, "FARM_REQUEST_TIMEOUT_S": "120", "FARM_DUMP_TIMEOUT_S": "30",
+                 "FARM_TASK_TIME_LIMIT_S": "180", "FARM_VISIBILITY_TIMEOUT_S": "240",
+                 "FARM_SERVER_WAIT_S": "60"}
+
+
+@pytest.fixture(scope="module")
+def server(module_dir: Path, tiny_model: Path) -> Iterator[LiveServer]:
+    # chunk budget 8192, the default on an H200: the example samples run unchunked, as most
+    # of a real run's do
+    server = LiveServer(tiny_model, module_dir, module_dir / "dumps", via_script=True,
+                        extra=["--chunked-prefill-size", "8192"])
+    with running(server, "TP=1 by ops/launch-sglang.sh (its verify probe passed)"):
+        yield server
+
+
+@pytest.fixture
+def farm(tmp_path: Path, server: LiveServer) -> Iterator[LocalFarm]:
+    """A private Redis; workers as tests start them; the module's live server."""
+    f = LocalFarm(tmp_path / "farm", cache_dir=CACHE, dumps=server.dumps,
+                  server_port=server.port, extra_env=dict(LIVE_FARM_ENV))
+    try:
+        f.start_redis()
+        yield f
+    finally:
+        f.close()
+
+
+def done_keys(farm: LocalFarm) -> set[str]:
+    r = farm.redis()
+    zsets = r.scan_iter(f"{k.PREFIX}:*:{k.DONE}")
+    return {text(m) for z in zsets for m in cast(list[bytes], r.zrange(z, 0, -1))}
+
+
+def extractions(farm: LocalFarm) -> dict[str, int]:
+    """How many times each sample was extracted to a verified file (workers' log lines)."""
+    counts: dict[str, int] = {}
+    for proc in farm.procs.values():
+        if proc.name.startswith("w"):
+            for m in re.finditer(r" (\S+) a\d+ done n=", proc.log.read_text(errors="replace")):
+                counts[m[1]] = counts.get(m[1], 0) + 1
+    return counts
+
+
+def assert_matches_transformers(farm: LocalFarm, keys: list[str], model: Path) -> float:
+    """Every final file holds transformers' states for its ids; returns the worst error."""
+    worst = 0.0
+    for key in keys:
+        t = load_file(str(c.final_path(farm.output_dir, key)))
+        hidden, aux = reference(model, t[c.T_INPUT_IDS].tolist(), [2, 4, 5])
+        assert t[c.T_HIDDEN].dtype == torch.bfloat16 and t[c.T_AUX].shape == aux.shape
+        err = max(relative_error(t[c.T_HIDDEN], hidden), relative_error(t[c.T_AUX], aux))
+        assert err < BF16_TOLERANCE, (key, err)
+        worst = max(worst, err)
+    return worst
+
+
+def test_farm_end_to_end_against_live_sglang(farm: LocalFarm, tmp_path: Path,
+                                             tiny_model: Path) -> None:
+    # Given 20 example samples (94 to 4,451 tokens) and two workers of two processes
+    farm.start_worker("w1", concurrency=2)
+    farm.start_worker("w2", concurrency=2)
+    # When they are enqueued and the farm runs to the end against the live server
+    keys = enqueue(farm, tmp_path, 20)
+    wait_finished(farm, 20, timeout_s=600)
+    # Then every sample has one verified file, audit finds the run whole, nothing is left
+    assert_farm_invariants(farm, keys)
+    assert extractions(farm) == dict.fromkeys(keys, 1)
+    # And each file holds the live server's states, equal to transformers' for its ids
+    worst = assert_matches_transformers(farm, keys, tiny_model)
+    measured(f"farm, 20 samples through 2 workers x 2 processes: audit whole, worst error "
+             f"{worst:.4f}")
+
+
+def test_server_sigkilled_mid_run_and_restarted(farm: LocalFarm, server: LiveServer,
+                                                tmp_path: Path) -> None:
+    # Given 24 other samples being extracted by a worker
+    farm.start_worker("w1", concurrency=2)
+    keys = enqueue(farm, tmp_path, 24, start=20)
+    wait_until(lambda: len(done_keys(farm)) >= 3 and bool(run_hash(farm, k.RUNNING)), 300,
+               "some samples done and others running", poll_s=0.05)
+    # When every process of the server is SIGKILLed mid-run, and it is started again (same
+    # port, same dump dir; directly this time, so nothing but the new hook cleans up after
+    # the killed one)
+    server.kill()
+    done_at_kill = len(done_keys(farm))
+    server.via_script = False
+    server.start()
+    measured(f"server SIGKILLed with {done_at_kill}/24 done; back in {server.started_s:.1f}s")
+    wait_finished(farm, 24, timeout_s=600)
+    # Then every sample was extracted exactly once into one verified file, nothing is left in
+    # tmpfs, and the killed server's marker is gone: the new hook removed it
+    assert done_at_kill < 24
+    assert_farm_invariants(farm, keys)
+    assert extractions(farm) == dict.fromkeys(keys, 1)
+    assert not [p for p in server.dumps.iterdir() if c.is_temp_name(p.name)]
+    markers = server.markers()
+    assert len(markers) == 1 and Path(f"/proc/{_pid(markers[0])}").exists(), markers
+    # And the workers saw the server go away and waited for it, without failing anything
+    log = farm.procs["w1"].log.read_text(errors="replace")
+    assert re.search(r"server .*(does not answer|unreachable|unavailable)", log), log[-2000:]
+
+
+def _pid(marker: Path) -> int:
+    return int(marker.name.rsplit(".", 1)[1])

@@ -1,0 +1,104 @@
+"""A live TP=2 server on CPU (gloo), unchunked: one ready marker, only the attention-TP rank 0
+writes (seen with strace on both ranks), and the dumps equal transformers' states."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from producer.localfarm import wait_until
+from tests.live.conftest import measured, running
+from tests.live.reference import check_dump
+from tests.live.sglang_server import LiveServer
+from tests.live.traffic import PREFILL_LINE, log_lines_since, ours, send, vocab_size, wait_dump
+
+# strace is a system package like redis-server (`make system-deps` installs both)
+STRACE = shutil.which("strace") or "strace"
+
+
+@pytest.fixture(scope="module")
+def server(module_dir: Path, tiny_model: Path) -> Iterator[LiveServer]:
+    server = LiveServer(tiny_model, module_dir, module_dir / "dumps", tp=2,
+                        extra=["--chunked-prefill-size", "8192"])
+    with running(server, "TP=2, --chunked-prefill-size 8192 (unchunked here)"):
+        yield server
+
+
+def scheduler_pids(server: LiveServer) -> dict[int, int]:
+    """TP rank → pid of the server's scheduler processes (SGLang titles them by rank)."""
+    assert server.proc is not None
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != server.proc.pid:
+                continue
+            title = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # gone meanwhile (ProcessLookupError is an OSError)
+            continue
+        for rank in range(server.tp):
+            if f"scheduler_TP{rank}" in title:
+                found[rank] = int(proc.name)
+    return found
+
+
+def _all_threads_traced(pid: int) -> bool:
+    tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    return all("TracerPid:\t0\n" not in (t / "status").read_text() for t in tasks)
+
+
+@contextmanager
+def traced(pid: int, out: Path) -> Iterator[None]:
+    """strace on a running process and all its threads: its file system calls, into ``out``."""
+    tracer = subprocess.Popen([STRACE, "-f", "-qq", "-e", "trace=%file", "-o", str(out),
+                               "-p", str(pid)], stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _all_threads_traced(pid), 60, f"strace to attach to {pid}")
+        yield
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(60)
+
+
+def test_tp2_one_marker_only_rank0_writes_and_values_equal_transformers(
+        server: LiveServer, tiny_model: Path, tmp_path: Path) -> None:
+    # Given the two scheduler processes of a TP=2 server
+    ranks = scheduler_pids(server)
+    assert sorted(ranks) == [0, 1], ranks
+    # Then exactly one ready marker exists: rank 0's
+    markers = server.markers()
+    assert [m.name for m in markers] == [f".ready.{ranks[0]}"]
+    assert json.loads(markers[0].read_text())["tp_size"] == 2
+    # When three prompts of ours are prefilled while both ranks are traced
+    vocab = vocab_size(tiny_model)
+    reqs = [ours(f"tp2-{n}", n, n, vocab) for n in (300, 700, 50)]
+    offset = server.log.stat().st_size
+    trace = {r: tmp_path / f"rank{r}.strace" for r in ranks}
+    with traced(ranks[0], trace[0]), traced(ranks[1], trace[1]), \
+            ThreadPoolExecutor(4) as pool:
+        for answer in send(server, reqs, pool):
+            answer.result()
+        dumps = [wait_dump(server.dumps, r.rid) for r in reqs]
+    # Then rank 0 wrote every dump (temp file renamed into place) and rank 1 never touched
+    # the dump dir
+    calls = {r: [ln for ln in trace[r].read_text().splitlines() if str(server.dumps) in ln]
+             for r in ranks}
+    for r in reqs:
+        assert any("rename" in ln and f"{r.rid}.safetensors" in ln for ln in calls[0]), r.rid
+    assert calls[1] == [], calls[1][:5]
+    # And the prompts ran unchunked, and the dumps equal transformers' states
+    batches = log_lines_since(server, offset, PREFILL_LINE)
+    assert max(int(b["tokens"]) for b in batches) >= 700
+    errors = [check_dump(d, tiny_model, r.ids, [2, 4, 5]) for d, r in zip(dumps, reqs,
+                                                                           strict=True)]
+    measured(f"TP=2 unchunked, prompts of 300/700/50 tokens: worst error {max(errors):.4f}")
