@@ -43,7 +43,7 @@ CASES = [
     ("unknown_role.json", 1, 2, ["record 1: message 0: unknown role 'wizard'"]),
     ("non_string_content.json", 1, 2, ["record 1: message 0: content must be a string, not list"]),
     ("no_assistant_turn.json", 1, 2, ["record 1: no assistant turn"]),
-    ("duplicate_ids.json", 1, 2, ["record 1: duplicate id 'ok-1' (same sample key as record 0)"]),
+    ("duplicate_ids.json", 1, 2, ["record 1: duplicate: an earlier record has id 'ok-1'"]),
     ("path_ids.json", 0, 3, ["note, record 0: id '../../etc/passwd' is not usable as a file name",
                              "note, record 2: id '..' is not usable"]),
     ("very_long_id.json", 0, 2, ["note, record 0: id 'LLLL"]),
@@ -83,12 +83,14 @@ def test_worker_side_rejections_and_safe_paths(tmp_path: Path, tiny_model: Path)
         changing.write_text(json.dumps({**rec, "messages": rec["messages"][::-1]}) + "\n")
         # When the worker runs
         farm.start_worker("w1", concurrency=2)
-        wait_finished(farm, 6)
-        # Then each problem is recorded with its record and reason, and the rest is done
+        wait_finished(farm, 5)
+        # Then each problem is recorded with its record and reason, and the rest is done; the
+        # edited record is stale (no outcome: re-running enqueue would publish its new content)
         rejected = {k: json.loads(v) for k, v in run_hash(farm, keys.REJECTED).items()}
         assert "over the maximum of 512" in rejected["long"]["reason"]
         assert rejected["long"]["record"] == "record 1"
-        assert "data file changed since enqueue" in rejected["edit-me"]["reason"]
+        stale = {k: json.loads(v) for k, v in run_hash(farm, keys.STALE).items()}
+        assert list(stale) == ["edit-me"] and "changed after enqueue" in stale["edit-me"]["reason"]
         status = farm.cli("status", "--failures").stdout
         assert re.search(r"rejected +long: sample has \d+ tokens", status)
         # and hostile ids made files only inside the output dir, with safe names
