@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from sglang_patch import contracts as c
-from worker import tensorfile
 from worker.errors import ConfigError, Corrupt
-from worker.store import M_CONTENT, OutputStore
+from worker.store import M_CONTENT, OutputStore, Part
 
 H = 4
 
@@ -27,14 +26,18 @@ def _fp(**kw: object) -> c.Fingerprint:
     return c.Fingerprint(**base)  # type: ignore[arg-type]
 
 
-def _tensors(n: int = 5) -> dict[str, tensorfile.Tensor]:
+def _arrays(n: int = 5) -> dict[str, tuple[str, np.ndarray]]:
     rng = np.random.default_rng(n)
     return {
-        c.T_INPUT_IDS: tensorfile.Tensor("I64", np.arange(n, dtype=np.int64)),
-        c.T_LOSS_MASK: tensorfile.Tensor("I64", np.ones(n, dtype=np.int64)),
-        c.T_HIDDEN: tensorfile.Tensor("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
-        c.T_AUX: tensorfile.Tensor("BF16", rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16)),
+        c.T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
+        c.T_LOSS_MASK: ("I64", np.ones(n, dtype=np.int64)),
+        c.T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
+        c.T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16)),
     }
+
+
+def _tensors(n: int = 5) -> dict[str, Part]:
+    return {k: Part.from_array(dt, a) for k, (dt, a) in _arrays(n).items()}
 
 
 def test_write_then_verify_from_disk(tmp_path: Path) -> None:

@@ -1,24 +1,31 @@
 """Collect the hook's per-request dump from the dump dir (tmpfs) and check it against the request.
 
 The server's HTTP answer can arrive before the writer thread renames the dump into place, so
-the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline.
+the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline. ``open_dump``
+validates it in one streaming pass (bounded memory) and keeps it open for the store to copy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import tensorfile
+from worker import checksums, tensorfile
 from worker.errors import Corrupt, NoSpace, Transient
+from worker.store import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+SCAN_CHUNK_BYTES = 512 << 10  # read, checksum and NaN-scan this much at a time (in L2)
+_local = threading.local()
 
 
 def discard_dumps(dump_dir: Path, sample_key: str) -> int:
@@ -57,37 +64,133 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
-def load_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> tensorfile.TensorFile:
-    """Read a dump and check it against what was sent and the run fingerprint.
+class Dump:
+    """A validated dump, still open: header, metadata, checksums, and the parts to copy.
+
+    A context manager. On exit the file is closed, and a ``Part`` taken from it can no longer
+    be copied (its ``fileno()`` raises), so a recycled descriptor number is never read.
+    """
+
+    def __init__(self, path: Path, file: io.FileIO, header: tensorfile.Header,
+                 ids: bytes, sums: dict[str, str]) -> None:
+        self.path = path
+        self.file = file
+        self.header = header
+        self.ids = ids
+        self.checksums = sums
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.header.metadata
+
+    def part(self, name: str) -> Part:
+        """One tensor of the dump, to be written into a final file."""
+        e = self.header.tensors[name]
+        if name == c.T_INPUT_IDS:
+            return Part(e.dtype, e.shape, self.checksums[name], data=self.ids)
+        return Part(e.dtype, e.shape, self.checksums[name], source=self.file,
+                    offset=self.header.data_start + e.begin)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Dump:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Dump:
+    """Open a dump and check it against what was sent and the run fingerprint.
+
+    Reads every tensor byte once, in cache-sized chunks: the bf16 tensors are scanned for
+    NaN/Inf and every tensor is checksummed in the same pass; those checksums go into the
+    final file, so its verification proves the disk holds exactly the bytes checked here.
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
+        Transient: the dump could not be read.
     """
-    tf = tensorfile.read(path)
-    t = tf.tensors
-    missing = {c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX} - set(t)
-    if missing:
-        raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")
-    n, h = len(sent_ids), fingerprint.hidden_size
-    problems = []
-    ids = t[c.T_INPUT_IDS]
-    if ids.dtype != "I64" or ids.shape != (n,):
-        problems.append(f"input_ids {ids.dtype}{list(ids.shape)}, sent {n} tokens")
-    elif not np.array_equal(ids.array, np.asarray(sent_ids, dtype=np.int64)):
-        first = int(np.argmax(ids.array != np.asarray(sent_ids)))
-        problems.append(f"input_ids differ from those sent (first at position {first})")
-    for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
-        x = t[name]
-        if x.dtype != "BF16" or x.shape != (n, width):
-            problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected BF16[{n}, {width}]")
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by Dump, or below on error)
+    except OSError as e:
+        raise Transient(f"cannot open dump {path.name}: {e}") from e
+    try:
+        return _check(path, f, sent_ids, fingerprint)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> Dump:
+    try:
+        header = tensorfile.read_header(f.fileno(), path.name)
+        t = header.tensors
+        missing = {c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX} - set(t)
+        if missing:
+            raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")
+        n, h = len(sent_ids), fp.hidden_size
+        problems, sums = [], {}
+        ids = t[c.T_INPUT_IDS]
+        raw_ids = b""
+        if ids.dtype != "I64" or ids.shape != (n,):
+            problems.append(f"input_ids {ids.dtype}{list(ids.shape)}, sent {n} tokens")
         else:
-            bad = tensorfile.bf16_nonfinite(x.array)
+            raw_ids = os.pread(f.fileno(), ids.nbytes, header.data_start + ids.begin)
+            problems += _ids_problems(raw_ids, sent_ids)
+            sums[c.T_INPUT_IDS] = checksums.tensor_checksum(raw_ids)
+        for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
+            x = t[name]
+            if x.dtype != "BF16" or x.shape != (n, width):
+                problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected BF16[{n}, {width}]")
+                continue
+            sums[name], bad = _scan_bf16(f.fileno(), header.data_start + x.begin, x.nbytes)
             if bad:
                 problems.append(f"{name} has {bad} NaN/Inf values")
-    problems += _metadata_problems(tf.metadata, fingerprint)
+    except OSError as e:
+        raise Transient(f"reading dump {path.name}: {e}") from e
+    problems += _metadata_problems(header.metadata, fp)
     if problems:
         raise Corrupt(f"dump {path.name}: " + "; ".join(problems))
-    return tf
+    return Dump(path, f, header, raw_ids, sums)
+
+
+def _ids_problems(raw_ids: bytes, sent_ids: list[int]) -> list[str]:
+    got, want = np.frombuffer(raw_ids, dtype="<i8"), np.asarray(sent_ids, dtype=np.int64)
+    if len(raw_ids) != want.nbytes:
+        return ["input_ids: short read"]
+    if np.array_equal(got, want):
+        return []
+    return [f"input_ids differ from those sent (first at position {int(np.argmax(got != want))})"]
+
+
+def _scan_bf16(fd: int, offset: int, nbytes: int) -> tuple[str, int]:
+    """(checksum, NaN/Inf count) of a bf16 tensor's bytes, read once in cache-sized chunks."""
+    buf, words, scratch = _scan_buffers()
+    view = memoryview(buf)
+    h = checksums.new_hasher()
+    bad = done = 0
+    while done < nbytes:
+        want = min(nbytes - done, len(buf))
+        if os.preadv(fd, [view[:want]], offset + done) != want:
+            raise Corrupt(f"dump changed while read: short read at {offset + done}")
+        h.update(view[:want])
+        chunk = words[: want // 2]
+        if tensorfile.bf16_any_nonfinite(chunk, scratch):  # fast test; count only if found
+            bad += tensorfile.bf16_nonfinite(chunk)
+        done += want
+    return h.hexdigest(), bad
+
+
+def _scan_buffers() -> tuple[bytearray, np.ndarray, np.ndarray]:
+    """This thread's chunk buffer, its uint16 view and a scratch array (allocated once)."""
+    bufs = getattr(_local, "scan", None)
+    if bufs is None:
+        buf = bytearray(SCAN_CHUNK_BYTES)
+        bufs = _local.scan = (buf, np.frombuffer(buf, dtype="<u2"),
+                              np.empty(SCAN_CHUNK_BYTES // 2, dtype="<u2"))
+    return bufs
 
 
 def _metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:

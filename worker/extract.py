@@ -16,8 +16,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import store as st
-from worker import tensorfile
-from worker.dumps import discard_dumps, load_dump, wait_for_dump
+from worker.dumps import discard_dumps, open_dump, wait_for_dump
 from worker.errors import Corrupt
 from worker.runtime import Runtime
 from worker.samples import SampleRef, read_sample
@@ -66,33 +65,43 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int) -> Result:
     dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids))
     try:
         log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
-        tf = load_dump(dump, tok.input_ids, rt.fingerprint)
-        tensors = {
-            c.T_INPUT_IDS: tf.tensors[c.T_INPUT_IDS],
-            c.T_LOSS_MASK: tensorfile.Tensor("I64", np.asarray(tok.loss_mask, dtype=np.int64)),
-            c.T_HIDDEN: tf.tensors[c.T_HIDDEN],
-            c.T_AUX: tf.tensors[c.T_AUX],
-        }
         meta = {
             st.M_SOURCE_ID: json.dumps(sample.source_id),
             st.M_CONTENT: ref.sha256,
             st.M_TRUNCATED: str(tok.truncated_from),
             c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
-            c.M_PATCH_VERSION: tf.metadata.get(c.M_PATCH_VERSION, ""),
-            c.M_SERVER_VERSION: tf.metadata.get(c.M_SERVER_VERSION, ""),
         }
-        rt.store.write(ref.key, tensors, meta)
-        try:
-            v = rt.store.verify(ref.key, ref.sha256)
-        except Corrupt:
-            rt.store.final_path(ref.key).unlink(missing_ok=True)
-            raise
+        v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256, meta)
     finally:
         dump.unlink(missing_ok=True)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
     log.info("%s a%d done n=%d bytes=%d +%.2fs", ref.key, attempt, v.tokens, v.size_bytes,
              time.monotonic() - t0)
     return Result("done", v.tokens, v.size_bytes)
+
+
+def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mask: list[int],
+               key: str, content_sha256: str, meta: dict[str, str]) -> st.Verified:
+    """One sample's data path: validate the dump, write the final file, verify it from disk.
+
+    ``meta`` is completed with the dump's patch and server versions. A final file that fails
+    verification is removed. Raises Corrupt, NoSpace or Transient.
+    """
+    with open_dump(dump, input_ids, store.fingerprint) as d:
+        parts = {
+            c.T_INPUT_IDS: d.part(c.T_INPUT_IDS),
+            c.T_LOSS_MASK: st.Part.from_array("I64", np.asarray(loss_mask, dtype=np.int64)),
+            c.T_HIDDEN: d.part(c.T_HIDDEN),
+            c.T_AUX: d.part(c.T_AUX),
+        }
+        meta = {**meta, c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
+                c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
+        store.write(key, parts, meta)
+    try:
+        return store.verify(key, content_sha256)
+    except Corrupt:
+        store.final_path(key).unlink(missing_ok=True)
+        raise
 
 
 async def _request(rt: Runtime, rid: str, ids: list[int]) -> Path:

@@ -1,34 +1,40 @@
 """The output directory: manifest, durable final files, verification from disk, cleanup.
 
 Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors``.
-Every write is temp file → fsync → rename → fsync(dir); "verified" means read back with the
-page cache dropped and every per-tensor checksum compared.
+Every write is temp file → fsync → rename → fsync(dir); "verified" means read back from the
+device (``O_DIRECT``, or with the page cache dropped) and every per-tensor checksum compared.
+
+The data path streams: a final file is its header, then each tensor's bytes appended from
+memory (small tensors) or copied by the kernel from an open dump (``Part``); verification
+reads the file back in bounded chunks. No step holds a whole tensor in memory.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
+import io
 import json
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import tensorfile
+from worker import checksums, diskio, tensorfile
 from worker.errors import ConfigError, Corrupt, NoSpace, Transient
 
 log = logging.getLogger("hsfarm.store")
 
 MANIFEST = "manifest.json"
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
-M_FINGERPRINT, M_CHECKSUMS, M_TRUNCATED = "fingerprint_id", "sha256", "truncated_from"
+M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
 FINAL_TENSORS = {  # name -> dtype of the final file
     c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
 }
@@ -39,7 +45,44 @@ class Verified:
     path: Path
     tokens: int
     size_bytes: int
-    file: tensorfile.TensorFile  # what was read back, for callers that check more (audit)
+    # What was read back, for callers that check more (audit): the metadata and the small
+    # tensors (input_ids, loss_mask). The hidden states were checked in passing, not kept.
+    file: tensorfile.TensorFile
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a final file to write: its dtype, shape, checksum, and where its bytes are.
+
+    Either ``data`` (small tensors, in memory) or a range of the open file ``source`` (a dump)
+    from ``offset``, copied by the kernel. A closed ``source`` raises on use, never reads a
+    recycled descriptor.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: str  # checksums.DEFAULT_ALGORITHM over the raw bytes
+    data: bytes | None = None
+    source: io.FileIO | None = None
+    offset: int = 0
+
+    @classmethod
+    def from_array(cls, dtype: str, arr: np.ndarray) -> Part:
+        data = np.ascontiguousarray(arr, dtype=tensorfile.numpy_dtype(dtype)).tobytes()
+        return cls(dtype, tuple(arr.shape), checksums.tensor_checksum(data), data=data)
+
+    def copy_to(self, fd: int) -> None:
+        """Append this tensor's bytes at ``fd``'s position. Raises OSError."""
+        if self.data is not None:
+            diskio.write_all(fd, self.data)
+        else:
+            assert self.source is not None, "a Part needs data or a source"
+            nbytes = _nbytes(self.dtype, self.shape)
+            diskio.copy_range(self.source.fileno(), self.offset, nbytes, fd)
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * tensorfile.numpy_dtype(dtype).itemsize
 
 
 def free_bytes(path: Path) -> int:
@@ -54,21 +97,12 @@ def check_free(path: Path, reserve_bytes: int, what: str) -> None:
         raise Transient(f"{what} {path} low: {free} bytes free < reserve {reserve_bytes}")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = diskio.fsync_dir
 
 
 def _tmp_tag() -> str:
     """host.pid.random: lets start-up cleanup tell a crashed writer's temp from a live one's."""
     return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-
-
-def checksum(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).data).hexdigest()
 
 
 class OutputStore:
@@ -130,43 +164,54 @@ class OutputStore:
         """Raises Transient when the output disk is below its free-space reserve."""
         check_free(self.out_dir, self.min_free_bytes, "output disk")
 
-    def write(self, key: str, tensors: dict[str, tensorfile.Tensor],
-              metadata: dict[str, str]) -> Path:
-        """Write a final file durably and atomically. Raises Transient on ENOSPC/EIO."""
+    def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str]) -> Path:
+        """Write a final file durably and atomically, its pages dropped from the cache.
+
+        Raises:
+            NoSpace: ENOSPC/EDQUOT, whichever call hit it.
+            Transient: any other I/O error.
+        """
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id,
-                M_CHECKSUMS: json.dumps({k: checksum(t.array) for k, t in tensors.items()},
-                                        sort_keys=True)}
+                **checksums.checksum_metadata({k: p.checksum for k, p in parts.items()})}
+        head, header = tensorfile.encode_header({k: (p.dtype, p.shape) for k, p in parts.items()},
+                                                meta)
         final = self.final_path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
         self._remove_dead_temps(final)
         try:
-            tensorfile.write(tmp, tensors, meta)
-            if self.debug_write_delay_s:
-                time.sleep(self.debug_write_delay_s)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise NoSpace(f"writing {final}: {e.strerror}") from e
-            raise Transient(f"writing {final}: {e}") from e
+            with _io_errors(f"writing {final}"):
+                self._write_tmp(tmp, head, [parts[name] for name, _, _ in header.file_ranges()])
+                os.replace(tmp, final)
+                fsync_dir(final.parent)
         finally:
             tmp.unlink(missing_ok=True)
         return final
 
+    def _write_tmp(self, tmp: Path, head: bytes, parts: list[Part]) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            diskio.write_all(fd, head)
+            for part in parts:
+                part.copy_to(fd)
+            if self.debug_write_delay_s:
+                time.sleep(self.debug_write_delay_s)
+            os.fsync(fd)
+            os.fchmod(fd, 0o644)
+            diskio.drop_cache(fd)  # so that verification reads the device, and RAM stays free
+        finally:
+            os.close(fd)
+
     def verify(self, key: str, content_sha256: str | None = None) -> Verified:
-        """Read the final file back from disk and check it completely.
+        """Read the final file back from the disk (not the page cache) and check it completely.
 
         Raises:
             Corrupt: missing tensors, wrong dtypes/shapes, checksum or fingerprint mismatch.
             FileNotFoundError: there is no final file.
         """
         path = self.final_path(key)
-        tf = tensorfile.read(path, drop_cache=True)
-        meta = tf.metadata
+        header, sums, small = _read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK})
+        meta = header.metadata
         problems = []
         if meta.get(M_KEY) != key:
             problems.append(f"sample_key {meta.get(M_KEY)!r}")
@@ -174,27 +219,24 @@ class OutputStore:
             problems.append(f"fingerprint {meta.get(M_FINGERPRINT)!r} != {self.fingerprint.id}")
         if content_sha256 is not None and meta.get(M_CONTENT) != content_sha256:
             problems.append(f"content hash {meta.get(M_CONTENT)!r} != {content_sha256}")
-        problems += self._shape_problems(tf)
-        sums = json.loads(meta.get(M_CHECKSUMS, "{}"))
-        for name, t in tf.tensors.items():
-            if sums.get(name) != checksum(t.array):
-                problems.append(f"checksum of {name}")
+        problems += self._shape_problems(header)
+        problems += _checksum_problems(meta, sums)
         if problems:
             raise Corrupt(f"{path}: " + "; ".join(problems))
-        return Verified(path, int(tf.tensors[c.T_INPUT_IDS].shape[0]), tf.size_bytes, tf)
+        tf = tensorfile.TensorFile(small, meta, header.size_bytes)
+        return Verified(path, int(header.tensors[c.T_INPUT_IDS].shape[0]), header.size_bytes, tf)
 
-    def _shape_problems(self, tf: tensorfile.TensorFile) -> list[str]:
-        missing = set(FINAL_TENSORS) - set(tf.tensors)
+    def _shape_problems(self, header: tensorfile.Header) -> list[str]:
+        t = header.tensors
+        missing = set(FINAL_TENSORS) - set(t)
         if missing:
             return [f"missing tensors {sorted(missing)}"]
-        out = [f"{k} dtype {tf.tensors[k].dtype}" for k, d in FINAL_TENSORS.items()
-               if tf.tensors[k].dtype != d]
-        t = tf.tensors[c.T_INPUT_IDS].shape[0]
+        out = [f"{k} dtype {t[k].dtype}" for k, d in FINAL_TENSORS.items() if t[k].dtype != d]
+        n = t[c.T_INPUT_IDS].shape[0] if t[c.T_INPUT_IDS].shape else -1
         h = self.fingerprint.hidden_size
-        want = {c.T_INPUT_IDS: (t,), c.T_LOSS_MASK: (t,), c.T_HIDDEN: (t, h),
-                c.T_AUX: (t, c.AUX_LAYERS * h)}
-        out += [f"{k} shape {tf.tensors[k].shape} != {s}" for k, s in want.items()
-                if tf.tensors[k].shape != s]
+        want = {c.T_INPUT_IDS: (n,), c.T_LOSS_MASK: (n,), c.T_HIDDEN: (n, h),
+                c.T_AUX: (n, c.AUX_LAYERS * h)}
+        out += [f"{k} shape {t[k].shape} != {s}" for k, s in want.items() if t[k].shape != s]
         return out
 
     def quick_check(self, key: str, content_sha256: str) -> bool:
@@ -252,3 +294,88 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextmanager
+def _io_errors(what: str) -> Iterator[None]:
+    """The store's one boundary for I/O errors: ENOSPC → NoSpace, the rest → Transient."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(f"{what}: {e.strerror}") from e
+        raise Transient(f"{what}: {e}") from e
+
+
+def _checksum_problems(meta: dict[str, str], sums: dict[str, dict[str, str]]) -> list[str]:
+    """Compare what was read back (``{algorithm: {name: digest}}``) with the metadata's."""
+    algorithm, recorded = checksums.file_checksums(meta)
+    got = sums[algorithm]
+    return [f"checksum of {name}" for name in sorted(got) if recorded.get(name) != got[name]]
+
+
+def _read_back(path: Path, small: set[str]) -> tuple[
+        tensorfile.Header, dict[str, dict[str, str]], dict[str, tensorfile.Tensor]]:
+    """Read a file once from the device: its header, every tensor's checksum (with the
+    algorithm its metadata names), and the tensors named in ``small`` as arrays.
+
+    Raises:
+        Corrupt: not a well-formed file (truncated included), or unknown checksums.
+        FileNotFoundError: no such file.
+    """
+    with diskio.DiskReader(path) as reader:
+        size, chunks = reader.size_bytes, reader.chunks()
+        head, need = bytearray(), 8
+        for _, view in chunks:  # the header: all in the first chunk but for odd files
+            head += view
+            if len(head) >= 8:
+                need = 8 + tensorfile.header_length(bytes(head[:8]), size, path.name)
+            if len(head) >= need:
+                break
+        need = 8 + tensorfile.header_length(bytes(head[:8]), size, path.name)
+        header = tensorfile.parse_header(bytes(head[8:need]), size, path.name)
+        try:
+            algorithm, _ = checksums.file_checksums(header.metadata)
+        except Corrupt as e:
+            raise Corrupt(f"{path.name}: {e}") from e
+        feed = _TensorFeed(header, algorithm, small)
+        feed.add(0, memoryview(head))
+        for offset, view in chunks:
+            feed.add(offset, view)
+        return header, {algorithm: feed.digests()}, feed.small_tensors()
+
+
+class _TensorFeed:
+    """Routes a file's bytes, chunk by chunk, to each tensor's hasher (and keeps small ones)."""
+
+    def __init__(self, header: tensorfile.Header, algorithm: str, small: set[str]) -> None:
+        self.header = header
+        self.ranges = header.file_ranges()
+        self.hashers = {name: checksums.new_hasher(algorithm) for name, _, _ in self.ranges}
+        self.small = {name: bytearray() for name in small if name in header.tensors}
+        self.seen = 0
+
+    def add(self, offset: int, view: memoryview) -> None:
+        end = offset + len(view)
+        for name, begin, nbytes in self.ranges:
+            lo, hi = max(begin, offset), min(begin + nbytes, end)
+            if lo < hi:
+                piece = view[lo - offset : hi - offset]
+                self.hashers[name].update(piece)
+                if name in self.small:
+                    self.small[name] += piece
+        self.seen = max(self.seen, end)
+
+    def digests(self) -> dict[str, str]:
+        if self.seen != self.header.size_bytes:
+            raise Corrupt(f"not a valid safetensors file: read {self.seen} bytes, header "
+                          f"describes {self.header.size_bytes}")
+        return {name: h.hexdigest() for name, h in self.hashers.items()}
+
+    def small_tensors(self) -> dict[str, tensorfile.Tensor]:
+        out = {}
+        for name, raw in self.small.items():
+            e = self.header.tensors[name]
+            arr = np.frombuffer(bytes(raw), dtype=tensorfile.numpy_dtype(e.dtype)).reshape(e.shape)
+            out[name] = tensorfile.Tensor(e.dtype, arr)
+        return out
