@@ -190,12 +190,12 @@ class BufferPool:
 
     def take(self, rows: int, width: int) -> Lease:
         with self._lock:
-            buf = next((b for b in self._free if b.shape[1] == width and b.shape[0] >= rows),
-                       None)
-            if buf is None:
+            i = next((i for i, b in enumerate(self._free)
+                      if b.shape[1] == width and b.shape[0] >= rows), None)
+            if i is None:
                 buf = torch.empty(max(rows, self.min_rows), width, dtype=torch.bfloat16)
             else:
-                self._free.remove(buf)
+                buf = self._free.pop(i)
             lease = Lease(self, buf)
             self._leases[buf.data_ptr()] = weakref.ref(lease)
             return lease

@@ -3,9 +3,12 @@
 - ``copy_range``: file range → file, in the kernel (``sendfile``), with a chunked
   ``pread``/``write`` fallback for file systems that refuse it. No tensor byte passes
   through Python objects.
-- ``DiskReader``: reads a file back from the device, never from the page cache: ``O_DIRECT``
-  into an aligned buffer where the file system supports it, else the file's cached pages are
-  dropped first (``POSIX_FADV_DONTNEED``; clean pages after an fsync) and read buffered.
+- ``DiskReader``: reads a file back from the device, never from the page cache: the file's
+  cached pages are dropped first (``POSIX_FADV_DONTNEED``: clean pages after an fsync) and it
+  is read buffered, or (``direct=True``) with ``O_DIRECT`` into an aligned buffer where the file
+  system supports it. Buffered is the default: on this project's VM disk its readahead made it
+  1.5–2x faster than ``O_DIRECT`` at queue depth 1 (35 vs 50–76 ms per 86 MB), for ~10 ms more
+  CPU (the copy out of the page cache).
 - ``write_all``, ``fsync_dir``, ``drop_cache``.
 
 Errors are plain ``OSError``; the store translates them (ENOSPC → ``NoSpace``) at its boundary.
@@ -98,7 +101,7 @@ class DiskReader:
     """
 
     def __init__(self, path: Path, chunk_bytes: int = READ_CHUNK_BYTES,
-                 allow_direct: bool = True) -> None:
+                 allow_direct: bool = False) -> None:
         self.path = path
         self.chunk_bytes = chunk_bytes - chunk_bytes % _DIRECT_ALIGN or _DIRECT_ALIGN
         self.direct = False

@@ -11,9 +11,11 @@ import asyncio
 import io
 import itertools
 import json
+import mmap
 import os
 import threading
 import time
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,8 @@ from worker.errors import Corrupt, NoSpace, Transient
 from worker.store import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
-SCAN_CHUNK_BYTES = 512 << 10  # read, checksum and NaN-scan this much at a time (in L2)
+SCAN_WINDOW_BYTES = 8 << 20  # map this much of a dump at a time
+SCAN_CHUNK_BYTES = 256 << 10  # NaN-scan this much at a time (stays in L2 with its scratch)
 _local = threading.local()
 
 
@@ -166,31 +169,62 @@ def _ids_problems(raw_ids: bytes, sent_ids: list[int]) -> list[str]:
 
 
 def _scan_bf16(fd: int, offset: int, nbytes: int) -> tuple[str, int]:
-    """(checksum, NaN/Inf count) of a bf16 tensor's bytes, read once in cache-sized chunks."""
-    buf, words, scratch = _scan_buffers()
-    view = memoryview(buf)
+    """(checksum, NaN/Inf count) of a bf16 tensor's bytes, read once, in place.
+
+    The file is mapped one window at a time (zero copy: tmpfs pages are read where they
+    are; the mapping never spans more than ``SCAN_WINDOW_BYTES``, so neither does the RSS it
+    adds) and scanned in cache-sized pieces.
+    """
     h = checksums.new_hasher()
-    bad = done = 0
-    while done < nbytes:
-        want = min(nbytes - done, len(buf))
-        if os.preadv(fd, [view[:want]], offset + done) != want:
-            raise Corrupt(f"dump changed while read: short read at {offset + done}")
-        h.update(view[:want])
-        chunk = words[: want // 2]
-        if tensorfile.bf16_any_nonfinite(chunk, scratch):  # fast test; count only if found
-            bad += tensorfile.bf16_nonfinite(chunk)
-        done += want
+    bad = 0
+    for window in _windows(fd, offset, nbytes):
+        try:
+            h.update(window)
+            bad += _count_nonfinite(window)
+        finally:
+            window.release()
     return h.hexdigest(), bad
 
 
-def _scan_buffers() -> tuple[bytearray, np.ndarray, np.ndarray]:
-    """This thread's chunk buffer, its uint16 view and a scratch array (allocated once)."""
-    bufs = getattr(_local, "scan", None)
-    if bufs is None:
-        buf = bytearray(SCAN_CHUNK_BYTES)
-        bufs = _local.scan = (buf, np.frombuffer(buf, dtype="<u2"),
-                              np.empty(SCAN_CHUNK_BYTES // 2, dtype="<u2"))
-    return bufs
+def _windows(fd: int, offset: int, nbytes: int) -> Generator[memoryview, None, None]:
+    """Read-only views of ``[offset, offset + nbytes)``, one mapped window at a time.
+
+    Each view must be released before the next is taken (the map is closed then; a view
+    still held makes ``close`` raise ``BufferError`` rather than leave a dangling pointer).
+    """
+    end = offset + nbytes
+    pos = offset
+    while pos < end:
+        base = pos - pos % mmap.ALLOCATIONGRANULARITY
+        length = min(end, base + SCAN_WINDOW_BYTES) - base
+        with mmap.mmap(fd, length, offset=base, prot=mmap.PROT_READ) as m:
+            view = memoryview(m)
+            try:
+                yield view[pos - base :]
+            finally:
+                view.release()
+        pos = base + length
+
+
+def _count_nonfinite(window: memoryview) -> int:
+    """NaN/Inf values in a window of bf16 bytes: a fast test per L2-sized piece, a count
+    only where one is found."""
+    scratch = _scratch()
+    bad = 0
+    for lo in range(0, len(window), SCAN_CHUNK_BYTES):
+        piece = np.frombuffer(window[lo : lo + SCAN_CHUNK_BYTES], dtype="<u2")
+        if tensorfile.bf16_any_nonfinite(piece, scratch):
+            bad += tensorfile.bf16_nonfinite(piece)
+        del piece  # no array may outlive the mapping it views
+    return bad
+
+
+def _scratch() -> np.ndarray:
+    """This thread's scratch array for the NaN/Inf test (allocated once)."""
+    scratch: np.ndarray | None = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = np.empty(SCAN_CHUNK_BYTES // 2, dtype="<u2")
+    return scratch
 
 
 def _metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:

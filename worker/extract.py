@@ -62,18 +62,20 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int) -> Result:
     discard_dumps(rt.settings.dump_dir, ref.key)
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
-    dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids))
-    try:
-        log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
-        meta = {
-            st.M_SOURCE_ID: json.dumps(sample.source_id),
-            st.M_CONTENT: ref.sha256,
-            st.M_TRUNCATED: str(tok.truncated_from),
-            c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
-        }
-        v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256, meta)
-    finally:
-        dump.unlink(missing_ok=True)
+    with rt.admission.admit(n) as ticket:  # a request place, and tmpfs room for the dump
+        dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids))
+        ticket.answered()
+        try:
+            log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
+            meta = {
+                st.M_SOURCE_ID: json.dumps(sample.source_id),
+                st.M_TRUNCATED: str(tok.truncated_from),
+                c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
+            }
+            v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
+                           meta)
+        finally:
+            dump.unlink(missing_ok=True)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
     log.info("%s a%d done n=%d bytes=%d +%.2fs", ref.key, attempt, v.tokens, v.size_bytes,
              time.monotonic() - t0)
@@ -84,8 +86,8 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
                key: str, content_sha256: str, meta: dict[str, str]) -> st.Verified:
     """One sample's data path: validate the dump, write the final file, verify it from disk.
 
-    ``meta`` is completed with the dump's patch and server versions. A final file that fails
-    verification is removed. Raises Corrupt, NoSpace or Transient.
+    ``meta`` is completed with the content hash and the dump's patch and server versions. A
+    final file that fails verification is removed. Raises Corrupt, NoSpace or Transient.
     """
     with open_dump(dump, input_ids, store.fingerprint) as d:
         parts = {
@@ -94,7 +96,8 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
             c.T_HIDDEN: d.part(c.T_HIDDEN),
             c.T_AUX: d.part(c.T_AUX),
         }
-        meta = {**meta, c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
+        meta = {**meta, st.M_CONTENT: content_sha256,
+                c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
                 c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
         store.write(key, parts, meta)
     try:

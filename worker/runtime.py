@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from sglang_patch import contracts as c
+from worker.admission import Admission, host_limits
 from worker.chat import ChatTokenizer
 from worker.client import ServerClient
 from worker.fingerprint import load_run
@@ -35,6 +36,7 @@ class Runtime:
     store: OutputStore
     index: RunIndex
     hostname: str
+    admission: Admission
 
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0) -> Runtime:
@@ -47,11 +49,14 @@ class Runtime:
         asyncio.set_event_loop(loop)
         r = redis.Redis.from_url(settings.redis_url, socket_timeout=30,
                                  socket_connect_timeout=5, health_check_interval=30)
-        rt = cls(settings=settings, loop=loop,
-                 client=ServerClient(settings.server_url, settings.request_timeout_s),
-                 chat=chat, fingerprint=fp, store=store, index=RunIndex(r, fp.id),
-                 hostname=socket.gethostname())
+        client = ServerClient(settings.server_url, settings.request_timeout_s)
         settings.dump_dir.mkdir(parents=True, exist_ok=True)
+        limits = loop.run_until_complete(host_limits(settings, fp.hidden_size, client))
+        log.info("admission: %s", limits.describe())
+        rt = cls(settings=settings, loop=loop, client=client, chat=chat, fingerprint=fp,
+                 store=store, index=RunIndex(r, fp.id), hostname=socket.gethostname(),
+                 admission=Admission(settings.dump_dir, limits,
+                                     wait_s=settings.task_time_limit_s / 2))
         return rt
 
     def close(self) -> None:

@@ -45,6 +45,10 @@ class Settings:
     soft_shutdown_s: float = 30.0  # on SIGTERM (REMAP_SIGTERM=SIGQUIT): time to finish tasks
     janitor_interval_s: float = 30.0  # how often orphaned dumps are swept from the dump dir
     log_level: str = "INFO"
+    # Host-wide admission (worker/admission.py), 0 = sized from the server and tmpfs: requests
+    # in flight to the server at once, and tmpfs bytes their dumps may take until collected.
+    max_in_flight: int = 0
+    dump_budget_bytes: int = 0
     # Fault injection for the crash tests only: sleep between writing a final file's temp file
     # and its rename, so a test can kill a process mid-copy. Never set it in production.
     debug_write_delay_s: float = 0.0
@@ -74,6 +78,8 @@ class Settings:
             )
         if self.server_wait_s >= self.task_time_limit_s / 2:
             out.append("FARM_SERVER_WAIT_S must be under half of FARM_TASK_TIME_LIMIT_S")
+        if self.max_in_flight < 0 or self.dump_budget_bytes < 0:
+            out.append("FARM_MAX_IN_FLIGHT and FARM_DUMP_BUDGET_BYTES must be >= 0 (0 = auto)")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
             out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
         return out

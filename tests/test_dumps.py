@@ -1,0 +1,135 @@
+"""Dump validation: one streaming pass over real dump files; files and maps closed on every path."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sglang_patch import contracts as c
+from worker import checksums, dumps
+from worker.errors import Corrupt
+
+H = 1024
+LAYERS = (2, 4, 5)
+
+
+def _fp() -> c.Fingerprint:
+    return c.Fingerprint("cfg", "tok", "tpl", LAYERS, c.LAYER_CONVENTION, H, "bfloat16",
+                         8192, "reject")
+
+
+def _rows(n: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 0x3F00, (n, width), dtype=np.uint16)
+
+
+def _bf16(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+def write_dump(path: Path, ids: list[int], hidden: np.ndarray, aux: np.ndarray,
+               **meta: str) -> Path:
+    """A dump as the hook writes it (safetensors' save_file, the writer's metadata)."""
+    base = {c.M_LAYERS: json.dumps(list(LAYERS)), c.M_CONFIG_SHA: "cfg",
+            c.M_PATCH_VERSION: c.PATCH_VERSION, c.M_SERVER_VERSION: "test"}
+    save_file({c.T_INPUT_IDS: torch.tensor(ids, dtype=torch.int64), c.T_HIDDEN: _bf16(hidden),
+               c.T_AUX: _bf16(aux)}, str(path), metadata={**base, **meta})
+    return path
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_good_dump_is_checked_in_one_pass_with_its_checksums(tmp_path: Path) -> None:
+    # Given a dump whose aux tensor spans several mapped windows (3,000 x 3,072 bf16 = 18 MB)
+    n = 3000
+    ids = [i % 600 for i in range(n)]
+    hidden, aux = _rows(n, H, 1), _rows(n, 3 * H, 2)
+    path = write_dump(tmp_path / "d.safetensors", ids, hidden, aux)
+    assert aux.nbytes > 2 * dumps.SCAN_WINDOW_BYTES
+    # When it is opened
+    with dumps.open_dump(path, ids, _fp()) as d:
+        # Then its checksums are those of the exact bytes, and its parts point into it
+        assert d.checksums[c.T_AUX] == checksums.tensor_checksum(aux.tobytes())
+        assert d.checksums[c.T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
+        assert d.checksums[c.T_INPUT_IDS] == checksums.tensor_checksum(
+            np.asarray(ids, dtype=np.int64).tobytes())
+        part = d.part(c.T_AUX)
+        assert part.shape == (n, 3 * H) and part.source is d.file
+    # And once closed, a part taken from it can no longer be copied (no recycled fd is read)
+    with open(tmp_path / "out", "wb") as out, pytest.raises(ValueError, match="closed file"):
+        part.copy_to(out.fileno())
+
+
+@pytest.mark.parametrize("where", [0, dumps.SCAN_WINDOW_BYTES // 2, -1])
+def test_nan_anywhere_is_found_and_counted(tmp_path: Path, where: int) -> None:
+    # Given NaN/Inf at the first value, at a window boundary, or at the very last value
+    n = 3000
+    ids = list(range(n))
+    aux = _rows(n, 3 * H, 2)
+    flat = aux.reshape(-1)
+    flat[where] = 0x7FC0  # NaN
+    flat[where - 1 if where else 1] = 0xFF80  # -Inf
+    path = write_dump(tmp_path / "d.safetensors", ids, _rows(n, H, 1), aux)
+    before = _open_fds()
+    # Then the dump is refused with the exact count, and nothing is left open
+    with pytest.raises(Corrupt, match="aux_hidden_state has 2 NaN/Inf values"):
+        dumps.open_dump(path, ids, _fp())
+    assert _open_fds() == before
+
+
+def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:
+    n = 8
+    ids = list(range(n))
+    good = write_dump(tmp_path / "good.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2))
+    cases = {
+        "input_ids differ from those sent (first at position 3)": (good, [*ids[:3], 99, *ids[4:]]),
+        "input_ids I64[8], sent 9 tokens": (good, [*ids, 1]),
+        "aux_hidden_state is BF16[8, 2048], expected BF16[8, 3072]": (
+            write_dump(tmp_path / "shape.safetensors", ids, _rows(n, H, 1), _rows(n, 2 * H, 2)),
+            ids),
+        "server captures layers [1, 2, 3]": (
+            write_dump(tmp_path / "layers.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
+                       **{c.M_LAYERS: "[1, 2, 3]"}), ids),
+        "another model is served": (
+            write_dump(tmp_path / "cfg.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
+                       **{c.M_CONFIG_SHA: "other"}), ids),
+    }
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-10])
+    cases["not a valid safetensors file"] = (truncated, ids)
+    before = _open_fds()
+    for message, (path, sent) in cases.items():
+        with pytest.raises(Corrupt) as e:
+            dumps.open_dump(path, sent, _fp())
+        assert message in str(e.value), str(e.value)
+    assert _open_fds() == before
+
+
+def test_a_window_view_kept_too_long_fails_loudly(tmp_path: Path) -> None:
+    # Given a file mapped window by window
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * dumps.SCAN_WINDOW_BYTES))
+    with open(path, "rb") as f:
+        windows = dumps._windows(f.fileno(), 100, 3 * dumps.SCAN_WINDOW_BYTES - 100)
+        first = next(windows)
+        assert bytes(first[:4]) == path.read_bytes()[100:104]
+        # When the caller keeps a view of the first window and asks for the next
+        # Then unmapping refuses (BufferError) instead of leaving a dangling view
+        with pytest.raises(BufferError):
+            next(windows)
+        first.release()
+        windows.close()
+    # And windows released in turn cover the range exactly once
+    with open(path, "rb") as f:
+        got = bytearray()
+        for w in dumps._windows(f.fileno(), 100, len(path.read_bytes()) - 100):
+            got += w
+            w.release()
+    assert bytes(got) == path.read_bytes()[100:]
