@@ -18,6 +18,7 @@ def test_xxh3_128_is_the_default_and_streams() -> None:
     for piece in (b"a", b"b", b"c"):
         h.update(memoryview(piece))
     assert h.hexdigest() == ck.tensor_checksum(b"abc")
+    assert len(ck.tensor_checksum(b"x" * 1000)) == ck.DIGEST_HEX_LEN  # headers sized before
 
 
 def test_new_metadata_records_the_algorithm() -> None:

@@ -53,12 +53,13 @@ def test_a_good_dump_is_checked_in_one_pass_with_its_checksums(tmp_path: Path) -
     hidden, aux = _rows(n, H, 1), _rows(n, 3 * H, 2)
     path = write_dump(tmp_path / "d.safetensors", ids, hidden, aux)
     assert aux.nbytes > 2 * dumps.SCAN_WINDOW_BYTES
-    # When it is opened
+    # When it is opened and scanned
     with dumps.open_dump(path, ids, _fp()) as d:
+        sums = d.scan()
         # Then its checksums are those of the exact bytes, and its parts point into it
-        assert d.checksums[c.T_AUX] == checksums.tensor_checksum(aux.tobytes())
-        assert d.checksums[c.T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
-        assert d.checksums[c.T_INPUT_IDS] == checksums.tensor_checksum(
+        assert sums[c.T_AUX] == checksums.tensor_checksum(aux.tobytes())
+        assert sums[c.T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
+        assert d.part(c.T_INPUT_IDS).checksum == checksums.tensor_checksum(
             np.asarray(ids, dtype=np.int64).tobytes())
         part = d.part(c.T_AUX)
         assert part.shape == (n, 3 * H) and part.source is d.file
@@ -78,10 +79,12 @@ def test_nan_anywhere_is_found_and_counted(tmp_path: Path, where: int) -> None:
     flat[where - 1 if where else 1] = 0xFF80  # -Inf
     path = write_dump(tmp_path / "d.safetensors", ids, _rows(n, H, 1), aux)
     before = _open_fds()
-    # Then the dump is refused with the exact count, and nothing is left open
-    with pytest.raises(Corrupt, match="aux_hidden_state has 2 NaN/Inf values"):
-        dumps.open_dump(path, ids, _fp())
+    # Then the scan refuses the dump with the exact count, and nothing is left open or mapped
+    with dumps.open_dump(path, ids, _fp()) as d, pytest.raises(
+            Corrupt, match="aux_hidden_state has 2 NaN/Inf values"):
+        d.scan()
     assert _open_fds() == before
+    assert str(path) not in Path("/proc/self/maps").read_text()
 
 
 def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:

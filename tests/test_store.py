@@ -257,3 +257,30 @@ def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str,
             store.write("k", parts, {M_CONTENT: "h"})
         # Then nothing partial is left behind
         assert [p for p in out.rglob("*") if p.is_file()] == [out / "manifest.json"]
+
+
+def test_checksums_supplied_by_the_scan_after_the_copy(tmp_path: Path) -> None:
+    from worker import checksums
+
+    # Given a tensor copied from a file, whose checksum only the scan supplies
+    store = OutputStore(tmp_path / "out", _fp()).open()
+    arr = _arrays()[c.T_AUX][1]
+    src = tmp_path / "src"
+    src.write_bytes(b"pad" + arr.tobytes())
+    with open(src, "rb", buffering=0) as f:
+        parts = {**_tensors(), c.T_AUX: Part("BF16", arr.shape, None, source=f, offset=3)}
+        store.write("k", parts, {M_CONTENT: "h"},
+                    scan=lambda: {c.T_AUX: checksums.tensor_checksum(arr.tobytes())})
+        # Then the file verifies: the header written last holds the scan's digest
+        store.verify("k", "h")
+        # And a scan that finds the source bad leaves nothing behind, and says why
+        def bad_scan() -> dict[str, str]:
+            raise Corrupt("dump x: aux_hidden_state has 1 NaN/Inf values")
+
+        with pytest.raises(Corrupt, match="NaN"):
+            store.write("k2", parts, {M_CONTENT: "h"}, scan=bad_scan)
+        # And a scan that forgets a tensor is a bug, not a file without a checksum
+        with pytest.raises(ValueError, match="no checksum for"):
+            store.write("k3", parts, {M_CONTENT: "h"}, scan=dict)
+    files = sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert files == ["k.safetensors", "manifest.json"]

@@ -29,6 +29,7 @@ M_LEGACY_SHA256 = "sha256"  # the metadata key of files written before the algor
 XXH3_128 = "xxh3-128"
 SHA256 = "sha256"
 DEFAULT_ALGORITHM = XXH3_128
+DIGEST_HEX_LEN = 32  # of DEFAULT_ALGORITHM: a header can be sized before its digests are known
 
 
 class Hasher(Protocol):

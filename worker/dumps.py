@@ -2,7 +2,8 @@
 
 The server's HTTP answer can arrive before the writer thread renames the dump into place, so
 the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline. ``open_dump``
-validates it in one streaming pass (bounded memory) and keeps it open for the store to copy.
+checks its layout, ids and metadata and keeps it open for the store to copy; ``Dump.scan``
+checks its values in one streaming pass (bounded memory) while the copy is written back.
 """
 
 from __future__ import annotations
@@ -68,31 +69,57 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
 
 
 class Dump:
-    """A validated dump, still open: header, metadata, checksums, and the parts to copy.
+    """An open dump whose layout, ids and metadata were checked; ``scan`` checks its values.
 
     A context manager. On exit the file is closed, and a ``Part`` taken from it can no longer
     be copied (its ``fileno()`` raises), so a recycled descriptor number is never read.
     """
 
+    BF16_TENSORS = (c.T_HIDDEN, c.T_AUX)
+
     def __init__(self, path: Path, file: io.FileIO, header: tensorfile.Header,
-                 ids: bytes, sums: dict[str, str]) -> None:
+                 ids: bytes) -> None:
         self.path = path
         self.file = file
         self.header = header
         self.ids = ids
-        self.checksums = sums
 
     @property
     def metadata(self) -> dict[str, str]:
         return self.header.metadata
 
     def part(self, name: str) -> Part:
-        """One tensor of the dump, to be written into a final file."""
+        """One tensor of the dump, to be written into a final file. The bf16 tensors' checksums
+        come from ``scan`` (the store calls it once their bytes are on their way to disk)."""
         e = self.header.tensors[name]
         if name == c.T_INPUT_IDS:
-            return Part(e.dtype, e.shape, self.checksums[name], data=self.ids)
-        return Part(e.dtype, e.shape, self.checksums[name], source=self.file,
+            return Part(e.dtype, e.shape, checksums.tensor_checksum(self.ids), data=self.ids)
+        return Part(e.dtype, e.shape, None, source=self.file,
                     offset=self.header.data_start + e.begin)
+
+    def scan(self) -> dict[str, str]:
+        """Read the bf16 tensors once, in place: their checksums, and a NaN/Inf check.
+
+        These checksums go into the final file, so its verification proves that the disk
+        holds exactly the bytes checked here.
+
+        Raises:
+            Corrupt: NaN or Inf values (counted), or the dump changed size while read.
+            Transient: the dump could not be read.
+        """
+        sums, problems = {}, []
+        for name in self.BF16_TENSORS:
+            e = self.header.tensors[name]
+            try:
+                sums[name], bad = _scan_bf16(self.file.fileno(), self.header.data_start + e.begin,
+                                             e.nbytes)
+            except (OSError, ValueError) as err:  # ValueError: mmap past a shrunk file
+                raise Transient(f"reading dump {self.path.name}: {err}") from err
+            if bad:
+                problems.append(f"{name} has {bad} NaN/Inf values")
+        if problems:
+            raise Corrupt(f"dump {self.path.name}: " + "; ".join(problems))
+        return sums
 
     def close(self) -> None:
         self.file.close()
@@ -105,11 +132,9 @@ class Dump:
 
 
 def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Dump:
-    """Open a dump and check it against what was sent and the run fingerprint.
+    """Open a dump and check its layout, ids and metadata against the request and the run.
 
-    Reads every tensor byte once, in cache-sized chunks: the bf16 tensors are scanned for
-    NaN/Inf and every tensor is checksummed in the same pass; those checksums go into the
-    final file, so its verification proves the disk holds exactly the bytes checked here.
+    Cheap (the header and the ids); the values are checked by ``Dump.scan``.
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
@@ -134,7 +159,7 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
         if missing:
             raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")
         n, h = len(sent_ids), fp.hidden_size
-        problems, sums = [], {}
+        problems = []
         ids = t[c.T_INPUT_IDS]
         raw_ids = b""
         if ids.dtype != "I64" or ids.shape != (n,):
@@ -142,21 +167,16 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
         else:
             raw_ids = os.pread(f.fileno(), ids.nbytes, header.data_start + ids.begin)
             problems += _ids_problems(raw_ids, sent_ids)
-            sums[c.T_INPUT_IDS] = checksums.tensor_checksum(raw_ids)
         for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
             x = t[name]
             if x.dtype != "BF16" or x.shape != (n, width):
                 problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected BF16[{n}, {width}]")
-                continue
-            sums[name], bad = _scan_bf16(f.fileno(), header.data_start + x.begin, x.nbytes)
-            if bad:
-                problems.append(f"{name} has {bad} NaN/Inf values")
     except OSError as e:
         raise Transient(f"reading dump {path.name}: {e}") from e
     problems += _metadata_problems(header.metadata, fp)
     if problems:
         raise Corrupt(f"dump {path.name}: " + "; ".join(problems))
-    return Dump(path, f, header, raw_ids, sums)
+    return Dump(path, f, header, raw_ids)
 
 
 def _ids_problems(raw_ids: bytes, sent_ids: list[int]) -> list[str]:

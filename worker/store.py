@@ -19,7 +19,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +61,7 @@ class Part:
 
     dtype: str
     shape: tuple[int, ...]
-    checksum: str  # checksums.DEFAULT_ALGORITHM over the raw bytes
+    checksum: str | None  # DEFAULT_ALGORITHM over the raw bytes; None: from ``write``'s scan
     data: bytes | None = None
     source: io.FileIO | None = None
     offset: int = 0
@@ -79,6 +79,12 @@ class Part:
             assert self.source is not None, "a Part needs data or a source"
             nbytes = _nbytes(self.dtype, self.shape)
             diskio.copy_range(self.source.fileno(), self.offset, nbytes, fd)
+
+
+def _header(parts: dict[str, Part], meta: dict[str, str],
+            sums: Mapping[str, str]) -> tuple[bytes, tensorfile.Header]:
+    return tensorfile.encode_header({k: (p.dtype, p.shape) for k, p in parts.items()},
+                                    {**meta, **checksums.checksum_metadata(sums)})
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -164,36 +170,52 @@ class OutputStore:
         """Raises Transient when the output disk is below its free-space reserve."""
         check_free(self.out_dir, self.min_free_bytes, "output disk")
 
-    def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str]) -> Path:
+    def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
+              scan: Callable[[], Mapping[str, str]] | None = None) -> Path:
         """Write a final file durably and atomically, its pages dropped from the cache.
+
+        ``scan`` supplies the checksums of parts that have none (a dump's ``scan``: it reads
+        and checks the source). It runs after the data is copied and its writeback started, so
+        the disk writes while the CPU checks; the header, whose size does not depend on the
+        digests, is written last, before the fsync.
 
         Raises:
             NoSpace: ENOSPC/EDQUOT, whichever call hit it.
             Transient: any other I/O error.
+            Corrupt: from ``scan`` (nothing is left on disk then).
         """
-        meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id,
-                **checksums.checksum_metadata({k: p.checksum for k, p in parts.items()})}
-        head, header = tensorfile.encode_header({k: (p.dtype, p.shape) for k, p in parts.items()},
-                                                meta)
         final = self.final_path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
         self._remove_dead_temps(final)
+        meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         try:
             with _io_errors(f"writing {final}"):
-                self._write_tmp(tmp, head, [parts[name] for name, _, _ in header.file_ranges()])
+                self._write_tmp(tmp, parts, meta, scan)
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
         finally:
             tmp.unlink(missing_ok=True)
         return final
 
-    def _write_tmp(self, tmp: Path, head: bytes, parts: list[Part]) -> None:
+    def _write_tmp(self, tmp: Path, parts: dict[str, Part], meta: dict[str, str],
+                   scan: Callable[[], Mapping[str, str]] | None) -> None:
+        known = {k: p.checksum for k, p in parts.items() if p.checksum is not None}
+        placeholder = {k: known.get(k, "0" * checksums.DIGEST_HEX_LEN) for k in parts}
+        head, header = _header(parts, meta, placeholder)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             diskio.write_all(fd, head)
-            for part in parts:
-                part.copy_to(fd)
+            for name, _, _ in header.file_ranges():
+                parts[name].copy_to(fd)
+            diskio.start_writeback(fd)
+            sums = {**known, **(scan() if scan is not None else {})}
+            if set(sums) != set(parts):
+                raise ValueError(f"no checksum for {sorted(set(parts) - set(sums))}")
+            final_head, _ = _header(parts, meta, sums)
+            if len(final_head) != len(head):
+                raise ValueError("header size changed with the digests")
+            os.pwrite(fd, final_head, 0)
             if self.debug_write_delay_s:
                 time.sleep(self.debug_write_delay_s)
             os.fsync(fd)
