@@ -14,7 +14,6 @@ import itertools
 import json
 import mmap
 import os
-import threading
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -28,8 +27,7 @@ from worker.store import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 SCAN_WINDOW_BYTES = 8 << 20  # map this much of a dump at a time
-SCAN_CHUNK_BYTES = 256 << 10  # NaN-scan this much at a time (stays in L2 with its scratch)
-_local = threading.local()
+SCAN_CHUNK_BYTES = 256 << 10  # hash and NaN-test this much at a time (stays in L2)
 
 
 def discard_dumps(dump_dir: Path, sample_key: str) -> int:
@@ -193,16 +191,16 @@ def _scan_bf16(fd: int, offset: int, nbytes: int) -> tuple[str, int]:
 
     The file is mapped one window at a time (zero copy: tmpfs pages are read where they
     are; the mapping never spans more than ``SCAN_WINDOW_BYTES``, so neither does the RSS it
-    adds) and scanned in cache-sized pieces.
+    adds), and each L2-sized piece is hashed and tested while it is in cache.
     """
     h = checksums.new_hasher()
     bad = 0
     for window in _windows(fd, offset, nbytes):
-        try:
-            h.update(window)
-            bad += _count_nonfinite(window)
-        finally:
-            window.release()
+        with window:  # released on every path, so the map can close
+            for lo in range(0, len(window), SCAN_CHUNK_BYTES):
+                with window[lo : lo + SCAN_CHUNK_BYTES] as piece:
+                    h.update(piece)
+                    bad += _count_nonfinite(piece)
     return h.hexdigest(), bad
 
 
@@ -226,25 +224,13 @@ def _windows(fd: int, offset: int, nbytes: int) -> Generator[memoryview, None, N
         pos = base + length
 
 
-def _count_nonfinite(window: memoryview) -> int:
-    """NaN/Inf values in a window of bf16 bytes: a fast test per L2-sized piece, a count
-    only where one is found."""
-    scratch = _scratch()
-    bad = 0
-    for lo in range(0, len(window), SCAN_CHUNK_BYTES):
-        piece = np.frombuffer(window[lo : lo + SCAN_CHUNK_BYTES], dtype="<u2")
-        if tensorfile.bf16_any_nonfinite(piece, scratch):
-            bad += tensorfile.bf16_nonfinite(piece)
-        del piece  # no array may outlive the mapping it views
-    return bad
-
-
-def _scratch() -> np.ndarray:
-    """This thread's scratch array for the NaN/Inf test (allocated once)."""
-    scratch: np.ndarray | None = getattr(_local, "scratch", None)
-    if scratch is None:
-        scratch = _local.scratch = np.empty(SCAN_CHUNK_BYTES // 2, dtype="<u2")
-    return scratch
+def _count_nonfinite(piece: memoryview) -> int:
+    """NaN/Inf values in a piece of bf16 bytes: a fast test, a count only if one is found."""
+    values = np.frombuffer(piece, dtype="<u2")
+    try:
+        return tensorfile.bf16_nonfinite(values) if tensorfile.bf16_any_nonfinite(values) else 0
+    finally:
+        del values  # no array may outlive the mapping it views
 
 
 def _metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
