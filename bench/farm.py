@@ -113,8 +113,11 @@ def run_farm(args: argparse.Namespace, rate: float, procs: int, data: Path,
              n: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hsfarm-bench-farm.", dir=args.shm))
     out = Path(tempfile.mkdtemp(prefix=".hsfarm-bench-farm-out.", dir=args.out_dir))
-    env = {"FARM_OUTPUT_DIR": str(out),
-           "FARM_MIN_FREE_DUMP_BYTES": str(64 << 20)}
+    # USE_TORCH=0: a worker host needs no torch (pyproject: torch is the [server] extra), but
+    # this dev venv has it, and transformers would load it into every worker process for the
+    # tokenizer (+220 MB RSS). The synthetic server imports torch itself and still has it.
+    env = {"FARM_OUTPUT_DIR": str(out), "FARM_MIN_FREE_DUMP_BYTES": str(64 << 20),
+           "USE_TORCH": "0" if args.no_torch_in_workers else "AUTO"}
     farm = LocalFarm(work, model="synthetic", cache_dir=args.cache_dir,
                      chunked_prefill_size=8192, extra_env=env)
     try:
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=Path.cwd())
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hsfarm")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--torch-in-workers", dest="no_torch_in_workers", action="store_false",
+                   help="let transformers import torch in workers (as in this dev venv)")
     args = p.parse_args(argv)
     data = Path(tempfile.mkdtemp(prefix="hsfarm-bench-data.")) / "data.jsonl"
     total_tokens = write_data(data, args.samples)
