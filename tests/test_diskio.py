@@ -62,3 +62,19 @@ def test_disk_reader_closes_its_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         diskio.DiskReader(tmp_path / "missing")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_start_writeback_reaches_the_kernel(tmp_path: Path) -> None:
+    # Given the libc binding (Linux): it takes a real descriptor and refuses a closed one
+    import ctypes
+
+    assert diskio._sync_file_range is not None
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        f.write(b"x" * (1 << 20))
+        f.flush()
+        fd = f.fileno()
+        assert diskio._sync_file_range(fd, 0, 0, 2) == 0
+        diskio.start_writeback(fd)
+    assert diskio._sync_file_range(fd, 0, 0, 2) == -1
+    assert ctypes.get_errno() == errno.EBADF

@@ -16,11 +16,12 @@ Errors are plain ``OSError``; the store translates them (ENOSPC → ``NoSpace``)
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 COPY_CHUNK_BYTES = 8 << 20  # one sendfile call; a fallback buffer
@@ -89,10 +90,29 @@ def fsync_dir(path: Path) -> None:
 
 
 def start_writeback(fd: int) -> None:
-    """Start writing the file's dirty pages to the device now, without waiting (Linux's
-    POSIX_FADV_DONTNEED starts writeback of dirty pages, then drops only clean ones), so the
-    device works while the caller does CPU work before its fsync."""
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    """Start writing the file's dirty pages to the device now, without waiting, so the device
+    works while the caller does CPU work before its fsync.
+
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` (Linux; through libc, Python has no binding):
+    half the CPU of the other way to do it, ``POSIX_FADV_DONTNEED`` on dirty pages (measured
+    here: 35 vs 85 ms for 470 MB). Elsewhere it does nothing and the fsync does it all.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a hint: its result is not needed
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range = _load_sync_file_range()
 
 
 def drop_cache(fd: int) -> None:
