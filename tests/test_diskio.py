@@ -13,29 +13,35 @@ from worker import diskio
 SIZES = [0, 1, 4095, 4096, 4097, (9 << 20) + 3]
 
 
-@pytest.mark.parametrize("use_sendfile", [True, False])
-def test_copy_range_appends_exactly_that_range(tmp_path: Path, use_sendfile: bool) -> None:
-    # Given a source file and a destination that already holds a prefix
-    data = os.urandom((9 << 20) + 123)
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    src.write_bytes(data)
-    with open(src, "rb") as s, open(dst, "wb") as d:
-        d.write(b"head")
-        d.flush()
-        # When a range crossing chunk boundaries is copied, by the kernel or by chunks
-        diskio.copy_range(s.fileno(), 17, len(data) - 20, d.fileno(), use_sendfile=use_sendfile)
-    # Then the destination is the prefix and exactly that range
-    assert dst.read_bytes() == b"head" + data[17:-3]
+def test_mapped_windows_cover_a_range_exactly_once(tmp_path: Path) -> None:
+    # Given a file of 3 windows and a range starting off a page boundary
+    data = os.urandom(3 * diskio.MAP_WINDOW_BYTES)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    got = bytearray()
+    with open(path, "rb") as f:
+        for w in diskio.mapped_windows(f.fileno(), 100, len(data) - 103):
+            with w:
+                assert len(w) <= diskio.MAP_WINDOW_BYTES
+                got += w
+    # Then the windows, released in turn, are exactly that range
+    assert bytes(got) == data[100:-3]
+    assert str(path) not in Path("/proc/self/maps").read_text()  # nothing left mapped
 
 
-def test_copy_range_from_a_short_source_is_an_error(tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    src.write_bytes(b"x" * 100)
-    with open(src, "rb") as s, open(tmp_path / "dst", "wb") as d:
-        for use_sendfile in (True, False):
-            with pytest.raises(OSError) as e:
-                diskio.copy_range(s.fileno(), 50, 100, d.fileno(), use_sendfile=use_sendfile)
-            assert e.value.errno == errno.EIO
+def test_a_window_view_kept_too_long_fails_loudly(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * diskio.MAP_WINDOW_BYTES))
+    with open(path, "rb") as f:
+        windows = diskio.mapped_windows(f.fileno(), 100, 3 * diskio.MAP_WINDOW_BYTES - 100)
+        first = next(windows)
+        assert bytes(first[:4]) == path.read_bytes()[100:104]
+        # When the caller keeps a view of the first window and asks for the next
+        # Then unmapping refuses (BufferError) instead of leaving a dangling view
+        with pytest.raises(BufferError):
+            next(windows)
+        first.release()
+        windows.close()
 
 
 @pytest.mark.parametrize("direct", [False, True])

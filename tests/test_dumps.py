@@ -1,4 +1,4 @@
-"""Dump validation: one streaming pass over real dump files; files and maps closed on every path."""
+"""Dumps: checked at open, values checked while copied; files and maps closed on every path."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_patch import contracts as c
-from worker import checksums, dumps
+from worker import checksums, diskio, dumps, finalfile, tensorfile
 from worker.errors import Corrupt
+from worker.store import OutputStore, Part
 
 H = 1024
 LAYERS = (2, 4, 5)
@@ -46,29 +47,44 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_a_good_dump_is_checked_in_one_pass_with_its_checksums(tmp_path: Path) -> None:
+def _store(tmp_path: Path) -> OutputStore:
+    return OutputStore(tmp_path / "out", _fp()).open()
+
+
+def _copy(store: OutputStore, d: dumps.Dump, key: str = "k") -> Path:
+    """What the worker does with a dump (extract.store_dump, without the read-back)."""
+    parts = {name: d.part(name) for name in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX)}
+    parts[c.T_LOSS_MASK] = Part.from_array("I64", np.ones(len(d.ids) // 8, dtype=np.int64))
+    return store.write(key, parts, {"content_sha256": "h"}, validate=d.verdict)
+
+
+def test_a_good_dump_is_copied_and_checksummed_in_one_pass(tmp_path: Path) -> None:
     # Given a dump whose aux tensor spans several mapped windows (3,000 x 3,072 bf16 = 18 MB)
     n = 3000
     ids = [i % 600 for i in range(n)]
     hidden, aux = _rows(n, H, 1), _rows(n, 3 * H, 2)
     path = write_dump(tmp_path / "d.safetensors", ids, hidden, aux)
-    assert aux.nbytes > 2 * dumps.SCAN_WINDOW_BYTES
-    # When it is opened and scanned
+    assert aux.nbytes > 2 * diskio.MAP_WINDOW_BYTES
+    store = _store(tmp_path)
+    # When it is opened and copied into a final file
     with dumps.open_dump(path, ids, _fp()) as d:
-        sums = d.scan()
-        # Then its checksums are those of the exact bytes, and its parts point into it
-        assert sums[c.T_AUX] == checksums.tensor_checksum(aux.tobytes())
-        assert sums[c.T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
-        assert d.part(c.T_INPUT_IDS).checksum == checksums.tensor_checksum(
-            np.asarray(ids, dtype=np.int64).tobytes())
+        final = _copy(store, d)
         part = d.part(c.T_AUX)
         assert part.shape == (n, 3 * H) and part.source is d.file
-    # And once closed, a part taken from it can no longer be copied (no recycled fd is read)
-    with open(tmp_path / "out", "wb") as out, pytest.raises(ValueError, match="closed file"):
-        part.copy_to(out.fileno())
+    # Then the file holds the exact bytes, with their checksums, and verifies from disk
+    sums = checksums.file_checksums(tensorfile.header_metadata(final))[1]
+    assert sums[c.T_AUX] == checksums.tensor_checksum(aux.tobytes())
+    assert sums[c.T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
+    assert sums[c.T_INPUT_IDS] == checksums.tensor_checksum(
+        np.asarray(ids, dtype=np.int64).tobytes())
+    assert store.verify("k", "h").tokens == n
+    assert np.array_equal(tensorfile.read(final).tensors[c.T_AUX].array, aux)
+    # And once closed, a part taken from the dump can no longer be copied (no recycled fd)
+    with open(tmp_path / "out.bin", "wb") as out, pytest.raises(ValueError, match="closed file"):
+        finalfile.write_parts(out.fileno(), {c.T_AUX: part}, {})
 
 
-@pytest.mark.parametrize("where", [0, dumps.SCAN_WINDOW_BYTES // 2, -1])
+@pytest.mark.parametrize("where", [0, diskio.MAP_WINDOW_BYTES // 2, -1])
 def test_nan_anywhere_is_found_and_counted(tmp_path: Path, where: int) -> None:
     # Given NaN/Inf at the first value, at a window boundary, or at the very last value
     n = 3000
@@ -78,13 +94,15 @@ def test_nan_anywhere_is_found_and_counted(tmp_path: Path, where: int) -> None:
     flat[where] = 0x7FC0  # NaN
     flat[where - 1 if where else 1] = 0xFF80  # -Inf
     path = write_dump(tmp_path / "d.safetensors", ids, _rows(n, H, 1), aux)
+    store = _store(tmp_path)
     before = _open_fds()
-    # Then the scan refuses the dump with the exact count, and nothing is left open or mapped
+    # Then the copy is refused with the exact count, nothing is left on disk, open or mapped
     with dumps.open_dump(path, ids, _fp()) as d, pytest.raises(
             Corrupt, match="aux_hidden_state has 2 NaN/Inf values"):
-        d.scan()
+        _copy(store, d)
     assert _open_fds() == before
     assert str(path) not in Path("/proc/self/maps").read_text()
+    assert [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()] == ["manifest.json"]
 
 
 def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:
@@ -113,26 +131,3 @@ def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:
             dumps.open_dump(path, sent, _fp())
         assert message in str(e.value), str(e.value)
     assert _open_fds() == before
-
-
-def test_a_window_view_kept_too_long_fails_loudly(tmp_path: Path) -> None:
-    # Given a file mapped window by window
-    path = tmp_path / "f"
-    path.write_bytes(os.urandom(3 * dumps.SCAN_WINDOW_BYTES))
-    with open(path, "rb") as f:
-        windows = dumps._windows(f.fileno(), 100, 3 * dumps.SCAN_WINDOW_BYTES - 100)
-        first = next(windows)
-        assert bytes(first[:4]) == path.read_bytes()[100:104]
-        # When the caller keeps a view of the first window and asks for the next
-        # Then unmapping refuses (BufferError) instead of leaving a dangling view
-        with pytest.raises(BufferError):
-            next(windows)
-        first.release()
-        windows.close()
-    # And windows released in turn cover the range exactly once
-    with open(path, "rb") as f:
-        got = bytearray()
-        for w in dumps._windows(f.fileno(), 100, len(path.read_bytes()) - 100):
-            got += w
-            w.release()
-    assert bytes(got) == path.read_bytes()[100:]

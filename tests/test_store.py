@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sglang_patch import contracts as c
+from worker import tensorfile
 from worker.errors import ConfigError, Corrupt
 from worker.store import M_CONTENT, OutputStore, Part
 
@@ -164,8 +165,6 @@ def test_final_files_read_the_same_in_the_safetensors_library(tmp_path: Path) ->
 
 @pytest.mark.parametrize("tensor", [c.T_INPUT_IDS, c.T_LOSS_MASK, c.T_HIDDEN, c.T_AUX])
 def test_a_flipped_byte_in_any_tensor_is_caught(tmp_path: Path, tensor: str) -> None:
-    from worker import tensorfile
-
     store = OutputStore(tmp_path, _fp()).open()
     path = store.write("k1", _tensors(), {M_CONTENT: "h1"})
     with open(path, "rb") as f:
@@ -230,11 +229,9 @@ def test_written_files_leave_the_page_cache_so_verify_reads_the_disk(tmp_path: P
     store.verify("big", "h")
 
 
-@pytest.mark.parametrize("source", ["memory", "sendfile", "chunks"])
-def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("source", ["memory", "mapped"])
+def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str) -> None:
     from tests.faults import can_mount_tmpfs, small_tmpfs
-    from worker import diskio
     from worker.errors import NoSpace
 
     if not can_mount_tmpfs(tmp_path):
@@ -243,44 +240,43 @@ def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str,
     big = np.random.default_rng(0).integers(0, 0x3F00, (128, 3 * 4096), dtype=np.uint16)
     src = tmp_path / "dump.bin"
     src.write_bytes(big.tobytes())
-    if source == "chunks":  # the fallback for file systems that refuse sendfile
-        real = diskio.copy_range
-        monkeypatch.setattr(diskio, "copy_range",
-                            lambda *a, **k: real(*a, **{**k, "use_sendfile": False}))
     with small_tmpfs(tmp_path / "out", "1M") as out, open(src, "rb", buffering=0) as f:
         store = OutputStore(out, _fp(hidden_size=4096)).open()
         aux = (Part.from_array("BF16", big) if source == "memory" else
-               Part("BF16", big.shape, "x", source=f, offset=0))
+               Part("BF16", big.shape, source=f, offset=0))
         parts = {**_tensors(128), c.T_AUX: aux}
         # When the write runs out of space
         with pytest.raises(NoSpace, match="No space left"):
             store.write("k", parts, {M_CONTENT: "h"})
-        # Then nothing partial is left behind
+        # Then nothing partial is left behind, and the source is no longer mapped
         assert [p for p in out.rglob("*") if p.is_file()] == [out / "manifest.json"]
+        assert str(src) not in Path("/proc/self/maps").read_text()
 
 
-def test_checksums_supplied_by_the_scan_after_the_copy(tmp_path: Path) -> None:
+def test_parts_from_a_file_are_checked_and_checksummed_as_copied(tmp_path: Path) -> None:
     from worker import checksums
 
-    # Given a tensor copied from a file, whose checksum only the scan supplies
+    # Given a tensor copied from a file, at an offset, with a check seeing every piece
     store = OutputStore(tmp_path / "out", _fp()).open()
     arr = _arrays()[c.T_AUX][1]
     src = tmp_path / "src"
     src.write_bytes(b"pad" + arr.tobytes())
+    seen = bytearray()
     with open(src, "rb", buffering=0) as f:
-        parts = {**_tensors(), c.T_AUX: Part("BF16", arr.shape, None, source=f, offset=3)}
-        store.write("k", parts, {M_CONTENT: "h"},
-                    scan=lambda: {c.T_AUX: checksums.tensor_checksum(arr.tobytes())})
-        # Then the file verifies: the header written last holds the scan's digest
+        aux = Part("BF16", arr.shape, source=f, offset=3, check=seen.extend)
+        parts = {**_tensors(), c.T_AUX: aux}
+        path = store.write("k", parts, {M_CONTENT: "h"})
+        # Then the check saw exactly the bytes, the header written last holds their digest,
+        # and the file verifies
+        assert bytes(seen) == arr.tobytes()
+        assert checksums.file_checksums(tensorfile.header_metadata(path))[1][c.T_AUX] == (
+            checksums.tensor_checksum(arr.tobytes()))
         store.verify("k", "h")
-        # And a scan that finds the source bad leaves nothing behind, and says why
-        def bad_scan() -> dict[str, str]:
+        # And a validation that fails after the copy leaves nothing behind, and says why
+        def bad() -> None:
             raise Corrupt("dump x: aux_hidden_state has 1 NaN/Inf values")
 
         with pytest.raises(Corrupt, match="NaN"):
-            store.write("k2", parts, {M_CONTENT: "h"}, scan=bad_scan)
-        # And a scan that forgets a tensor is a bug, not a file without a checksum
-        with pytest.raises(ValueError, match="no checksum for"):
-            store.write("k3", parts, {M_CONTENT: "h"}, scan=dict)
+            store.write("k2", parts, {M_CONTENT: "h"}, validate=bad)
     files = sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert files == ["k.safetensors", "manifest.json"]

@@ -2,8 +2,8 @@
 
 The server's HTTP answer can arrive before the writer thread renames the dump into place, so
 the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline. ``open_dump``
-checks its layout, ids and metadata and keeps it open for the store to copy; ``Dump.scan``
-checks its values in one streaming pass (bounded memory) while the copy is written back.
+checks its layout, ids and metadata and keeps it open for the store to copy; its values are
+checked in the same pass as the copy (``Dump.part``, ``Dump.verdict``).
 """
 
 from __future__ import annotations
@@ -12,22 +12,18 @@ import asyncio
 import io
 import itertools
 import json
-import mmap
 import os
 import time
-from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import checksums, tensorfile
+from worker import tensorfile
 from worker.errors import Corrupt, NoSpace, Transient
-from worker.store import Part
+from worker.finalfile import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
-SCAN_WINDOW_BYTES = 8 << 20  # map this much of a dump at a time
-SCAN_CHUNK_BYTES = 256 << 10  # hash and NaN-test this much at a time (stays in L2)
 
 
 def discard_dumps(dump_dir: Path, sample_key: str) -> int:
@@ -67,13 +63,12 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
 
 
 class Dump:
-    """An open dump whose layout, ids and metadata were checked; ``scan`` checks its values.
+    """An open dump whose layout, ids and metadata were checked; its values are checked as
+    its parts are copied (``part``'s check), and ``verdict`` reports what was found.
 
     A context manager. On exit the file is closed, and a ``Part`` taken from it can no longer
     be copied (its ``fileno()`` raises), so a recycled descriptor number is never read.
     """
-
-    BF16_TENSORS = (c.T_HIDDEN, c.T_AUX)
 
     def __init__(self, path: Path, file: io.FileIO, header: tensorfile.Header,
                  ids: bytes) -> None:
@@ -81,43 +76,31 @@ class Dump:
         self.file = file
         self.header = header
         self.ids = ids
+        self.nonfinite: dict[str, int] = {}
 
     @property
     def metadata(self) -> dict[str, str]:
         return self.header.metadata
 
     def part(self, name: str) -> Part:
-        """One tensor of the dump, to be written into a final file. The bf16 tensors' checksums
-        come from ``scan`` (the store calls it once their bytes are on their way to disk)."""
+        """One tensor of the dump, to be written into a final file. The bf16 ones are tested
+        for NaN/Inf piece by piece as the store copies them."""
         e = self.header.tensors[name]
         if name == c.T_INPUT_IDS:
-            return Part(e.dtype, e.shape, checksums.tensor_checksum(self.ids), data=self.ids)
-        return Part(e.dtype, e.shape, None, source=self.file,
-                    offset=self.header.data_start + e.begin)
+            return Part(e.dtype, e.shape, data=self.ids)
+        self.nonfinite[name] = 0
 
-    def scan(self) -> dict[str, str]:
-        """Read the bf16 tensors once, in place: their checksums, and a NaN/Inf check.
+        def check(piece: memoryview) -> None:
+            self.nonfinite[name] += _count_nonfinite(piece)
 
-        These checksums go into the final file, so its verification proves that the disk
-        holds exactly the bytes checked here.
+        return Part(e.dtype, e.shape, source=self.file,
+                    offset=self.header.data_start + e.begin, check=check)
 
-        Raises:
-            Corrupt: NaN or Inf values (counted), or the dump changed size while read.
-            Transient: the dump could not be read.
-        """
-        sums, problems = {}, []
-        for name in self.BF16_TENSORS:
-            e = self.header.tensors[name]
-            try:
-                sums[name], bad = _scan_bf16(self.file.fileno(), self.header.data_start + e.begin,
-                                             e.nbytes)
-            except (OSError, ValueError) as err:  # ValueError: mmap past a shrunk file
-                raise Transient(f"reading dump {self.path.name}: {err}") from err
-            if bad:
-                problems.append(f"{name} has {bad} NaN/Inf values")
+    def verdict(self) -> None:
+        """Raises Corrupt if the parts copied so far held NaN or Inf values (with counts)."""
+        problems = [f"{name} has {n} NaN/Inf values" for name, n in self.nonfinite.items() if n]
         if problems:
             raise Corrupt(f"dump {self.path.name}: " + "; ".join(problems))
-        return sums
 
     def close(self) -> None:
         self.file.close()
@@ -132,7 +115,7 @@ class Dump:
 def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Dump:
     """Open a dump and check its layout, ids and metadata against the request and the run.
 
-    Cheap (the header and the ids); the values are checked by ``Dump.scan``.
+    Cheap (the header and the ids); the values are checked as the parts are copied.
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
@@ -184,44 +167,6 @@ def _ids_problems(raw_ids: bytes, sent_ids: list[int]) -> list[str]:
     if np.array_equal(got, want):
         return []
     return [f"input_ids differ from those sent (first at position {int(np.argmax(got != want))})"]
-
-
-def _scan_bf16(fd: int, offset: int, nbytes: int) -> tuple[str, int]:
-    """(checksum, NaN/Inf count) of a bf16 tensor's bytes, read once, in place.
-
-    The file is mapped one window at a time (zero copy: tmpfs pages are read where they
-    are; the mapping never spans more than ``SCAN_WINDOW_BYTES``, so neither does the RSS it
-    adds), and each L2-sized piece is hashed and tested while it is in cache.
-    """
-    h = checksums.new_hasher()
-    bad = 0
-    for window in _windows(fd, offset, nbytes):
-        with window:  # released on every path, so the map can close
-            for lo in range(0, len(window), SCAN_CHUNK_BYTES):
-                with window[lo : lo + SCAN_CHUNK_BYTES] as piece:
-                    h.update(piece)
-                    bad += _count_nonfinite(piece)
-    return h.hexdigest(), bad
-
-
-def _windows(fd: int, offset: int, nbytes: int) -> Generator[memoryview, None, None]:
-    """Read-only views of ``[offset, offset + nbytes)``, one mapped window at a time.
-
-    Each view must be released before the next is taken (the map is closed then; a view
-    still held makes ``close`` raise ``BufferError`` rather than leave a dangling pointer).
-    """
-    end = offset + nbytes
-    pos = offset
-    while pos < end:
-        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-        length = min(end, base + SCAN_WINDOW_BYTES) - base
-        with mmap.mmap(fd, length, offset=base, prot=mmap.PROT_READ) as m:
-            view = memoryview(m)
-            try:
-                yield view[pos - base :]
-            finally:
-                view.release()
-        pos = base + length
 
 
 def _count_nonfinite(piece: memoryview) -> int:

@@ -99,7 +99,7 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
         meta = {**meta, st.M_CONTENT: content_sha256,
                 c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
                 c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
-        store.write(key, parts, meta, scan=d.scan)
+        store.write(key, parts, meta, validate=d.verdict)
     try:
         return store.verify(key, content_sha256)
     except Corrupt:

@@ -4,31 +4,29 @@ Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.s
 Every write is temp file → fsync → rename → fsync(dir); "verified" means read back from the
 device (``O_DIRECT``, or with the page cache dropped) and every per-tensor checksum compared.
 
-The data path streams: a final file is its header, then each tensor's bytes appended from
-memory (small tensors) or copied by the kernel from an open dump (``Part``); verification
-reads the file back in bounded chunks. No step holds a whole tensor in memory.
+The data path streams (``finalfile``): a final file is written from its parts in one pass,
+checksummed on the way, and read back in bounded chunks. No step holds a whole tensor in
+memory. ``Part`` is re-exported here for callers of ``write``.
 """
 
 from __future__ import annotations
 
 import errno
-import io
 import json
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from sglang_patch import contracts as c
 from worker import checksums, diskio, tensorfile
 from worker.errors import ConfigError, Corrupt, NoSpace, Transient
+from worker.finalfile import Part, read_back, write_parts
 
 log = logging.getLogger("hsfarm.store")
 
@@ -48,47 +46,6 @@ class Verified:
     # What was read back, for callers that check more (audit): the metadata and the small
     # tensors (input_ids, loss_mask). The hidden states were checked in passing, not kept.
     file: tensorfile.TensorFile
-
-
-@dataclass(frozen=True)
-class Part:
-    """One tensor of a final file to write: its dtype, shape, checksum, and where its bytes are.
-
-    Either ``data`` (small tensors, in memory) or a range of the open file ``source`` (a dump)
-    from ``offset``, copied by the kernel. A closed ``source`` raises on use, never reads a
-    recycled descriptor.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    checksum: str | None  # DEFAULT_ALGORITHM over the raw bytes; None: from ``write``'s scan
-    data: bytes | None = None
-    source: io.FileIO | None = None
-    offset: int = 0
-
-    @classmethod
-    def from_array(cls, dtype: str, arr: np.ndarray) -> Part:
-        data = np.ascontiguousarray(arr, dtype=tensorfile.numpy_dtype(dtype)).tobytes()
-        return cls(dtype, tuple(arr.shape), checksums.tensor_checksum(data), data=data)
-
-    def copy_to(self, fd: int) -> None:
-        """Append this tensor's bytes at ``fd``'s position. Raises OSError."""
-        if self.data is not None:
-            diskio.write_all(fd, self.data)
-        else:
-            assert self.source is not None, "a Part needs data or a source"
-            nbytes = _nbytes(self.dtype, self.shape)
-            diskio.copy_range(self.source.fileno(), self.offset, nbytes, fd)
-
-
-def _header(parts: dict[str, Part], meta: dict[str, str],
-            sums: Mapping[str, str]) -> tuple[bytes, tensorfile.Header]:
-    return tensorfile.encode_header({k: (p.dtype, p.shape) for k, p in parts.items()},
-                                    {**meta, **checksums.checksum_metadata(sums)})
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * tensorfile.numpy_dtype(dtype).itemsize
 
 
 def free_bytes(path: Path) -> int:
@@ -171,18 +128,15 @@ class OutputStore:
         check_free(self.out_dir, self.min_free_bytes, "output disk")
 
     def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
-              scan: Callable[[], Mapping[str, str]] | None = None) -> Path:
+              validate: Callable[[], None] | None = None) -> Path:
         """Write a final file durably and atomically, its pages dropped from the cache.
 
-        ``scan`` supplies the checksums of parts that have none (a dump's ``scan``: it reads
-        and checks the source). It runs after the data is copied and its writeback started, so
-        the disk writes while the CPU checks; the header, whose size does not depend on the
-        digests, is written last, before the fsync.
+        ``validate`` runs once every byte went through the parts' checks (``write_parts``).
 
         Raises:
             NoSpace: ENOSPC/EDQUOT, whichever call hit it.
             Transient: any other I/O error.
-            Corrupt: from ``scan`` (nothing is left on disk then).
+            Corrupt: from ``validate`` (nothing is left on disk then).
         """
         final = self.final_path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +145,7 @@ class OutputStore:
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         try:
             with _io_errors(f"writing {final}"):
-                self._write_tmp(tmp, parts, meta, scan)
+                self._write_tmp(tmp, parts, meta, validate)
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
         finally:
@@ -199,23 +153,10 @@ class OutputStore:
         return final
 
     def _write_tmp(self, tmp: Path, parts: dict[str, Part], meta: dict[str, str],
-                   scan: Callable[[], Mapping[str, str]] | None) -> None:
-        known = {k: p.checksum for k, p in parts.items() if p.checksum is not None}
-        placeholder = {k: known.get(k, "0" * checksums.DIGEST_HEX_LEN) for k in parts}
-        head, header = _header(parts, meta, placeholder)
+                   validate: Callable[[], None] | None) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            diskio.write_all(fd, head)
-            for name, _, _ in header.file_ranges():
-                parts[name].copy_to(fd)
-            diskio.start_writeback(fd)
-            sums = {**known, **(scan() if scan is not None else {})}
-            if set(sums) != set(parts):
-                raise ValueError(f"no checksum for {sorted(set(parts) - set(sums))}")
-            final_head, _ = _header(parts, meta, sums)
-            if len(final_head) != len(head):
-                raise ValueError("header size changed with the digests")
-            os.pwrite(fd, final_head, 0)
+            write_parts(fd, parts, meta, validate)
             if self.debug_write_delay_s:
                 time.sleep(self.debug_write_delay_s)
             os.fsync(fd)
@@ -232,7 +173,7 @@ class OutputStore:
             FileNotFoundError: there is no final file.
         """
         path = self.final_path(key)
-        header, sums, small = _read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK})
+        header, sums, small = read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK})
         meta = header.metadata
         problems = []
         if meta.get(M_KEY) != key:
@@ -329,75 +270,7 @@ def _io_errors(what: str) -> Iterator[None]:
         raise Transient(f"{what}: {e}") from e
 
 
-def _checksum_problems(meta: dict[str, str], sums: dict[str, dict[str, str]]) -> list[str]:
-    """Compare what was read back (``{algorithm: {name: digest}}``) with the metadata's."""
-    algorithm, recorded = checksums.file_checksums(meta)
-    got = sums[algorithm]
+def _checksum_problems(meta: dict[str, str], got: dict[str, str]) -> list[str]:
+    """Compare the digests read back (with the metadata's algorithm) with the metadata's."""
+    _, recorded = checksums.file_checksums(meta)
     return [f"checksum of {name}" for name in sorted(got) if recorded.get(name) != got[name]]
-
-
-def _read_back(path: Path, small: set[str]) -> tuple[
-        tensorfile.Header, dict[str, dict[str, str]], dict[str, tensorfile.Tensor]]:
-    """Read a file once from the device: its header, every tensor's checksum (with the
-    algorithm its metadata names), and the tensors named in ``small`` as arrays.
-
-    Raises:
-        Corrupt: not a well-formed file (truncated included), or unknown checksums.
-        FileNotFoundError: no such file.
-    """
-    with diskio.DiskReader(path) as reader:
-        size, chunks = reader.size_bytes, reader.chunks()
-        head, need = bytearray(), 8
-        for _, view in chunks:  # the header: all in the first chunk but for odd files
-            head += view
-            if len(head) >= 8:
-                need = 8 + tensorfile.header_length(bytes(head[:8]), size, path.name)
-            if len(head) >= need:
-                break
-        need = 8 + tensorfile.header_length(bytes(head[:8]), size, path.name)
-        header = tensorfile.parse_header(bytes(head[8:need]), size, path.name)
-        try:
-            algorithm, _ = checksums.file_checksums(header.metadata)
-        except Corrupt as e:
-            raise Corrupt(f"{path.name}: {e}") from e
-        feed = _TensorFeed(header, algorithm, small)
-        feed.add(0, memoryview(head))
-        for offset, view in chunks:
-            feed.add(offset, view)
-        return header, {algorithm: feed.digests()}, feed.small_tensors()
-
-
-class _TensorFeed:
-    """Routes a file's bytes, chunk by chunk, to each tensor's hasher (and keeps small ones)."""
-
-    def __init__(self, header: tensorfile.Header, algorithm: str, small: set[str]) -> None:
-        self.header = header
-        self.ranges = header.file_ranges()
-        self.hashers = {name: checksums.new_hasher(algorithm) for name, _, _ in self.ranges}
-        self.small = {name: bytearray() for name in small if name in header.tensors}
-        self.seen = 0
-
-    def add(self, offset: int, view: memoryview) -> None:
-        end = offset + len(view)
-        for name, begin, nbytes in self.ranges:
-            lo, hi = max(begin, offset), min(begin + nbytes, end)
-            if lo < hi:
-                piece = view[lo - offset : hi - offset]
-                self.hashers[name].update(piece)
-                if name in self.small:
-                    self.small[name] += piece
-        self.seen = max(self.seen, end)
-
-    def digests(self) -> dict[str, str]:
-        if self.seen != self.header.size_bytes:
-            raise Corrupt(f"not a valid safetensors file: read {self.seen} bytes, header "
-                          f"describes {self.header.size_bytes}")
-        return {name: h.hexdigest() for name, h in self.hashers.items()}
-
-    def small_tensors(self) -> dict[str, tensorfile.Tensor]:
-        out = {}
-        for name, raw in self.small.items():
-            e = self.header.tensors[name]
-            arr = np.frombuffer(bytes(raw), dtype=tensorfile.numpy_dtype(e.dtype)).reshape(e.shape)
-            out[name] = tensorfile.Tensor(e.dtype, arr)
-        return out
