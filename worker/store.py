@@ -2,7 +2,8 @@
 
 Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors``.
 Every write is temp file → fsync → rename → fsync(dir); "verified" means read back from the
-device (``O_DIRECT``, or with the page cache dropped) and every per-tensor checksum compared.
+device (the file's pages dropped from the page cache first) and every per-tensor checksum
+compared.
 
 The data path streams (``finalfile``): a final file is written from its parts in one pass,
 checksummed on the way, and read back in bounded chunks. No step holds a whole tensor in
