@@ -11,7 +11,9 @@ and runs them to the end. Reported per run:
 - samples/s and GB/s of final files, from the first to the last finished sample;
 - server idle %: 1 - busy/uptime of the model thread over the same window (``/server_info``);
 - tmpfs peak: the most bytes of dumps in the dump dir at once, against the dump budget;
-- per-worker-process peak RSS;
+- per-worker-process peak RSS, and how much it grew during the run; CPU per sample of the
+  workers (all processes) and of the server. Worker processes run without torch, as on a
+  worker host (``notorch/``; ``--torch-in-workers`` to keep this venv's);
 - baseline (b) in the same run: copy + fsync + read back (cache dropped) of dumps of the same
   sizes on the same disk, measured before and after the farm runs.
 
@@ -25,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,11 +38,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.localfarm import LocalFarm
+from producer.localfarm import LocalFarm, Proc
 from producer.queue_scan import broker_depth
 from worker import keys
 
 BYTES_PER_TOKEN = 8 + 2 * 4 * 7168
+NOTORCH = str(Path(__file__).resolve().parent / "notorch")
 VOCAB = 642
 
 
@@ -60,6 +62,25 @@ def write_data(path: Path, n: int, seed: int = 0) -> int:
     return total
 
 
+class BenchFarm(LocalFarm):
+    """A LocalFarm whose worker processes can run without torch (``notorch/sitecustomize``)."""
+
+    def __init__(self, *args: Any, workers_without_torch: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.workers_without_torch = workers_without_torch
+
+    def _start(self, name: str, argv: list[str]) -> Proc:
+        if not (self.workers_without_torch and name.startswith("w")):
+            return super()._start(name, argv)
+        saved = dict(self.extra_env)
+        path = os.pathsep.join(filter(None, [NOTORCH, os.environ.get("PYTHONPATH")]))
+        self.extra_env["PYTHONPATH"] = path
+        try:
+            return super()._start(name, argv)
+        finally:
+            self.extra_env = saved
+
+
 class Monitor:
     """Samples tmpfs use and worker RSS while a run goes."""
 
@@ -67,6 +88,7 @@ class Monitor:
         self.farm = farm
         self.tmpfs_peak_bytes = 0
         self.rss_peak_mb: dict[int, float] = {}
+        self.rss_start_mb: dict[int, float] = {}
 
     def sample(self) -> None:
         used = 0
@@ -81,7 +103,24 @@ class Monitor:
             if proc.name.startswith("w"):
                 for pid in proc.children():
                     rss = _rss_mb(pid)
+                    self.rss_start_mb.setdefault(pid, rss)
                     self.rss_peak_mb[pid] = max(self.rss_peak_mb.get(pid, 0.0), rss)
+
+    def worker_pids(self) -> list[int]:
+        return [pid for p in self.farm.procs.values() if p.name.startswith("w")
+                for pid in [p.pid, *p.children()]]
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (/proc/<pid>/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_mb(pid: int) -> float:
@@ -113,13 +152,10 @@ def run_farm(args: argparse.Namespace, rate: float, procs: int, data: Path,
              n: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hsfarm-bench-farm.", dir=args.shm))
     out = Path(tempfile.mkdtemp(prefix=".hsfarm-bench-farm-out.", dir=args.out_dir))
-    # USE_TORCH=0: a worker host needs no torch (pyproject: torch is the [server] extra), but
-    # this dev venv has it, and transformers would load it into every worker process for the
-    # tokenizer (+220 MB RSS). The synthetic server imports torch itself and still has it.
-    env = {"FARM_OUTPUT_DIR": str(out), "FARM_MIN_FREE_DUMP_BYTES": str(64 << 20),
-           "USE_TORCH": "0" if args.no_torch_in_workers else "AUTO"}
-    farm = LocalFarm(work, model="synthetic", cache_dir=args.cache_dir,
-                     chunked_prefill_size=8192, extra_env=env)
+    env = {"FARM_OUTPUT_DIR": str(out), "FARM_MIN_FREE_DUMP_BYTES": str(64 << 20)}
+    farm = BenchFarm(work, model="synthetic", cache_dir=args.cache_dir,
+                     chunked_prefill_size=8192, extra_env=env,
+                     workers_without_torch=args.no_torch_in_workers)
     try:
         farm.start_redis()
         farm.start_server(["--tokens-per-s", str(rate), "--log-level", "WARNING"])
@@ -136,29 +172,36 @@ def run_farm(args: argparse.Namespace, rate: float, procs: int, data: Path,
 
 def _watch(farm: LocalFarm, n: int, limits: dict[str, Any], out: Path) -> dict[str, Any]:
     mon = Monitor(farm)
-    start: tuple[float, dict[str, Any], int] | None = None
+    start: tuple[float, dict[str, Any], int, int, float, float] | None = None
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline:
         mon.sample()
         done, bad = done_count(farm)
         if start is None and done >= 1:  # the window opens at the first finished sample
-            start = (time.monotonic(), server_info(farm), _out_bytes(out))
+            start = (time.monotonic(), server_info(farm), _out_bytes(out), done,
+                     cpu_s(mon.worker_pids()), cpu_s([farm.procs["server"].pid]))
         if done + bad >= n and broker_depth(farm.redis(), farm.settings().queue) == (0, 0):
             break
         time.sleep(0.1)
-    end = (time.monotonic(), server_info(farm), _out_bytes(out))
+    end = (time.monotonic(), server_info(farm), _out_bytes(out), done,
+           cpu_s(mon.worker_pids()), cpu_s([farm.procs["server"].pid]))
     assert start is not None and bad == 0, f"{bad} samples failed"
+    samples = end[3] - start[3]
     wall = end[0] - start[0]
     busy = end[1]["busy_s"] - start[1]["busy_s"]
     uptime = end[1]["uptime_s"] - start[1]["uptime_s"]
-    return {"samples": n, "window_s": wall, "samples_per_s": (n - 1) / wall,
+    return {"samples": n, "window_s": wall, "samples_per_s": samples / wall,
+            "worker_cpu_ms_per_sample": 1e3 * (end[4] - start[4]) / samples,
+            "server_cpu_ms_per_sample": 1e3 * (end[5] - start[5]) / samples,
             "gb_per_s": (end[2] - start[2]) / wall / 1e9,
             "server_idle_pct": 100 * (1 - busy / uptime),
             "server_tokens_per_s": (end[1]["tokens_done"] - start[1]["tokens_done"]) / uptime,
             "tmpfs_peak_bytes": mon.tmpfs_peak_bytes,
             "dump_budget_bytes": limits["dump_budget_bytes"],
             "max_in_flight": limits["max_in_flight"],
-            "worker_rss_peak_mb": sorted(round(v) for v in mon.rss_peak_mb.values())}
+            "worker_rss_peak_mb": sorted(round(v) for v in mon.rss_peak_mb.values()),
+            "worker_rss_growth_mb": max(mon.rss_peak_mb[p] - mon.rss_start_mb[p]
+                                        for p in mon.rss_peak_mb)}
 
 
 def _out_bytes(out: Path) -> int:
@@ -241,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(results: dict[str, Any]) -> str:
     lines = ["| server rate (tok/s) | procs | samples/s | GB/s | vs (b) | server idle | "
-             "tmpfs peak / budget | worker RSS peak (MB) |", "|" + "---|" * 8]
+             "tmpfs peak / budget | worker RSS peak (MB) | CPU/sample worker, server (ms) |",
+             "|" + "---|" * 9]
     for r in results["runs"]:
         rate = "max" if not r["tokens_per_s"] else f"{r['tokens_per_s']:.0f}"
         lines.append(
@@ -249,8 +293,9 @@ def table(results: dict[str, Any]) -> str:
             f"{r['samples_per_s']:.2f} | {r['gb_per_s']:.2f} | {r['farm_vs_b']:.2f}x | "
             f"{r['server_idle_pct']:.1f}% | {r['tmpfs_peak_bytes'] / 1e9:.2f} / "
             f"{r['dump_budget_bytes'] / 1e9:.2f} GB | "
-            f"{statistics.median(r['worker_rss_peak_mb']):.0f}–"
-            f"{max(r['worker_rss_peak_mb']):.0f} |")
+            f"{min(r['worker_rss_peak_mb']):.0f}–{max(r['worker_rss_peak_mb']):.0f} "
+            f"(+{r['worker_rss_growth_mb']:.0f} in the run) | "
+            f"{r['worker_cpu_ms_per_sample']:.0f}, {r['server_cpu_ms_per_sample']:.0f} |")
     return "\n".join(lines)
 
 
