@@ -17,7 +17,7 @@ from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
 from worker import tensorfile
 from worker.chat import ChatTokenizer
-from worker.errors import BadInput, Corrupt
+from worker.errors import BadInput, Corrupt, StaleRecord
 from worker.samples import SampleRef, read_sample
 from worker.store import M_FINGERPRINT, OutputStore
 
@@ -37,6 +37,13 @@ class AuditReport:
     @property
     def ok(self) -> bool:
         return not (self.missing or self.corrupt or self.incompatible)
+
+    def add(self, other: AuditReport) -> None:
+        """Fold another data file's report into this one."""
+        for name in ("checked", "whole", "tokens", "bytes", "invalid_records"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("missing", "corrupt", "incompatible", "to_requeue"):
+            getattr(self, name).extend(getattr(other, name))
 
     def lines(self, show: int = 50) -> list[str]:
         out = [f"checked: {self.checked}", f"whole: {self.whole} ({self.tokens} tokens, "
@@ -59,7 +66,7 @@ def _check_one(store: OutputStore, chat: ChatTokenizer,
     try:
         sample, _ = read_sample(ref)
         tok = chat.encode(sample)
-    except BadInput as e:
+    except (BadInput, StaleRecord) as e:
         return "invalid", str(e), 0, 0
     path = store.final_path(ref.key)
     if not path.exists():
@@ -79,12 +86,13 @@ def _check_one(store: OutputStore, chat: ChatTokenizer,
     return "whole", "", v.tokens, v.size_bytes
 
 
-def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, jobs: int = 4) -> AuditReport:
+def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_bytes: int,
+          jobs: int = 4) -> AuditReport:
     """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help."""
     report = AuditReport()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rejected: list[tuple[str, str]] = []
-        refs = list(sample_refs(data_file, rejected, []))
+        refs = list(sample_refs(data_file, max_record_bytes, rejected, []))
         report.invalid_records += len(rejected)
         results = pool.map(lambda ref: _check_one(store, chat, ref), refs)
         for ref, (verdict, why, tokens, size) in zip(refs, results, strict=True):

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import redis
 
-from producer.audit import audit
-from producer.enqueue import enqueue, requeue
-from producer.reader import DataFileError
-from producer.status import failures, read_status
+from producer.audit import AuditReport, audit
+from producer.enqueue import EnqueueRefused, enqueue, requeue
+from producer.status import failures, missing_done_files, read_status
 from sglang_patch.contracts import Fingerprint
 from worker.chat import ChatTokenizer
+from worker.datafile import DataFileError
 from worker.errors import ConfigError, Transient
 from worker.fingerprint import load_run
 from worker.index import RunIndex
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "audit":
             return _audit(settings, fingerprint, chat, args)
         return _status(settings, fingerprint, args)
-    except (ConfigError, DataFileError) as e:
+    except (ConfigError, DataFileError, EnqueueRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except (redis.RedisError, Transient) as e:
@@ -108,7 +108,12 @@ def _status(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespa
     if args.failures:
         print("\n".join(failures(settings, fingerprint)))
     if args.check:
-        return EXIT_OK if st.finished and st.failed == 0 else EXIT_PARTIAL
+        gone = missing_done_files(settings, fingerprint)
+        if gone:
+            print(f"{len(gone)} samples marked done have no file any more (first: {gone[0]}); "
+                  "run 'python -m producer audit --requeue'", file=sys.stderr)
+        ok = st.finished and st.failed == 0 and st.stale == 0 and not gone
+        return EXIT_OK if ok else EXIT_PARTIAL
     return EXIT_OK
 
 
@@ -118,16 +123,15 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
         files = [args.data]
     else:
         index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
-        files = [Path(f) for f in index.data_files()]
+        files = [Path(f) for f in sorted(index.data_files())]
         if not files:
             raise ConfigError("no data file recorded for this run: pass --data FILE")
     store = OutputStore(settings.output_dir, fingerprint)
-    ok = True
+    report = AuditReport()
     for data in files:
-        report = audit(store, chat, data, jobs=args.jobs)
-        print(f"run {fingerprint.id}, data {data}")
-        print("\n".join(report.lines()))
-        if args.requeue and report.to_requeue:
-            print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
-        ok = ok and report.ok
-    return EXIT_OK if ok else EXIT_PARTIAL
+        report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs))
+    print(f"run {fingerprint.id}, data: {', '.join(str(f) for f in files)}")
+    print("\n".join(report.lines()))
+    if args.requeue and report.to_requeue:
+        print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
+    return EXIT_OK if report.ok else EXIT_PARTIAL

@@ -1,13 +1,27 @@
-"""Publish one idempotent task per sample.
+"""Publish one idempotent task per sample of a data file.
 
-Re-running is always safe: a sample is not published again when its final file is on disk
-(header names this sample, content and run), when its task is already in the broker (queued or
-unacknowledged), or when the run already rejected or gave up on this exact content. Task ids
-are deterministic from (fingerprint, sample key).
+Safe to re-run, and to run twice at once: one ``enqueue`` per run works at a time (the others
+wait for its lock). Two passes over the file:
+
+1. **check**: every record is validated (size first, then JSON and shape), keyed, and its key
+   checked against the run: a key already registered by another data file for another
+   record, or whose final file holds another file's record, refuses the whole file before
+   anything is published (keys must be unique within a run);
+2. **publish**: each sample is registered in the run index and published, unless its final
+   file already verifies by its header (then the index learns it is done: this is how the
+   index is rebuilt after Redis lost it), its task is already queued, unacknowledged or
+   leased by a running attempt, or the run already rejected this content or gave up on it.
+
+Samples this file registered before but no longer holds (the file was edited or replaced),
+and that have no output yet, leave the run's index: nothing could ever run them, and the run
+could never finish. Those with an output stay, counted as done.
+Memory grows with the number of records (8 bytes each), not with the size of the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,15 +31,23 @@ import redis
 from tqdm import tqdm
 
 from producer.queue_scan import broker_task_ids
-from producer.reader import DataFileError, FileProblem, scan
 from sglang_patch import contracts as c
-from worker import keys
+from worker import broker, keys, tensorfile
+from worker import lease as leases
+from worker import store as st
 from worker.app import TASK_NAME, app
-from worker.errors import BadInput
-from worker.index import RunIndex
+from worker.datafile import DataFileError, FileProblem, Oversized, scan
+from worker.errors import BadInput, Corrupt
+from worker.index import Registered, RunIndex
 from worker.samples import SampleRef, content_hash, parse_record
 from worker.settings import Settings
-from worker.store import OutputStore
+
+BATCH = 1000  # records per Redis round trip
+SHOW = 5  # conflicts named in the refusal
+
+
+class EnqueueRefused(Exception):
+    """The file cannot join this run as it is; nothing was published."""
 
 
 @dataclass
@@ -36,6 +58,7 @@ class Summary:
     already_queued: int = 0
     previously_rejected: int = 0
     previously_failed: int = 0
+    vanished: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (where, reason)
     problems: list[tuple[str, str]] = field(default_factory=list)  # file-level, not records
     notes: list[tuple[str, str]] = field(default_factory=list)  # accepted, but worth knowing
@@ -52,6 +75,9 @@ class Summary:
             out.append(f"skipped, rejected/failed earlier in this run: "
                        f"{self.previously_rejected}/{self.previously_failed} "
                        "(see 'status --failures'; --retry-failed retries the failed)")
+        if self.vanished:
+            out.append(f"no longer in the file: {self.vanished} samples enqueued from it "
+                       "before, not done; dropped from the run")
         out += [f"  {where}: {reason}" for where, reason in self.problems + self.rejected]
         out += [f"  note, {where}: {text}" for where, text in self.notes]
         return out
@@ -65,42 +91,24 @@ def task_id(fingerprint_id: str, key: str) -> str:
     return f"hsd-{fingerprint_id}-{key}"
 
 
-def publish(producer: Any, settings: Settings, fingerprint: c.Fingerprint,
-            ref: SampleRef) -> None:
-    """Send one task (within a ``producer_or_acquire`` block, batched by the caller)."""
-    app.send_task(TASK_NAME, args=[ref.to_json()], task_id=task_id(fingerprint.id, ref.key),
-                  queue=settings.queue, producer=producer)
+def _digest(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
-def requeue(settings: Settings, fingerprint: c.Fingerprint, refs: list[SampleRef]) -> int:
-    """Publish ``refs`` again, clearing their failed/rejected marks. Returns how many."""
-    index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
-    in_broker = broker_task_ids(index.r, settings.queue)
-    sent = 0
-    with app.producer_or_acquire() as producer, producer.batch(max_size=500):
-        for ref in refs:
-            if task_id(fingerprint.id, ref.key) in in_broker:
-                continue
-            index.forget_outcome(ref.key)
-            publish(producer, settings, fingerprint, ref)
-            sent += 1
-    return sent
-
-
-def sample_refs(path: Path, rejected: list[tuple[str, str]],
+def sample_refs(path: Path, max_record_bytes: int, rejected: list[tuple[str, str]],
                 problems: list[tuple[str, str]], limit: int | None = None,
                 progress: Callable[[int], None] | None = None,
                 notes: list[tuple[str, str]] | None = None) -> Iterator[SampleRef]:
     """The valid records of ``path`` as task references, in file order.
 
-    Invalid records go to ``rejected`` and broken stretches of the file to ``problems``, each
-    as (where, reason); a record whose id repeats an earlier one is rejected as a duplicate.
-    Memory grows with the number of records (their keys), not with the file's size.
+    Invalid or oversized records go to ``rejected`` and broken stretches of the file to
+    ``problems``, each as (where, reason); a record whose key repeats an earlier record's is
+    rejected as a duplicate.
     """
-    seen: dict[str, str] = {}
+    seen: set[int] = set()
     abs_path = str(path.resolve())
     count = 0
-    for item in scan(path):
+    for item in scan(path, max_record_bytes):
         if isinstance(item, FileProblem):
             problems.append((item.where, item.reason))
             continue
@@ -108,23 +116,107 @@ def sample_refs(path: Path, rejected: list[tuple[str, str]],
             return
         count += 1
         if progress is not None:
-            progress(item.offset + len(item.raw))
+            progress(item.offset + item.length if isinstance(item, Oversized)
+                     else item.offset + len(item.raw))
+        size = item.length if isinstance(item, Oversized) else len(item.raw)
+        if isinstance(item, Oversized) or size > max_record_bytes:
+            rejected.append((item.where, f"record is {size} bytes, over FARM_MAX_RECORD_BYTES "
+                                         f"({max_record_bytes}); split it or raise the limit"))
+            continue
+        sha = content_hash(item.raw)
         try:
             sample = parse_record(item.raw)
         except BadInput as e:
             rejected.append((item.where, str(e)))
             continue
-        key = c.sample_key_for(sample.source_id, item.index)
-        if key in seen:
-            rejected.append((item.where, f"duplicate id {sample.source_id!r} "
-                                         f"(same sample key as {seen[key]})"))
+        key = c.sample_key_for(sample.source_id, sha)
+        digest = _digest(key)
+        if digest in seen:
+            what = (f"id {sample.source_id!r}" if sample.source_id is not None
+                    else "the same content")
+            rejected.append((item.where, f"duplicate: an earlier record has {what} (sample key "
+                                         f"{key})"))
             continue
-        seen[key] = item.where
+        seen.add(digest)
         if notes is not None and sample.source_id is not None and key != sample.source_id:
             notes.append((item.where, f"id {str(sample.source_id)[:60]!r} is not usable as a "
                                       f"file name; its sample key is {key!r}"))
         yield SampleRef(key=key, file=abs_path, offset=item.offset, length=len(item.raw),
-                        sha256=content_hash(item.raw), index=item.index)
+                        sha256=sha, index=item.index)
+
+
+def _batches(refs: Iterator[SampleRef]) -> Iterator[list[SampleRef]]:
+    batch: list[SampleRef] = []
+    for ref in refs:
+        batch.append(ref)
+        if len(batch) == BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+@dataclass
+class _Plan:
+    """What pass 1 learnt: 64-bit digests of keys, the only per-record state kept."""
+
+    fid: int
+    version: tuple[int, int]  # (size, mtime_ns) of the file when checked
+    done: set[int] = field(default_factory=set)  # keys whose final file is this record's
+    keys_seen: set[int] = field(default_factory=set)
+    conflicts: list[str] = field(default_factory=list)
+    n_conflicts: int = 0
+
+
+def _file_version(path: Path) -> tuple[int, int]:
+    try:
+        s = path.stat()
+    except OSError as e:
+        raise DataFileError(f"{path}: {e.strerror}") from e
+    return s.st_size, s.st_mtime_ns
+
+
+def _existing(store: st.OutputStore, key: str) -> tensorfile.Header | None:
+    try:
+        return tensorfile.read_header(store.final_path(key))
+    except (OSError, Corrupt):
+        return None
+
+
+def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
+           refs: Iterator[SampleRef]) -> _Plan:
+    """Pass 1: find the keys this file cannot take; note which samples are done on disk."""
+    plan = _Plan(fid, _file_version(path))
+    for batch in _batches(refs):
+        for ref, reg in zip(batch, index.registered([r.key for r in batch]), strict=True):
+            plan.keys_seen.add(_digest(ref.key))
+            head = _existing(store, ref.key)
+            theirs = _conflict(ref, fid, reg, head, store.fingerprint.id)
+            if theirs:
+                plan.n_conflicts += 1
+                if len(plan.conflicts) < SHOW:
+                    plan.conflicts.append(f"record {ref.index}: sample key {ref.key!r} {theirs}")
+            if (head is not None and head.metadata.get(st.M_CONTENT) == ref.sha256
+                    and head.metadata.get(st.M_FINGERPRINT) == store.fingerprint.id):
+                plan.done.add(_digest(ref.key))
+    return plan
+
+
+def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile.Header | None,
+              fingerprint_id: str) -> str | None:
+    """Why ``ref`` cannot have its key in this run, or None."""
+    if reg is not None and reg.fid != fid and reg.sha256 != ref.sha256:
+        return f"is already used by record {reg.index} of data file #{reg.fid}"
+    if head is None or head.metadata.get(st.M_FINGERPRINT) != fingerprint_id:
+        return None
+    src = head.metadata.get(st.M_SOURCE_FILE)
+    if head.metadata.get(st.M_CONTENT) != ref.sha256 and src not in (None, ref.file):
+        return f"already holds another record, from {src}"
+    return None
+
+
+def _run_lock_name(fingerprint_id: str) -> str:
+    return keys.run_key(fingerprint_id, keys.ENQUEUE_LOCK)
 
 
 def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
@@ -134,44 +226,136 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
 
     Raises:
         DataFileError: the file cannot be read as records at all.
+        EnqueueRefused: its keys clash with this run's other data files.
+        ConfigError: Redis keeps nothing on disk (and that was not allowed).
     """
-    r = redis.Redis.from_url(settings.redis_url)
+    r = broker.client(settings)
+    if not dry_run:
+        broker.check_persistence(r, settings)
     index = RunIndex(r, fingerprint.id)
-    store = OutputStore(settings.output_dir, fingerprint)
+    store = st.OutputStore(settings.output_dir, fingerprint)
+    abs_path = str(path.resolve())
+    _file_version(path)  # a missing file is a DataFileError before any lock is taken
+    with leases.held(r, _run_lock_name(fingerprint.id), settings.lease_ttl_s,
+                     deadline=math.inf, poll_s=1.0):
+        fid = index.register_file(abs_path) if not dry_run else (
+            index.data_files().get(abs_path, 0))
+        summary = Summary()
+        refs = _refs(settings, path, limit, progress, "check", Summary())
+        plan = _check(index, store, path, fid, refs)
+        if plan.n_conflicts:
+            raise EnqueueRefused(
+                f"{path}: {plan.n_conflicts} record(s) would take sample keys this run already "
+                f"gives to other records: {'; '.join(plan.conflicts)}. Keys must be unique "
+                "within a run: give these records distinct ids (or enqueue them into a new "
+                "FARM_OUTPUT_DIR). Nothing was published.")
+        _publish(settings, fingerprint, index, store, path, plan, summary, dry_run=dry_run,
+                 limit=limit, retry_failed=retry_failed, progress=progress)
+        if _file_version(path) != plan.version:
+            summary.problems.append(("the file", "changed while it was enqueued; run enqueue "
+                                                 "again once it is complete"))
+    return summary
+
+
+def _refs(settings: Settings, path: Path, limit: int | None, progress: bool, desc: str,
+          summary: Summary) -> Iterator[SampleRef]:
+    bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=desc,
+               disable=not progress)
+    with bar:
+        yield from sample_refs(path, settings.max_record_bytes, summary.rejected,
+                               summary.problems, limit,
+                               progress=lambda at: bar.update(at - bar.n), notes=summary.notes)
+
+
+def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
+             store: st.OutputStore, path: Path, plan: _Plan, summary: Summary, *,
+             dry_run: bool, limit: int | None, retry_failed: bool, progress: bool) -> None:
+    """Pass 2: register and publish what is not done, queued, running or settled."""
+    r = index.r
     in_broker = broker_task_ids(r, settings.queue)
     rejected_before = index.outcomes(keys.REJECTED)
     failed_before = index.outcomes(keys.FAILED)
-    summary = Summary()
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise DataFileError(f"{path}: {e.strerror}") from e
-    bar = tqdm(total=size, unit="B", unit_scale=True, desc="enqueue",
-               disable=not progress)
-    refs = sample_refs(path, summary.rejected, summary.problems, limit,
-                       progress=lambda at: bar.update(at - bar.n), notes=summary.notes)
-    with bar, app.producer_or_acquire() as producer, producer.batch(max_size=500):
-        for ref in refs:
-            summary.records += 1
-            tid = task_id(fingerprint.id, ref.key)
-            if tid in in_broker:
-                summary.already_queued += 1
-            elif store.quick_check(ref.key, ref.sha256):
-                summary.already_done += 1
-            elif rejected_before.get(ref.key, {}).get("sha") == ref.sha256:
-                summary.previously_rejected += 1
-            elif ref.key in failed_before and not retry_failed:
-                summary.previously_failed += 1
-            else:
-                if not dry_run:
-                    if ref.key in failed_before or ref.key in rejected_before:
-                        index.forget_outcome(ref.key)
-                    publish(producer, settings, fingerprint, ref)
-                summary.published += 1
+    settled = set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
+    done_in_index = index.done_keys()
+    if not dry_run:
+        index.clear_invalid(plan.fid)
+    refs = _refs(settings, path, limit, progress, "enqueue", summary)
+    with app.producer_or_acquire() as producer, producer.batch(max_size=500):
+        for batch in _batches(refs):
+            if not dry_run:
+                index.register({ref.key: Registered(plan.fid, ref.offset, ref.length,
+                                                    ref.sha256, ref.index) for ref in batch})
+            leased = _leased(r, fingerprint.id, [ref.key for ref in batch])
+            for ref, busy in zip(batch, leased, strict=True):
+                summary.records += 1
+                if _digest(ref.key) in plan.done:
+                    summary.already_done += 1
+                    if ref.key not in done_in_index and not dry_run:
+                        _index_done(index, store, ref.key)
+                elif busy or task_id(fingerprint.id, ref.key) in in_broker:
+                    summary.already_queued += 1
+                elif rejected_before.get(ref.key, {}).get("sha") == ref.sha256:
+                    summary.previously_rejected += 1
+                elif ref.key in failed_before and not retry_failed:
+                    summary.previously_failed += 1
+                else:
+                    if not dry_run:
+                        if ref.key in settled:
+                            index.forget_outcome(ref.key)
+                        _send(producer, settings, fingerprint, ref)
+                    summary.published += 1
     summary.records += len(summary.rejected)
     if not dry_run:
         for where, reason in summary.rejected:
-            index.mark_rejected(f"@{where}", reason, record=where)
-        index.set_meta(total=summary.records, data_file=str(path.resolve()))
-        index.add_data_file(str(path.resolve()))
-    return summary
+            index.add_invalid(plan.fid, where, reason)
+        if limit is None:
+            summary.vanished = _drop_vanished(index, plan)
+        index.set_meta(last_enqueue=str(path.resolve()))
+
+
+def _leased(r: redis.Redis, fingerprint_id: str, sample_keys: list[str]) -> list[bool]:
+    p = r.pipeline()
+    for key in sample_keys:
+        p.exists(leases.lease_name(fingerprint_id, key))
+    return [bool(x) for x in p.execute()]
+
+
+def _index_done(index: RunIndex, store: st.OutputStore, key: str) -> None:
+    """The index lost a done sample (Redis flushed or replaced): learn it from its header."""
+    head = _existing(store, key)
+    if head is not None:
+        index.mark_done(key, head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
+
+
+def _send(producer: Any, settings: Settings, fingerprint: c.Fingerprint, ref: SampleRef) -> None:
+    app.send_task(TASK_NAME, args=[ref.to_json()], task_id=task_id(fingerprint.id, ref.key),
+                  queue=settings.queue, producer=producer)
+
+
+def _drop_vanished(index: RunIndex, plan: _Plan) -> int:
+    """Samples this file registered before, holds no more, and never finished: out of the
+    run (a done one keeps its file and stays)."""
+    done = index.done_keys()
+    gone = [key for key, reg in index.all_registered().items()
+            if reg.fid == plan.fid and _digest(key) not in plan.keys_seen and key not in done]
+    index.unregister(gone)
+    return len(gone)
+
+
+def requeue(settings: Settings, fingerprint: c.Fingerprint, refs: list[SampleRef]) -> int:
+    """Publish ``refs`` again, clearing their failed/rejected marks. Returns how many."""
+    r = broker.client(settings)
+    index = RunIndex(r, fingerprint.id)
+    in_broker = broker_task_ids(r, settings.queue)
+    sent = 0
+    with leases.held(r, _run_lock_name(fingerprint.id), settings.lease_ttl_s,
+                     deadline=math.inf, poll_s=1.0), \
+            app.producer_or_acquire() as producer, producer.batch(max_size=500):
+        for ref, busy in zip(refs, _leased(r, fingerprint.id, [x.key for x in refs]),
+                             strict=True):
+            if busy or task_id(fingerprint.id, ref.key) in in_broker:
+                continue
+            index.forget_outcome(ref.key)
+            _send(producer, settings, fingerprint, ref)
+            sent += 1
+    return sent

@@ -144,15 +144,16 @@ class LocalFarm:
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.env()["REDIS_URL"])
 
-    def start_redis(self, appendfsync: str = "always") -> Proc:
-        """A private redis-server with AOF, as ops/redis.conf recommends for the broker."""
+    def start_redis(self, appendonly: bool = True) -> Proc:
+        """A private redis-server with AOF (``appendfsync always``), as ops/redis.conf sets
+        it for the broker; ``appendonly=False``: one that keeps nothing (tests of refusal)."""
         if not self.redis_port:
             self.redis_port = free_port()
         data = self.work_dir / "redis"
         data.mkdir(exist_ok=True)
         argv = [shutil.which("redis-server") or "redis-server", "--port", str(self.redis_port),
                 "--bind", "127.0.0.1", "--dir", str(data), "--save", "",
-                "--appendonly", "yes", "--appendfsync", appendfsync,
+                "--appendonly", "yes" if appendonly else "no", "--appendfsync", "always",
                 "--maxmemory-policy", "noeviction", "--daemonize", "no"]
         proc = self._start("redis", argv)
         wait_until(self._redis_up, 20, "redis-server")

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import redis
 
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
-from worker import keys
-from worker.admission import Admission, Limits, host_limits
-from worker.client import ServerClient
+from worker import broker, keys
+from worker.admission import Admission, limits_for_host
 from worker.index import RunIndex
 from worker.settings import Settings
 
@@ -23,8 +23,10 @@ class Status:
     queued: int
     unacked: int
     running: int
+    retrying: int
     failed: int
     rejected: int
+    stale: int
     bytes: int
     tokens: int
     rate_per_s: float
@@ -34,6 +36,7 @@ class Status:
 
     @property
     def remaining(self) -> int:
+        """Samples without an outcome (stale ones have none: their record changed)."""
         return max(self.total - self.done - self.failed - self.rejected, 0)
 
     @property
@@ -46,21 +49,25 @@ class Status:
 
     def line(self) -> str:
         eta = "-" if self.eta_s is None else f"{self.eta_s:.0f}s"
+        extra = f"  stale {self.stale}" if self.stale else ""
         return (f"total {self.total}  done {self.done}  queued {self.queued}  "
-                f"running {self.running}  failed {self.failed}  rejected {self.rejected}  "
+                f"unacked {self.unacked}  running {self.running}  retrying {self.retrying}  "
+                f"failed {self.failed}  rejected {self.rejected}{extra}  "
                 f"{self.bytes / 1e6:.1f} MB  {self.rate_per_s:.2f} samples/s  ETA {eta}"
                 + _admission_text(self.admission))
 
 
-def read_status(settings: Settings, fingerprint: c.Fingerprint, window_s: float = 120.0) -> Status:
-    r = redis.Redis.from_url(settings.redis_url)
-    counts = RunIndex(r, fingerprint.id).counts(window_s)
+def read_status(settings: Settings, fingerprint: c.Fingerprint, window_s: float = 300.0) -> Status:
+    r = broker.client(settings)
+    index = RunIndex(r, fingerprint.id)
+    counts = index.counts()
     waiting, unacked = broker_depth(r, settings.queue)
-    rate = counts.done_last_window / window_s
+    rate = _rate(r, index, window_s)
     remaining = max(counts.total - counts.done - counts.failed - counts.rejected, 0)
     return Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
-                  running=counts.running, failed=counts.failed, rejected=counts.rejected,
-                  bytes=counts.bytes, tokens=counts.tokens, rate_per_s=rate,
+                  running=counts.running, retrying=counts.retrying, failed=counts.failed,
+                  rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
+                  tokens=counts.tokens, rate_per_s=rate,
                   eta_s=(remaining / rate) if rate > 0 else None,
                   admission=host_admission(settings, fingerprint))
 
@@ -68,14 +75,7 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint, window_s: float 
 def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, object]:
     """This host's in-flight limit and dump budget (as its workers compute them), and what
     its workers hold now when the dump dir is on this host."""
-    async def limits_now() -> Limits:
-        client = ServerClient(settings.server_url, timeout_s=1.0)
-        try:
-            return await host_limits(settings, fingerprint.hidden_size, client)
-        finally:
-            await client.close()
-
-    limits = asyncio.run(limits_now())
+    limits = limits_for_host(settings, fingerprint.hidden_size, timeout_s=1.0)
     out: dict[str, object] = {"max_in_flight": limits.max_in_flight,
                               "dump_budget_bytes": limits.dump_budget_bytes,
                               "limits_from": limits.source}
@@ -94,11 +94,29 @@ def _admission_text(a: dict[str, object]) -> str:
     return f"  in flight {held}{a['max_in_flight']}  dumps {gb}{budget_gb:.2f} GB"
 
 
+def _rate(r: redis.Redis, index: RunIndex, window_s: float) -> float:
+    """Samples/s over the last ``window_s``, or since the first completion when more recent."""
+    now = time.time()
+    first = r.zrange(index.k(keys.DONE), 0, 0, withscores=True)
+    if not first:
+        return 0.0
+    since = max(float(first[0][1]), now - window_s)
+    n = int(r.zcount(index.k(keys.DONE), since, now))
+    return n / max(now - since, 1.0)
+
+
+def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
+    """Samples the index calls done whose final file is not on disk (deleted since)."""
+    index = RunIndex(broker.client(settings), fingerprint.id)
+    out = Path(settings.output_dir)
+    return sorted(k for k in index.done_keys() if not c.final_path(out, k).exists())
+
+
 def failures(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
-    """One line per failed or rejected sample: key, kind, reason."""
-    index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
+    """One line per failed, rejected or stale sample: key, kind, reason."""
+    index = RunIndex(broker.client(settings), fingerprint.id)
     out = []
-    for kind in (keys.FAILED, keys.REJECTED):
+    for kind in (keys.FAILED, keys.REJECTED, keys.STALE, keys.RETRYING):
         for key, body in sorted(index.outcomes(kind).items()):
             out.append(f"{kind:8} {key}: {body.get('reason')}")
     return out

@@ -73,16 +73,18 @@ def is_valid_sample_key(key: str) -> bool:
     return len(key) <= MAX_KEY_LEN and bool(_SAFE_KEY_RE.match(key)) and ".." not in key
 
 
-def sample_key_for(source_id: object, index: int) -> str:
+def sample_key_for(source_id: object, content_sha256: str) -> str:
     """Turn a record's id (any JSON scalar, or None) into a safe, stable sample key.
 
     An id that is already safe is kept as it is. Anything else (path separators, ``..``,
     spaces, non-ASCII, over-long) is replaced character by character and suffixed with a
     hash of the original, so two different ids never map to the same key by sanitising.
-    Records without an id are keyed by their position: ``rec-<index>``.
+    Records without an id are keyed by their content: ``rec-<content hash>``. A position
+    would not do: two data files of one run both have a record 5, and inserting a record
+    would shift every key after it; the same content is the same sample wherever it sits.
     """
     if source_id is None:
-        return f"rec-{index:08d}"
+        return f"rec-{content_sha256[:20]}"
     text = source_id if isinstance(source_id, str) else json.dumps(source_id)
     if is_valid_sample_key(text):
         return text

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -35,11 +36,21 @@ def running_farm(tmp_path: Path, server_args: list[str] | None = None,
 
 
 def enqueue(farm: LocalFarm, tmp_path: Path, n: int, start: int = 0) -> list[str]:
-    data = tmp_path / "data.json"
+    """Enqueue ``n`` example samples from ``start``, each start in a data file of its own."""
+    data = tmp_path / ("data.json" if start == 0 else f"data-{start}.json")
     samples = write_samples(data, n, start)
     res = farm.cli("enqueue", str(data), "--no-progress")
     assert res.returncode == 0, res.stdout + res.stderr
     return [str(s["id"]) for s in samples]
+
+
+def send_task(farm: LocalFarm, body: object, task_id: str) -> None:
+    """Publish one task message with this body, as any client of the broker could."""
+    code = ("import json, sys; from worker.app import TASK_NAME, app, settings; "
+            "app.send_task(TASK_NAME, args=[json.loads(sys.stdin.read())], task_id=sys.argv[1], "
+            "queue=settings.queue)")
+    subprocess.run([sys.executable, "-c", code, task_id], input=json.dumps(body), text=True,
+                   env=farm.env(), check=True, timeout=60)
 
 
 def run_hash(farm: LocalFarm, name: str) -> dict[str, str]:

@@ -92,7 +92,7 @@ def test_worker_side_rejections_and_safe_paths(tmp_path: Path, tiny_model: Path)
         status = farm.cli("status", "--failures").stdout
         assert re.search(r"rejected +long: sample has \d+ tokens", status)
         # and hostile ids made files only inside the output dir, with safe names
-        safe = [c.sample_key_for(i, n) for n, i in enumerate(["../../etc/passwd", "a/b\\c", ".."])]
+        safe = [c.sample_key_for(i, "") for i in ["../../etc/passwd", "a/b\\c", ".."]]
         names = sorted(p.name for p in (farm.output_dir / "samples").rglob("*.safetensors"))
         assert names == sorted(f"{k}.safetensors" for k in ["ok-1", *safe])
         audit = farm.cli("audit", "--data", str(CORPUS / "path_ids.json"))

@@ -38,18 +38,25 @@ def test_make_rid_refuses_unsanitised_keys() -> None:
     "", "-lead",
 ])
 def test_sample_keys_are_safe_file_names(source_id: object) -> None:
-    key = c.sample_key_for(source_id, 5)
+    key = c.sample_key_for(source_id, "0" * 32)
     assert c.is_valid_sample_key(key)
     assert "/" not in key and ".." not in key and not key.startswith(".")
     assert len(key) <= c.MAX_KEY_LEN
 
 
 def test_safe_ids_are_kept_and_unsafe_ones_do_not_collide() -> None:
-    assert c.sample_key_for("ex-0001", 0) == "ex-0001"
-    assert c.sample_key_for(None, 7) == "rec-00000007"
-    assert c.sample_key_for("a/b", 0) != c.sample_key_for("a_b", 0)
-    assert c.sample_key_for("a/b", 0) != c.sample_key_for("a\\b", 0)
-    assert c.sample_key_for("x" * 500, 0) != c.sample_key_for("x" * 501, 0)
+    h = "f00d" * 8
+    assert c.sample_key_for("ex-0001", h) == "ex-0001"
+    assert c.sample_key_for("a/b", h) != c.sample_key_for("a_b", h)
+    assert c.sample_key_for("a/b", h) != c.sample_key_for("a\\b", h)
+    assert c.sample_key_for("x" * 500, h) != c.sample_key_for("x" * 501, h)
+
+
+def test_records_without_id_are_keyed_by_content_not_position() -> None:
+    # the same content is the same sample in any file at any position; other content differs
+    assert c.sample_key_for(None, "ab" * 16) == c.sample_key_for(None, "ab" * 16)
+    assert c.sample_key_for(None, "ab" * 16) != c.sample_key_for(None, "cd" * 16)
+    assert c.is_valid_sample_key(c.sample_key_for(None, "ab" * 16))
 
 
 def test_final_path_is_sharded_inside_the_output_dir(tmp_path) -> None:

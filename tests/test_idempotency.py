@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from producer.localfarm import LocalFarm
+from producer.localfarm import LocalFarm, wait_until
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
 from tests.faults import attempts as _attempts
 
@@ -43,3 +43,38 @@ def test_enqueue_twice_and_after_done(tmp_path: Path, tiny_model: Path) -> None:
         assert "published: 0" in dry.stdout
     finally:
         farm.close()
+
+
+def test_duplicate_deliveries_never_run_at_once(tmp_path: Path, tiny_model: Path) -> None:
+    # Given every sample's message twice in the queue (as after a restore while the first
+    # delivery still runs, or two producers), and a slow server so the two overlap
+    import json
+    import uuid
+
+    from tests.faults import enqueue, running_farm
+
+    with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
+        keys = enqueue(farm, tmp_path, 16)
+        r, queue = farm.redis(), farm.settings().queue
+        originals = r.lrange(queue, 0, -1)[::-1]  # in the order they are consumed
+        r.delete(queue)
+        for raw in originals:  # each message, then its twin right behind it
+            msg = json.loads(raw)
+            twin = f"twin-{uuid.uuid4().hex[:8]}"
+            msg["headers"]["id"] = msg["properties"]["correlation_id"] = twin
+            msg["properties"]["delivery_tag"] = str(uuid.uuid4())
+            r.lpush(queue, raw, json.dumps(msg))
+        assert r.llen(queue) == 32
+        # When two workers take them
+        farm.start_worker("w1", concurrency=2)
+        farm.start_worker("w2", concurrency=2)
+        wait_finished(farm, 16)
+        wait_until(lambda: r.llen(queue) == 0 and r.hlen("unacked") == 0, 60, "the twins")
+        # Then each sample was extracted once, in one attempt, and nothing failed: the twin
+        # waited for the lease, then found the sample done
+        assert_farm_invariants(farm, keys)
+        assert _attempts(farm) == dict.fromkeys(keys, 1)
+        logs = farm.procs["w1"].log.read_text() + farm.procs["w2"].log.read_text()
+        assert all(logs.count(f" {k} a1 done n=") == 1 for k in keys)
+        assert logs.count("already done (verified from disk)") == 16
+        assert "waiting for hsfarm:" in logs  # some twins did arrive while the first ran

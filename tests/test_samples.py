@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.errors import BadInput
+from worker.errors import BadInput, DataFileUnavailable, MalformedMessage, StaleRecord
 from worker.samples import SampleRef, content_hash, parse_record, read_sample
 
 
@@ -45,20 +45,24 @@ def test_bad_records_get_specific_reasons(raw: bytes, reason: str) -> None:
         parse_record(raw)
 
 
-def test_read_sample_notices_a_changed_file(tmp_path: Path) -> None:
+def test_read_sample_finds_a_moved_record_and_notices_a_changed_one(tmp_path: Path) -> None:
     # Given a record referenced by offset and hash
     raw = b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}'
     p = tmp_path / "d.jsonl"
     p.write_bytes(raw + b"\n")
     ref = SampleRef("k", str(p), 0, len(raw), content_hash(raw), 0)
-    assert read_sample(ref)[1] == raw
-    # When the file is edited after enqueue
+    assert read_sample(ref)[1] == ref
+    # When a record before it grows, the record is found at its new place
+    p.write_bytes(b'{"input_ids": [1, 2, 3]}\n' + raw + b"\n")
+    sample, moved = read_sample(ref)
+    assert moved.offset == 25 and sample.messages[1]["content"] == "a"
+    # When the record itself is edited after enqueue, it is stale: no outcome for it
     p.write_bytes(raw.replace(b'"a"', b'"b"') + b"\n")
-    # Then the worker refuses it as changed
-    with pytest.raises(BadInput, match="changed since enqueue"):
+    with pytest.raises(StaleRecord, match="changed after enqueue"):
         read_sample(ref)
+    # And an unreadable file is the environment's fault: the worker waits for it
     p.unlink()
-    with pytest.raises(BadInput, match="cannot read data file"):
+    with pytest.raises(DataFileUnavailable, match="cannot read data file"):
         read_sample(ref)
 
 
@@ -68,5 +72,28 @@ def test_task_message_is_small_and_round_trips() -> None:
     ref = SampleRef("k" * 96, "/data/" + "d" * 200 + ".json", 10**12, 10**6, "f" * 32, 10**6)
     assert SampleRef.from_json(orjson.loads(orjson.dumps(ref.to_json()))) == ref
     assert len(orjson.dumps(ref.to_json())) < 500
-    with pytest.raises(BadInput, match="malformed task message"):
-        SampleRef.from_json({"k": "x"})
+
+
+GOOD = {"k": "ex-1", "f": "/data/x.jsonl", "o": 0, "n": 10, "h": "0" * 32, "i": 0}
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"k": "../../../models/tiny/model"}, "is not a sample key"),
+    ({"k": "a/b"}, "is not a sample key"),
+    ({"k": 5}, "field 'k' must be str"),
+    ({"f": "relative/x.jsonl"}, "not an absolute file path"),
+    ({"h": "../x"}, "32-hex-digit"),
+    ({"o": -1}, "out of range"),
+    ({"n": 0}, "out of range"),
+    ({"n": "10"}, "field 'n' must be int"),
+    ({"o": True}, "field 'o' must be int"),
+    ({"k": "x" * 20_000_000}, "is not a sample key"),
+])
+def test_every_field_of_a_task_message_is_checked(change: dict[str, object], reason: str) -> None:
+    with pytest.raises(MalformedMessage, match=reason) as e:
+        SampleRef.from_json({**GOOD, **change})
+    assert len(str(e.value)) < 1000  # a 20 MB field is not repeated in the reason
+    with pytest.raises(MalformedMessage, match="field 'h' must be str"):
+        SampleRef.from_json({k: v for k, v in GOOD.items() if k != "h"})
+    with pytest.raises(MalformedMessage, match="not an object"):
+        SampleRef.from_json([GOOD])

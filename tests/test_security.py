@@ -10,8 +10,11 @@ from pathlib import Path
 
 from kombu import Connection, Exchange, Producer, Queue
 
+from producer.localfarm import wait_until
+from producer.queue_scan import broker_depth
 from tests.conftest import ROOT
-from tests.faults import running_farm
+from tests.faults import running_farm, send_task
+from worker import keys
 
 
 class _Evil:
@@ -57,3 +60,36 @@ def test_no_code_loads_pickles() -> None:
             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
     assert pickle  # the test itself uses pickle only to build the hostile message
+
+
+def test_crafted_task_messages_are_refused_and_delete_nothing(tmp_path: Path,
+                                                              tiny_model: Path) -> None:
+    with running_farm(tmp_path) as farm:
+        farm.start_worker("w1", concurrency=1)
+        # Given a file outside the output dir that a crafted key would resolve to
+        # (<out>/samples/<shard>/../../../victim.safetensors)
+        victim = farm.work_dir / "victim.safetensors"
+        victim.write_bytes(b"model weights, say")
+        data = tmp_path / "d.jsonl"
+        data.write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+        good = {"k": "a", "f": str(data), "o": 0, "n": 36, "h": "0" * 32, "i": 0}
+        # When messages with a path in the key, a file that is no data file of the run, and a
+        # 20 MB field arrive
+        send_task(farm, {**good, "k": "../../../victim"}, "evil-key")
+        send_task(farm, {**good, "f": "/etc/passwd"}, "evil-file")
+        send_task(farm, {**good, "k": "x" * (20 << 20)}, "evil-big")
+        r = farm.redis()
+
+        def refused() -> list[bytes | str]:
+            return [x for k in r.scan_iter(f"*:{keys.MALFORMED}") for x in r.lrange(k, 0, -1)]
+
+        wait_until(lambda: len(refused()) == 3, 120, "three refusals")
+        # Then each is refused with its reason (bounded in size), acknowledged, and nothing
+        # was deleted
+        assert max(len(x) for x in refused()) < 2000
+        wait_until(lambda: broker_depth(r, farm.settings().queue) == (0, 0), 30, "the acks")
+        assert victim.read_bytes() == b"model weights, say"
+        log = farm.procs["w1"].log.read_text()
+        assert "refusing a task message" in log and "is not a sample key" in log
+        assert "is not a data file enqueued for run" in log
+        assert farm.procs["w1"].alive()

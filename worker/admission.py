@@ -14,6 +14,7 @@ one long sample never waits forever.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import itertools
@@ -85,6 +86,18 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
             budget = min(budget, dump_fs_bytes // 2)
         sources.append("budget from max tokens and tmpfs size")
     return Limits(in_flight, budget, per_token, "; ".join(sources) or "settings")
+
+
+def limits_for_host(settings: Settings, hidden_size: int, timeout_s: float = 10.0) -> Limits:
+    """``host_limits`` from synchronous code, with its own short-lived HTTP client."""
+    async def ask() -> Limits:
+        client = ServerClient(settings.server_url, timeout_s=timeout_s)
+        try:
+            return await host_limits(settings, hidden_size, client)
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
 
 
 async def host_limits(settings: Settings, hidden_size: int, client: ServerClient) -> Limits:

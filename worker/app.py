@@ -35,7 +35,9 @@ def celery_config(s: Settings) -> dict[str, object]:
         "task_default_queue": s.queue,
         "task_acks_late": True,  # acknowledge only after the verified write
         "task_reject_on_worker_lost": True,  # a killed pool process → message requeued
-        "task_acks_on_failure": True,  # failures are handled with retry(), see tasks.py
+        # Only recorded outcomes end in FAILURE (tasks.py); anything else hands the message
+        # back with Reject(requeue=True), so acknowledging failures loses nothing.
+        "task_acks_on_failure": True,
         "task_acks_on_timeout": False,  # a hard timeout requeues; attempts are bounded
         "task_soft_time_limit": s.task_time_limit_s - min(20.0, s.task_time_limit_s / 5),
         "task_time_limit": s.task_time_limit_s,
@@ -68,10 +70,11 @@ app.conf.update(celery_config(settings))
 app.conf.imports = ("worker.tasks",)
 
 
-def _add_janitor() -> None:
+def _add_bootsteps() -> None:
     from worker.janitor import Janitor
+    from worker.reaper import Reaper
 
-    app.steps["worker"].add(Janitor)
+    app.steps["worker"].update({Janitor, Reaper})
 
 
-_add_janitor()
+_add_bootsteps()

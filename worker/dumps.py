@@ -134,7 +134,7 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
 
 def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> Dump:
     try:
-        header = tensorfile.read_header(f.fileno(), path.name)
+        header = tensorfile.read_header_fd(f.fileno(), path.name)
         t = header.tensors
         missing = {c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX} - set(t)
         if missing:

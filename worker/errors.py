@@ -1,12 +1,19 @@
 """The farm's errors, a small tree. Third-party exceptions are translated at one boundary.
 
     FarmError
-    ├── ConfigError      bad settings or an output dir of another run; the process stops
-    ├── BadInput         the sample itself is wrong; never retried, recorded as rejected
-    ├── Transient        timeout, disk full, Redis away; retried with backoff, bounded
-    │   ├── ServerUnavailable  cannot connect: the task waits for the server, attempt refunded
-    │   └── NoSpace            ENOSPC on the output disk or a full dump dir: wait for space
-    └── Corrupt          a dump or file failed a check; retried, then recorded as failed
+    ├── ConfigError        bad settings, a missing library, an output dir of another run;
+    │                      the process stops (before consuming, or handing its message back)
+    ├── BadInput           the sample itself is wrong; never retried, recorded as rejected
+    ├── MalformedMessage   a task message no producer of this run wrote; refused and logged
+    ├── StaleRecord        the record changed after enqueue; no outcome, re-run enqueue
+    ├── KeyTaken           the sample's file holds another record; recorded as failed at once
+    ├── Transient          timeout, server error, Redis away; retried with backoff, bounded
+    │   ├── ServerUnavailable    the server does not answer: wait for it, attempt refunded
+    │   ├── NoSpace              ENOSPC/EDQUOT or a full dump dir: wait for space, refunded
+    │   └── DataFileUnavailable  the data file cannot be read: wait for it, refunded
+    └── Corrupt            a dump or file failed a check; retried, then recorded as failed
+
+The environment's faults (ConfigError and the three waits) never count against a sample.
 """
 
 from __future__ import annotations
@@ -24,16 +31,43 @@ class BadInput(FarmError):
     """The sample is invalid (format, length, template). Recorded as rejected, never retried."""
 
 
+class MalformedMessage(FarmError):
+    """A task message that fails validation (crafted, corrupted, or for another run)."""
+
+
+class StaleRecord(FarmError):
+    """The record a message points at is no longer in its data file as it was enqueued."""
+
+
+class KeyTaken(FarmError):
+    """The sample key's final file holds another record (another data file, another run).
+
+    Never deleted, never overwritten: the sample is recorded as failed with the reason.
+    """
+
+
 class Transient(FarmError):
     """A condition that may pass (server restarting, timeout, low space). Retried with backoff."""
 
 
 class ServerUnavailable(Transient):
-    """The inference server refuses connections (restarting, crashed). Not the sample's fault."""
+    """The inference server refuses connections or does not answer. Not the sample's fault."""
 
 
 class NoSpace(Transient):
-    """A disk (output) or tmpfs (dumps) ran out of space mid-write. Nothing partial remains."""
+    """A disk (output) or tmpfs (dumps) ran out of space mid-write. Nothing partial remains.
+
+    Args:
+        need_bytes: what the write needed, when known (a wait for space waits for this much).
+    """
+
+    def __init__(self, message: str, need_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.need_bytes = need_bytes
+
+
+class DataFileUnavailable(Transient):
+    """The data file cannot be opened or read (unmounted, moved, permissions)."""
 
 
 class Corrupt(FarmError):

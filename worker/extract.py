@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,10 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import store as st
+from worker import tensorfile
 from worker.dumps import discard_dumps, open_dump, wait_for_dump
-from worker.errors import Corrupt
+from worker.errors import Corrupt, KeyTaken
+from worker.lease import Lease
 from worker.runtime import Runtime
 from worker.samples import SampleRef, read_sample
 
@@ -32,14 +35,39 @@ class Result:
 
 
 def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
-    """A redelivered or re-enqueued sample whose final file verifies needs no work."""
+    """A redelivered or re-enqueued sample whose final file verifies needs no work.
+
+    Never deletes a file. A damaged file of this sample (it fails its checks) is left for the
+    attempt to replace atomically; a file of another run, or of another record under the
+    same key, is never touched.
+
+    Raises:
+        KeyTaken: the key's file belongs to another run or holds another record.
+    """
+    path = rt.store.final_path(ref.key)
     try:
-        v = rt.store.verify(ref.key, ref.sha256)
+        meta = tensorfile.header_metadata(path)
     except FileNotFoundError:
         return None
+    except (Corrupt, OSError) as e:
+        log.warning("%s existing final file is damaged; this attempt replaces it: %s", ref.key, e)
+        return None
+    if meta.get(st.M_FINGERPRINT) != rt.fingerprint.id:
+        raise KeyTaken(f"{path} holds a file of another run (fingerprint "
+                       f"{str(meta.get(st.M_FINGERPRINT))[:20]!r}); move it away, then "
+                       "run enqueue --retry-failed")
+    if meta.get(st.M_CONTENT) != ref.sha256:
+        if meta.get(st.M_SOURCE_FILE) == ref.file:
+            log.info("%s the record was edited since its file was written; redoing it", ref.key)
+            return None
+        raise KeyTaken(
+            f"sample key {ref.key!r} already holds another record (source id "
+            f"{str(meta.get(st.M_SOURCE_ID))[:80]}, from {meta.get(st.M_SOURCE_FILE, '?')}); "
+            "keys must be unique within a run: give the records distinct ids")
+    try:
+        v = rt.store.verify(ref.key, ref.sha256)
     except Corrupt as e:
-        log.warning("%s existing final file is bad, redoing it: %s", ref.key, e)
-        rt.store.final_path(ref.key).unlink(missing_ok=True)
+        log.warning("%s existing final file is damaged; this attempt replaces it: %s", ref.key, e)
         return None
     discard_dumps(rt.settings.dump_dir, ref.key)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
@@ -52,13 +80,18 @@ def check_space(rt: Runtime) -> None:
     st.check_free(rt.settings.dump_dir, rt.settings.min_free_dump_bytes, "dump dir")
 
 
-def extract(rt: Runtime, ref: SampleRef, attempt: int) -> Result:
-    """Raises BadInput, Transient or Corrupt."""
+def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int) -> Result:
+    """Raises BadInput, StaleRecord, Transient or Corrupt.
+
+    Args:
+        attempt: the counted attempt (for the logs); ``try_no`` numbers the request's rid.
+        lease: this sample's lease, held by the caller.
+    """
     t0 = time.monotonic()
-    sample, _ = read_sample(ref)
+    sample, ref = read_sample(ref)
     tok = rt.chat.encode(sample)
     n = len(tok.input_ids)
-    rid = c.make_rid(ref.key, attempt, n)
+    rid = c.make_rid(ref.key, try_no, n)
     discard_dumps(rt.settings.dump_dir, ref.key)
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
@@ -69,11 +102,12 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int) -> Result:
             log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
             meta = {
                 st.M_SOURCE_ID: json.dumps(sample.source_id),
+                st.M_SOURCE_FILE: ref.file,
                 st.M_TRUNCATED: str(tok.truncated_from),
                 c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
             }
             v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
-                           meta)
+                           meta, before_write=lease.check)  # lost the lease: write nothing
         finally:
             dump.unlink(missing_ok=True)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
@@ -83,11 +117,14 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int) -> Result:
 
 
 def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mask: list[int],
-               key: str, content_sha256: str, meta: dict[str, str]) -> st.Verified:
+               key: str, content_sha256: str, meta: dict[str, str],
+               before_write: Callable[[], None] | None = None) -> st.Verified:
     """One sample's data path: validate the dump, write the final file, verify it from disk.
 
-    ``meta`` is completed with the content hash and the dump's patch and server versions. A
-    final file that fails verification is removed. Raises Corrupt, NoSpace or Transient.
+    ``meta`` is completed with the content hash and the dump's patch and server versions.
+    ``before_write`` runs once the dump's layout, ids and metadata passed, just before the
+    final file is written (the lease check). A file that fails verification is left for the
+    next attempt to replace atomically. Raises Corrupt, NoSpace or Transient.
     """
     with open_dump(dump, input_ids, store.fingerprint) as d:
         parts = {
@@ -99,12 +136,10 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
         meta = {**meta, st.M_CONTENT: content_sha256,
                 c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
                 c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
+        if before_write is not None:
+            before_write()
         store.write(key, parts, meta, validate=d.verdict)
-    try:
-        return store.verify(key, content_sha256)
-    except Corrupt:
-        store.final_path(key).unlink(missing_ok=True)
-        raise
+    return store.verify(key, content_sha256)
 
 
 async def _request(rt: Runtime, rid: str, ids: list[int]) -> Path:

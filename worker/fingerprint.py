@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from worker.client import ServerClient
 from worker.errors import ConfigError, Transient
 from worker.settings import Settings
 
+log = logging.getLogger("hsfarm.fingerprint")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "tiktoken.model", "chat_template.jinja", "vocab.json",
                    "merges.txt")
@@ -36,14 +39,21 @@ def resolve_model_path(settings: Settings, wait_s: float = 0.0) -> Path:
     else:
         async def ask() -> dict[str, Any]:
             client = ServerClient(settings.server_url, timeout_s=30.0)
-            deadline = time.monotonic() + wait_s
+            t0 = time.monotonic()
+            said = -math.inf
             try:
                 while True:
                     try:
                         return await client.model_info()
-                    except Transient:
-                        if time.monotonic() > deadline:
+                    except Transient as e:
+                        if time.monotonic() > t0 + wait_s:
                             raise
+                        if time.monotonic() - said > 30:
+                            said = time.monotonic()
+                            log.warning("waiting for the server at %s to answer (%.0fs so "
+                                        "far; loading the model?): FARM_MODEL_PATH is not "
+                                        "set, so the model is asked from it: %s",
+                                        settings.server_url, said - t0, e)
                         await asyncio.sleep(1.0)
             finally:
                 await client.close()

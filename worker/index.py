@@ -1,13 +1,15 @@
-"""The Redis index of one run: what is done, failed, rejected, running; attempt counters.
+"""The Redis index of one run: which samples it has, what is done, failed, rejected, running.
 
-An index, not the truth: the output disk decides what is done. Losing it loses no work.
+An index, not the truth: the output disk decides what is done, and ``enqueue`` rebuilds the
+index from the verified files when Redis lost it. Every text stored here (reasons, records) is
+bounded: a hostile or broken record must not fill Redis.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,6 +20,14 @@ from worker import keys
 from worker.errors import Transient
 
 T = TypeVar("T")
+MAX_TEXT_CHARS = 500  # longest reason or record description kept in Redis
+MAX_MALFORMED = 100  # refused task messages remembered (the newest)
+
+
+def bounded(text: object, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` as a string of at most ``limit`` characters, saying how much was cut."""
+    s = str(text)
+    return s if len(s) <= limit else f"{s[:limit]}… [{len(s) - limit} more characters]"
 
 
 def _redis_errors(fn: Callable[..., T]) -> Callable[..., T]:
@@ -31,17 +41,40 @@ def _redis_errors(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+@dataclass(frozen=True)
+class Registered:
+    """Where a registered sample's record lives (what ``samples`` holds for each key)."""
+
+    fid: int
+    offset: int
+    length: int
+    sha256: str
+    index: int
+
+    def encode(self) -> str:
+        return f"{self.fid}|{self.offset}|{self.length}|{self.sha256}|{self.index}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Registered:
+        fid, offset, length, sha, index = _text(raw).split("|")
+        return cls(int(fid), int(offset), int(length), sha, int(index))
+
+
 @dataclass(frozen=True)
 class Counts:
+    total: int
     done: int
     failed: int
     rejected: int
+    stale: int
+    retrying: int
     running: int
     bytes: int
     tokens: int
-    total: int
-    done_last_window: int
-    window_s: float
 
 
 class RunIndex:
@@ -58,14 +91,22 @@ class RunIndex:
     def k(self, name: str) -> str:
         return keys.run_key(self.fp, name)
 
+    # --- attempts and states of one sample ---------------------------------------------------
+
     @_redis_errors
     def next_attempt(self, key: str) -> int:
         """Count one more started attempt (retries and redeliveries alike)."""
         return int(self.r.hincrby(self.k(keys.ATTEMPTS), key, 1))
 
     @_redis_errors
+    def next_try(self, key: str) -> int:
+        """A fresh number for the next request's rid (refunded attempts are tries too: the
+        server may still run the request that timed out, and refuses a duplicate rid)."""
+        return int(self.r.hincrby(self.k(keys.TRIES), key, 1))
+
+    @_redis_errors
     def refund_attempt(self, key: str) -> None:
-        """An attempt that never reached the server (it was down) does not count."""
+        """An attempt that could not run for the environment's sake (server down, disk full)."""
         self.r.hincrby(self.k(keys.ATTEMPTS), key, -1)
 
     @_redis_errors
@@ -83,72 +124,180 @@ class RunIndex:
         p.zadd(self.k(keys.DONE), {key: time.time()})
         p.hset(self.k(keys.BYTES), key, size_bytes)
         p.hset(self.k(keys.TOKENS), key, tokens)
-        p.hdel(self.k(keys.RUNNING), key)
-        p.hdel(self.k(keys.FAILED), key)
+        for name in (keys.RUNNING, keys.FAILED, keys.RETRYING, keys.STALE):
+            p.hdel(self.k(name), key)
         p.execute()
 
     @_redis_errors
     def mark_failed(self, key: str, reason: str, attempts: int) -> None:
-        body = orjson.dumps({"reason": reason, "attempts": attempts, "at": time.time()})
-        p = self.r.pipeline()
-        p.hset(self.k(keys.FAILED), key, body)
-        p.hdel(self.k(keys.RUNNING), key)
-        p.execute()
+        body = orjson.dumps({"reason": bounded(reason), "attempts": attempts, "at": time.time()})
+        self._set_outcome(keys.FAILED, key, body)
 
     @_redis_errors
     def mark_rejected(self, key: str, reason: str, record: str = "", sha: str = "") -> None:
         """``sha``: the content rejected; enqueue skips the same content next time."""
-        body = orjson.dumps({"reason": reason, "record": record, "sha": sha, "at": time.time()})
+        body = orjson.dumps({"reason": bounded(reason), "record": bounded(record, 200),
+                             "sha": bounded(sha, 64), "at": time.time()})
+        self._set_outcome(keys.REJECTED, key, body)
+
+    def _set_outcome(self, name: str, key: str, body: bytes) -> None:
         p = self.r.pipeline()
-        p.hset(self.k(keys.REJECTED), key, body)
+        p.hset(self.k(name), key, body)
+        p.hdel(self.k(keys.RUNNING), key)
+        p.hdel(self.k(keys.RETRYING), key)
+        p.execute()
+
+    @_redis_errors
+    def mark_retrying(self, key: str, attempt: int, reason: str) -> None:
+        """An attempt failed and the sample will be tried again: visible in ``status`` now."""
+        body = orjson.dumps({"attempt": attempt, "reason": bounded(reason), "at": time.time()})
+        p = self.r.pipeline()
+        p.hset(self.k(keys.RETRYING), key, body)
         p.hdel(self.k(keys.RUNNING), key)
         p.execute()
 
     @_redis_errors
-    def forget_outcome(self, key: str) -> None:
-        """Before a deliberate requeue: clear failed/rejected marks and the attempt counter."""
+    def mark_stale(self, key: str, reason: str) -> None:
+        """The record this message points at changed after enqueue: no outcome; re-enqueue."""
+        body = orjson.dumps({"reason": bounded(reason), "at": time.time()})
         p = self.r.pipeline()
-        for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS):
+        p.hset(self.k(keys.STALE), key, body)
+        p.hdel(self.k(keys.RUNNING), key)
+        p.hdel(self.k(keys.RETRYING), key)
+        p.execute()
+
+    @_redis_errors
+    def record_malformed(self, reason: str) -> None:
+        """Remember a refused task message (the newest ``MAX_MALFORMED``), bounded in size."""
+        body = orjson.dumps({"reason": bounded(reason), "at": time.time()})
+        p = self.r.pipeline()
+        p.lpush(self.k(keys.MALFORMED), body)
+        p.ltrim(self.k(keys.MALFORMED), 0, MAX_MALFORMED - 1)
+        p.execute()
+
+    @_redis_errors
+    def forget_outcome(self, key: str) -> None:
+        """Before a deliberate requeue: clear failed/rejected/stale marks and the attempts."""
+        p = self.r.pipeline()
+        for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS, keys.STALE, keys.RETRYING):
             p.hdel(self.k(name), key)
         p.execute()
+
+    @_redis_errors
+    def set_paused(self, process: str, reason: str | None) -> None:
+        """Say that ``process`` (host:pid) waits out ``reason``; None: it works again."""
+        if reason is None:
+            self.r.hdel(self.k(keys.PAUSED), process)
+        else:
+            body = orjson.dumps({"reason": bounded(reason), "at": time.time()})
+            self.r.hset(self.k(keys.PAUSED), process, body)
+
+    # --- the run's samples and data files ---------------------------------------------------
+
+    @_redis_errors
+    def register_file(self, path: str) -> int:
+        """The data file's id in this run, given on its first enqueue."""
+        existing = self.r.hget(self.k(keys.FILES), path)
+        if existing is not None:
+            return int(existing)
+        fid = int(self.r.hincrby(self.k(keys.META), "next_fid", 1))
+        if self.r.hsetnx(self.k(keys.FILES), path, fid):
+            return fid
+        return int(self.r.hget(self.k(keys.FILES), path))  # type: ignore[arg-type]
+
+    @_redis_errors
+    def data_files(self) -> dict[str, int]:
+        """Every data file enqueued for this run: path -> id."""
+        raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.FILES))  # type: ignore[assignment]
+        return {_text(k): int(v) for k, v in raw.items()}
+
+    @_redis_errors
+    def registered(self, sample_keys: list[str]) -> list[Registered | None]:
+        """Where each of ``sample_keys`` was registered, or None."""
+        if not sample_keys:
+            return []
+        raw = self.r.hmget(self.k(keys.SAMPLES), sample_keys)
+        return [None if x is None else Registered.decode(x) for x in raw]
+
+    @_redis_errors
+    def all_registered(self) -> dict[str, Registered]:
+        out = {}
+        for k, v in self.r.hscan_iter(self.k(keys.SAMPLES), count=2000):
+            out[_text(k)] = Registered.decode(v)
+        return out
+
+    @_redis_errors
+    def register(self, entries: dict[str, Registered]) -> None:
+        if entries:
+            self.r.hset(self.k(keys.SAMPLES),
+                        mapping={k: v.encode() for k, v in entries.items()})
+
+    @_redis_errors
+    def unregister(self, sample_keys: Iterable[str]) -> None:
+        """Drop samples whose records are gone from their file (superseded by an edit)."""
+        names = list(sample_keys)
+        if not names:
+            return
+        p = self.r.pipeline()
+        p.hdel(self.k(keys.SAMPLES), *names)
+        p.zrem(self.k(keys.DONE), *names)
+        for name in (keys.BYTES, keys.TOKENS, keys.FAILED, keys.REJECTED, keys.ATTEMPTS,
+                     keys.TRIES, keys.STALE, keys.RETRYING):
+            p.hdel(self.k(name), *names)
+        p.execute()
+
+    @_redis_errors
+    def done_keys(self) -> set[str]:
+        members: list[bytes] = self.r.zrange(self.k(keys.DONE), 0, -1)  # type: ignore[assignment]
+        return {_text(k) for k in members}
+
+    @_redis_errors
+    def add_invalid(self, fid: int, where: str, reason: str) -> None:
+        """A record enqueue refused (no sample key): counted in the run, never published."""
+        self.r.hset(self.k(keys.REJECTED), f"@{fid}:{bounded(where, 100)}",
+                    orjson.dumps({"reason": bounded(reason), "record": bounded(where, 200),
+                                  "sha": "", "at": time.time()}))
+
+    @_redis_errors
+    def clear_invalid(self, fid: int) -> None:
+        """Before a file is enqueued again: its refused records are counted anew."""
+        prefix = f"@{fid}:"
+        names = [k for k in self.r.hkeys(self.k(keys.REJECTED))
+                 if _text(k).startswith(prefix)]
+        if names:
+            self.r.hdel(self.k(keys.REJECTED), *names)
 
     @_redis_errors
     def set_meta(self, **fields: Any) -> None:
         self.r.hset(self.k(keys.META), mapping={k: str(v) for k, v in fields.items()})
 
     @_redis_errors
-    def add_data_file(self, path: str) -> None:
-        self.r.sadd(self.k(keys.DATA_FILES), path)
-
-    @_redis_errors
-    def data_files(self) -> list[str]:
-        return sorted(x.decode() for x in self.r.smembers(self.k(keys.DATA_FILES)))  # type: ignore[union-attr]
-
-    @_redis_errors
     def meta(self) -> dict[str, str]:
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.META))  # type: ignore[assignment]
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return {_text(k): _text(v) for k, v in raw.items()}
 
     @_redis_errors
     def outcomes(self, name: str) -> dict[str, dict[str, Any]]:
-        """``failed`` or ``rejected`` entries: key -> {reason, ...}."""
+        """``failed``, ``rejected``, ``retrying``, ``stale``, ``running`` or ``paused``
+        entries: key -> their JSON body."""
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(name))  # type: ignore[assignment]
-        return {k.decode(): orjson.loads(v) for k, v in raw.items()}
+        return {_text(k): orjson.loads(v) for k, v in raw.items()}
 
     @_redis_errors
-    def counts(self, window_s: float = 300.0) -> Counts:
-        now = time.time()
+    def counts(self) -> Counts:
         p = self.r.pipeline()
+        p.hlen(self.k(keys.SAMPLES))
         p.zcard(self.k(keys.DONE))
         p.hlen(self.k(keys.FAILED))
         p.hlen(self.k(keys.REJECTED))
+        p.hlen(self.k(keys.STALE))
+        p.hlen(self.k(keys.RETRYING))
         p.hlen(self.k(keys.RUNNING))
         p.hvals(self.k(keys.BYTES))
         p.hvals(self.k(keys.TOKENS))
-        p.hget(self.k(keys.META), "total")
-        p.zcount(self.k(keys.DONE), now - window_s, now)
-        done, failed, rejected, running, sizes, tokens, total, recent = p.execute()
-        return Counts(done=done, failed=failed, rejected=rejected, running=running,
-                      bytes=sum(int(x) for x in sizes), tokens=sum(int(x) for x in tokens),
-                      total=int(total or 0), done_last_window=recent, window_s=window_s)
-
+        samples, done, failed, rejected, stale, retrying, running, sizes, tokens = p.execute()
+        invalid = sum(1 for k in self.r.hkeys(self.k(keys.REJECTED))
+                      if _text(k).startswith("@"))
+        return Counts(total=samples + invalid, done=done, failed=failed, rejected=rejected,
+                      stale=stale, retrying=retrying, running=running,
+                      bytes=sum(int(x) for x in sizes), tokens=sum(int(x) for x in tokens))

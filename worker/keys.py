@@ -7,16 +7,28 @@ from __future__ import annotations
 
 PREFIX = "hsfarm"
 
+# --- one run's index (hashes keyed by sample key unless said otherwise) -----------------------
+SAMPLES = "samples"  # sample_key -> where its record is: "fid|offset|length|sha|index"
+FILES = "files"  # data file path -> its small integer id (fid); every file enqueued for the run
 DONE = "done"  # zset sample_key -> unix time the verified file was written
-BYTES = "bytes"  # hash sample_key -> bytes of the final file
-TOKENS = "tokens"  # hash sample_key -> token count
-FAILED = "failed"  # hash sample_key -> JSON {reason, attempts, at}
-REJECTED = "rejected"  # hash sample_key -> JSON {reason, at, record}
-RUNNING = "running"  # hash sample_key -> JSON {worker, attempt, since}
-ATTEMPTS = "attempts"  # hash sample_key -> number of attempts started
-META = "meta"  # hash: total, data_file (the last enqueued), ...
-DATA_FILES = "data_files"  # set of every data file enqueued for this run (what audit reads)
-PAUSED = "paused"  # hash worker hostname -> reason (low space)
+BYTES = "bytes"  # sample_key -> bytes of the final file
+TOKENS = "tokens"  # sample_key -> token count
+FAILED = "failed"  # sample_key -> JSON {reason, attempts, at}
+REJECTED = "rejected"  # sample_key (or "@fid:where" at enqueue) -> JSON {reason, at, record, sha}
+RETRYING = "retrying"  # sample_key -> JSON {attempt, reason, at}: failed an attempt, will retry
+STALE = "stale"  # sample_key -> JSON {reason, at}: its record changed after enqueue
+RUNNING = "running"  # sample_key -> JSON {worker, attempt, since}
+ATTEMPTS = "attempts"  # sample_key -> attempts spent (refunded when the environment failed)
+TRIES = "tries"  # sample_key -> requests sent: numbers each rid, so none is ever reused
+META = "meta"  # hash: created_at, last enqueue, ...
+MALFORMED = "malformed"  # list (bounded) of refused task messages, JSON {reason, at}
+PAUSED = "paused"  # host:pid -> JSON {reason, at}: a process waiting out a condition
+LEASE = "lease"  # LEASE:<sample_key> -> owner of the attempt running it (string, with TTL)
+ENQUEUE_LOCK = "enqueue-lock"  # held by the one enqueue running for this run
+
+# --- the workers themselves (not per run: kombu's unacked messages are global) ----------------
+OWNERS = f"{PREFIX}:owners"  # hash delivery tag -> owner id (host:pid:nonce of a worker)
+HEARTBEAT = f"{PREFIX}:heartbeat"  # HEARTBEAT:<owner id> -> "1", with a TTL: the owner lives
 
 
 def run_key(fingerprint_id: str, name: str) -> str:

@@ -1,21 +1,23 @@
-"""Everything a worker process holds for its life: built once, after the pool forks.
+"""What a worker holds: the run's context, built once, and each process's own connections.
 
-One event loop and one aiohttp session per process (Celery has no asyncio pool; prefork is
-the pool that requeues a task whose process died). The tokenizer, fingerprint, output store
-and Redis index live here too.
+``RunContext`` (model path, tokenizer, fingerprint, output store) is built in the worker's
+main process before it consumes anything, and pool processes inherit it when they fork: a
+pool process never has to ask the server or read the model's files, so it cannot fail at a
+point where it already holds a message. ``Runtime`` adds what must not cross a fork: one
+event loop and one HTTP session (Celery has no asyncio pool; prefork is the pool that
+requeues a task whose process died) and one Redis connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from dataclasses import dataclass
-
-import redis
+from pathlib import Path
 
 from sglang_patch import contracts as c
-from worker.admission import Admission, host_limits
+from worker import broker, liveness
+from worker.admission import Admission, Limits, limits_for_host
 from worker.chat import ChatTokenizer
 from worker.client import ServerClient
 from worker.fingerprint import load_run
@@ -24,6 +26,28 @@ from worker.settings import Settings
 from worker.store import OutputStore
 
 log = logging.getLogger("hsfarm.worker")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    settings: Settings
+    model_path: Path
+    chat: ChatTokenizer
+    fingerprint: c.Fingerprint
+    store: OutputStore
+    limits: Limits  # the host's admission limits (in flight, dump budget)
+
+    @classmethod
+    def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
+        """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer)."""
+        model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
+        store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
+                            versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
+                            debug_write_delay_s=settings.debug_write_delay_s).open()
+        settings.dump_dir.mkdir(parents=True, exist_ok=True)
+        limits = limits_for_host(settings, fp.hidden_size)
+        log.info("admission: %s", limits.describe())
+        return cls(settings, model_path, chat, fp, store, limits)
 
 
 @dataclass
@@ -39,29 +63,19 @@ class Runtime:
     admission: Admission
 
     @classmethod
-    def build(cls, settings: Settings, server_wait_s: float = 0.0) -> Runtime:
-        """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer)."""
-        model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
-        store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
-                            versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
-                            debug_write_delay_s=settings.debug_write_delay_s).open()
+    def for_process(cls, ctx: RunContext) -> Runtime:
+        """This process's loop, HTTP client and Redis connection over the shared context."""
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        r = redis.Redis.from_url(settings.redis_url, socket_timeout=30,
-                                 socket_connect_timeout=5, health_check_interval=30)
-        client = ServerClient(settings.server_url, settings.request_timeout_s)
-        settings.dump_dir.mkdir(parents=True, exist_ok=True)
-        limits = loop.run_until_complete(host_limits(settings, fp.hidden_size, client))
-        log.info("admission: %s", limits.describe())
-        rt = cls(settings=settings, loop=loop, client=client, chat=chat, fingerprint=fp,
-                 store=store, index=RunIndex(r, fp.id), hostname=socket.gethostname(),
-                 admission=Admission(settings.dump_dir, limits,
-                                     wait_s=settings.task_time_limit_s / 2))
-        return rt
+        s = ctx.settings
+        return cls(settings=s, loop=loop, client=ServerClient(s.server_url, s.request_timeout_s),
+                   chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
+                   index=RunIndex(broker.client(s), ctx.fingerprint.id),
+                   hostname=liveness.HOST,
+                   admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2))
 
     def close(self) -> None:
         try:
             self.loop.run_until_complete(self.client.close())
         finally:
             self.loop.close()
-

@@ -13,13 +13,18 @@ hash) and the worker re-reads the record, noticing if the file changed since it 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import os
+import re
+import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from worker.errors import BadInput
+from sglang_patch import contracts as c
+from worker.datafile import Span, scan
+from worker.errors import BadInput, DataFileUnavailable, MalformedMessage, StaleRecord
 
 ROLE_ALIASES = {
     "user": "user", "human": "user",
@@ -39,6 +44,9 @@ class Sample:
     loss_mask: tuple[int, ...] = ()
 
 
+_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
 @dataclass(frozen=True)
 class SampleRef:
     """Where a sample lives: small enough for a task message (well under 1 KB)."""
@@ -56,11 +64,36 @@ class SampleRef:
 
     @classmethod
     def from_json(cls, d: Any) -> SampleRef:
-        try:
-            return cls(key=str(d["k"]), file=str(d["f"]), offset=int(d["o"]),
-                       length=int(d["n"]), sha256=str(d["h"]), index=int(d["i"]))
-        except (TypeError, KeyError, ValueError) as e:
-            raise BadInput(f"malformed task message {d!r}: {e}") from e
+        """Parse and check every field of an (untrusted) task message.
+
+        Raises:
+            MalformedMessage: a field is missing, of the wrong type or out of range; the
+                message names the field and holds at most a bounded part of its value.
+        """
+        if not isinstance(d, dict):
+            raise MalformedMessage(f"task message is {type(d).__name__}, not an object")
+        key, file, sha = (_field(d, name, str) for name in ("k", "f", "h"))
+        offset, length, index = (_field(d, name, int) for name in ("o", "n", "i"))
+        problems = []
+        if not c.is_valid_sample_key(key):
+            problems.append(f"k: {key[:100]!r} is not a sample key")
+        if not os.path.isabs(file) or "\0" in file or len(file) > 4096:
+            problems.append(f"f: {file[:200]!r} is not an absolute file path")
+        if not _HASH_RE.match(sha):
+            problems.append(f"h: {sha[:100]!r} is not a 32-hex-digit content hash")
+        if offset < 0 or length < 1 or index < 0:
+            problems.append(f"o/n/i out of range: {offset}/{length}/{index}")
+        if problems:
+            raise MalformedMessage("malformed task message: " + "; ".join(problems))
+        return cls(key=key, file=file, offset=offset, length=length, sha256=sha, index=index)
+
+
+def _field(d: dict[str, Any], name: str, kind: type) -> Any:
+    value = d.get(name)
+    if type(value) is not kind:  # bool is not an int here, and no coercion from strings
+        raise MalformedMessage(f"malformed task message: field {name!r} must be "
+                               f"{kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 def content_hash(raw: bytes) -> str:
@@ -128,21 +161,63 @@ def _pretokenized(obj: dict[str, Any], source_id: object) -> Sample:
     return Sample(source_id=source_id, input_ids=tuple(ids), loss_mask=tuple(mask))
 
 
-def read_sample(ref: SampleRef) -> tuple[Sample, bytes]:
-    """Re-read a record from its data file by byte span, checking it did not change.
+def read_sample(ref: SampleRef) -> tuple[Sample, SampleRef]:
+    """Re-read a record from its data file, checking it is the one enqueued.
+
+    A record whose bytes moved (a record before it was edited) is found again by its content
+    hash, and the returned ref says where it is now.
 
     Raises:
-        BadInput: the file is gone, or the bytes there are no longer the record enqueued.
+        DataFileUnavailable: the file cannot be read (the environment's fault: wait for it).
+        StaleRecord: the record is no longer in the file as it was enqueued.
+        BadInput: the record's content is invalid.
     """
-    try:
-        with open(Path(ref.file), "rb") as f:
-            f.seek(ref.offset)
-            raw = f.read(ref.length)
-    except OSError as e:
-        raise BadInput(f"cannot read data file {ref.file}: {e.strerror}") from e
+    raw = _read_span(ref.file, ref.offset, ref.length)
     if len(raw) != ref.length or content_hash(raw) != ref.sha256:
-        raise BadInput(
-            f"data file changed since enqueue: record {ref.index} at byte {ref.offset} no longer "
-            f"has content hash {ref.sha256}; re-run enqueue on the new file"
-        )
-    return parse_record(raw), raw
+        found = _LOCATOR.find(ref.file, ref.sha256)
+        if found is None:
+            raise StaleRecord(
+                f"record {ref.index} of {ref.file} changed after enqueue: no record with "
+                f"content hash {ref.sha256} is in the file now; re-run enqueue on it")
+        ref = replace(ref, offset=found[0], length=found[1])
+        raw = _read_span(ref.file, ref.offset, ref.length)
+        if content_hash(raw) != ref.sha256:
+            raise StaleRecord(f"{ref.file} is changing while it is read; re-run enqueue")
+    return parse_record(raw), ref
+
+
+def _read_span(path: str, offset: int, length: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return os.pread(f.fileno(), length, offset)
+    except OSError as e:
+        raise DataFileUnavailable(f"cannot read data file {path}: {e.strerror}") from e
+
+
+class _Locator:
+    """Per process: content hash -> (offset, length) of every record of a file version.
+
+    Built on first need for a (path, size, mtime) and kept, so one edit near the top of a
+    large file costs each worker process one scan, not one per record.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, tuple[tuple[int, int], dict[str, tuple[int, int]]]] = {}
+
+    def find(self, path: str, sha256: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise DataFileUnavailable(f"cannot read data file {path}: {e.strerror}") from e
+        version = (st.st_size, st.st_mtime_ns)
+        with self._lock:
+            cached = self._files.get(path)
+            if cached is None or cached[0] != version:
+                cached = (version, {content_hash(s.raw): (s.offset, len(s.raw))
+                                    for s in scan(Path(path)) if isinstance(s, Span)})
+                self._files[path] = cached
+        return cached[1].get(sha256)
+
+
+_LOCATOR = _Locator()

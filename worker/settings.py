@@ -44,6 +44,12 @@ class Settings:
     server_wait_s: float = 300.0  # a task waits this long for a down server, holding its message
     soft_shutdown_s: float = 30.0  # on SIGTERM (REMAP_SIGTERM=SIGQUIT): time to finish tasks
     janitor_interval_s: float = 30.0  # how often orphaned dumps are swept from the dump dir
+    max_record_bytes: int = 4 << 20  # a record larger than this is rejected at enqueue
+    # A Redis that keeps nothing on disk loses the queue on restart: refused unless allowed
+    allow_volatile_redis: bool = False
+    lease_ttl_s: float = 30.0  # a sample's lease outlives a dead attempt by at most this
+    heartbeat_ttl_s: float = 20.0  # a worker whose heartbeat is this old is dead
+    reaper_interval_s: float = 5.0  # how often a worker returns dead workers' messages
     log_level: str = "INFO"
     # Host-wide admission (worker/admission.py), 0 = sized from the server and tmpfs: requests
     # in flight to the server at once, and tmpfs bytes their dumps may take until collected.
@@ -80,6 +86,12 @@ class Settings:
             out.append("FARM_SERVER_WAIT_S must be under half of FARM_TASK_TIME_LIMIT_S")
         if self.max_in_flight < 0 or self.dump_budget_bytes < 0:
             out.append("FARM_MAX_IN_FLIGHT and FARM_DUMP_BUDGET_BYTES must be >= 0 (0 = auto)")
+        if self.heartbeat_ttl_s < 2 * self.reaper_interval_s:
+            out.append("FARM_HEARTBEAT_TTL_S must be at least twice FARM_REAPER_INTERVAL_S")
+        if self.lease_ttl_s < 3:
+            out.append(f"FARM_LEASE_TTL_S must be >= 3, not {self.lease_ttl_s}")
+        if self.max_record_bytes < 1024:
+            out.append(f"FARM_MAX_RECORD_BYTES must be >= 1024, not {self.max_record_bytes}")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
             out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
         return out

@@ -33,6 +33,7 @@ log = logging.getLogger("hsfarm.store")
 
 MANIFEST = "manifest.json"
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
+M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
 FINAL_TENSORS = {  # name -> dtype of the final file
     c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
@@ -52,6 +53,18 @@ class Verified:
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull",
+                  "QuotaExceeded")
+
+
+def is_no_space(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT, whichever library raised it (safetensors raises ``SafetensorError``
+    with the OS error in its message, not an ``OSError``)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(text in str(e) for text in _NO_SPACE_TEXT)
 
 
 def check_free(path: Path, reserve_bytes: int, what: str) -> None:
@@ -145,7 +158,7 @@ class OutputStore:
         self._remove_dead_temps(final)
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         try:
-            with _io_errors(f"writing {final}"):
+            with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
                 self._write_tmp(tmp, parts, meta, validate)
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
@@ -203,19 +216,6 @@ class OutputStore:
         out += [f"{k} shape {t[k].shape} != {s}" for k, s in want.items() if t[k].shape != s]
         return out
 
-    def quick_check(self, key: str, content_sha256: str) -> bool:
-        """Cheap "is it done": the header parses and names this sample, content and run.
-
-        For enqueue's idempotency over tens of thousands of files; ``verify`` (and ``audit``)
-        read every byte.
-        """
-        try:
-            meta = tensorfile.header_metadata(self.final_path(key))
-        except (OSError, Corrupt):
-            return False
-        return (meta.get(M_KEY) == key and meta.get(M_CONTENT) == content_sha256
-                and meta.get(M_FINGERPRINT) == self.fingerprint.id)
-
     def _remove_dead_temps(self, final: Path) -> None:
         """Temp files of this sample left by writers that were killed (a redelivered task)."""
         for p in final.parent.glob(f".{final.name}{c.TMP_MARK}*"):
@@ -261,13 +261,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextmanager
-def _io_errors(what: str) -> Iterator[None]:
-    """The store's one boundary for I/O errors: ENOSPC → NoSpace, the rest → Transient."""
+def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
+    """The store's one boundary for I/O errors: no space → NoSpace, the rest → Transient."""
     try:
         yield
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise NoSpace(f"{what}: {e.strerror}") from e
+        if is_no_space(e):
+            raise NoSpace(f"{what}: {e.strerror}", need_bytes=need_bytes) from e
         raise Transient(f"{what}: {e}") from e
 
 

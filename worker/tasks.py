@@ -1,14 +1,21 @@
-"""The Celery task: one sample per task, acknowledged only after a verified write.
+"""The Celery task: one sample per task, acknowledged only once the sample has an outcome.
 
-Error policy (Celery acks an exception, so every failure is handled explicitly here):
-- ``BadInput`` → recorded as rejected, acknowledged, never retried;
-- ``Transient`` / ``Corrupt`` / soft time limit → ``self.retry`` with exponential backoff;
-- after ``FARM_MAX_ATTEMPTS`` started attempts (retries, redeliveries after crashes and hard
-  time-outs all count) → recorded as failed with the last reason, acknowledged.
-- anything unexpected → logged with its traceback and retried like ``Corrupt`` (bounded):
-  an exception escaping to Celery would be acknowledged and the sample lost.
-Low space and a down server are not attempts: the task waits, holding its one message, so
-the process takes no new work until space returns or the server answers.
+Outcomes are recorded in the run index first, then the message is acknowledged:
+- done: a verified final file; the task succeeds;
+- rejected (``BadInput``), failed (attempts exhausted, or ``KeyTaken``), stale (the record
+  changed after enqueue) or refused (a malformed message): the task ends in Celery's FAILURE
+  state, so Flower and its metrics count it as failed.
+
+Every other way out hands the message back (``Reject(requeue=True)``), never an
+acknowledgement without an outcome:
+- ``Transient``, ``Corrupt``, anything unexpected: a counted attempt, retried with backoff
+  within this delivery while its time limit allows (so failures show at once), else handed
+  back; after ``FARM_MAX_ATTEMPTS`` started attempts the sample is recorded as failed;
+- the environment (server down or hung, disk full, data file unreadable): the task waits,
+  holding its message, and the attempt is refunded; at the time limit it hands it back;
+- ``ConfigError``: hands the message back and stops the worker.
+
+Two deliveries of one sample never run at once: each attempt holds the sample's lease.
 """
 
 from __future__ import annotations
@@ -17,53 +24,54 @@ import logging
 import os
 import random
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
-from celery.exceptions import Retry, SoftTimeLimitExceeded
-from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from worker import extract as ex
+from worker import lease as leases
+from worker import waits
 from worker.app import TASK_NAME, app, settings
-from worker.errors import BadInput, Corrupt, NoSpace, ServerUnavailable, Transient
+from worker.errors import (
+    BadInput,
+    ConfigError,
+    Corrupt,
+    DataFileUnavailable,
+    KeyTaken,
+    MalformedMessage,
+    NoSpace,
+    ServerUnavailable,
+    StaleRecord,
+    Transient,
+)
 from worker.runtime import Runtime
 from worker.samples import SampleRef
+from worker.startup import runtime, stop_worker
 
 log = logging.getLogger("hsfarm.task")
-_runtime: Runtime | None = None
+# What an attempt may end with, short of an outcome: logged without a traceback.
+EXPECTED_FAILURES = (Transient, Corrupt, SoftTimeLimitExceeded)
 
 
-def runtime() -> Runtime:
-    """This process's runtime, built on first use (after the pool forked)."""
-    global _runtime
-    if _runtime is None:
-        _runtime = Runtime.build(settings, server_wait_s=settings.request_timeout_s)
-    return _runtime
+class SampleNotDone(Exception):
+    """A recorded outcome other than done: the task ends in FAILURE, its message is acked."""
 
 
-@worker_init.connect
-def _on_worker_init(**_: Any) -> None:
-    # Main process, before forking: fail fast on a bad setup (foreign output dir, no
-    # server) and clean what crashed runs left behind.
-    logging.basicConfig(level=settings.log_level,
-                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
-    rt = Runtime.build(settings, server_wait_s=settings.request_timeout_s)
-    # temp files of writers that died with a crashed run (the janitor bootstep does the dumps)
-    rt.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
-    rt.close()
+class SampleRejected(SampleNotDone):
+    pass
 
 
-@worker_process_init.connect
-def _on_process_init(**_: Any) -> None:
-    global _runtime
-    _runtime = None  # never share a loop/session/socket across fork
-    runtime()
+class SampleFailed(SampleNotDone):
+    pass
 
 
-@worker_process_shutdown.connect
-def _on_process_shutdown(**_: Any) -> None:
-    if _runtime is not None:
-        _runtime.close()
+class SampleStale(SampleNotDone):
+    pass
+
+
+class MessageRefused(SampleNotDone):
+    pass
 
 
 def _backoff_s(attempt: int) -> float:
@@ -71,94 +79,137 @@ def _backoff_s(attempt: int) -> float:
     return min(base, settings.retry_backoff_max_s) * random.uniform(0.8, 1.2)
 
 
-def _wait_for_server(rt: Runtime, key: str) -> None:
-    """Block until the server answers again (up to FARM_SERVER_WAIT_S)."""
-    deadline = time.monotonic() + settings.server_wait_s
-    log.warning("%s paused: server %s unreachable", key, settings.server_url)
-    while time.monotonic() < deadline:
-        if rt.loop.run_until_complete(rt.client.reachable()):
-            log.info("%s resumed: server answers", key)
-            return
-        time.sleep(1.0)
-
-
-def _wait_for_space(rt: Runtime, key: str) -> bool:
-    """Block while space is short (up to half the time limit). True when space is back."""
-    deadline = time.monotonic() + settings.task_time_limit_s / 2
-    while True:
-        try:
-            ex.check_space(rt)
-            return True
-        except Transient as e:
-            if time.monotonic() > deadline:
-                return False
-            log.warning("%s paused: %s", key, e)
-            time.sleep(settings.low_space_poll_s)
+def _deadline() -> float:
+    """When this delivery must hand its message back: before Celery's soft time limit."""
+    soft_s = float(app.conf.task_soft_time_limit or settings.task_time_limit_s)
+    return time.monotonic() + soft_s - 2.0
 
 
 @app.task(bind=True, name=TASK_NAME, max_retries=None, acks_late=True,
-          reject_on_worker_lost=True)
-def extract(self: Task, ref_json: dict[str, Any]) -> dict[str, Any]:
+          reject_on_worker_lost=True, throws=(SampleNotDone,),
+          Request="worker.reaper:OwnedRequest")
+def extract(self: Task, ref_json: Any) -> dict[str, Any]:
     """Extract one sample's hidden states into a verified final file."""
+    deadline = _deadline()
+    try:
+        return _run(runtime(), ref_json, deadline)
+    except (SampleNotDone, Reject):
+        raise
+    except ConfigError as e:
+        stop_worker(str(e))
+        raise Reject(str(e), requeue=True) from e
+    except BaseException as e:  # the soft time limit, Redis away mid-bookkeeping, anything
+        log.warning("handing the message back: %s: %s", type(e).__name__, e)
+        raise Reject(f"{type(e).__name__}: {e}", requeue=True) from e
+
+
+def _run(rt: Runtime, ref_json: Any, deadline: float) -> dict[str, Any]:
+    ref = _checked_ref(rt, ref_json)
+    name = leases.lease_name(rt.fingerprint.id, ref.key)
+    with leases.held(rt.index.r, name, settings.lease_ttl_s, deadline) as lease:
+        if lease is None:
+            raise Reject(f"{ref.key}: another attempt still holds it", requeue=True)
+        return _attempts(rt, ref, lease, deadline)
+
+
+def _checked_ref(rt: Runtime, ref_json: Any) -> SampleRef:
+    """The message's sample reference, every field checked against this run.
+
+    Raises:
+        MessageRefused: recorded (bounded) and logged; the message is acknowledged.
+    """
     try:
         ref = SampleRef.from_json(ref_json)
-    except BadInput as e:  # not ours to retry: a message no producer of this farm wrote
-        log.error("dropping malformed task message: %s", e)
-        return {"status": "malformed"}
-    rt = runtime()
-    try:
-        return _extract(self, rt, ref)
-    except Retry:
-        raise
-    except Exception as e:  # before an attempt was counted: e.g. Redis away; never acked
-        log.warning("%s not started: %s: %s", ref.key, type(e).__name__, e)
-        raise self.retry(countdown=_backoff_s(1)) from e
+        if ref.length > settings.max_record_bytes:
+            raise MalformedMessage(f"n: {ref.length} bytes is over FARM_MAX_RECORD_BYTES")
+        if ref.file not in rt.index.data_files():
+            raise MalformedMessage(f"f: {ref.file[:200]!r} is not a data file enqueued for "
+                                   f"run {rt.fingerprint.id}")
+    except MalformedMessage as e:
+        log.error("refusing a task message: %s", e)
+        rt.index.record_malformed(str(e))
+        raise MessageRefused(str(e)) from e
+    return ref
 
 
-def _extract(self: Task, rt: Runtime, ref: SampleRef) -> dict[str, Any]:
-    done = ex.already_done(rt, ref)
-    if done is not None:
-        log.info("%s already done (verified from disk)", ref.key)
-        return {"status": done.status, "key": ref.key}
-    if not _wait_for_space(rt, ref.key):
-        raise self.retry(countdown=settings.low_space_poll_s)
-    attempt = rt.index.next_attempt(ref.key)
-    if attempt > settings.max_attempts:
-        reason = f"gave up after {settings.max_attempts} attempts (crashes or hard time-outs)"
-        rt.index.mark_failed(ref.key, reason, attempt - 1)
-        log.error("%s failed: %s", ref.key, reason)
-        return {"status": "failed", "key": ref.key}
-    rt.index.mark_running(ref.key, f"{rt.hostname}:{os.getpid()}", attempt)
-    try:
-        result = ex.extract(rt, ref, attempt)
-    except BadInput as e:
-        rt.index.mark_rejected(ref.key, str(e), f"record {ref.index}", sha=ref.sha256)
-        log.warning("%s a%d rejected: %s", ref.key, attempt, e)
-        return {"status": "rejected", "key": ref.key, "reason": str(e)}
-    except NoSpace as e:
-        # counted (a sample that can never fit must end), but wait for space before retrying
-        log.warning("%s a%d out of space: %s", ref.key, attempt, e)
-        rt.index.clear_running(ref.key)
-        if attempt >= settings.max_attempts:
-            rt.index.mark_failed(ref.key, f"NoSpace: {e}", attempt)
-            return {"status": "failed", "key": ref.key, "reason": str(e)}
-        _wait_for_space(rt, ref.key)
-        raise self.retry(countdown=random.uniform(0, 1)) from e
-    except ServerUnavailable as e:
-        log.warning("%s a%d server unavailable: %s", ref.key, attempt, e)
-        _wait_for_server(rt, ref.key)
-        rt.index.refund_attempt(ref.key)
-        raise self.retry(countdown=random.uniform(0, 1)) from e
-    except Exception as e:
-        if not isinstance(e, Transient | Corrupt | SoftTimeLimitExceeded):
-            log.exception("%s a%d unexpected error", ref.key, attempt)
-        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        if attempt >= settings.max_attempts:
-            rt.index.mark_failed(ref.key, reason, attempt)
-            log.error("%s a%d failed for good: %s", ref.key, attempt, reason)
-            return {"status": "failed", "key": ref.key, "reason": reason}
-        countdown = _backoff_s(attempt)
-        rt.index.clear_running(ref.key)
-        log.warning("%s a%d retry in %.1fs: %s", ref.key, attempt, countdown, reason)
-        raise self.retry(countdown=countdown) from e
-    return {"status": result.status, "key": ref.key, "tokens": result.tokens}
+def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
+              deadline: float) -> dict[str, Any]:
+    """Attempts of one sample under its lease, until it has an outcome or must be handed back."""
+    key = ref.key
+    while True:
+        try:
+            done = ex.already_done(rt, ref)
+        except KeyTaken as e:
+            _give_up(rt, key, str(e), attempts=0)
+        if done is not None:
+            log.info("%s already done (verified from disk)", key)
+            return {"status": done.status, "key": key}
+        _wait(rt, key, lambda: waits.space_problem(rt), deadline)
+        attempt = rt.index.next_attempt(key)
+        if attempt > settings.max_attempts:
+            _give_up(rt, key, f"gave up after {settings.max_attempts} attempts (crashes or "
+                              "time-outs)", attempt - 1)
+        rt.index.mark_running(key, f"{rt.hostname}:{os.getpid()}", attempt)
+        t0 = time.monotonic()
+        try:
+            result = ex.extract(rt, ref, attempt, lease, rt.index.next_try(key))
+            return {"status": result.status, "key": key, "tokens": result.tokens}
+        except BadInput as e:
+            rt.index.mark_rejected(key, str(e), f"record {ref.index}", sha=ref.sha256)
+            log.warning("%s a%d rejected: %s", key, attempt, e)
+            raise SampleRejected(str(e)) from e
+        except StaleRecord as e:
+            rt.index.refund_attempt(key)
+            rt.index.mark_stale(key, str(e))
+            log.warning("%s a%d stale: %s", key, attempt, e)
+            raise SampleStale(str(e)) from e
+        except (ServerUnavailable, NoSpace, DataFileUnavailable, leases.LeaseLost) as e:
+            rt.index.refund_attempt(key)
+            rt.index.clear_running(key)
+            _environment(rt, ref, e, deadline)
+        except Exception as e:  # Transient, Corrupt, unexpected: a counted attempt
+            _failed_attempt(rt, key, attempt, e, time.monotonic() - t0, deadline)
+
+
+def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> None:
+    """Wait out the environment's fault (holding the message), or hand the message back."""
+    log.warning("%s paused (no attempt spent): %s: %s", ref.key, type(e).__name__, e)
+    if isinstance(e, leases.LeaseLost):
+        raise Reject(str(e), requeue=True)
+    if isinstance(e, ServerUnavailable):
+        _wait(rt, ref.key, lambda: waits.server_problem(rt), deadline)
+    elif isinstance(e, NoSpace):
+        never = waits.never_fits(rt, e.need_bytes)
+        if never:
+            _give_up(rt, ref.key, f"NoSpace: {never}", rt.index.next_attempt(ref.key))
+        _wait(rt, ref.key, lambda: waits.space_problem(rt, e.need_bytes), deadline)
+    else:
+        _wait(rt, ref.key, lambda: waits.data_file_problem(ref.file), deadline)
+
+
+def _wait(rt: Runtime, key: str, problem: Any, deadline: float) -> None:
+    if not waits.until_clear(rt, key, problem, deadline, settings.low_space_poll_s):
+        raise Reject(f"{key}: still paused at the time limit", requeue=True)
+
+
+def _failed_attempt(rt: Runtime, key: str, attempt: int, e: Exception, took_s: float,
+                    deadline: float) -> None:
+    """Record a counted failure; return to retry in this delivery, or raise to end it."""
+    if not isinstance(e, EXPECTED_FAILURES):
+        log.exception("%s a%d unexpected error", key, attempt)
+    reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if attempt >= settings.max_attempts:
+        _give_up(rt, key, reason, attempt)
+    backoff_s = _backoff_s(attempt)
+    rt.index.mark_retrying(key, attempt, reason)
+    if time.monotonic() + backoff_s + took_s > deadline:
+        log.warning("%s a%d failed, handed back for a later attempt: %s", key, attempt, reason)
+        raise Reject(reason, requeue=True) from e
+    log.warning("%s a%d failed, retry in %.1fs: %s", key, attempt, backoff_s, reason)
+    time.sleep(backoff_s)
+
+
+def _give_up(rt: Runtime, key: str, reason: str, attempts: int) -> NoReturn:
+    rt.index.mark_failed(key, reason, attempts)
+    log.error("%s failed for good: %s", key, reason)
+    raise SampleFailed(reason)

@@ -58,8 +58,12 @@ class Header:
     data_start: int  # file offset of the data: 8 + header length
 
     @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: e.shape for name, e in self.tensors.items()}
+
+    @property
     def size_bytes(self) -> int:
-        """What the whole file's size must be."""
+        """What the whole file's size must be (and is: ``parse_header`` checks it)."""
         return self.data_start + max((e.end for e in self.tensors.values()), default=0)
 
     def file_ranges(self) -> list[tuple[str, int, int]]:
@@ -141,7 +145,7 @@ def _entry(name: str, v: object) -> Entry:
     return Entry(dtype, shape, begin, end)
 
 
-def read_header(fd: int, name: str) -> Header:
+def read_header_fd(fd: int, name: str) -> Header:
     """Read and check the header of the open file ``fd`` (positioned reads; 2 syscalls)."""
     size = os.fstat(fd).st_size
     n = header_length(os.pread(fd, 8, 0), size, name)
@@ -176,7 +180,7 @@ def numpy_dtype(dtype: str) -> np.dtype:
 def read(path: Path) -> TensorFile:
     """Read a whole (small) file into arrays. Raises Corrupt, or OSError if unreadable."""
     with open(path, "rb", buffering=0) as f:
-        header = read_header(f.fileno(), path.name)
+        header = read_header_fd(f.fileno(), path.name)
         tensors = {}
         for name, offset, nbytes in header.file_ranges():
             e = header.tensors[name]
@@ -187,10 +191,15 @@ def read(path: Path) -> TensorFile:
     return TensorFile(tensors, header.metadata, header.size_bytes)
 
 
+def read_header(path: Path) -> Header:
+    """Read and check a file's header (not its data). Raises Corrupt or OSError."""
+    with open(path, "rb", buffering=0) as f:
+        return read_header_fd(f.fileno(), path.name)
+
+
 def header_metadata(path: Path) -> dict[str, str]:
     """Only the metadata (reads the header, not the data). Raises Corrupt or OSError."""
-    with open(path, "rb", buffering=0) as f:
-        return read_header(f.fileno(), path.name).metadata
+    return read_header(path).metadata
 
 
 def bf16_nonfinite(arr: np.ndarray) -> int:

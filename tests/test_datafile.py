@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from producer.reader import BOM, DataFileError, FileProblem, Span, scan
+from worker.datafile import BOM, DataFileError, FileProblem, Oversized, Span, scan
 
 
-def _scan(tmp_path: Path, data: bytes) -> list[Span | FileProblem]:
+def _scan(tmp_path: Path, data: bytes) -> list[Span | Oversized | FileProblem]:
     p = tmp_path / "data"
     p.write_bytes(data)
     return list(scan(p))
@@ -93,3 +93,24 @@ def test_large_array_streams_in_constant_memory(tmp_path: Path) -> None:
     # Then every record is seen and memory stays far below the file size
     assert n == 20000
     assert p.stat().st_size > 10_000_000 and peak < 4_000_000
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "array"])
+def test_oversized_records_are_marked_not_read(tmp_path: Path, layout: str) -> None:
+    # Given a 3 MB record between two small ones
+    small = b'{"input_ids": [1, 2]}'
+    big = b'{"input_ids": [' + b"7, " * (1 << 20) + b'7]}'
+    if layout == "jsonl":
+        data = small + b"\n" + big + b"\n" + small + b"\n"
+    else:
+        data = b"[" + small + b"," + big + b"," + small + b"]"
+    p = tmp_path / "data"
+    p.write_bytes(data)
+    # When scanned with a 64 KB limit
+    items = list(scan(p, max_record_bytes=64 << 10))
+    # Then the big one is only marked, with its place and size, and the others are intact
+    assert [type(x).__name__ for x in items] == ["Span", "Oversized", "Span"]
+    over = items[1]
+    assert isinstance(over, Oversized) and over.index == 1 and over.length >= len(big)
+    assert isinstance(items[2], Span) and items[2].index == 2
+    assert data[items[2].offset : items[2].offset + len(small)] == small

@@ -2,9 +2,11 @@
 
 Two formats, told apart by the first non-blank byte: ``[`` a JSON array, ``{`` JSONL. Each
 record comes out as its exact bytes plus offset and length, so a task can point at it and the
-worker can re-read and hash-check it later. The array scanner tracks only nesting depth and
-string state (no JSON library streams byte offsets of top-level elements); each record is
-then parsed by orjson, so a malformed record is rejected on its own and the rest go on.
+worker can re-read and hash-check it later. A record over ``max_record_bytes`` comes out as
+an ``Oversized`` marker and is never read into memory. The array scanner tracks only nesting
+depth and string state (no JSON library streams byte offsets of top-level elements); each
+record is then parsed by orjson, so a malformed record is rejected on its own and the rest
+go on.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ class Span:
 
 
 @dataclass(frozen=True)
+class Oversized:
+    """A record too large to take: where it is and about how large (never read)."""
+
+    index: int
+    offset: int
+    length: int
+    where: str
+
+
+@dataclass(frozen=True)
 class FileProblem:
     """A problem with the file as a whole or a stretch of it (not one parseable record)."""
 
@@ -44,8 +56,11 @@ class DataFileError(Exception):
     """The file cannot be read as records at all (missing, empty, wrong top-level type)."""
 
 
-def scan(path: Path) -> Iterator[Span | FileProblem]:
-    """Yield every record span, and problems where the structure is broken.
+Item = Span | Oversized | FileProblem
+
+
+def scan(path: Path, max_record_bytes: int = 1 << 62) -> Iterator[Item]:
+    """Yield every record span, oversized records, and problems where the structure is broken.
 
     Raises:
         DataFileError: the file is missing, empty, or neither a JSON array nor JSONL.
@@ -69,9 +84,9 @@ def scan(path: Path) -> Iterator[Span | FileProblem]:
         f.seek(0)
         kind = head[first : first + 1]
         if kind == b"[":
-            yield from _scan_array(f, first + 1)
+            yield from _scan_array(f, first + 1, max_record_bytes)
         elif kind == b"{":
-            yield from _scan_jsonl(f, start)
+            yield from _scan_jsonl(f, start, max_record_bytes)
         else:
             shown = head[first : first + 20].decode("utf-8", "replace")
             raise DataFileError(
@@ -80,10 +95,20 @@ def scan(path: Path) -> Iterator[Span | FileProblem]:
             )
 
 
-def _scan_jsonl(f: BinaryIO, start: int) -> Iterator[Span | FileProblem]:
+def _scan_jsonl(f: BinaryIO, start: int, max_bytes: int) -> Iterator[Item]:
     f.seek(start)
-    offset, index = start, 0
-    for lineno, line in enumerate(f, 1):
+    offset, index, lineno = start, 0, 0
+    while True:
+        line = f.readline(max_bytes + 2)  # room for "\r\n": a line of max_bytes still fits
+        if not line:
+            return
+        lineno += 1
+        if len(line) == max_bytes + 2 and not line.endswith(b"\n"):
+            length = len(line) + _skip_rest_of_line(f)
+            yield Oversized(index, offset, length, f"line {lineno}")
+            index += 1
+            offset += length
+            continue
         body = line.rstrip(b"\r\n")
         if body.strip():
             lead = len(body) - len(body.lstrip())
@@ -92,7 +117,17 @@ def _scan_jsonl(f: BinaryIO, start: int) -> Iterator[Span | FileProblem]:
         offset += len(line)
 
 
-def _scan_array(f: BinaryIO, pos: int) -> Iterator[Span | FileProblem]:
+def _skip_rest_of_line(f: BinaryIO) -> int:
+    """Read past the end of the current line in bounded chunks; how many bytes were skipped."""
+    skipped = 0
+    while True:
+        chunk = f.readline(_CHUNK)
+        skipped += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return skipped
+
+
+def _scan_array(f: BinaryIO, pos: int, max_bytes: int) -> Iterator[Item]:
     """Split a top-level array into element spans by tracking depth and strings.
 
     Only structural bytes are visited (a regex finds them), so the loop runs per quote or
@@ -123,7 +158,7 @@ def _scan_array(f: BinaryIO, pos: int) -> Iterator[Span | FileProblem]:
             elif b in (0x7D, 0x5D) and depth > 0:
                 depth -= 1
             elif depth == 0 and b in (0x2C, 0x5D):  # ',' or ']' at top level
-                span = _span(fd, index, elem_from, at)
+                span = _span(fd, index, elem_from, at, max_bytes)
                 if span is not None:
                     yield span
                     index += 1
@@ -141,7 +176,9 @@ def _scan_array(f: BinaryIO, pos: int) -> Iterator[Span | FileProblem]:
                              f"the {offset - elem_from} bytes after it do not form a record")
 
 
-def _span(fd: int, index: int, start: int, end: int) -> Span | None:
+def _span(fd: int, index: int, start: int, end: int, max_bytes: int) -> Span | Oversized | None:
+    if end - start > max_bytes + 64:  # (leading/trailing blanks allowed around a record)
+        return Oversized(index, start, end - start, f"record {index}")
     raw = os.pread(fd, end - start, start)
     body = raw.strip()
     if not body:

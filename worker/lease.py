@@ -1,0 +1,124 @@
+"""A per-sample lease in Redis: two attempts of one sample never run at once.
+
+(The same mechanism serialises two ``enqueue`` runs of one run: ``ENQUEUE_LOCK``.)
+
+Duplicate deliveries happen without any crash (a message restored while its first delivery
+still runs, two producers, a dead worker's message returned by the reaper), and an attempt
+deletes earlier attempts' dumps and writes the sample's final file. So every attempt first
+takes the sample's lease: ``SET NX`` with a TTL, renewed by a thread while the attempt runs.
+A second attempt waits, holding its message, until the lease is free; it takes a lease over
+only from a holder that is gone (on this host: its process no longer runs; elsewhere: it
+stopped renewing, so its TTL ran out).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+
+from worker import keys, liveness
+from worker.errors import Transient
+
+log = logging.getLogger("hsfarm.lease")
+
+# Compare-and-set on the holder's token: renew or release only what is still ours.
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
+         "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
+           "return redis.call('DEL', KEYS[1]) else return 0 end"
+_TAKE_OVER = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
+             "return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return nil end"
+
+
+class LeaseLost(Transient):
+    """This attempt's lease expired or was taken over: it must not write anything."""
+
+
+class Lease:
+    """One held lease; ``check`` before anything destructive, ``release`` when done."""
+
+    def __init__(self, r: redis.Redis, name: str, token: str, ttl_s: float) -> None:
+        self.r, self.name, self.token, self.ttl_s = r, name, token, ttl_s
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="hsfarm-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if not self.r.eval(_RENEW, 1, self.name, self.token, int(self.ttl_s * 1000)):
+                    self.lost.set()
+                    return
+            except redis.RedisError as e:  # renewal resumes when Redis answers again
+                log.warning("cannot renew lease %s: %s", self.name, e)
+
+    def check(self) -> None:
+        """Raises LeaseLost when the lease is no longer this attempt's."""
+        if self.lost.is_set():
+            raise LeaseLost(f"lease {self.name} was lost (this attempt stalled past "
+                            f"{self.ttl_s:.0f}s); another attempt owns the sample now")
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.r.eval(_RELEASE, 1, self.name, self.token)
+        except redis.RedisError as e:  # it expires on its own within the TTL
+            log.warning("cannot release lease %s: %s", self.name, e)
+
+
+def lease_name(fingerprint_id: str, sample_key: str) -> str:
+    """The Redis key of a sample's lease."""
+    return keys.run_key(fingerprint_id, f"{keys.LEASE}:{sample_key}")
+
+
+def holder(r: redis.Redis, name: str) -> str | None:
+    """Who holds the lease ``name`` (``identity#token``), or None."""
+    raw = r.get(name)
+    return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
+
+
+def try_acquire(r: redis.Redis, name: str, ttl_s: float) -> Lease | str:
+    """The lease, or who holds it now. A holder gone from this host is taken over."""
+    token = f"{liveness.identity()}#{uuid.uuid4().hex[:12]}"
+    ttl_ms = int(ttl_s * 1000)
+    if r.set(name, token, nx=True, px=ttl_ms):
+        return Lease(r, name, token, ttl_s)
+    current = holder(r, name)
+    if current is None:
+        return "nobody (expired just now)"
+    if liveness.gone_here(current.split("#", 1)[0]) and r.eval(
+            _TAKE_OVER, 1, name, current, token, ttl_ms):
+        log.info("took over %s from %s, which is gone", name, current)
+        return Lease(r, name, token, ttl_s)
+    return current
+
+
+@contextmanager
+def held(r: redis.Redis, name: str, ttl_s: float, deadline: float,
+         poll_s: float = 0.5) -> Iterator[Lease | None]:
+    """Hold the lease ``name`` for the block; None when another holder kept it until
+    ``deadline`` (monotonic). A task that waits holds its message: nothing is acknowledged."""
+    waited_for = None
+    while True:
+        got = try_acquire(r, name, ttl_s)
+        if isinstance(got, Lease):
+            break
+        if waited_for is None:
+            log.warning("waiting for %s, held by %s", name, got)
+            waited_for = got
+        if time.monotonic() + poll_s > deadline:
+            yield None
+            return
+        time.sleep(poll_s)
+    try:
+        yield got
+    finally:
+        got.release()

@@ -1,0 +1,161 @@
+"""Bring a dead worker's messages back in seconds, not after the visibility timeout.
+
+kombu keeps every delivered, unacknowledged message in Redis (``unacked``) and puts it back in
+the queue only once it is ``FARM_VISIBILITY_TIMEOUT_S`` old (20 minutes by default), because
+it cannot tell a dead consumer from a slow one. We can:
+
+- each worker main process has an identity (``liveness.identity()``) and a heartbeat key it
+  refreshes every ``FARM_REAPER_INTERVAL_S``, with a TTL of ``FARM_HEARTBEAT_TTL_S``;
+- when it receives a task message, it records the message's delivery tag as its own
+  (``hsfarm:owners``), and forgets it once the message is acknowledged or handed back
+  (``OwnedRequest``, the task's Request class);
+- every interval, each worker looks at the owners: a message whose owner is gone (a process
+  of this host that no longer runs, or a heartbeat that expired) goes back to the front of
+  the queue through kombu's own ``restore_by_tag`` (WATCH/MULTI on the unacked hash, so a
+  concurrent acknowledgement wins and nothing is restored twice). A gone owner cannot
+  acknowledge late.
+
+Pool processes killed alone are already handled by Celery (``task_reject_on_worker_lost``);
+this is for the main process (SIGKILL, OOM killer, a host that died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import redis
+from celery import Celery, bootsteps
+from celery.worker.request import Request
+
+from worker import keys, liveness
+from worker.settings import Settings
+
+log = logging.getLogger("hsfarm.reaper")
+
+# Forget an owner entry only while it still names that owner (another worker may own the tag
+# by now: the same message, delivered again).
+_FORGET = "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then " \
+          "return redis.call('HDEL', KEYS[1], ARGV[1]) else return 0 end"
+
+
+def heartbeat_key(owner: str) -> str:
+    return f"{keys.HEARTBEAT}:{owner}"
+
+
+def beat(r: redis.Redis, settings: Settings) -> None:
+    """Say that this worker main process is alive (for ``heartbeat_ttl_s``)."""
+    r.set(heartbeat_key(liveness.identity()), "1", ex=max(1, int(settings.heartbeat_ttl_s)))
+
+
+def is_gone(r: redis.Redis, owner: str) -> bool:
+    if liveness.host_of(owner) == liveness.HOST:
+        return liveness.gone_here(owner)
+    return not r.exists(heartbeat_key(owner))
+
+
+def reap(app: Celery, r: redis.Redis) -> int:
+    """Return the messages of gone owners to the queue; forget acknowledged ones.
+
+    Returns how many messages were returned.
+    """
+    me = liveness.identity()
+    owners = {_text(t): _text(o) for t, o in r.hgetall(keys.OWNERS).items()}
+    returned = 0
+    for tag, owner in owners.items():
+        if owner == me:
+            continue
+        if not r.hexists(keys.KOMBU_UNACKED, tag):
+            forget(r, tag, owner)  # acknowledged, or restored by kombu: nothing to do
+            continue
+        if not is_gone(r, owner):
+            continue
+        with app.connection_for_write() as conn:
+            conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
+        forget(r, tag, owner)
+        returned += 1
+        log.warning("returned message %s of gone worker %s to the queue", tag, owner)
+    return returned
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _client(settings: Settings) -> redis.Redis:
+    return redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+
+
+def forget(r: redis.Redis, tag: str, owner: str) -> None:
+    r.eval(_FORGET, 1, keys.OWNERS, tag, owner)
+
+
+class OwnedRequest(Request):
+    """A task request that records, in the worker main process, who holds its message."""
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        self._owner_call(lambda r, tag: r.hset(keys.OWNERS, tag, liveness.identity()))
+
+    def acknowledge(self) -> None:
+        super().acknowledge()
+        self._owner_call(lambda r, tag: forget(r, tag, liveness.identity()))
+
+    def reject(self, requeue: bool = False) -> None:
+        super().reject(requeue=requeue)
+        self._owner_call(lambda r, tag: forget(r, tag, liveness.identity()))
+
+    def _owner_call(self, fn: Any) -> None:
+        from worker.app import settings
+
+        tag = getattr(self.message, "delivery_tag", None)
+        if tag is None:
+            return
+        try:
+            fn(_client_for(settings), tag)
+        except redis.RedisError as e:  # the visibility timeout still covers this message
+            log.warning("cannot record the owner of message %s: %s", tag, e)
+
+
+_CLIENTS: dict[str, redis.Redis] = {}
+
+
+def _client_for(settings: Settings) -> redis.Redis:
+    client = _CLIENTS.get(settings.redis_url)
+    if client is None:
+        client = _CLIENTS[settings.redis_url] = _client(settings)
+    return client
+
+
+class Reaper(bootsteps.StartStopStep):
+    """Heartbeat and reaping on the worker main process's timer."""
+
+    requires = ("celery.worker.components:Timer",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.tref: Any = None
+
+    def start(self, worker: Any) -> None:
+        from worker.app import settings
+
+        self.tick(worker.app, settings)
+        self.tref = worker.timer.call_repeatedly(settings.reaper_interval_s, self.tick,
+                                                 (worker.app, settings), priority=10)
+
+    def tick(self, app: Celery, settings: Settings) -> None:
+        r = _client_for(settings)
+        try:
+            beat(r, settings)
+            reap(app, r)
+        except redis.RedisError as e:
+            log.warning("reaper: redis: %s", e)
+
+    def stop(self, worker: Any) -> None:
+        if self.tref is not None:
+            self.tref.cancel()
+        from worker.app import settings
+
+        with contextlib.suppress(redis.RedisError):
+            _client_for(settings).delete(heartbeat_key(liveness.identity()))

@@ -1,0 +1,97 @@
+"""A worker's start and stop: everything that can go wrong is checked before it consumes.
+
+In the main process, before Celery starts the pool and the consumer (``worker_init``):
+Redis answers and keeps its data (``broker.check_persistence``); the run context is built
+(waiting for the server while it loads the model, when the model path must be asked from
+it); the output directory's manifest matches the run; temp files of dead writers go. Any
+``ConfigError`` stops the process here with exit code 2 and the fix, before a single message
+is taken. Pool processes inherit the context when they fork and only open their own
+connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import redis
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+
+from worker import broker, reaper
+from worker.app import settings
+from worker.errors import ConfigError
+from worker.runtime import RunContext, Runtime
+
+log = logging.getLogger("hsfarm.worker")
+
+CONTEXT: RunContext | None = None  # built in the main process; inherited by pool processes
+MAIN_PID = 0
+_runtime: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    """This process's runtime (a pool process builds its own after the fork)."""
+    global _runtime, CONTEXT
+    if _runtime is None:
+        if CONTEXT is None:  # a pool that does not fork from a started main process
+            CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
+        _runtime = Runtime.for_process(CONTEXT)
+    return _runtime
+
+
+def stop_worker(reason: str) -> None:
+    """Stop the whole worker (warm shutdown): it cannot work until a person fixes ``reason``."""
+    log.critical("stopping this worker: %s", reason)
+    os.kill(MAIN_PID or os.getpid(), signal.SIGTERM)
+
+
+def _wait_for_redis() -> redis.Redis:
+    r = broker.client(settings)
+    said = -math.inf
+    while True:
+        try:
+            r.ping()
+            return r
+        except redis.RedisError as e:
+            if time.monotonic() - said > 30:
+                said = time.monotonic()
+                log.warning("waiting for Redis at %s: %s", broker.where(settings), e)
+            time.sleep(1.0)
+
+
+@worker_init.connect
+def _on_worker_init(**_: Any) -> None:
+    global CONTEXT, MAIN_PID
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    MAIN_PID = os.getpid()
+    try:
+        r = _wait_for_redis()
+        broker.check_persistence(r, settings)
+        CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
+        CONTEXT.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
+        reaper.beat(r, settings)  # alive before the first message is ours
+    except ConfigError as e:
+        log.critical("cannot start: %s", e)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from e  # BaseException: Celery's signal dispatch lets it through
+    log.info("run %s: model %s, output %s", CONTEXT.fingerprint.id, CONTEXT.model_path,
+             settings.output_dir)
+
+
+@worker_process_init.connect
+def _on_process_init(**_: Any) -> None:
+    global _runtime
+    _runtime = None  # never share a loop/session/socket across fork
+    runtime()
+
+
+@worker_process_shutdown.connect
+def _on_process_shutdown(**_: Any) -> None:
+    if _runtime is not None:
+        _runtime.close()
