@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import redis
@@ -11,6 +11,7 @@ import redis
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
 from worker import broker, keys
+from worker.admission import Admission, limits_for_host
 from worker.index import RunIndex
 from worker.settings import Settings
 
@@ -30,6 +31,8 @@ class Status:
     tokens: int
     rate_per_s: float
     eta_s: float | None
+    # this host's admission: limits, and what is held now (when the dump dir is local)
+    admission: dict[str, object] = field(default_factory=dict)
 
     @property
     def remaining(self) -> int:
@@ -50,7 +53,8 @@ class Status:
         return (f"total {self.total}  done {self.done}  queued {self.queued}  "
                 f"unacked {self.unacked}  running {self.running}  retrying {self.retrying}  "
                 f"failed {self.failed}  rejected {self.rejected}{extra}  "
-                f"{self.bytes / 1e6:.1f} MB  {self.rate_per_s:.2f} samples/s  ETA {eta}")
+                f"{self.bytes / 1e6:.1f} MB  {self.rate_per_s:.2f} samples/s  ETA {eta}"
+                + _admission_text(self.admission))
 
 
 def read_status(settings: Settings, fingerprint: c.Fingerprint, window_s: float = 300.0) -> Status:
@@ -64,7 +68,30 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint, window_s: float 
                   running=counts.running, retrying=counts.retrying, failed=counts.failed,
                   rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
                   tokens=counts.tokens, rate_per_s=rate,
-                  eta_s=(remaining / rate) if rate > 0 else None)
+                  eta_s=(remaining / rate) if rate > 0 else None,
+                  admission=host_admission(settings, fingerprint))
+
+
+def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, object]:
+    """This host's in-flight limit and dump budget (as its workers compute them), and what
+    its workers hold now when the dump dir is on this host."""
+    limits = limits_for_host(settings, fingerprint.hidden_size, timeout_s=1.0)
+    out: dict[str, object] = {"max_in_flight": limits.max_in_flight,
+                              "dump_budget_bytes": limits.dump_budget_bytes,
+                              "limits_from": limits.source}
+    if settings.dump_dir.is_dir():
+        held = Admission(settings.dump_dir, limits, wait_s=0).usage()
+        out.update(in_flight=held.requests, dump_bytes_held=held.dump_bytes)
+    return out
+
+
+def _admission_text(a: dict[str, object]) -> str:
+    if not a:
+        return ""
+    held = f"{a['in_flight']}/" if "in_flight" in a else "max "
+    gb = f"{int(str(a['dump_bytes_held'])) / 1e9:.2f}/" if "dump_bytes_held" in a else ""
+    budget_gb = int(str(a["dump_budget_bytes"])) / 1e9
+    return f"  in flight {held}{a['max_in_flight']}  dumps {gb}{budget_gb:.2f} GB"
 
 
 def _rate(r: redis.Redis, index: RunIndex, window_s: float) -> float:

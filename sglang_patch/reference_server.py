@@ -1,7 +1,10 @@
 """Reference server: SGLang's HTTP subset over a transformers model, through the same dump code.
 
     python -m sglang_patch.reference_server --port 30000 --dump-dir /dev/shm/hsd \
-        [--model tiny|PATH] [--chunked-prefill-size 8192]
+        [--model tiny|synthetic|PATH] [--chunked-prefill-size 8192] [--tokens-per-s N]
+
+``--model synthetic`` needs no model: deterministic Kimi-sized hidden states
+(``--hidden-size``, default 7168; see ``synthetic.py``) at ``--tokens-per-s``, for load tests.
 
 Endpoints: ``POST /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``
 (alias ``/get_model_info``), ``GET /server_info`` (alias ``/get_server_info``).
@@ -35,6 +38,13 @@ from sglang_patch import contracts as c
 from sglang_patch.dump_writer import DumpCollector, DumpWriter, write_ready_marker
 from sglang_patch.faults import Fault, FaultyWriter
 from sglang_patch.reference_model import ReferenceModel
+from sglang_patch.synthetic import (
+    KIMI_HIDDEN_SIZE,
+    KIMI_LAYERS,
+    PooledStager,
+    SyntheticModel,
+    ensure_synthetic_model,
+)
 from sglang_patch.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("hsfarm.reference_server")
@@ -63,10 +73,16 @@ class _Batch:
 
 
 class Scheduler:
-    """Continuous prefill batching with chunking, one model thread, like SGLang's scheduler."""
+    """Continuous prefill batching with chunking, one model thread, like SGLang's scheduler.
 
-    def __init__(self, model: ReferenceModel, collector: DumpCollector, chunk_size: int,
-                 max_batch_tokens: int = 16384, forward_delay_s: float = 0.0) -> None:
+    ``tokens_per_s`` paces forward passes (a pass of n tokens lasts at least n / rate), so a
+    fast stand-in model serves at a GPU host's rate; ``busy_s`` counts the time spent in
+    passes, so ``1 - busy_s / uptime`` is how idle the clients left the server.
+    """
+
+    def __init__(self, model: ReferenceModel | SyntheticModel, collector: DumpCollector,
+                 chunk_size: int, max_batch_tokens: int = 16384, forward_delay_s: float = 0.0,
+                 tokens_per_s: float = 0.0) -> None:
         self.model = model
         self.collector = collector
         self.budget = chunk_size if chunk_size > 0 else max_batch_tokens
@@ -77,6 +93,10 @@ class Scheduler:
         self.running: set[str] = set()
         self.forward_passes = 0
         self.forward_delay_s = forward_delay_s
+        self.tokens_per_s = tokens_per_s
+        self.tokens_done = 0
+        self.busy_s = 0.0
+        self.started_s = time.monotonic()
 
     def submit(self, req: _Req) -> None:
         if req.rid in self.running:
@@ -99,6 +119,7 @@ class Scheduler:
             if not batch.items:
                 self._wake.clear()
                 continue
+            t0 = time.monotonic()
             try:
                 await loop.run_in_executor(self._executor, self._forward, batch)
             except Exception as e:  # a broken batch fails its requests, not the server
@@ -106,6 +127,8 @@ class Scheduler:
                 for req, _, _ in batch.items:
                     self._finish(req, error=e)
                 continue
+            finally:
+                self.busy_s += time.monotonic() - t0
             for req, _, _ in batch.items:
                 if req.pos == len(req.ids):
                     self._finish(req)
@@ -122,7 +145,36 @@ class Scheduler:
         return batch
 
     def _forward(self, batch: _Batch) -> None:
-        ids, hidden, aux = [], [], []
+        t0 = time.monotonic()
+        if isinstance(self.model, SyntheticModel):  # one pass into pooled buffers, no cat
+            out = self.model.forward_batch([(r.ids[p : p + t], p) for r, p, t in batch.items])
+            ids, hidden, aux, next_tokens = out.ids, out.hidden, out.aux, out.next_tokens
+        else:
+            ids, hidden, aux, next_tokens = self._forward_each(batch)
+        for (req, _, _), token in zip(batch.items, next_tokens, strict=True):
+            req.next_token = token
+        self.collector.on_forward(
+            rids=[r.rid for r, _, _ in batch.items],
+            prefix_lens=[p for _, p, _ in batch.items],
+            extend_lens=[t for _, _, t in batch.items],
+            input_ids=ids,
+            hidden=hidden,
+            aux=aux,
+        )
+        for req, prefix, take in batch.items:
+            req.pos = prefix + take
+        self.forward_passes += 1
+        tokens = sum(take for _, _, take in batch.items)
+        self.tokens_done += tokens
+        if self.tokens_per_s > 0:  # pace: the pass lasts as long as it would at that rate
+            time.sleep(max(0.0, t0 + tokens / self.tokens_per_s - time.monotonic()))
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)
+
+    def _forward_each(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     list[int]]:
+        """Each request's chunk on its own cache, concatenated as SGLang's batch is."""
+        ids, hidden, aux, next_tokens = [], [], [], []
         for req, prefix, take in batch.items:
             if req.cache is None:
                 req.cache = self.model.new_cache()
@@ -131,20 +183,8 @@ class Scheduler:
             ids.append(torch.tensor(chunk, dtype=torch.int64))
             hidden.append(out.hidden)
             aux.append(out.aux)
-            req.next_token = out.next_token
-        self.collector.on_forward(
-            rids=[r.rid for r, _, _ in batch.items],
-            prefix_lens=[p for _, p, _ in batch.items],
-            extend_lens=[t for _, _, t in batch.items],
-            input_ids=torch.cat(ids),
-            hidden=torch.cat(hidden),
-            aux=torch.cat(aux),
-        )
-        for req, prefix, take in batch.items:
-            req.pos = prefix + take
-        self.forward_passes += 1
-        if self.forward_delay_s:
-            time.sleep(self.forward_delay_s)
+            next_tokens.append(out.next_token)
+        return torch.cat(ids), torch.cat(hidden), torch.cat(aux), next_tokens
 
     def _finish(self, req: _Req, error: BaseException | None = None) -> None:
         self.running.discard(req.rid)
@@ -214,13 +254,16 @@ class ReferenceServer:
         from transformers import AutoTokenizer
 
         self.args = args
-        self.model_path = _resolve_model(args.model, Path(args.cache_dir))
-        self.model = ReferenceModel(
-            self.model_path,
-            layers_to_capture=tuple(args.layers_to_capture) if args.layers_to_capture else None,
-            dtype=getattr(torch, args.dtype),
-            threads=args.threads,
-        )
+        self.model_path = _resolve_model(args, Path(args.cache_dir))
+        layers = tuple(args.layers_to_capture) if args.layers_to_capture else None
+        self.model: ReferenceModel | SyntheticModel
+        if args.model == "synthetic":
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            self.model = SyntheticModel(self.model_path, layers_to_capture=layers)
+        else:
+            self.model = ReferenceModel(self.model_path, layers_to_capture=layers,
+                                        dtype=getattr(torch, args.dtype), threads=args.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.dump_dir = Path(args.dump_dir)
         meta = {
@@ -235,7 +278,8 @@ class ReferenceServer:
                                                    min_free_bytes=args.dump_reserve_bytes)
         else:
             self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes)
-        self.collector = DumpCollector(self.writer, ttl_s=args.dump_ttl_s)
+        stager = PooledStager(self.model.pool) if isinstance(self.model, SyntheticModel) else None
+        self.collector = DumpCollector(self.writer, stager=stager, ttl_s=args.dump_ttl_s)
         self.scheduler: Scheduler | None = None
 
     def ready_info(self) -> dict[str, object]:
@@ -265,7 +309,8 @@ class ReferenceServer:
 
     async def _start(self, app: web.Application) -> None:
         self.scheduler = Scheduler(self.model, self.collector, self.args.chunked_prefill_size,
-                                   forward_delay_s=self.args.forward_delay_s)
+                                   forward_delay_s=self.args.forward_delay_s,
+                                   tokens_per_s=self.args.tokens_per_s)
         app["scheduler_task"] = asyncio.create_task(self.scheduler.run())
         write_ready_marker(self.dump_dir, self.ready_info())
         log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s", self.model_path,
@@ -326,12 +371,27 @@ class ReferenceServer:
             "forward_passes": self.scheduler.forward_passes if self.scheduler else 0,
             "dumps_written": self.writer.written,
             "dump_errors": self.writer.errors,
+            **self._load_info(),
         })
 
+    def _load_info(self) -> dict[str, object]:
+        """How busy the model thread was: for load tests (idle = 1 - busy_s / uptime_s)."""
+        sch = self.scheduler
+        if sch is None:
+            return {}
+        return {"tokens_per_s_limit": self.args.tokens_per_s, "tokens_done": sch.tokens_done,
+                "busy_s": round(sch.busy_s, 4),
+                "uptime_s": round(time.monotonic() - sch.started_s, 4),
+                "dump_writer_blocked_s": round(self.writer.blocked_s, 4),
+                "waiting_requests": len(sch.running)}
 
-def _resolve_model(model: str, cache_dir: Path) -> Path:
+
+def _resolve_model(args: argparse.Namespace, cache_dir: Path) -> Path:
+    model = args.model
     if model == "tiny":
         return ensure_tiny_model(cache_dir)
+    if model == "synthetic":
+        return ensure_synthetic_model(cache_dir, args.hidden_size, args.num_layers)
     path = Path(model)
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model {model}: no config.json there (a local model dir or 'tiny')")
@@ -344,7 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dump-dir", required=True, help="where dumps go (tmpfs in production)")
-    p.add_argument("--model", default="tiny", help="'tiny' (built locally) or a local HF dir")
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (built locally), 'synthetic' (no model) or a local HF dir")
+    p.add_argument("--hidden-size", type=int, default=KIMI_HIDDEN_SIZE,
+                   help="synthetic model: hidden size (Kimi-K2: 7168)")
+    p.add_argument("--num-layers", type=int, default=KIMI_LAYERS,
+                   help="synthetic model: layer count (Kimi-K2: 61)")
+    p.add_argument("--tokens-per-s", type=float, default=0.0,
+                   help="pace forward passes to this rate (0: as fast as the model runs)")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hsfarm"),
                    help="where the tiny model is built")
     p.add_argument("--chunked-prefill-size", type=int, default=8192,

@@ -84,6 +84,13 @@ class ServerClient:
             raise Transient(f"unexpected /model_info answer: {info!r:.200}")
         return info
 
+    async def server_info(self) -> dict[str, Any]:
+        """SGLang's ``/server_info`` (its server args: chunked prefill size, limits, ...)."""
+        info = await self._request("GET", "/server_info")
+        if not isinstance(info, dict):
+            raise Transient(f"unexpected /server_info answer: {info!r:.200}")
+        return info
+
     async def reachable(self, timeout_s: float | None = None) -> bool:
         """A cheap liveness probe (``/model_info``: no forward pass, unlike SGLang's /health)."""
         try:

@@ -1,14 +1,18 @@
 """Collect the hook's per-request dump from the dump dir (tmpfs) and check it against the request.
 
 The server's HTTP answer can arrive before the writer thread renames the dump into place, so
-the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline.
+the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline. ``open_dump``
+checks its layout, ids and metadata and keeps it open for the store to copy; its values are
+checked in the same pass as the copy (``Dump.part``, ``Dump.verdict``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import numpy as np
 from sglang_patch import contracts as c
 from worker import tensorfile
 from worker.errors import Corrupt, NoSpace, Transient
+from worker.finalfile import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
@@ -57,37 +62,120 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
-def load_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> tensorfile.TensorFile:
-    """Read a dump and check it against what was sent and the run fingerprint.
+class Dump:
+    """An open dump whose layout, ids and metadata were checked; its values are checked as
+    its parts are copied (``part``'s check), and ``verdict`` reports what was found.
+
+    A context manager. On exit the file is closed, and a ``Part`` taken from it can no longer
+    be copied (its ``fileno()`` raises), so a recycled descriptor number is never read.
+    """
+
+    def __init__(self, path: Path, file: io.FileIO, header: tensorfile.Header,
+                 ids: bytes) -> None:
+        self.path = path
+        self.file = file
+        self.header = header
+        self.ids = ids
+        self.nonfinite: dict[str, int] = {}
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.header.metadata
+
+    def part(self, name: str) -> Part:
+        """One tensor of the dump, to be written into a final file. The bf16 ones are tested
+        for NaN/Inf piece by piece as the store copies them."""
+        e = self.header.tensors[name]
+        if name == c.T_INPUT_IDS:
+            return Part(e.dtype, e.shape, data=self.ids)
+        self.nonfinite[name] = 0
+
+        def check(piece: memoryview) -> None:
+            self.nonfinite[name] += _count_nonfinite(piece)
+
+        return Part(e.dtype, e.shape, source=self.file,
+                    offset=self.header.data_start + e.begin, check=check)
+
+    def verdict(self) -> None:
+        """Raises Corrupt if the parts copied so far held NaN or Inf values (with counts)."""
+        problems = [f"{name} has {n} NaN/Inf values" for name, n in self.nonfinite.items() if n]
+        if problems:
+            raise Corrupt(f"dump {self.path.name}: " + "; ".join(problems))
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Dump:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Dump:
+    """Open a dump and check its layout, ids and metadata against the request and the run.
+
+    Cheap (the header and the ids); the values are checked as the parts are copied.
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
+        Transient: the dump could not be read.
     """
-    tf = tensorfile.read(path)
-    t = tf.tensors
-    missing = {c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX} - set(t)
-    if missing:
-        raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")
-    n, h = len(sent_ids), fingerprint.hidden_size
-    problems = []
-    ids = t[c.T_INPUT_IDS]
-    if ids.dtype != "I64" or ids.shape != (n,):
-        problems.append(f"input_ids {ids.dtype}{list(ids.shape)}, sent {n} tokens")
-    elif not np.array_equal(ids.array, np.asarray(sent_ids, dtype=np.int64)):
-        first = int(np.argmax(ids.array != np.asarray(sent_ids)))
-        problems.append(f"input_ids differ from those sent (first at position {first})")
-    for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
-        x = t[name]
-        if x.dtype != "BF16" or x.shape != (n, width):
-            problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected BF16[{n}, {width}]")
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by Dump, or below on error)
+    except OSError as e:
+        raise Transient(f"cannot open dump {path.name}: {e}") from e
+    try:
+        return _check(path, f, sent_ids, fingerprint)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> Dump:
+    try:
+        header = tensorfile.read_header_fd(f.fileno(), path.name)
+        t = header.tensors
+        missing = {c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX} - set(t)
+        if missing:
+            raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")
+        n, h = len(sent_ids), fp.hidden_size
+        problems = []
+        ids = t[c.T_INPUT_IDS]
+        raw_ids = b""
+        if ids.dtype != "I64" or ids.shape != (n,):
+            problems.append(f"input_ids {ids.dtype}{list(ids.shape)}, sent {n} tokens")
         else:
-            bad = tensorfile.bf16_nonfinite(x.array)
-            if bad:
-                problems.append(f"{name} has {bad} NaN/Inf values")
-    problems += _metadata_problems(tf.metadata, fingerprint)
+            raw_ids = os.pread(f.fileno(), ids.nbytes, header.data_start + ids.begin)
+            problems += _ids_problems(raw_ids, sent_ids)
+        for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
+            x = t[name]
+            if x.dtype != "BF16" or x.shape != (n, width):
+                problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected BF16[{n}, {width}]")
+    except OSError as e:
+        raise Transient(f"reading dump {path.name}: {e}") from e
+    problems += _metadata_problems(header.metadata, fp)
     if problems:
         raise Corrupt(f"dump {path.name}: " + "; ".join(problems))
-    return tf
+    return Dump(path, f, header, raw_ids)
+
+
+def _ids_problems(raw_ids: bytes, sent_ids: list[int]) -> list[str]:
+    got, want = np.frombuffer(raw_ids, dtype="<i8"), np.asarray(sent_ids, dtype=np.int64)
+    if len(raw_ids) != want.nbytes:
+        return ["input_ids: short read"]
+    if np.array_equal(got, want):
+        return []
+    return [f"input_ids differ from those sent (first at position {int(np.argmax(got != want))})"]
+
+
+def _count_nonfinite(piece: memoryview) -> int:
+    """NaN/Inf values in a piece of bf16 bytes: a fast test, a count only if one is found."""
+    values = np.frombuffer(piece, dtype="<u2")
+    try:
+        return tensorfile.bf16_nonfinite(values) if tensorfile.bf16_any_nonfinite(values) else 0
+    finally:
+        del values  # no array may outlive the mapping it views
 
 
 def _metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:

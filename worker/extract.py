@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 from sglang_patch import contracts as c
 from worker import store as st
 from worker import tensorfile
-from worker.dumps import discard_dumps, load_dump, wait_for_dump
+from worker.dumps import discard_dumps, open_dump, wait_for_dump
 from worker.errors import Corrupt, KeyTaken
 from worker.lease import Lease
 from worker.runtime import Runtime
@@ -94,34 +95,51 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
     discard_dumps(rt.settings.dump_dir, ref.key)
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
-    dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids))
-    try:
-        log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
-        tf = load_dump(dump, tok.input_ids, rt.fingerprint)
-        tensors = {
-            c.T_INPUT_IDS: tf.tensors[c.T_INPUT_IDS],
-            c.T_LOSS_MASK: tensorfile.Tensor("I64", np.asarray(tok.loss_mask, dtype=np.int64)),
-            c.T_HIDDEN: tf.tensors[c.T_HIDDEN],
-            c.T_AUX: tf.tensors[c.T_AUX],
-        }
-        meta = {
-            st.M_SOURCE_ID: json.dumps(sample.source_id),
-            st.M_SOURCE_FILE: ref.file,
-            st.M_CONTENT: ref.sha256,
-            st.M_TRUNCATED: str(tok.truncated_from),
-            c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
-            c.M_PATCH_VERSION: tf.metadata.get(c.M_PATCH_VERSION, ""),
-            c.M_SERVER_VERSION: tf.metadata.get(c.M_SERVER_VERSION, ""),
-        }
-        lease.check()  # another attempt owns the sample now: write nothing
-        rt.store.write(ref.key, tensors, meta)
-        v = rt.store.verify(ref.key, ref.sha256)  # a bad file is replaced by the next attempt
-    finally:
-        dump.unlink(missing_ok=True)
+    with rt.admission.admit(n) as ticket:  # a request place, and tmpfs room for the dump
+        dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids))
+        ticket.answered()
+        try:
+            log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
+            meta = {
+                st.M_SOURCE_ID: json.dumps(sample.source_id),
+                st.M_SOURCE_FILE: ref.file,
+                st.M_TRUNCATED: str(tok.truncated_from),
+                c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
+            }
+            v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
+                           meta, before_write=lease.check)  # lost the lease: write nothing
+        finally:
+            dump.unlink(missing_ok=True)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
     log.info("%s a%d done n=%d bytes=%d +%.2fs", ref.key, attempt, v.tokens, v.size_bytes,
              time.monotonic() - t0)
     return Result("done", v.tokens, v.size_bytes)
+
+
+def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mask: list[int],
+               key: str, content_sha256: str, meta: dict[str, str],
+               before_write: Callable[[], None] | None = None) -> st.Verified:
+    """One sample's data path: validate the dump, write the final file, verify it from disk.
+
+    ``meta`` is completed with the content hash and the dump's patch and server versions.
+    ``before_write`` runs once the dump's layout, ids and metadata passed, just before the
+    final file is written (the lease check). A file that fails verification is left for the
+    next attempt to replace atomically. Raises Corrupt, NoSpace or Transient.
+    """
+    with open_dump(dump, input_ids, store.fingerprint) as d:
+        parts = {
+            c.T_INPUT_IDS: d.part(c.T_INPUT_IDS),
+            c.T_LOSS_MASK: st.Part.from_array("I64", np.asarray(loss_mask, dtype=np.int64)),
+            c.T_HIDDEN: d.part(c.T_HIDDEN),
+            c.T_AUX: d.part(c.T_AUX),
+        }
+        meta = {**meta, st.M_CONTENT: content_sha256,
+                c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
+                c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
+        if before_write is not None:
+            before_write()
+        store.write(key, parts, meta, validate=d.verdict)
+    return store.verify(key, content_sha256)
 
 
 async def _request(rt: Runtime, rid: str, ids: list[int]) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sglang_patch import contracts as c
 from worker import broker, liveness
+from worker.admission import Admission, Limits, limits_for_host
 from worker.chat import ChatTokenizer
 from worker.client import ServerClient
 from worker.fingerprint import load_run
@@ -34,6 +35,7 @@ class RunContext:
     chat: ChatTokenizer
     fingerprint: c.Fingerprint
     store: OutputStore
+    limits: Limits  # the host's admission limits (in flight, dump budget)
 
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
@@ -43,7 +45,9 @@ class RunContext:
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s).open()
         settings.dump_dir.mkdir(parents=True, exist_ok=True)
-        return cls(settings, model_path, chat, fp, store)
+        limits = limits_for_host(settings, fp.hidden_size)
+        log.info("admission: %s", limits.describe())
+        return cls(settings, model_path, chat, fp, store, limits)
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Runtime:
     store: OutputStore
     index: RunIndex
     hostname: str
+    admission: Admission
 
     @classmethod
     def for_process(cls, ctx: RunContext) -> Runtime:
@@ -66,7 +71,8 @@ class Runtime:
         return cls(settings=s, loop=loop, client=ServerClient(s.server_url, s.request_timeout_s),
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
                    index=RunIndex(broker.client(s), ctx.fingerprint.id),
-                   hostname=liveness.HOST)
+                   hostname=liveness.HOST,
+                   admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2))
 
     def close(self) -> None:
         try:

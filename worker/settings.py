@@ -50,6 +50,10 @@ class Settings:
     heartbeat_ttl_s: float = 20.0  # a worker whose heartbeat is this old is dead
     reaper_interval_s: float = 5.0  # how often a worker returns dead workers' messages
     log_level: str = "INFO"
+    # Host-wide admission (worker/admission.py), 0 = sized from the server and tmpfs: requests
+    # in flight to the server at once, and tmpfs bytes their dumps may take until collected.
+    max_in_flight: int = 0
+    dump_budget_bytes: int = 0
     # Fault injection for the crash tests only: sleep between writing a final file's temp file
     # and its rename, so a test can kill a process mid-copy. Never set it in production.
     debug_write_delay_s: float = 0.0
@@ -77,6 +81,8 @@ class Settings:
                 f"FARM_RETRY_BACKOFF_MAX_S ({self.visibility_timeout_s} <= "
                 f"{self.task_time_limit_s} + {self.retry_backoff_max_s})"
             )
+        if self.max_in_flight < 0 or self.dump_budget_bytes < 0:
+            out.append("FARM_MAX_IN_FLIGHT and FARM_DUMP_BUDGET_BYTES must be >= 0 (0 = auto)")
         if self.heartbeat_ttl_s < 2 * self.reaper_interval_s:
             out.append("FARM_HEARTBEAT_TTL_S must be at least twice FARM_REAPER_INTERVAL_S")
         if self.lease_ttl_s < 3:

@@ -1,36 +1,40 @@
 """The output directory: manifest, durable final files, verification from disk, cleanup.
 
 Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors``.
-Every write is temp file → fsync → rename → fsync(dir); "verified" means read back with the
-page cache dropped and every per-tensor checksum compared.
+Every write is temp file → fsync → rename → fsync(dir); "verified" means read back from the
+device (the file's pages dropped from the page cache first) and every per-tensor checksum
+compared.
+
+The data path streams (``finalfile``): a final file is written from its parts in one pass,
+checksummed on the way, and read back in bounded chunks. No step holds a whole tensor in
+memory. ``Part`` is re-exported here for callers of ``write``.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from safetensors import SafetensorError
-
 from sglang_patch import contracts as c
-from worker import tensorfile
+from worker import checksums, diskio, tensorfile
 from worker.errors import ConfigError, Corrupt, NoSpace, Transient
+from worker.finalfile import Part, read_back, write_parts
 
 log = logging.getLogger("hsfarm.store")
 
 MANIFEST = "manifest.json"
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
 M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
-M_FINGERPRINT, M_CHECKSUMS, M_TRUNCATED = "fingerprint_id", "sha256", "truncated_from"
+M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
 FINAL_TENSORS = {  # name -> dtype of the final file
     c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
 }
@@ -41,7 +45,9 @@ class Verified:
     path: Path
     tokens: int
     size_bytes: int
-    file: tensorfile.TensorFile  # what was read back, for callers that check more (audit)
+    # What was read back, for callers that check more (audit): the metadata and the small
+    # tensors (input_ids, loss_mask). The hidden states were checked in passing, not kept.
+    file: tensorfile.TensorFile
 
 
 def free_bytes(path: Path) -> int:
@@ -68,21 +74,12 @@ def check_free(path: Path, reserve_bytes: int, what: str) -> None:
         raise Transient(f"{what} {path} low: {free} bytes free < reserve {reserve_bytes}")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = diskio.fsync_dir
 
 
 def _tmp_tag() -> str:
     """host.pid.random: lets start-up cleanup tell a crashed writer's temp from a live one's."""
     return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-
-
-def checksum(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).data).hexdigest()
 
 
 class OutputStore:
@@ -144,44 +141,54 @@ class OutputStore:
         """Raises Transient when the output disk is below its free-space reserve."""
         check_free(self.out_dir, self.min_free_bytes, "output disk")
 
-    def write(self, key: str, tensors: dict[str, tensorfile.Tensor],
-              metadata: dict[str, str]) -> Path:
-        """Write a final file durably and atomically. Raises Transient on ENOSPC/EIO."""
-        meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id,
-                M_CHECKSUMS: json.dumps({k: checksum(t.array) for k, t in tensors.items()},
-                                        sort_keys=True)}
+    def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
+              validate: Callable[[], None] | None = None) -> Path:
+        """Write a final file durably and atomically, its pages dropped from the cache.
+
+        ``validate`` runs once every byte went through the parts' checks (``write_parts``).
+
+        Raises:
+            NoSpace: ENOSPC/EDQUOT, whichever call hit it.
+            Transient: any other I/O error.
+            Corrupt: from ``validate`` (nothing is left on disk then).
+        """
         final = self.final_path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
         self._remove_dead_temps(final)
+        meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         try:
-            tensorfile.write(tmp, tensors, meta)
-            if self.debug_write_delay_s:
-                time.sleep(self.debug_write_delay_s)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-        except (OSError, SafetensorError) as e:
-            need = sum(t.array.nbytes for t in tensors.values())
-            if is_no_space(e):
-                raise NoSpace(f"writing {final}: {e}", need_bytes=need) from e
-            raise Transient(f"writing {final}: {e}") from e
+            with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
+                self._write_tmp(tmp, parts, meta, validate)
+                os.replace(tmp, final)
+                fsync_dir(final.parent)
         finally:
             tmp.unlink(missing_ok=True)
         return final
 
+    def _write_tmp(self, tmp: Path, parts: dict[str, Part], meta: dict[str, str],
+                   validate: Callable[[], None] | None) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_parts(fd, parts, meta, validate)
+            if self.debug_write_delay_s:
+                time.sleep(self.debug_write_delay_s)
+            os.fsync(fd)
+            os.fchmod(fd, 0o644)
+            diskio.drop_cache(fd)  # so that verification reads the device, and RAM stays free
+        finally:
+            os.close(fd)
+
     def verify(self, key: str, content_sha256: str | None = None) -> Verified:
-        """Read the final file back from disk and check it completely.
+        """Read the final file back from the disk (not the page cache) and check it completely.
 
         Raises:
             Corrupt: missing tensors, wrong dtypes/shapes, checksum or fingerprint mismatch.
             FileNotFoundError: there is no final file.
         """
         path = self.final_path(key)
-        tf = tensorfile.read(path, drop_cache=True)
-        meta = tf.metadata
+        header, sums, small = read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK})
+        meta = header.metadata
         problems = []
         if meta.get(M_KEY) != key:
             problems.append(f"sample_key {meta.get(M_KEY)!r}")
@@ -189,27 +196,24 @@ class OutputStore:
             problems.append(f"fingerprint {meta.get(M_FINGERPRINT)!r} != {self.fingerprint.id}")
         if content_sha256 is not None and meta.get(M_CONTENT) != content_sha256:
             problems.append(f"content hash {meta.get(M_CONTENT)!r} != {content_sha256}")
-        problems += self._shape_problems(tf)
-        sums = json.loads(meta.get(M_CHECKSUMS, "{}"))
-        for name, t in tf.tensors.items():
-            if sums.get(name) != checksum(t.array):
-                problems.append(f"checksum of {name}")
+        problems += self._shape_problems(header)
+        problems += _checksum_problems(meta, sums)
         if problems:
             raise Corrupt(f"{path}: " + "; ".join(problems))
-        return Verified(path, int(tf.tensors[c.T_INPUT_IDS].shape[0]), tf.size_bytes, tf)
+        tf = tensorfile.TensorFile(small, meta, header.size_bytes)
+        return Verified(path, int(header.tensors[c.T_INPUT_IDS].shape[0]), header.size_bytes, tf)
 
-    def _shape_problems(self, tf: tensorfile.TensorFile) -> list[str]:
-        missing = set(FINAL_TENSORS) - set(tf.tensors)
+    def _shape_problems(self, header: tensorfile.Header) -> list[str]:
+        t = header.tensors
+        missing = set(FINAL_TENSORS) - set(t)
         if missing:
             return [f"missing tensors {sorted(missing)}"]
-        out = [f"{k} dtype {tf.tensors[k].dtype}" for k, d in FINAL_TENSORS.items()
-               if tf.tensors[k].dtype != d]
-        t = tf.tensors[c.T_INPUT_IDS].shape[0]
+        out = [f"{k} dtype {t[k].dtype}" for k, d in FINAL_TENSORS.items() if t[k].dtype != d]
+        n = t[c.T_INPUT_IDS].shape[0] if t[c.T_INPUT_IDS].shape else -1
         h = self.fingerprint.hidden_size
-        want = {c.T_INPUT_IDS: (t,), c.T_LOSS_MASK: (t,), c.T_HIDDEN: (t, h),
-                c.T_AUX: (t, c.AUX_LAYERS * h)}
-        out += [f"{k} shape {tf.tensors[k].shape} != {s}" for k, s in want.items()
-                if tf.tensors[k].shape != s]
+        want = {c.T_INPUT_IDS: (n,), c.T_LOSS_MASK: (n,), c.T_HIDDEN: (n, h),
+                c.T_AUX: (n, c.AUX_LAYERS * h)}
+        out += [f"{k} shape {t[k].shape} != {s}" for k, s in want.items() if t[k].shape != s]
         return out
 
     def _remove_dead_temps(self, final: Path) -> None:
@@ -254,3 +258,20 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextmanager
+def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
+    """The store's one boundary for I/O errors: no space → NoSpace, the rest → Transient."""
+    try:
+        yield
+    except OSError as e:
+        if is_no_space(e):
+            raise NoSpace(f"{what}: {e.strerror}", need_bytes=need_bytes) from e
+        raise Transient(f"{what}: {e}") from e
+
+
+def _checksum_problems(meta: dict[str, str], got: dict[str, str]) -> list[str]:
+    """Compare the digests read back (with the metadata's algorithm) with the metadata's."""
+    _, recorded = checksums.file_checksums(meta)
+    return [f"checksum of {name}" for name in sorted(got) if recorded.get(name) != got[name]]

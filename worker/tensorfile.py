@@ -1,30 +1,75 @@
-"""Safetensors files without torch: raw little-endian buffers as numpy arrays.
+"""The safetensors format without torch: headers parsed and built here, data as raw bytes.
 
-bf16 has no numpy dtype, so bf16 tensors are held as ``uint16`` arrays and written with the
-``bfloat16`` tag; the bytes are exactly the ones the hook wrote. Uses the safetensors
-library's own serializer and parser.
+A file is ``u64 header length | JSON header | data``; the header maps each tensor name to its
+dtype, shape and ``[begin, end)`` byte range in the data, plus a ``__metadata__`` string map.
+Parsing and building the header ourselves lets the worker stream tensor bytes between files
+(kernel copies, bounded chunks) instead of materialising whole tensors; the checks are the
+ones the safetensors library applies (known dtype, sizes that match shapes, ranges that tile
+the data exactly), and the tests hold our files against that library.
+
+bf16 has no numpy dtype, so bf16 tensors are held as ``uint16`` arrays; the bytes are exactly
+the ones the hook wrote.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, TensorSpec, deserialize, serialize_file
 
 from worker.errors import Corrupt
 
-# safetensors dtype tag -> (numpy dtype holding the raw bytes, name used when writing)
-_DTYPES: dict[str, tuple[np.dtype, str]] = {
-    "BF16": (np.dtype("<u2"), "bfloat16"),
-    "I64": (np.dtype("<i8"), "int64"),
-    "I32": (np.dtype("<i4"), "int32"),
-    "U8": (np.dtype("u1"), "uint8"),
-    "F32": (np.dtype("<f4"), "float32"),
+# safetensors dtype tag -> numpy dtype holding the raw bytes
+_DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "U8": np.dtype("u1"),
+    "F32": np.dtype("<f4"),
 }
+# the order the safetensors library lays tensors out in: wider dtypes first, then by name
+_LAYOUT_RANK = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "U8": 4}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+_BF16_EXP_MASK = 0x7F80
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a header: dtype tag, shape, and byte range relative to the data start."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    tensors: dict[str, Entry]
+    metadata: dict[str, str]
+    data_start: int  # file offset of the data: 8 + header length
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: e.shape for name, e in self.tensors.items()}
+
+    @property
+    def size_bytes(self) -> int:
+        """What the whole file's size must be (and is: ``parse_header`` checks it)."""
+        return self.data_start + max((e.end for e in self.tensors.values()), default=0)
+
+    def file_ranges(self) -> list[tuple[str, int, int]]:
+        """(name, file offset, nbytes) for every tensor, in file order."""
+        return sorted(((n, self.data_start + e.begin, e.nbytes) for n, e in self.tensors.items()),
+                      key=lambda r: r[1])
 
 
 @dataclass
@@ -46,77 +91,110 @@ class TensorFile:
     size_bytes: int
 
 
-def read(path: Path, drop_cache: bool = False) -> TensorFile:
-    """Read and parse a whole file.
+def header_length(first8: bytes, file_size: int, name: str) -> int:
+    """The JSON header's length from a file's first 8 bytes. Raises Corrupt if implausible."""
+    if len(first8) < 8:
+        raise Corrupt(f"{name}: not a valid safetensors file: {len(first8)} bytes")
+    n = int.from_bytes(first8[:8], "little")
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise Corrupt(f"{name}: not a valid safetensors file: header length {n}, "
+                      f"file size {file_size}")
+    return n
 
-    Args:
-        drop_cache: evict the file's pages first, so the bytes come from the disk, not from
-            the page cache (used to verify what was written).
+
+def parse_header(raw: bytes, file_size: int, name: str) -> Header:
+    """Parse and check the JSON header ``raw`` (the bytes after the length) of a file.
 
     Raises:
-        Corrupt: the file is not a well-formed safetensors file.
-        OSError: the file cannot be opened or read.
+        Corrupt: not JSON, unknown dtype, a size that does not match its shape, ranges that
+            do not tile the data exactly, or a file size that does not match (truncated).
     """
-    with open(path, "rb") as f:
-        if drop_cache:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        raw = f.read()
     try:
-        parsed = deserialize(raw)
-    except (SafetensorError, ValueError) as e:
-        raise Corrupt(f"{path.name}: not a valid safetensors file: {e}") from e
-    # the header deserialize just validated: 8-byte length, then JSON (no second open)
-    header_len = int.from_bytes(raw[:8], "little")
-    metadata = dict(json.loads(raw[8 : 8 + header_len]).get("__metadata__") or {})
-    tensors = {}
-    for name, t in parsed:
-        dtype, data, shape = str(t["dtype"]), t["data"], t["shape"]
-        if dtype not in _DTYPES:
-            raise Corrupt(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
-        assert isinstance(data, bytes | bytearray) and isinstance(shape, list)
-        tensors[name] = Tensor(dtype, np.frombuffer(data, dtype=_DTYPES[dtype][0]).reshape(shape))
-    return TensorFile(tensors, metadata, len(raw))
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("header is not an object")
+        meta = body.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise ValueError("__metadata__ is not a string map")
+        tensors = {k: _entry(k, v) for k, v in body.items()}
+    except (ValueError, TypeError, KeyError) as e:
+        raise Corrupt(f"{name}: not a valid safetensors file: {e}") from e
+    header = Header(tensors, dict(meta), 8 + len(raw))
+    pos = 0
+    for tname, _, nbytes in header.file_ranges():
+        if tensors[tname].begin != pos:
+            raise Corrupt(f"{name}: not a valid safetensors file: {tname} starts at "
+                          f"{tensors[tname].begin}, expected {pos}")
+        pos += nbytes
+    if header.size_bytes != file_size:
+        raise Corrupt(f"{name}: not a valid safetensors file: {file_size} bytes, header "
+                      f"describes {header.size_bytes} (truncated or extended)")
+    return header
 
 
-def write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors file (no fsync, no rename: the caller owns durability)."""
-    arrays = {k: np.ascontiguousarray(t.array) for k, t in tensors.items()}
-    specs = {
-        k: TensorSpec(dtype=_DTYPES[t.dtype][1], shape=list(arrays[k].shape),
-                      data_ptr=arrays[k].ctypes.data, data_len=arrays[k].nbytes)
-        for k, t in tensors.items()
-    }
-    serialize_file(specs, str(path), metadata=metadata)
+def _entry(name: str, v: object) -> Entry:
+    if not isinstance(v, dict):
+        raise ValueError(f"tensor {name} is not an object")
+    dtype, shape, (begin, end) = v["dtype"], tuple(v["shape"]), v["data_offsets"]
+    if dtype not in _DTYPES:
+        raise ValueError(f"tensor {name} has unsupported dtype {dtype}")
+    if not all(type(d) is int and d >= 0 for d in (*shape, begin, end)):
+        raise ValueError(f"tensor {name} has a bad shape or range")
+    if end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+        raise ValueError(f"tensor {name}: {end - begin} bytes for shape {list(shape)}")
+    return Entry(dtype, shape, begin, end)
 
 
-@dataclass(frozen=True)
-class Header:
-    """A file's header only: metadata, tensor shapes, the file's size. No tensor data read."""
+def read_header_fd(fd: int, name: str) -> Header:
+    """Read and check the header of the open file ``fd`` (positioned reads; 2 syscalls)."""
+    size = os.fstat(fd).st_size
+    n = header_length(os.pread(fd, 8, 0), size, name)
+    raw = os.pread(fd, n, 8)
+    if len(raw) != n:
+        raise Corrupt(f"{name}: not a valid safetensors file: short header")
+    return parse_header(raw, size, name)
 
-    metadata: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    size_bytes: int
+
+def encode_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
+                  metadata: dict[str, str]) -> tuple[bytes, Header]:
+    """Build a file's leading bytes (length + JSON, space-padded to 8 bytes, as safetensors
+    does) for tensors ``{name: (dtype, shape)}``, laid out in the library's order."""
+    order = sorted(tensors, key=lambda k: (_LAYOUT_RANK[tensors[k][0]], k))
+    body: dict[str, object] = {"__metadata__": dict(metadata)}
+    entries, pos = {}, 0
+    for k in order:
+        dtype, shape = tensors[k]
+        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+        entries[k] = Entry(dtype, tuple(shape), pos, pos + nbytes)
+        body[k] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, Header(entries, dict(metadata), 8 + len(raw))
 
 
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+def numpy_dtype(dtype: str) -> np.dtype:
+    return _DTYPES[dtype]
+
+
+def read(path: Path) -> TensorFile:
+    """Read a whole (small) file into arrays. Raises Corrupt, or OSError if unreadable."""
+    with open(path, "rb", buffering=0) as f:
+        header = read_header_fd(f.fileno(), path.name)
+        tensors = {}
+        for name, offset, nbytes in header.file_ranges():
+            e = header.tensors[name]
+            arr = np.empty(e.shape, dtype=_DTYPES[e.dtype])
+            if os.preadv(f.fileno(), [arr.data.cast("B")], offset) != nbytes:
+                raise Corrupt(f"{path.name}: not a valid safetensors file: short read")
+            tensors[name] = Tensor(e.dtype, arr)
+    return TensorFile(tensors, header.metadata, header.size_bytes)
 
 
 def read_header(path: Path) -> Header:
-    """Parse the 8-byte length and JSON header. Raises Corrupt or OSError."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= min(_MAX_HEADER, size - 8):
-            raise Corrupt(f"{path.name}: not a valid safetensors file: header length {n}")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-        meta = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
-        shapes = {str(k): tuple(int(x) for x in v["shape"]) for k, v in header.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise Corrupt(f"{path.name}: not a valid safetensors file: bad header ({e})") from e
-    return Header(meta, shapes, size)
+    """Read and check a file's header (not its data). Raises Corrupt or OSError."""
+    with open(path, "rb", buffering=0) as f:
+        return read_header_fd(f.fileno(), path.name)
 
 
 def header_metadata(path: Path) -> dict[str, str]:
@@ -126,4 +204,16 @@ def header_metadata(path: Path) -> dict[str, str]:
 
 def bf16_nonfinite(arr: np.ndarray) -> int:
     """How many bf16 values (held as uint16) are NaN or ±Inf: exponent bits all ones."""
-    return int(np.count_nonzero((arr & 0x7F80) == 0x7F80))
+    return int(np.count_nonzero((arr & _BF16_EXP_MASK) == _BF16_EXP_MASK))
+
+
+def bf16_any_nonfinite(values: np.ndarray) -> bool:
+    """True if any bf16 value (held as uint16) is NaN or ±Inf: a fast test, no count.
+
+    Non-finite means |x| >= 0x7F80. As uint16, negative ones are exactly those >= 0xFF80; as
+    int16, positive ones are exactly those >= 0x7F80. Two read-only vectorised reductions, no
+    temporaries: ~4x faster than ``bf16_nonfinite`` on cache-sized pieces.
+    """
+    if not values.size:
+        return False
+    return bool(values.max() >= 0xFF80 or values.view(np.int16).max() >= _BF16_EXP_MASK)

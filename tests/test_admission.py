@@ -1,0 +1,126 @@
+"""Host-wide admission across real processes: limits hold, a killed holder frees its place."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from producer.localfarm import wait_until
+from worker.admission import Admission, Holding, Limits, resolve_limits
+from worker.errors import Transient
+from worker.settings import Settings
+
+PER_TOKEN = 100
+
+
+def _limits(in_flight: int = 2, budget: int = 10_000) -> Limits:
+    return Limits(in_flight, budget, PER_TOKEN, "test")
+
+
+def _holder(dump_dir: Path, tokens: int, log: Path, hold_s: float,
+            limits: Limits) -> subprocess.Popen[bytes]:
+    """A process that takes a ticket, logs enter/leave times, holds it ``hold_s``."""
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from worker.admission import Admission, Limits
+        a = Admission(Path({str(dump_dir)!r}), Limits{tuple(limits.__dict__.values())!r}, 60)
+        with a.admit({tokens}):
+            with open({str(log)!r}, "a") as f:
+                f.write(f"in {{time.monotonic()}}\\n")
+            time.sleep({hold_s})
+            with open({str(log)!r}, "a") as f:
+                f.write(f"out {{time.monotonic()}}\\n")
+    """)
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _max_concurrent(log: Path) -> int:
+    events = sorted((float(t), 1 if kind == "in" else -1)
+                    for kind, t in (line.split() for line in log.read_text().splitlines()))
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def test_at_most_max_in_flight_processes_hold_a_place(tmp_path: Path) -> None:
+    # Given six processes that each want a place, and room for two
+    log = tmp_path / "log"
+    procs = [_holder(tmp_path, 1, log, 0.3, _limits(in_flight=2)) for _ in range(6)]
+    for p in procs:
+        assert p.wait(60) == 0
+    # Then all got one in turn, never more than two at once
+    assert log.read_text().count("in ") == 6
+    assert _max_concurrent(log) == 2
+
+
+def test_the_dump_budget_limits_by_bytes_but_never_blocks_a_lone_big_request(
+        tmp_path: Path) -> None:
+    # Given a budget of 10,000 bytes (100 tokens) and room for four requests
+    log = tmp_path / "log"
+    limits = _limits(in_flight=4, budget=10_000)
+    # When three processes each want 60 tokens (6,000 bytes): only one fits at a time
+    procs = [_holder(tmp_path, 60, log, 0.3, limits) for _ in range(3)]
+    for p in procs:
+        assert p.wait(60) == 0
+    assert _max_concurrent(log) == 1
+    # And a request bigger than the whole budget is admitted when it is alone
+    with Admission(tmp_path, limits, wait_s=1).admit(500):
+        pass
+
+
+def test_a_killed_holder_frees_its_place_at_once(tmp_path: Path) -> None:
+    # Given a process holding the only place
+    log = tmp_path / "log"
+    holder = _holder(tmp_path, 1, log, 600, _limits(in_flight=1))
+    wait_until(lambda: log.exists() and "in " in log.read_text(), 30, "the holder")
+    admission = Admission(tmp_path, _limits(in_flight=1), wait_s=0.3)
+    with pytest.raises(Transient, match="no admission"), admission.admit(1):
+        pass
+    # When it is SIGKILLed
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(10)
+    # Then the place is free without any cleanup
+    t0 = time.monotonic()
+    with admission.admit(1):
+        assert admission.usage() == Holding(1, PER_TOKEN)
+    assert time.monotonic() - t0 < 0.3
+
+
+def test_an_answered_request_keeps_its_dump_bytes(tmp_path: Path) -> None:
+    admission = Admission(tmp_path, _limits(in_flight=1, budget=1000), wait_s=0.2)
+    with admission.admit(5) as ticket:
+        ticket.answered()
+        # the request place is free again, the dump's bytes are still held
+        assert admission.usage() == Holding(0, 500)
+        with admission.admit(5):  # fits: 1 request, 1000 bytes
+            assert admission.usage() == Holding(1, 1000)
+        with pytest.raises(Transient), admission.admit(6):  # 1100 bytes > budget
+            pass
+    assert admission.usage() == Holding(0, 0)
+
+
+def test_limits_come_from_settings_else_the_server_and_tmpfs() -> None:
+    s = Settings(max_tokens=8192)
+    # Kimi: 57,352 bytes per token; SGLang's default chunk of 8192 → 8 in flight
+    lim = resolve_limits(s, 7168, {"chunked_prefill_size": 8192}, dump_fs_bytes=1 << 40)
+    assert (lim.max_in_flight, lim.bytes_per_token) == (8, 57_352)
+    assert lim.dump_budget_bytes == 8 * 8192 * 57_352
+    assert resolve_limits(s, 7168, {"chunked_prefill_size": 16384}, None).max_in_flight == 16
+    assert resolve_limits(s, 7168, {"chunked_prefill_size": 16384,
+                                    "max_running_requests": 12}, None).max_in_flight == 12
+    assert resolve_limits(s, 7168, None, None).max_in_flight == 8
+    # a small tmpfs caps the budget at half its size
+    assert resolve_limits(s, 7168, None, dump_fs_bytes=4 << 30).dump_budget_bytes == 2 << 30
+    # explicit settings win
+    explicit = resolve_limits(Settings(max_in_flight=3, dump_budget_bytes=123), 7168,
+                              {"chunked_prefill_size": 8192}, 1 << 40)
+    assert (explicit.max_in_flight, explicit.dump_budget_bytes) == (3, 123)

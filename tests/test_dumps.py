@@ -1,0 +1,133 @@
+"""Dumps: checked at open, values checked while copied; files and maps closed on every path."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sglang_patch import contracts as c
+from worker import checksums, diskio, dumps, finalfile, tensorfile
+from worker.errors import Corrupt
+from worker.store import OutputStore, Part
+
+H = 1024
+LAYERS = (2, 4, 5)
+
+
+def _fp() -> c.Fingerprint:
+    return c.Fingerprint("cfg", "tok", "tpl", LAYERS, c.LAYER_CONVENTION, H, "bfloat16",
+                         8192, "reject")
+
+
+def _rows(n: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 0x3F00, (n, width), dtype=np.uint16)
+
+
+def _bf16(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+def write_dump(path: Path, ids: list[int], hidden: np.ndarray, aux: np.ndarray,
+               **meta: str) -> Path:
+    """A dump as the hook writes it (safetensors' save_file, the writer's metadata)."""
+    base = {c.M_LAYERS: json.dumps(list(LAYERS)), c.M_CONFIG_SHA: "cfg",
+            c.M_PATCH_VERSION: c.PATCH_VERSION, c.M_SERVER_VERSION: "test"}
+    save_file({c.T_INPUT_IDS: torch.tensor(ids, dtype=torch.int64), c.T_HIDDEN: _bf16(hidden),
+               c.T_AUX: _bf16(aux)}, str(path), metadata={**base, **meta})
+    return path
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _store(tmp_path: Path) -> OutputStore:
+    return OutputStore(tmp_path / "out", _fp()).open()
+
+
+def _copy(store: OutputStore, d: dumps.Dump, key: str = "k") -> Path:
+    """What the worker does with a dump (extract.store_dump, without the read-back)."""
+    parts = {name: d.part(name) for name in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX)}
+    parts[c.T_LOSS_MASK] = Part.from_array("I64", np.ones(len(d.ids) // 8, dtype=np.int64))
+    return store.write(key, parts, {"content_sha256": "h"}, validate=d.verdict)
+
+
+def test_a_good_dump_is_copied_and_checksummed_in_one_pass(tmp_path: Path) -> None:
+    # Given a dump whose aux tensor spans several mapped windows (3,000 x 3,072 bf16 = 18 MB)
+    n = 3000
+    ids = [i % 600 for i in range(n)]
+    hidden, aux = _rows(n, H, 1), _rows(n, 3 * H, 2)
+    path = write_dump(tmp_path / "d.safetensors", ids, hidden, aux)
+    assert aux.nbytes > 2 * diskio.MAP_WINDOW_BYTES
+    store = _store(tmp_path)
+    # When it is opened and copied into a final file
+    with dumps.open_dump(path, ids, _fp()) as d:
+        final = _copy(store, d)
+        part = d.part(c.T_AUX)
+        assert part.shape == (n, 3 * H) and part.source is d.file
+    # Then the file holds the exact bytes, with their checksums, and verifies from disk
+    sums = checksums.file_checksums(tensorfile.header_metadata(final))[1]
+    assert sums[c.T_AUX] == checksums.tensor_checksum(aux.tobytes())
+    assert sums[c.T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
+    assert sums[c.T_INPUT_IDS] == checksums.tensor_checksum(
+        np.asarray(ids, dtype=np.int64).tobytes())
+    assert store.verify("k", "h").tokens == n
+    assert np.array_equal(tensorfile.read(final).tensors[c.T_AUX].array, aux)
+    # And once closed, a part taken from the dump can no longer be copied (no recycled fd)
+    with open(tmp_path / "out.bin", "wb") as out, pytest.raises(ValueError, match="closed file"):
+        finalfile.write_parts(out.fileno(), {c.T_AUX: part}, {})
+
+
+@pytest.mark.parametrize("where", [0, diskio.MAP_WINDOW_BYTES // 2, -1])
+def test_nan_anywhere_is_found_and_counted(tmp_path: Path, where: int) -> None:
+    # Given NaN/Inf at the first value, at a window boundary, or at the very last value
+    n = 3000
+    ids = list(range(n))
+    aux = _rows(n, 3 * H, 2)
+    flat = aux.reshape(-1)
+    flat[where] = 0x7FC0  # NaN
+    flat[where - 1 if where else 1] = 0xFF80  # -Inf
+    path = write_dump(tmp_path / "d.safetensors", ids, _rows(n, H, 1), aux)
+    store = _store(tmp_path)
+    before = _open_fds()
+    # Then the copy is refused with the exact count, nothing is left on disk, open or mapped
+    with dumps.open_dump(path, ids, _fp()) as d, pytest.raises(
+            Corrupt, match="aux_hidden_state has 2 NaN/Inf values"):
+        _copy(store, d)
+    assert _open_fds() == before
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    assert [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()] == ["manifest.json"]
+
+
+def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:
+    n = 8
+    ids = list(range(n))
+    good = write_dump(tmp_path / "good.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2))
+    cases = {
+        "input_ids differ from those sent (first at position 3)": (good, [*ids[:3], 99, *ids[4:]]),
+        "input_ids I64[8], sent 9 tokens": (good, [*ids, 1]),
+        "aux_hidden_state is BF16[8, 2048], expected BF16[8, 3072]": (
+            write_dump(tmp_path / "shape.safetensors", ids, _rows(n, H, 1), _rows(n, 2 * H, 2)),
+            ids),
+        "server captures layers [1, 2, 3]": (
+            write_dump(tmp_path / "layers.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
+                       **{c.M_LAYERS: "[1, 2, 3]"}), ids),
+        "another model is served": (
+            write_dump(tmp_path / "cfg.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
+                       **{c.M_CONFIG_SHA: "other"}), ids),
+    }
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-10])
+    cases["not a valid safetensors file"] = (truncated, ids)
+    before = _open_fds()
+    for message, (path, sent) in cases.items():
+        with pytest.raises(Corrupt) as e:
+            dumps.open_dump(path, sent, _fp())
+        assert message in str(e.value), str(e.value)
+    assert _open_fds() == before

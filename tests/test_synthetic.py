@@ -1,0 +1,116 @@
+"""The synthetic server mode: deterministic Kimi-shaped dumps, and the farm end to end on it."""
+
+from __future__ import annotations
+
+import gc
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from producer.localfarm import LocalFarm
+from sglang_patch import contracts as c
+from sglang_patch.synthetic import (
+    BufferPool,
+    PooledStager,
+    SyntheticModel,
+    ensure_synthetic_model,
+)
+from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
+
+H = 256
+
+
+def _model(seed: int = 0) -> SyntheticModel:
+    return SyntheticModel(ensure_synthetic_model(CACHE, H, 61), seed=seed)
+
+
+def test_the_model_dir_is_kimi_like_and_needs_no_weights() -> None:
+    path = ensure_synthetic_model(CACHE, 7168, 61)
+    cfg = json.loads((path / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (7168, 61)
+    assert (path / "tokenizer.json").exists() and (path / "chat_template.jinja").exists()
+    assert not list(path.glob("*.safetensors"))
+    assert SyntheticModel(path).layers_to_capture == (2, 30, 58)
+
+
+def test_values_depend_on_token_and_position_only() -> None:
+    m, again = _model(), _model()
+    ids = [5, 7, 5, 9, 11, 13]
+    hidden, aux = m.rows(ids, range(6))
+    # deterministic across instances, finite, and different for the same token elsewhere
+    assert torch.equal(hidden, again.rows(ids, range(6))[0])
+    assert hidden.shape == (6, H) and aux.shape == (6, 3 * H) and hidden.dtype == torch.bfloat16
+    assert torch.isfinite(aux.float()).all()
+    assert not torch.equal(hidden[0], hidden[2])
+    assert not torch.equal(_model(seed=1).rows(ids, range(6))[0], hidden)
+    # a batch of chunks at their prefixes gives the same rows as the whole request
+    out = m.forward_batch([(ids[:4], 0), ([1, 2], 0), (ids[4:], 4)])
+    assert torch.equal(out.hidden[:4], hidden[:4]) and torch.equal(out.hidden[6:], hidden[4:])
+    assert torch.equal(out.aux[:4], aux[:4]) and torch.equal(out.aux[6:], aux[4:])
+
+
+def test_a_pooled_buffer_is_not_reused_while_a_dump_part_points_into_it() -> None:
+    # Given a forward pass into pooled buffers, with a part of it staged for the writer
+    m = _model()
+    stager = PooledStager(m.pool)
+    out = m.forward_batch([([1, 2, 3], 0)])
+    staged = stager.stage([out.ids[:3], out.hidden[:3], out.aux[:3]])
+    expected = out.hidden[:3].clone()
+    buf = out.hidden.untyped_storage().data_ptr()
+    del out
+    gc.collect()
+    # When more passes run
+    for i in range(3):
+        later = m.forward_batch([([40 + i] * 3, 0)])
+        assert later.hidden.untyped_storage().data_ptr() != buf
+        del later
+    # Then the staged rows are intact, and once the part is dropped its buffer is reused
+    assert torch.equal(staged.wait()[1], expected)
+    del staged
+    gc.collect()
+    assert any(m.forward_batch([([1], 0)]).hidden.untyped_storage().data_ptr() == buf
+               for _ in range(2))
+    assert isinstance(m.pool, BufferPool)
+
+
+def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
+    # Given the synthetic server (H=256, 61 layers) paced at 20k tokens/s, two workers
+    farm = LocalFarm(tmp_path / "farm", model="synthetic", cache_dir=CACHE,
+                     chunked_prefill_size=512, extra_env=dict(FAST_ENV))
+    try:
+        farm.start_redis()
+        farm.start_server(["--hidden-size", str(H), "--tokens-per-s", "20000"])
+        farm.start_worker("w1", concurrency=2)
+        farm.start_worker("w2", concurrency=2)
+        data = tmp_path / "data.json"
+        samples = write_samples(data, 24)
+        # When the samples are enqueued and the run finishes
+        assert farm.cli("enqueue", str(data), "--no-progress").returncode == 0
+        wait_finished(farm, 24)
+        keys = [str(s["id"]) for s in samples]
+        assert_farm_invariants(farm, keys)
+        # Then every file holds exactly the synthetic model's values for its tokens
+        model = _model()
+        for key in keys:
+            t = load_file(str(c.final_path(farm.output_dir, key)))
+            ids = t[c.T_INPUT_IDS].tolist()
+            hidden, aux = model.rows(ids, range(len(ids)))
+            assert t[c.T_HIDDEN].shape == (len(ids), H)
+            assert torch.equal(t[c.T_HIDDEN], hidden) and torch.equal(t[c.T_AUX], aux)
+        # And the server reports its load, and status shows the admission limits
+        url = f"http://127.0.0.1:{farm.server_port}/server_info"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            info = json.loads(r.read())
+        assert info["hsfarm"]["hidden_size"] == H and 0 < info["busy_s"] < info["uptime_s"]
+        assert info["tokens_done"] == sum(int(np.asarray(load_file(str(
+            c.final_path(farm.output_dir, k)))[c.T_INPUT_IDS]).size) for k in keys)
+        status = json.loads(farm.cli("status", "--json").stdout)
+        assert status["admission"]["max_in_flight"] == 8
+        assert status["admission"]["in_flight"] == 0 and status["admission"]["dump_bytes_held"] == 0
+        assert "in flight 0/8" in farm.cli("status").stdout
+    finally:
+        farm.close()

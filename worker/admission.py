@@ -1,0 +1,246 @@
+"""Host-wide admission: how many requests are in flight to the server, and tmpfs for their dumps.
+
+Every worker process of a host takes a ticket before it sends a request: one of at most
+``max_in_flight`` request places (given back when the dump has arrived), and room for the
+dump in the tmpfs budget (given back when the dump is deleted). Both are counted across
+processes with slot files in ``<dump_dir>/.hsfarm-slots/``: a process holds a slot by an
+``flock`` on its file and writes what it holds into it; a check-and-take happens under one
+lock file. The kernel drops the locks of a process that dies, so a SIGKILLed worker never
+leaks its place.
+
+A request larger than the whole budget is still admitted when nothing else holds room, so
+one long sample never waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import itertools
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_patch import contracts as c
+from worker.client import ServerClient
+from worker.errors import BadInput, Transient
+from worker.settings import Settings
+
+SLOT_DIR = ".hsfarm-slots"
+MAX_SLOTS = 256  # worker processes per host that may hold a ticket at once
+TYPICAL_SAMPLE_TOKENS = 2048  # the reference run's samples: 1.5–2k tokens
+DEFAULT_MAX_IN_FLIGHT = 8  # the least, and what applies when the server does not tell
+_POLL_S = (0.005, 0.01, 0.02, 0.05)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_in_flight: int
+    dump_budget_bytes: int
+    bytes_per_token: int
+    source: str  # where the values came from, for status and logs
+
+    def describe(self) -> str:
+        return (f"in-flight max {self.max_in_flight}, dump budget "
+                f"{self.dump_budget_bytes / 1e9:.2f} GB ({self.source})")
+
+
+def dump_bytes_per_token(hidden_size: int) -> int:
+    """One token of a dump: its id (int64), the final state and 3 aux states (bf16)."""
+    return 8 + 2 * (1 + c.AUX_LAYERS) * hidden_size
+
+
+def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, Any] | None,
+                   dump_fs_bytes: int | None) -> Limits:
+    """The effective limits: the settings where set, else sized from the server and tmpfs.
+
+    - in flight: enough queued tokens for two forward passes, 2 × chunked prefill size /
+      2048-token samples, and at least 8 (SGLang's default chunk of 8192 gives 8; 16384 gives
+      16), capped by the server's ``max_running_requests``.
+    - dump budget: every in-flight request at the longest allowed length, but at most half
+      of the dump dir's file system.
+    """
+    per_token = dump_bytes_per_token(hidden_size)
+    info = server_info or {}
+    sources = []
+    in_flight = settings.max_in_flight
+    if in_flight <= 0:
+        chunk = info.get("chunked_prefill_size")
+        if isinstance(chunk, int) and chunk > 0:
+            in_flight = max(DEFAULT_MAX_IN_FLIGHT, math.ceil(2 * chunk / TYPICAL_SAMPLE_TOKENS))
+            cap = info.get("max_running_requests")
+            in_flight = min(in_flight, cap) if isinstance(cap, int) and cap > 0 else in_flight
+            sources.append("in-flight from /server_info")
+        else:
+            in_flight = DEFAULT_MAX_IN_FLIGHT
+            sources.append("in-flight default")
+    budget = settings.dump_budget_bytes
+    if budget <= 0:
+        budget = in_flight * settings.max_tokens * per_token
+        if dump_fs_bytes:
+            budget = min(budget, dump_fs_bytes // 2)
+        sources.append("budget from max tokens and tmpfs size")
+    return Limits(in_flight, budget, per_token, "; ".join(sources) or "settings")
+
+
+def limits_for_host(settings: Settings, hidden_size: int, timeout_s: float = 10.0) -> Limits:
+    """``host_limits`` from synchronous code, with its own short-lived HTTP client."""
+    async def ask() -> Limits:
+        client = ServerClient(settings.server_url, timeout_s=timeout_s)
+        try:
+            return await host_limits(settings, hidden_size, client)
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
+
+
+async def host_limits(settings: Settings, hidden_size: int, client: ServerClient) -> Limits:
+    """``resolve_limits`` with this host's server (if it answers) and dump dir."""
+    try:
+        info: dict[str, Any] | None = await client.server_info()
+    except (Transient, BadInput):
+        info = None
+    try:
+        st = os.statvfs(settings.dump_dir)
+        fs_bytes: int | None = st.f_blocks * st.f_frsize
+    except OSError:
+        fs_bytes = None
+    return resolve_limits(settings, hidden_size, info, fs_bytes)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one slot holds: a request place (0/1) and dump bytes."""
+
+    requests: int
+    dump_bytes: int
+
+    def encode(self) -> bytes:
+        return f"{self.requests} {self.dump_bytes}\n".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Holding:
+        try:
+            r, b = raw.split()
+            return cls(int(r), int(b))
+        except ValueError:
+            return cls(0, 0)  # a slot being written for the first time holds nothing yet
+
+
+class Ticket:
+    """A held slot. ``answered`` gives the request place back, ``release`` everything."""
+
+    def __init__(self, admission: Admission, fd: int, holding: Holding) -> None:
+        self.admission = admission
+        self.fd = fd
+        self.holding = holding
+
+    def answered(self) -> None:
+        if self.fd >= 0 and self.holding.requests:
+            with self.admission.locked():
+                self.holding = Holding(0, self.holding.dump_bytes)
+                _write(self.fd, self.holding)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # drops the flock: the slot is free
+            self.fd = -1
+
+
+class Admission:
+    """The host's slots in ``dump_dir``; ``admit`` waits for a ticket."""
+
+    def __init__(self, dump_dir: Path, limits: Limits, wait_s: float,
+                 slots: int = MAX_SLOTS) -> None:
+        self.dir = dump_dir / SLOT_DIR
+        self.limits = limits
+        self.wait_s = wait_s
+        self.slots = slots
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def admit(self, tokens: int) -> Iterator[Ticket]:
+        """Hold a request place and room for a dump of ``tokens`` tokens.
+
+        Raises:
+            Transient: no ticket within ``wait_s`` (the host is saturated for that long).
+        """
+        ticket = self._wait_for(Holding(1, tokens * self.limits.bytes_per_token))
+        try:
+            yield ticket
+        finally:
+            ticket.release()
+
+    def _wait_for(self, want: Holding) -> Ticket:
+        deadline = time.monotonic() + self.wait_s
+        for i in itertools.count():
+            ticket = self._try_take(want)
+            if ticket is not None:
+                return ticket
+            if time.monotonic() > deadline:
+                raise Transient(f"no admission within {self.wait_s:.0f}s "
+                                f"({self.limits.describe()}; in use: {self.usage()})")
+            time.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
+        raise AssertionError("unreachable")  # itertools.count never ends
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _try_take(self, want: Holding) -> Ticket | None:
+        with self.locked():
+            held, free_fd = self._scan(keep_free=True)
+            if free_fd is None:
+                return None
+            fits = (held.requests + want.requests <= self.limits.max_in_flight
+                    and (held.dump_bytes + want.dump_bytes <= self.limits.dump_budget_bytes
+                         or held.dump_bytes == 0))
+            if not fits:
+                os.close(free_fd)
+                return None
+            _write(free_fd, want)
+            return Ticket(self, free_fd, want)
+
+    def usage(self) -> Holding:
+        """What all held slots hold together, now."""
+        with self.locked():
+            return self._scan(keep_free=False)[0]
+
+    def _scan(self, keep_free: bool) -> tuple[Holding, int | None]:
+        """Sum of held slots, and (if asked) a free slot's fd, locked by us."""
+        requests = dump_bytes = 0
+        free_fd: int | None = None
+        for i in range(self.slots):
+            path = self.dir / f"slot-{i:03d}"
+            if not path.exists() and (free_fd is not None or not keep_free):
+                break  # slots are created in order: none after the first missing one
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held by a live process: count what it holds
+                h = Holding.decode(os.pread(fd, 64, 0))
+                requests, dump_bytes = requests + h.requests, dump_bytes + h.dump_bytes
+                os.close(fd)
+                continue
+            if keep_free and free_fd is None:
+                free_fd = fd
+            else:
+                os.close(fd)
+        return Holding(requests, dump_bytes), free_fd
+
+
+def _write(fd: int, holding: Holding) -> None:
+    raw = holding.encode()
+    os.pwrite(fd, raw, 0)
+    os.ftruncate(fd, len(raw))
