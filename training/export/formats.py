@@ -1,0 +1,149 @@
+"""The three containers: where each sample goes, how it is written and read back.
+
+- ``specforge``: ``samples/<shard>/<key>.ckpt``, ``torch.save`` of ``input_ids`` [T],
+  ``loss_mask`` [T], ``hidden_state`` [1,T,H], ``aux_hidden_state`` [1,T,3H] (its writer's
+  shapes; its loader squeezes the leading 1 of the hidden tensors only).
+- ``modelopt``: ``samples/<shard>/<key>.pt``, ``torch.save`` of its key names, post-norm
+  (``hidden_states_prenorm`` False), ``conversation_id`` = our sample key.
+- ``speculators``: ``hidden_states/hs_{i}.safetensors`` with ``token_ids`` [T] and
+  ``hidden_states`` [T,4,H] (slot 4 = pre-norm final state), plus our ``loss_mask`` for the
+  Arrow rows; ``i`` is given at commit, so the numbers stay contiguous whatever fails.
+
+Every output tensor is checked by checksum against the source's (same bytes), except
+speculators' stacked tensor, whose aux part is checked against the source and whose whole is
+checked against what was computed in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from sglang_patch import contracts as c
+from training import checksums, views
+from training.sample_file import SampleFile
+from worker import tensorfile
+
+Arrays = Mapping[str, np.ndarray]
+Names = Mapping[str, str]  # output tensor -> source tensor with the same bytes
+
+
+class Format:
+    """One trainer's container. ``write`` returns the checksums the output must read back to."""
+
+    name = ""
+    needs_norm = False
+    numbered = False  # speculators: file names are row numbers given at commit
+    source_of: ClassVar[Names] = {}
+
+    def rel_path(self, key: str, number: int = 0) -> str:
+        raise NotImplementedError
+
+    def write(self, tmp: Path, key: str, src: Arrays, norm_w: np.ndarray | None) -> dict[str, str]:
+        raise NotImplementedError
+
+    def read_back(self, path: Path) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def source_problems(self, back: Mapping[str, np.ndarray],
+                        src_sums: Mapping[str, str]) -> list[str]:
+        """Output tensors whose bytes differ from the source tensor they copy."""
+        return [f"{out} differs from source {src}" for out, src in self.source_of.items()
+                if checksums.of(back[out]) != src_sums.get(src)]
+
+
+def _torch_raw(t: Any) -> np.ndarray:
+    """A loaded torch tensor's bytes as numpy (bf16 as uint16), for checksums."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return t.contiguous().numpy()
+
+
+class _TorchSave(Format):
+    suffix = ""
+
+    def rel_path(self, key: str, number: int = 0) -> str:
+        return f"samples/{c.shard_of(key)}/{key}{self.suffix}"
+
+    def view(self, key: str, src: Arrays) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def write(self, tmp: Path, key: str, src: Arrays, norm_w: np.ndarray | None) -> dict[str, str]:
+        import torch
+
+        obj = self.view(key, src)
+        torch.save(obj, tmp)
+        return {k: checksums.of(_torch_raw(v)) for k, v in obj.items()
+                if isinstance(v, torch.Tensor)}
+
+    def read_back(self, path: Path) -> dict[str, np.ndarray]:
+        import torch
+
+        obj = torch.load(path, weights_only=True, mmap=True)
+        return {k: _torch_raw(v) for k, v in obj.items() if isinstance(v, torch.Tensor)}
+
+
+class SpecForge(_TorchSave):
+    name, suffix = "specforge", ".ckpt"
+    source_of: ClassVar[Names] = {k: k for k in (c.T_INPUT_IDS, c.T_LOSS_MASK, c.T_HIDDEN,
+                                                 c.T_AUX)}
+
+    def view(self, key: str, src: Arrays) -> dict[str, Any]:
+        return views.specforge(key, src, None)
+
+
+class ModelOpt(_TorchSave):
+    name, suffix = "modelopt", ".pt"
+    source_of: ClassVar[Names] = {"input_ids": c.T_INPUT_IDS, "loss_mask": c.T_LOSS_MASK,
+                                  "hidden_states": c.T_HIDDEN, "aux_hidden_states": c.T_AUX}
+
+    def view(self, key: str, src: Arrays) -> dict[str, Any]:
+        return views.modelopt(key, src, None)
+
+
+class Speculators(Format):
+    name, needs_norm, numbered = "speculators", True, True
+    source_of: ClassVar[Names] = {"token_ids": c.T_INPUT_IDS, c.T_LOSS_MASK: c.T_LOSS_MASK}
+
+    def source_problems(self, back: Mapping[str, np.ndarray],
+                        src_sums: Mapping[str, str]) -> list[str]:
+        problems = super().source_problems(back, src_sums)
+        if checksums.of(self.aux_part(back["hidden_states"])) != src_sums.get(c.T_AUX):
+            problems.append(f"hidden_states[:, :3] differs from source {c.T_AUX}")
+        return problems
+
+    def rel_path(self, key: str, number: int = 0) -> str:
+        return f"hidden_states/hs_{number}.safetensors"
+
+    def write(self, tmp: Path, key: str, src: Arrays, norm_w: np.ndarray | None) -> dict[str, str]:
+        assert norm_w is not None
+        stacked = views.speculators_stack(src, norm_w)
+        out = {"token_ids": tensorfile.Tensor("I64", src[c.T_INPUT_IDS]),
+               "hidden_states": tensorfile.Tensor("BF16", stacked),
+               c.T_LOSS_MASK: tensorfile.Tensor("I64", src[c.T_LOSS_MASK])}
+        sums = {k: checksums.of(t.array) for k, t in out.items()}
+        tensorfile.write(tmp, out, {"sample_key": key, **checksums.as_metadata(sums)})
+        return sums
+
+    def read_back(self, path: Path) -> dict[str, np.ndarray]:
+        tf = tensorfile.read(path)
+        return {k: t.array for k, t in tf.tensors.items()}
+
+    @staticmethod
+    def aux_part(hidden_states: np.ndarray) -> np.ndarray:
+        """The three aux slots of a [T,4,H] stack as our [T,3H] (for the source checksum)."""
+        t = hidden_states.shape[0]
+        return np.ascontiguousarray(hidden_states[:, : c.AUX_LAYERS]).reshape(t, -1)
+
+    @staticmethod
+    def ids_and_mask(path: Path) -> tuple[np.ndarray, np.ndarray]:
+        sf = SampleFile.open(path)
+        return sf.read("token_ids"), sf.read(c.T_LOSS_MASK)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (SpecForge(), ModelOpt(), Speculators())}

@@ -1,0 +1,99 @@
+"""One output file, opened by its header: per-tensor reads and memory maps, no whole read.
+
+The safetensors layout is an 8-byte little-endian header length, a JSON header (names →
+dtype, shape, byte offsets; ``__metadata__``), then the data. Opening reads only the header;
+``read`` reads one tensor's bytes (ids and masks: a few KB); ``memmap`` maps one tensor
+copy-on-write, so a loader hands it out without a copy on disk or in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from worker.errors import Corrupt
+
+# safetensors dtype tag -> numpy dtype holding the raw bytes (bf16 as uint16)
+NP_DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+    "F32": np.dtype("<f4"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor's bytes lie in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+@dataclass(frozen=True)
+class SampleFile:
+    """A safetensors file's header: metadata and tensor entries."""
+
+    path: Path
+    metadata: dict[str, str]
+    entries: dict[str, Entry]
+    size_bytes: int
+
+    @classmethod
+    def open(cls, path: Path) -> SampleFile:
+        """Read and check the header only. Raises Corrupt or OSError."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= min(_MAX_HEADER_BYTES, size - 8):
+                raise Corrupt(f"{path}: not a safetensors file (header length {n})")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise Corrupt(f"{path}: unreadable safetensors header: {e}") from e
+        meta = dict(header.pop("__metadata__", None) or {})
+        entries = {name: _entry(path, name, e, 8 + n, size) for name, e in header.items()}
+        return cls(path, meta, entries, size)
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor's bytes, read from the file (bf16 as uint16)."""
+        e = self.entry(name)
+        with open(self.path, "rb") as f:
+            f.seek(e.start)
+            raw = f.read(e.end - e.start)
+        if len(raw) != e.end - e.start:
+            raise Corrupt(f"{self.path}: {name} cut short")
+        return np.frombuffer(raw, NP_DTYPES[e.dtype]).reshape(e.shape)
+
+    def memmap(self, name: str) -> np.ndarray:
+        """One tensor mapped copy-on-write: pages are read when touched, never written back."""
+        e = self.entry(name)
+        if e.end == e.start:
+            return np.zeros(e.shape, NP_DTYPES[e.dtype])
+        return np.memmap(self.path, dtype=NP_DTYPES[e.dtype], mode="c", offset=e.start,
+                         shape=e.shape)
+
+    def entry(self, name: str) -> Entry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise Corrupt(f"{self.path}: no tensor {name!r}") from None
+
+
+def _entry(path: Path, name: str, e: dict[str, object], data_start: int, size: int) -> Entry:
+    try:
+        dtype, shape = str(e["dtype"]), tuple(int(d) for d in e["shape"])  # type: ignore[attr-defined]
+        start, end = (data_start + int(o) for o in e["data_offsets"])  # type: ignore[attr-defined]
+    except (KeyError, TypeError, ValueError) as err:
+        raise Corrupt(f"{path}: bad header entry for {name}: {err}") from err
+    if dtype not in NP_DTYPES:
+        raise Corrupt(f"{path}: tensor {name} has unsupported dtype {dtype}")
+    want = int(np.prod(shape, dtype=np.int64)) * NP_DTYPES[dtype].itemsize
+    if end - start != want or end > size or start < data_start:
+        raise Corrupt(f"{path}: tensor {name} spans bytes {start}..{end} of {size}, "
+                      f"expected {want} bytes")
+    return Entry(dtype, shape, start, end)
