@@ -56,7 +56,7 @@ def test_one_training_step_of_its_eagle3_draft_model(data: Path) -> None:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(data / "model", dtype=torch.bfloat16)
-    arch = {**EAGLE3_DEFAULT_CFG["config"]["eagle_architecture_config"],  # type: ignore[index]
+    arch = {**EAGLE3_DEFAULT_CFG["config"]["eagle_architecture_config"],
             "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 16,  # sized for the tiny target (its default is Llama-8B's)
             "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}  # ours [2, 4, 5] minus one

@@ -43,16 +43,16 @@ def cpu_loss() -> Any:
     torch.compile(lambda x: x)  # torch's own Triton probes run now, before the stand-in
 
     triton = sys.modules["triton"] = _Anything("triton")
-    triton.language = sys.modules["triton.language"] = _Anything("triton.language")
+    triton.language = sys.modules["triton.language"] = _Anything("triton.language")  # type: ignore[attr-defined]
     try:
         from specforge.core import loss
     finally:  # the stand-in only lets that module import; nothing else sees it
         del sys.modules["triton"], sys.modules["triton.language"]
 
     original = loss.LogSoftmaxLoss.apply
-    loss.LogSoftmaxLoss.apply = staticmethod(_torch_log_softmax_loss)  # type: ignore[method-assign]
+    loss.LogSoftmaxLoss.apply = staticmethod(_torch_log_softmax_loss)
     yield
-    loss.LogSoftmaxLoss.apply = original  # type: ignore[method-assign]
+    loss.LogSoftmaxLoss.apply = original
 
 
 def _batches(data: Path, batch_size: int, max_len: int = MAX_LEN) -> list[Any]:

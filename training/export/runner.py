@@ -28,6 +28,7 @@ from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
 from worker import tensorfile
 from worker.errors import ConfigError, Corrupt
+from worker.store import _writer_dead as writer_dead  # the store's own temp-name parser
 from worker.store import free_bytes
 
 MARGIN_BYTES = 64 << 20
@@ -81,6 +82,7 @@ def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: boo
     fmt = FORMATS[to]
     norm_w = info.final_norm().as_float32() if fmt.needs_norm else None
     dest.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temps(dest)
     ledger = Ledger(dest)
     pending = [p for p in index.sample_files(out_dir) if not _done(ledger, dest, _key(p))]
     check_space(dest, out_dir, pending, delete_source, jobs)
@@ -104,6 +106,13 @@ def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: boo
         write_dataset(dest, ledger)
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _remove_dead_temps(dest: Path) -> None:
+    """Temp files left by an export that was killed (this host, writer gone)."""
+    for p in dest.rglob(f"*{c.TMP_MARK}*"):
+        if writer_dead(p.name):
+            p.unlink(missing_ok=True)
 
 
 def _key(path: Path) -> str:
