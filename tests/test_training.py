@@ -209,3 +209,18 @@ def test_cli_index_and_export(out: Path, tmp_path: Path) -> None:
     bad = subprocess.run([*run, "export", "--to", "specforge", str(tmp_path / "x"), "--from",
                           str(tmp_path)], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "not an hsfarm output dir" in bad.stderr
+
+
+def test_a_damaged_source_fails_its_export_and_is_kept(out: Path, tmp_path: Path) -> None:
+    # Given one source file with a flipped byte in its hidden states
+    victim = sorted(index.sample_files(out))[0]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x01
+    victim.write_bytes(bytes(data))
+    # When exported with --delete-source
+    summary = export(out, "modelopt", tmp_path / "mo", jobs=2, delete_source=True)
+    # Then that sample fails with the reason, its source stays, and nothing of it is exported
+    assert [k for k, _ in summary.failed] == [victim.stem]
+    assert "differs from source" in summary.failed[0][1]
+    assert victim.exists() and summary.exported == N - 1
+    assert not list((tmp_path / "mo").rglob(f"{victim.stem}*"))

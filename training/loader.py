@@ -55,7 +55,7 @@ class HiddenStates(Dataset[dict[str, Any]]):
         """One sample. Raises Corrupt (wrong run, shapes, or with verify a checksum)."""
         sf = SampleFile.open(self.paths[i])
         self.info.check_sample(sf, self.keys[i])
-        arrays: dict[str, np.ndarray] = {n: sf.memmap(n) for n in sf.entries}
+        arrays: dict[str, np.ndarray] = sf.map_all()
         if self.verify:
             bad = checksums.mismatches(checksums.recorded(sf.metadata), arrays)
             if bad:

@@ -2,13 +2,14 @@
 
 The safetensors layout is an 8-byte little-endian header length, a JSON header (names →
 dtype, shape, byte offsets; ``__metadata__``), then the data. Opening reads only the header;
-``read`` reads one tensor's bytes (ids and masks: a few KB); ``memmap`` maps one tensor
-copy-on-write, so a loader hands it out without a copy on disk or in memory.
+``read`` reads one tensor's bytes (ids and masks: a few KB); ``map_all`` maps the file
+copy-on-write, so a loader hands its tensors out without a copy on disk or in memory.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,19 +70,28 @@ class SampleFile:
             raise Corrupt(f"{self.path}: {name} cut short")
         return np.frombuffer(raw, NP_DTYPES[e.dtype]).reshape(e.shape)
 
-    def memmap(self, name: str) -> np.ndarray:
-        """One tensor mapped copy-on-write: pages are read when touched, never written back."""
-        e = self.entry(name)
-        if e.end == e.start:
-            return np.zeros(e.shape, NP_DTYPES[e.dtype])
-        return np.memmap(self.path, dtype=NP_DTYPES[e.dtype], mode="c", offset=e.start,
-                         shape=e.shape)
+    def map_all(self, willneed: bool = True) -> dict[str, np.ndarray]:
+        """Every tensor, over one copy-on-write map of the file: read when touched, never
+        written back. ``willneed`` asks the kernel to start reading the file ahead now (as a
+        sequential read would), so the first touches do not fault page by page."""
+        if self.size_bytes == 0:
+            return {}
+        with open(self.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), self.size_bytes, access=mmap.ACCESS_COPY)
+        if willneed:
+            mm.madvise(mmap.MADV_WILLNEED)
+        return {name: np.frombuffer(mm, NP_DTYPES[e.dtype], count=_count(e), offset=e.start)
+                .reshape(e.shape) for name, e in self.entries.items()}
 
     def entry(self, name: str) -> Entry:
         try:
             return self.entries[name]
         except KeyError:
             raise Corrupt(f"{self.path}: no tensor {name!r}") from None
+
+
+def _count(e: Entry) -> int:
+    return int(np.prod(e.shape, dtype=np.int64))
 
 
 def _entry(path: Path, name: str, e: dict[str, object], data_start: int, size: int) -> Entry:

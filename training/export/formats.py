@@ -9,9 +9,11 @@
   ``hidden_states`` [T,4,H] (slot 4 = pre-norm final state), plus our ``loss_mask`` for the
   Arrow rows; ``i`` is given at commit, so the numbers stay contiguous whatever fails.
 
-Every output tensor is checked by checksum against the source's (same bytes), except
-speculators' stacked tensor, whose aux part is checked against the source and whose whole is
-checked against what was computed in memory.
+Read back from the disk, every output tensor that copies a source tensor is checked against
+the source's recorded checksum (so a damaged source is caught too, with one hash pass in all);
+speculators' stacked tensor is compared byte for byte with what was computed in memory, and
+its aux part against the source's checksum, after the source ``hidden_state`` it derives from
+passed its own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sglang_patch import contracts as c
 from training import checksums, views
 from training.sample_file import SampleFile
 from worker import tensorfile
+from worker.errors import Corrupt
 
 Arrays = Mapping[str, np.ndarray]
 Names = Mapping[str, str]  # output tensor -> source tensor with the same bytes
@@ -42,17 +45,28 @@ class Format:
     def rel_path(self, key: str, number: int = 0) -> str:
         raise NotImplementedError
 
-    def write(self, tmp: Path, key: str, src: Arrays, norm_w: np.ndarray | None) -> dict[str, str]:
+    def write(self, tmp: Path, key: str, src: Arrays, src_sums: Mapping[str, str],
+              norm_w: np.ndarray | None) -> dict[str, np.ndarray]:
+        """Write ``tmp``; return the derived output tensors (not copies of a source tensor).
+
+        Raises:
+            Corrupt: a source tensor that an output is derived from fails its checksum.
+        """
         raise NotImplementedError
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
-    def source_problems(self, back: Mapping[str, np.ndarray],
-                        src_sums: Mapping[str, str]) -> list[str]:
-        """Output tensors whose bytes differ from the source tensor they copy."""
-        return [f"{out} differs from source {src}" for out, src in self.source_of.items()
-                if checksums.of(back[out]) != src_sums.get(src)]
+    def problems(self, back: Mapping[str, np.ndarray], src_sums: Mapping[str, str],
+                 derived: Mapping[str, np.ndarray]) -> list[str]:
+        """What read back differs from the source's checksums or from the derived tensors."""
+        out = [f"{o} is missing" for o in [*self.source_of, *derived] if o not in back]
+        if out:
+            return out
+        out += [f"{o} differs from source {s}" for o, s in self.source_of.items()
+                if checksums.of(back[o]) != src_sums.get(s)]
+        return out + [f"{o} reads back differently" for o, arr in derived.items()
+                      if not np.array_equal(back[o], arr)]
 
 
 def _torch_raw(t: Any) -> np.ndarray:
@@ -73,13 +87,12 @@ class _TorchSave(Format):
     def view(self, key: str, src: Arrays) -> dict[str, Any]:
         raise NotImplementedError
 
-    def write(self, tmp: Path, key: str, src: Arrays, norm_w: np.ndarray | None) -> dict[str, str]:
+    def write(self, tmp: Path, key: str, src: Arrays, src_sums: Mapping[str, str],
+              norm_w: np.ndarray | None) -> dict[str, np.ndarray]:
         import torch
 
-        obj = self.view(key, src)
-        torch.save(obj, tmp)
-        return {k: checksums.of(_torch_raw(v)) for k, v in obj.items()
-                if isinstance(v, torch.Tensor)}
+        torch.save(self.view(key, src), tmp)
+        return {}  # every tensor is a copy of a source tensor
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
         import torch
@@ -110,25 +123,28 @@ class Speculators(Format):
     name, needs_norm, numbered = "speculators", True, True
     source_of: ClassVar[Names] = {"token_ids": c.T_INPUT_IDS, c.T_LOSS_MASK: c.T_LOSS_MASK}
 
-    def source_problems(self, back: Mapping[str, np.ndarray],
-                        src_sums: Mapping[str, str]) -> list[str]:
-        problems = super().source_problems(back, src_sums)
-        if checksums.of(self.aux_part(back["hidden_states"])) != src_sums.get(c.T_AUX):
+    def problems(self, back: Mapping[str, np.ndarray], src_sums: Mapping[str, str],
+                 derived: Mapping[str, np.ndarray]) -> list[str]:
+        problems = super().problems(back, src_sums, derived)
+        if not problems and checksums.of(self.aux_part(back["hidden_states"])) != src_sums.get(
+                c.T_AUX):
             problems.append(f"hidden_states[:, :3] differs from source {c.T_AUX}")
         return problems
 
     def rel_path(self, key: str, number: int = 0) -> str:
         return f"hidden_states/hs_{number}.safetensors"
 
-    def write(self, tmp: Path, key: str, src: Arrays, norm_w: np.ndarray | None) -> dict[str, str]:
+    def write(self, tmp: Path, key: str, src: Arrays, src_sums: Mapping[str, str],
+              norm_w: np.ndarray | None) -> dict[str, np.ndarray]:
         assert norm_w is not None
+        if checksums.mismatches(src_sums, {c.T_HIDDEN: src[c.T_HIDDEN]}):
+            raise Corrupt(f"source checksum of {c.T_HIDDEN}")
         stacked = views.speculators_stack(src, norm_w)
         out = {"token_ids": tensorfile.Tensor("I64", src[c.T_INPUT_IDS]),
                "hidden_states": tensorfile.Tensor("BF16", stacked),
                c.T_LOSS_MASK: tensorfile.Tensor("I64", src[c.T_LOSS_MASK])}
-        sums = {k: checksums.of(t.array) for k, t in out.items()}
-        tensorfile.write(tmp, out, {"sample_key": key, **checksums.as_metadata(sums)})
-        return sums
+        tensorfile.write(tmp, out, {"sample_key": key})
+        return {"hidden_states": stacked}
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
         tf = tensorfile.read(path)

@@ -1,8 +1,9 @@
 """``export``: stream every sample of an output dir into a trainer's container, never losing one.
 
-Per sample: read the source whole and check its checksums; write the output to a temp file,
-fsync, drop it from the page cache and read it back from the disk; compare every output
-tensor with the source's checksums (and with what was written); rename into place, fsync the
+Per sample: map the source and check its header against the manifest; write the
+output to a temp file, fsync, drop it from the page cache and read it back from the disk;
+compare every output tensor with the source's recorded checksums (which also catches a
+damaged source) or, where derived, with what was computed; rename into place, fsync the
 directory; append a ledger line (fsync); only then, with ``delete_source``, remove the
 source. A crash at any point leaves the source or a ledger line, so re-running resumes:
 samples in the ledger whose file is there are skipped, the rest are redone.
@@ -26,7 +27,6 @@ from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
-from worker import tensorfile
 from worker.errors import ConfigError, Corrupt
 from worker.store import _writer_dead as writer_dead  # the store's own temp-name parser
 from worker.store import free_bytes
@@ -151,20 +151,17 @@ def _one(job: _Job, src_path: Path) -> int | str:
     key = _key(src_path)
     tmp = None
     try:
-        src = tensorfile.read(src_path)
+        src = SampleFile.open(src_path)
+        job.info.check_sample(src, key)
         src_sums = checksums.recorded(src.metadata)
-        arrays = {k: t.array for k, t in src.tensors.items()}
-        job.info.check_sample(SampleFile.open(src_path), key)
-        bad = checksums.mismatches(src_sums, arrays)
-        if bad:
-            raise Corrupt(f"source checksum of {', '.join(bad)}")
+        arrays = src.map_all()  # no copy: read as the output is written
         tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        written = job.fmt.write(tmp, key, arrays, job.norm_w)
-        _verify_from_disk(job.fmt, tmp, written, src_sums)
+        derived = job.fmt.write(tmp, key, arrays, src_sums, job.norm_w)
+        _verify_from_disk(job.fmt, tmp, src_sums, derived)
         if job.throttle_s:
             time.sleep(job.throttle_s)
-        return _commit(job, key, tmp, src_path, written, src_sums)
+        return _commit(job, key, tmp, src_path, src_sums)
     except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
         return str(e) or type(e).__name__
     finally:
@@ -172,21 +169,17 @@ def _one(job: _Job, src_path: Path) -> int | str:
             tmp.unlink(missing_ok=True)
 
 
-def _verify_from_disk(fmt: Format, tmp: Path, written: dict[str, str],
-                      src_sums: dict[str, str]) -> None:
+def _verify_from_disk(fmt: Format, tmp: Path, src_sums: dict[str, str],
+                      derived: dict[str, np.ndarray]) -> None:
     """Read the synced temp file back from the disk; Corrupt unless every tensor matches."""
     durable.fsync_file(tmp)
     durable.drop_cache(tmp)
-    back = fmt.read_back(tmp)
-    problems = [f"{k} reads back differently" for k in written
-                if k not in back or checksums.of(back[k]) != written[k]]
-    problems += fmt.source_problems(back, src_sums)
+    problems = fmt.problems(fmt.read_back(tmp), src_sums, derived)
     if problems:
         raise Corrupt("export did not verify: " + "; ".join(problems))
 
 
-def _commit(job: _Job, key: str, tmp: Path, src_path: Path, written: dict[str, str],
-            src_sums: dict[str, str]) -> int:
+def _commit(job: _Job, key: str, tmp: Path, src_path: Path, src_sums: dict[str, str]) -> int:
     """Rename into place, record in the ledger, then (optionally) delete the source."""
     size = tmp.stat().st_size
     with job.lock:  # numbered files: the next number, given only to a verified file
@@ -195,7 +188,7 @@ def _commit(job: _Job, key: str, tmp: Path, src_path: Path, written: dict[str, s
         (job.dest / rel).parent.mkdir(parents=True, exist_ok=True)
         durable.commit(tmp, job.dest / rel)
         job.ledger.add({"key": key, "path": rel, "number": number, "bytes": size,
-                        "checksums": written, "source_checksums": src_sums})
+                        "source_checksums": src_sums})
     if job.delete_source:
         src_path.unlink()
         durable.fsync_dir_of(src_path)
