@@ -4,7 +4,9 @@ tiny model, one Celery worker) extracts example samples; optionally exported to 
 Used by the ``farm_output`` session fixture and, as a script, by ``make trainer-data`` (the
 trainers' own venvs have no Celery or Redis, so their data is made here first)::
 
-    python -m tests.training_data DIR [N]   # DIR/out, DIR/specforge, DIR/modelopt, DIR/speculators
+    python -m tests.training_data DIR [N]
+    # DIR/out (indexed, with vocab_mapping-64.pt), DIR/model (the tiny target),
+    # DIR/specforge, DIR/modelopt, DIR/speculators (the exports)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from producer.localfarm import LocalFarm, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "data.json"
 FORMATS = ("specforge", "modelopt", "speculators")
+DRAFT_VOCAB, TARGET_VOCAB = 64, 642  # the tiny model's vocabulary
 
 
 def produce(work_dir: Path, n: int, cache_dir: Path) -> Path:
@@ -53,6 +56,8 @@ def export_all(out_dir: Path, dest_root: Path) -> None:
 def main(argv: list[str]) -> int:
     from sglang_patch.tiny_model import ensure_tiny_model
     from tests.conftest import CACHE
+    from training import index
+    from training.cli import write_vocab_mapping
 
     dest, n = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 16
     shutil.rmtree(dest, ignore_errors=True)
@@ -60,6 +65,8 @@ def main(argv: list[str]) -> int:
     out = produce(dest / "work", n, CACHE)
     shutil.move(str(out), str(dest / "out"))
     shutil.copytree(CACHE / "tiny-llama-v2", dest / "model")
+    index.refresh(dest / "out")
+    write_vocab_mapping(dest / "out", DRAFT_VOCAB, TARGET_VOCAB)
     export_all(dest / "out", dest)
     shutil.rmtree(dest / "work")
     (dest / ".complete").write_text("ok\n")

@@ -49,24 +49,25 @@ def run_index(out_dir: Path, args: argparse.Namespace) -> int:
     bar.close()
     print("\n".join(report.lines()))
     if args.draft_vocab_size is not None:
-        print(f"vocab mapping: {write_vocab_mapping(out_dir, args)}")
+        if args.target_vocab_size is None:
+            raise ConfigError("--draft-vocab-size needs --target-vocab-size (the model's vocab)")
+        path = write_vocab_mapping(out_dir, args.draft_vocab_size, args.target_vocab_size)
+        print(f"vocab mapping: {path}")
     return EXIT_PARTIAL if report.rejected else EXIT_OK
 
 
-def write_vocab_mapping(out_dir: Path, args: argparse.Namespace) -> Path:
+def write_vocab_mapping(out_dir: Path, draft_vocab_size: int, target_vocab_size: int) -> Path:
     """``<out>/vocab_mapping-<N>.pt`` ({d2t, t2d}, SpecForge's ``model.vocab_mapping_path``)."""
     import torch
 
     from training import durable
 
-    if args.target_vocab_size is None:
-        raise ConfigError("--draft-vocab-size needs --target-vocab-size (the model's vocab)")
     try:
-        d2t, t2d = vocab.draft_vocab_mapping(index.read_counts(out_dir), args.draft_vocab_size,
-                                             args.target_vocab_size)
+        d2t, t2d = vocab.draft_vocab_mapping(index.read_counts(out_dir), draft_vocab_size,
+                                             target_vocab_size)
     except (ValueError, Corrupt) as e:
         raise ConfigError(str(e)) from e
-    path = out_dir / f"vocab_mapping-{args.draft_vocab_size}.pt"
+    path = out_dir / f"vocab_mapping-{draft_vocab_size}.pt"
     tmp = durable.tmp_for(path)
     torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, tmp)
     durable.commit(tmp, path)
