@@ -143,15 +143,17 @@ def main() -> int:
                                 "export_MBps": total / e_s / 1e6, "ratio": c_s / e_s}
         print(fmt, res[f"export_{fmt}"], flush=True)
     index.refresh(out)  # the loader's order and lengths come from the index
-    ds = HiddenStates(out, "hsfarm")
+    ds, lazy = HiddenStates(out, "hsfarm"), HiddenStates(out, "hsfarm", lazy=True)
     buf = torch.empty(max(p.stat().st_size for p in index.sample_files(out)), dtype=torch.uint8)
-    raws, loads = [], []
+    raws, loads, lazies = [], [], []
     for _ in range(a.rounds):
         raws.append(timed(partial(raw_reads, out, buf), out))
         loads.append(timed(partial(loader_reads, ds, buf), out))
-    r_s, l_s = statistics.median(raws), statistics.median(loads)
+        lazies.append(timed(partial(loader_reads, lazy, buf), out))
+    r_s, l_s, z_s = (statistics.median(x) for x in (raws, loads, lazies))
     res["loader"] = {"raw_samples_per_s": a.samples / r_s,
-                     "loader_samples_per_s": a.samples / l_s, "ratio": r_s / l_s}
+                     "loader_samples_per_s": a.samples / l_s, "ratio": r_s / l_s,
+                     "lazy_samples_per_s": a.samples / z_s, "lazy_ratio": r_s / z_s}
     print("loader", res["loader"], flush=True)
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))

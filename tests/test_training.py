@@ -120,11 +120,12 @@ def test_index_refresh_with_nothing_new_reads_no_tensor_data(out: Path) -> None:
 
 def test_loader_views_hold_our_tensors_without_a_copy(out: Path) -> None:
     index.refresh(out)
-    ours = HiddenStates(out)
+    ours, lazy = HiddenStates(out), HiddenStates(out, lazy=True)
     sf, mo, sp = (HiddenStates(out, v) for v in ("specforge", "modelopt", "speculators"))
     w = load_file(str(out / "final_norm.safetensors"))["weight"].float()
     for i in range(len(ours)):
         o = ours[i]
+        assert all(torch.equal(o[k], v) for k, v in lazy[i].items())
         assert torch.equal(sf[i]["hidden_state"][0], o["hidden_state"])
         assert sf[i]["input_ids"].shape == o["input_ids"].shape  # never a batch dim on ids
         assert torch.equal(mo[i]["aux_hidden_states"], o["aux_hidden_state"])
@@ -224,3 +225,22 @@ def test_a_damaged_source_fails_its_export_and_is_kept(out: Path, tmp_path: Path
     assert "differs from source" in summary.failed[0][1]
     assert victim.exists() and summary.exported == N - 1
     assert not list((tmp_path / "mo").rglob(f"{victim.stem}*"))
+
+
+def test_a_model_without_a_findable_final_norm_still_runs_and_speculators_says_why(
+        tmp_path: Path) -> None:
+    # Given a model dir with a config but no safetensors weights, and a store opened with it
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fp = c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+                       layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
+                       hidden_size=4, dtype="bfloat16", max_tokens=64, overlong="reject")
+    OutputStore(tmp_path / "out", fp, model_path=model).open()
+    # Then the manifest says why there is no final norm
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert "model.safetensors" in m["final_norm"]["error"]
+    # And only the export that needs it refuses, with that reason
+    with pytest.raises(ConfigError, match=r"final_norm.safetensors is missing \(.*model"):
+        export(tmp_path / "out", "speculators", tmp_path / "sp")
+    assert export(tmp_path / "out", "specforge", tmp_path / "sf").ok

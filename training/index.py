@@ -78,6 +78,8 @@ def read_counts(out_dir: Path) -> np.ndarray:
 
 def sample_files(out_dir: Path) -> Iterator[Path]:
     """Every final file under ``<out>/samples`` (never temp files), sorted."""
+    if not (out_dir / "samples").is_dir():
+        return
     for shard in sorted((out_dir / "samples").iterdir()):
         if shard.is_dir():
             yield from sorted(p for p in shard.glob(f"*{c.DUMP_SUFFIX}")

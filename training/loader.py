@@ -1,10 +1,11 @@
 """A ``torch.utils.data.Dataset`` over an output directory, read in place.
 
-Each item is one sample in the chosen trainer's view (``training.views``): the hidden states
-are copy-on-write memory maps of our files, so nothing is copied on disk and pages are read
-only when the training loop touches them. The manifest is checked once, and every file's
-header on access (fingerprint, tensor shapes); ``verify=True`` also checks every tensor's
-checksum (reads all bytes). Samples come in index order when ``<out>/index.jsonl`` exists
+Each item is one sample in the chosen trainer's view (``training.views``); nothing is copied
+on disk. By default each file is read in one sequential pass at getitem (the fastest measured
+for a loop that uses whole samples); ``lazy=True`` memory-maps it instead, and only the pages
+the loop touches are read (a loop that truncates). The manifest is checked once, and every
+file's header on access (fingerprint, tensor shapes); ``verify=True`` also checks every
+tensor's checksum. Samples come in index order when ``<out>/index.jsonl`` exists
 (``python -m producer index``), else in file order; ``lengths`` gives T per item for bucketing.
 """
 
@@ -30,12 +31,14 @@ class HiddenStates(Dataset[dict[str, Any]]):
         ConfigError: not an output dir, an unknown view, or (speculators) no final norm.
     """
 
-    def __init__(self, out_dir: Path, view: str = "hsfarm", verify: bool = False) -> None:
+    def __init__(self, out_dir: Path, view: str = "hsfarm", verify: bool = False,
+                 lazy: bool = False) -> None:
         if view not in views.VIEWS:
             raise ConfigError(f"unknown view {view!r}: one of {', '.join(views.VIEWS)}")
         self.info = load_run_info(Path(out_dir))
         self.view = views.VIEW_FUNCS[view]
         self.verify = verify
+        self.lazy = lazy  # memory-mapped, pages read when touched; else one read per file
         self.norm_w = self.info.final_norm().as_float32() if view == "speculators" else None
         rows = index.read_rows(self.info.out_dir)
         if rows:
@@ -55,7 +58,7 @@ class HiddenStates(Dataset[dict[str, Any]]):
         """One sample. Raises Corrupt (wrong run, shapes, or with verify a checksum)."""
         sf = SampleFile.open(self.paths[i])
         self.info.check_sample(sf, self.keys[i])
-        arrays: dict[str, np.ndarray] = sf.map_all()
+        arrays: dict[str, np.ndarray] = sf.map_all() if self.lazy else sf.read_all()
         if self.verify:
             bad = checksums.mismatches(checksums.recorded(sf.metadata), arrays)
             if bad:

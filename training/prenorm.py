@@ -6,7 +6,11 @@ speculators wants the last layer's output *before* the final norm (slot 4 of its
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
+
+from sglang_patch import contracts as c
 
 
 def prenorm_bf16(hidden_bf16: np.ndarray, weight_f32: np.ndarray) -> np.ndarray:
@@ -29,4 +33,14 @@ def f32_to_bf16(y: np.ndarray) -> np.ndarray:
     nan = np.isnan(y)
     if nan.any():
         out[nan] = 0x7FC0
+    return out
+
+
+def speculators_stack(a: Mapping[str, np.ndarray], norm_w: np.ndarray) -> np.ndarray:
+    """speculators' [T, 4, H] (bf16 bits): the three aux states, then the pre-norm state."""
+    hidden, aux = a[c.T_HIDDEN], a[c.T_AUX]
+    t, h = hidden.shape
+    out = np.empty((t, c.AUX_LAYERS + 1, h), dtype=np.uint16)
+    out[:, : c.AUX_LAYERS] = aux.reshape(t, c.AUX_LAYERS, h)
+    out[:, c.AUX_LAYERS] = prenorm_bf16(hidden, norm_w)
     return out

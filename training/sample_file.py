@@ -3,7 +3,8 @@
 The safetensors layout is an 8-byte little-endian header length, a JSON header (names →
 dtype, shape, byte offsets; ``__metadata__``), then the data. Opening reads only the header;
 ``read`` reads one tensor's bytes (ids and masks: a few KB); ``map_all`` maps the file
-copy-on-write, so a loader hands its tensors out without a copy on disk or in memory.
+copy-on-write and ``read_all`` reads it in one pass, so a loader hands its tensors out without
+a copy on disk.
 """
 
 from __future__ import annotations
@@ -70,17 +71,28 @@ class SampleFile:
             raise Corrupt(f"{self.path}: {name} cut short")
         return np.frombuffer(raw, NP_DTYPES[e.dtype]).reshape(e.shape)
 
-    def map_all(self, willneed: bool = True) -> dict[str, np.ndarray]:
-        """Every tensor, over one copy-on-write map of the file: read when touched, never
-        written back. ``willneed`` asks the kernel to start reading the file ahead now (as a
-        sequential read would), so the first touches do not fault page by page."""
+    def map_all(self) -> dict[str, np.ndarray]:
+        """Every tensor, over one private (copy-on-write) map of the file, never written back:
+        pages are read from the disk only when touched."""
         if self.size_bytes == 0:
             return {}
         with open(self.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), self.size_bytes, access=mmap.ACCESS_COPY)
-        if willneed:
-            mm.madvise(mmap.MADV_WILLNEED)
-        return {name: np.frombuffer(mm, NP_DTYPES[e.dtype], count=_count(e), offset=e.start)
+        return self._arrays(mm)
+
+    def read_all(self) -> dict[str, np.ndarray]:
+        """Every tensor, over one buffer filled by one sequential read of the file (for a
+        consumer that reads it all: measured faster here than faulting a map in page by page).
+        Raises Corrupt if the file is shorter than its header says."""
+        buf = bytearray(self.size_bytes)
+        with open(self.path, "rb", buffering=0) as f:
+            n = f.readinto(buf)
+        if n != self.size_bytes:
+            raise Corrupt(f"{self.path}: read {n} of {self.size_bytes} bytes")
+        return self._arrays(buf)
+
+    def _arrays(self, buf: mmap.mmap | bytearray) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(buf, NP_DTYPES[e.dtype], count=_count(e), offset=e.start)
                 .reshape(e.shape) for name, e in self.entries.items()}
 
     def entry(self, name: str) -> Entry:

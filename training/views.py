@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from sglang_patch import contracts as c
-from training.prenorm import prenorm_bf16
+from training.prenorm import speculators_stack
 
 VIEWS = ("hsfarm", "specforge", "modelopt", "speculators")
 
@@ -50,16 +50,6 @@ def modelopt(key: str, a: Mapping[str, np.ndarray], norm_w: np.ndarray | None) -
     return {"input_ids": ours[c.T_INPUT_IDS], "hidden_states": ours[c.T_HIDDEN],
             "aux_hidden_states": ours[c.T_AUX], "loss_mask": ours[c.T_LOSS_MASK],
             "conversation_id": key, "hidden_states_prenorm": False}
-
-
-def speculators_stack(a: Mapping[str, np.ndarray], norm_w: np.ndarray) -> np.ndarray:
-    """[T, 4, H] bf16 bits: the three aux states, then the pre-norm final state."""
-    hidden, aux = a[c.T_HIDDEN], a[c.T_AUX]
-    t, h = hidden.shape
-    out = np.empty((t, c.AUX_LAYERS + 1, h), dtype=np.uint16)
-    out[:, : c.AUX_LAYERS] = aux.reshape(t, c.AUX_LAYERS, h)
-    out[:, c.AUX_LAYERS] = prenorm_bf16(hidden, norm_w)
-    return out
 
 
 def speculators(key: str, a: Mapping[str, np.ndarray],

@@ -1,5 +1,8 @@
 """The three containers: where each sample goes, how it is written and read back.
 
+torch is imported only where a container needs it (``torch.save``), so the producer CLI that
+imports this module runs on a machine without torch.
+
 - ``specforge``: ``samples/<shard>/<key>.ckpt``, ``torch.save`` of ``input_ids`` [T],
   ``loss_mask`` [T], ``hidden_state`` [1,T,H], ``aux_hidden_state`` [1,T,3H] (its writer's
   shapes; its loader squeezes the leading 1 of the hidden tensors only).
@@ -25,7 +28,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, views
+from training import checksums
+from training.prenorm import speculators_stack
 from training.sample_file import SampleFile
 from worker import tensorfile
 from worker.errors import Corrupt
@@ -107,6 +111,8 @@ class SpecForge(_TorchSave):
                                                  c.T_AUX)}
 
     def view(self, key: str, src: Arrays) -> dict[str, Any]:
+        from training import views
+
         return views.specforge(key, src, None)
 
 
@@ -116,6 +122,8 @@ class ModelOpt(_TorchSave):
                                   "hidden_states": c.T_HIDDEN, "aux_hidden_states": c.T_AUX}
 
     def view(self, key: str, src: Arrays) -> dict[str, Any]:
+        from training import views
+
         return views.modelopt(key, src, None)
 
 
@@ -139,7 +147,7 @@ class Speculators(Format):
         assert norm_w is not None
         if checksums.mismatches(src_sums, {c.T_HIDDEN: src[c.T_HIDDEN]}):
             raise Corrupt(f"source checksum of {c.T_HIDDEN}")
-        stacked = views.speculators_stack(src, norm_w)
+        stacked = speculators_stack(src, norm_w)
         out = {"token_ids": tensorfile.Tensor("I64", src[c.T_INPUT_IDS]),
                "hidden_states": tensorfile.Tensor("BF16", stacked),
                c.T_LOSS_MASK: tensorfile.Tensor("I64", src[c.T_LOSS_MASK])}

@@ -1,6 +1,6 @@
 """``export``: stream every sample of an output dir into a trainer's container, never losing one.
 
-Per sample: map the source and check its header against the manifest; write the
+Per sample: read the source and check its header against the manifest; write the
 output to a temp file, fsync, drop it from the page cache and read it back from the disk;
 compare every output tensor with the source's recorded checksums (which also catches a
 damaged source) or, where derived, with what was computed; rename into place, fsync the
@@ -154,7 +154,7 @@ def _one(job: _Job, src_path: Path) -> int | str:
         src = SampleFile.open(src_path)
         job.info.check_sample(src, key)
         src_sums = checksums.recorded(src.metadata)
-        arrays = src.map_all()  # no copy: read as the output is written
+        arrays = src.read_all()
         tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
         tmp.parent.mkdir(parents=True, exist_ok=True)
         derived = job.fmt.write(tmp, key, arrays, src_sums, job.norm_w)
