@@ -244,3 +244,32 @@ def test_a_model_without_a_findable_final_norm_still_runs_and_speculators_says_w
     with pytest.raises(ConfigError, match=r"final_norm.safetensors is missing \(.*model"):
         export(tmp_path / "out", "speculators", tmp_path / "sp")
     assert export(tmp_path / "out", "specforge", tmp_path / "sf").ok
+
+
+def test_a_torn_ledger_line_is_dropped(tmp_path: Path) -> None:
+    from training.export.ledger import Ledger
+
+    # Given a ledger whose last line a crash cut short
+    (tmp_path / LEDGER).write_bytes(b'{"key": "a", "path": "x"}\n{"key": "b", "pa')
+    # When it is opened, Then the whole entries stay and the torn tail is gone from the file
+    ledger = Ledger(tmp_path)
+    assert list(ledger.entries) == ["a"]
+    assert (tmp_path / LEDGER).read_bytes() == b'{"key": "a", "path": "x"}\n'
+    ledger.add({"key": "c", "path": "y"})
+    assert list(Ledger(tmp_path).entries) == ["a", "c"]
+
+
+def test_draft_vocab_mapping_is_specforges_top_n() -> None:
+    from training.vocab import draft_vocab_mapping
+
+    # Given counts where token 7 is most frequent, 3 next, and 5 and 9 tie
+    counts = np.zeros(12, np.int64)
+    counts[[7, 3, 5, 9]] = [10, 5, 2, 2]
+    # When the top 3 are taken, Then ties go to the lower id; d2t is the offset to the target id
+    d2t, t2d = draft_vocab_mapping(counts, 3, 12)
+    assert list(np.flatnonzero(t2d)) == [3, 5, 7] and list(d2t) == [3, 4, 5]
+    # And with fewer seen tokens than the draft size, the lowest unseen ids fill up
+    d2t, t2d = draft_vocab_mapping(counts, 6, 12)
+    assert list(np.flatnonzero(t2d)) == [0, 1, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        draft_vocab_mapping(counts, 3, 8)
