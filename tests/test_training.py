@@ -154,6 +154,18 @@ def test_export_verifies_resumes_and_deletes_sources_only_after(out: Path, tmp_p
         assert obj["hidden_state"].shape[0] == 1 and obj["input_ids"].dim() == 1
 
 
+def test_sources_left_after_their_ledger_line_are_deleted_on_resume(out: Path,
+                                                                   tmp_path: Path) -> None:
+    # Given every sample exported and in the ledger, its source still there (as after a crash
+    # between the ledger line and the unlink)
+    assert export(out, "modelopt", tmp_path / "mo", jobs=2).exported == N
+    # When the export is resumed with --delete-source
+    resumed = export(out, "modelopt", tmp_path / "mo", jobs=2, delete_source=True)
+    # Then nothing is exported again and every exported sample's source is removed
+    assert (resumed.exported, resumed.skipped, resumed.deleted_sources) == (0, N, N)
+    assert not list(index.sample_files(out))
+
+
 def test_export_refuses_to_start_without_room_and_says_how_much(out: Path) -> None:
     dest = Path("/dev/shm") / f"hsfarm-test-{os.getpid()}"
     dest.mkdir()

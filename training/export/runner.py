@@ -84,10 +84,13 @@ def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: boo
     dest.mkdir(parents=True, exist_ok=True)
     _remove_dead_temps(dest)
     ledger = Ledger(dest)
-    pending = [p for p in index.sample_files(out_dir) if not _done(ledger, dest, _key(p))]
+    sources = list(index.sample_files(out_dir))
+    pending = [p for p in sources if not _done(ledger, dest, _key(p))]
+    summary = ExportSummary(skipped=len(ledger.entries))
+    if delete_source:  # a crash between the ledger line and the unlink left these behind
+        summary.deleted_sources = _delete_exported(sorted(set(sources) - set(pending)))
     check_space(dest, out_dir, pending, delete_source, jobs)
     job = _Job(info, fmt, dest, ledger, norm_w, delete_source, throttle_s)
-    summary = ExportSummary(skipped=len(ledger.entries))
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for key, result in zip(map(_key, pending), pool.map(lambda p: _one(job, p), pending),
@@ -113,6 +116,14 @@ def _remove_dead_temps(dest: Path) -> None:
     for p in dest.rglob(f"*{c.TMP_MARK}*"):
         if writer_dead(p.name):
             p.unlink(missing_ok=True)
+
+
+def _delete_exported(paths: list[Path]) -> int:
+    """Remove sources whose export is in the ledger and whose file is there."""
+    for p in paths:
+        p.unlink()
+        durable.fsync_dir_of(p)
+    return len(paths)
 
 
 def _key(path: Path) -> str:
