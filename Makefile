@@ -12,7 +12,16 @@ STAMP  := $(VENV)/.installed
 SGVENV ?= .venv-sglang
 SGSTAMP := $(SGVENV)/.installed
 
-.PHONY: demo test test-farm test-sglang test-live lint system-deps clean
+# One venv per trainer (specforge, modelopt, speculators), each with that trainer's PyPI release
+# and CPU torch 2.13.0 from local disk; their tests read .trainer-data, real farm output
+# exported to each trainer's container by `make trainer-data` (in .venv: the trainers' venvs
+# have no Celery or Redis).
+TRAINERS := specforge modelopt speculators
+TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
+TDATA := .trainer-data
+
+.PHONY: demo test test-farm test-sglang test-live test-trainers trainer-data build-side-venvs \
+	lint system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,13 +53,54 @@ $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	$(SGVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-# The SGLang venv (mostly unpacking wheels) is built while the farm's tests run (mostly
-# waiting on real processes); its own tests and the live-server tests run after, one at a
-# time, so the suites never compete for the two cores.
+.venv-specforge/.installed: Makefile
+	python3 -m venv .venv-specforge
+	.venv-specforge/bin/pip install -q --upgrade pip
+	.venv-specforge/bin/pip install -q torch==2.13.0 transformers==5.8.1 datasets safetensors \
+		pyyaml pydantic psutil numpy accelerate pytest pytest-timeout
+	.venv-specforge/bin/pip install -q --no-deps specforge==0.2.0
+	touch $@
+
+.venv-modelopt/.installed: Makefile
+	python3 -m venv .venv-modelopt
+	.venv-modelopt/bin/pip install -q --upgrade pip
+	.venv-modelopt/bin/pip install -q torch==2.13.0 nvidia-modelopt==0.47.0 'transformers<5.15' \
+		requests pytest pytest-timeout
+	touch $@
+
+# speculators pulls torchvision/torchaudio builds for another torch; it imports neither.
+.venv-speculators/.installed: Makefile
+	python3 -m venv .venv-speculators
+	.venv-speculators/bin/pip install -q --upgrade pip
+	echo torch==2.13.0 > .venv-speculators/torch-pin.txt
+	.venv-speculators/bin/pip install -q -c .venv-speculators/torch-pin.txt torch==2.13.0 \
+		speculators==0.9.0 pytest pytest-timeout
+	.venv-speculators/bin/pip uninstall -q -y torchvision torchaudio
+	touch $@
+
+trainer-data: $(STAMP) system-deps
+	$(PY) -m tests.training_data $(TDATA) 16
+
+# Each trainer's tests in its own venv; tests/trainers has its own conftest.
+test-trainers: $(TRAINER_STAMPS) $(TDATA)/.complete
+	for t in $(TRAINERS); do \
+		PYTHONWARNINGS=ignore .venv-$$t/bin/python -m pytest -p no:cacheprovider \
+			--confcutdir tests/trainers tests/trainers/test_$$t.py || exit 1; \
+	done
+
+$(TDATA)/.complete: $(STAMP)
+	$(MAKE) trainer-data
+
+# The SGLang and trainer venvs (mostly unpacking wheels) are built while the farm's tests run
+# (mostly waiting on real processes); their own tests, the live-server tests and the trainers'
+# tests run after, one at a time, so the suites never compete for the two cores.
 test: lint
-	$(MAKE) -j2 test-farm $(SGSTAMP)
+	$(MAKE) -j2 test-farm build-side-venvs
 	$(MAKE) test-sglang
 	$(MAKE) test-live
+	$(MAKE) trainer-data test-trainers
+
+build-side-venvs: $(SGSTAMP) $(TRAINER_STAMPS)
 
 test-farm: $(STAMP) system-deps
 	$(PY) -m pytest
@@ -66,4 +116,5 @@ test-live: $(STAMP) $(SGSTAMP) system-deps
 	$(PY) -m pytest -o addopts=-ra -p no:cacheprovider tests/live
 
 clean:
-	rm -rf $(VENV) $(SGVENV) .sglang demo-out build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGVENV) .sglang demo-out build .pytest_cache .mypy_cache .ruff_cache \
+		$(foreach t,$(TRAINERS),.venv-$(t)) $(TDATA)

@@ -1,4 +1,4 @@
-"""``python -m producer``: enqueue samples, watch a run, show settings.
+"""``python -m producer``: enqueue samples, watch a run, index and export the output.
 
 Exit codes: 0 all well; 1 done, but some records were rejected (or, for ``status --check``,
 the run is not finished cleanly); 2 could not run (settings, server, file).
@@ -18,6 +18,7 @@ from producer.audit import AuditReport, audit
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import failures, missing_done_files, read_status
 from sglang_patch.contracts import Fingerprint
+from training import cli as training_cli
 from worker.chat import ChatTokenizer
 from worker.datafile import DataFileError
 from worker.errors import ConfigError, Transient
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--work-dir", type=Path, default=None, help="default: ./demo-out")
     d.add_argument("--data", type=Path, default=None, help="default: examples/data.json")
     sub.add_parser("settings", help="print the effective settings")
+    training_cli.add_commands(sub)
     return p
 
 
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             from producer.demo import main_demo
 
             return main_demo(args.work_dir, args.data, settings.redis_url)
+        if args.cmd in ("index", "export"):  # the training side: no server, no Redis
+            return training_cli.main(args, settings.output_dir)
         _, chat, fingerprint = load_run(settings, wait_s=5)
         if args.cmd == "enqueue":
             return _enqueue(settings, fingerprint, args)

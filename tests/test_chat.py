@@ -113,3 +113,17 @@ def test_a_missing_jinja2_is_a_config_error_naming_the_fix(tiny_model: Path) -> 
     # Then it stops with a ConfigError that says what to install, never BadInput
     assert out.stdout.startswith("ConfigError: cannot render the chat template"), out
     assert "jinja2" in out.stdout and "pip install hsfarm" in out.stdout
+
+
+def test_fewer_than_two_tokens_is_rejected_with_the_reason(tokenizer: Any) -> None:
+    # Given pre-tokenized samples of one token and of two tokens
+    one = Sample(source_id=1, input_ids=(5,), loss_mask=(1,))
+    two = Sample(source_id=2, input_ids=(5, 6), loss_mask=(0, 1))
+    # When tokenized, Then one token is rejected, saying why, and two tokens pass
+    with pytest.raises(BadInput, match="sample has 1 token, fewer than 2: the trainers"):
+        _chat(tokenizer).encode(one)
+    assert _chat(tokenizer).encode(two).input_ids == [5, 6]
+    # And truncation to a single token is rejected the same way
+    with pytest.raises(BadInput, match="fewer than 2"):
+        _chat(tokenizer, 1, "truncate").encode(Sample(source_id=3, input_ids=(5, 6),
+                                                      loss_mask=(1, 1)))

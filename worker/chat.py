@@ -27,6 +27,9 @@ _ENGINE_FIX = ("install the worker's dependencies into its environment (pip inst
                "chat templates need jinja2>=3.1.6)")
 
 
+MIN_TOKENS = 2  # EAGLE-3 trainers shift by one; SpecForge's squeeze breaks on T = 1
+
+
 @dataclass(frozen=True)
 class Tokenized:
     input_ids: list[int]
@@ -130,7 +133,7 @@ class ChatTokenizer:
     def _fit(self, ids: list[int], mask: list[int]) -> Tokenized:
         n = len(ids)
         if n <= self.max_tokens:
-            return Tokenized(ids, mask)
+            return _at_least_two(Tokenized(ids, mask))
         if self.overlong == "reject":
             raise BadInput(f"sample has {n} tokens, over the maximum of {self.max_tokens} "
                            "(FARM_MAX_TOKENS; FARM_OVERLONG=truncate keeps the first part)")
@@ -138,7 +141,17 @@ class ChatTokenizer:
         if not any(mask):
             raise BadInput(f"sample has {n} tokens; truncated to {self.max_tokens} it has no "
                            "assistant tokens left")
-        return Tokenized(ids, mask, truncated_from=n)
+        return _at_least_two(Tokenized(ids, mask, truncated_from=n))
+
+
+def _at_least_two(tok: Tokenized) -> Tokenized:
+    """Raises BadInput for a sample of fewer than ``MIN_TOKENS`` tokens."""
+    n = len(tok.input_ids)
+    if n < MIN_TOKENS:
+        raise BadInput(f"sample has {n} token{'' if n == 1 else 's'}, fewer than {MIN_TOKENS}: "
+                       "the trainers predict token t+1 from token t, so their shift by one "
+                       "(and SpecForge's squeeze) leave nothing to train on")
+    return tok
 
 
 def _is_template_syntax_error(e: Exception) -> bool:

@@ -43,7 +43,8 @@ class RunContext:
         model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
         store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
-                            debug_write_delay_s=settings.debug_write_delay_s).open()
+                            debug_write_delay_s=settings.debug_write_delay_s,
+                            model_path=model_path).open()
         settings.dump_dir.mkdir(parents=True, exist_ok=True)
         limits = limits_for_host(settings, fp.hidden_size)
         log.info("admission: %s", limits.describe())

@@ -24,10 +24,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from sglang_patch import contracts as c
-from worker import checksums, diskio, tensorfile
+from worker import checksums, diskio, final_norm, tensorfile
 from worker.errors import ConfigError, Corrupt, NoSpace, Transient
 from worker.finalfile import Part, read_back, write_parts
+from worker.semantics import tensor_semantics
 
 log = logging.getLogger("hsfarm.store")
 
@@ -86,8 +89,10 @@ class OutputStore:
     """One run's output directory. ``open`` checks or writes the manifest first."""
 
     def __init__(self, out_dir: Path, fingerprint: c.Fingerprint, min_free_bytes: int = 0,
-                 versions: dict[str, str] | None = None, debug_write_delay_s: float = 0.0) -> None:
+                 versions: dict[str, str] | None = None, debug_write_delay_s: float = 0.0,
+                 model_path: Path | None = None) -> None:
         self.out_dir = out_dir
+        self.model_path = model_path  # where the final-norm weight is read from (new manifests)
         self.fingerprint = fingerprint
         self.min_free_bytes = min_free_bytes
         self.versions = versions or {}
@@ -104,7 +109,9 @@ class OutputStore:
         if not path.exists():
             body = {"fingerprint_id": self.fingerprint.id,
                     "fingerprint": self.fingerprint.to_json(),
-                    "versions": self.versions, "created_at": time.time()}
+                    "versions": self.versions, "created_at": time.time(),
+                    "tensors": tensor_semantics(self.fingerprint),
+                    "final_norm": self._write_final_norm()}
             tmp = path.with_name(f".{MANIFEST}{c.TMP_MARK}{_tmp_tag()}")
             tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
             with open(tmp, "rb") as f:
@@ -118,6 +125,28 @@ class OutputStore:
             fsync_dir(self.out_dir)
         self._check_manifest(path)
         return self
+
+    def _write_final_norm(self) -> dict[str, object]:
+        """Store the model's final-norm weight beside the manifest; the manifest's entry.
+
+        Not part of the fingerprint (a run's id does not change; manifests without it still
+        open). A model whose final norm cannot be found still runs: the entry says why, and
+        only the exports that need the weight refuse.
+        """
+        if self.model_path is None:
+            return {"error": "not recorded (no model path given to the store)"}
+        try:
+            norm = final_norm.read_final_norm(self.model_path, self.fingerprint.hidden_size)
+        except (ConfigError, OSError, ValueError, KeyError) as e:
+            log.warning("final norm weight not recorded: %s", e)
+            return {"error": str(e)}
+        weight = np.ascontiguousarray(norm.weight.array)
+        sums = {final_norm.TENSOR: checksums.tensor_checksum(weight.data)}
+        final_norm.write_final_norm(self.out_dir, norm, checksums.checksum_metadata(sums))
+        return {"file": final_norm.FILE, "tensor": final_norm.TENSOR,
+                "source_tensor": norm.source_name, "dtype": norm.weight.dtype,
+                "rms_norm_eps": norm.rms_norm_eps,
+                checksums.M_ALGORITHM: checksums.DEFAULT_ALGORITHM, checksums.M_CHECKSUMS: sums}
 
     def _check_manifest(self, path: Path) -> None:
         try:

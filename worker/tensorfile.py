@@ -173,6 +173,18 @@ def encode_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
     return len(raw).to_bytes(8, "little") + raw, Header(entries, dict(metadata), 8 + len(raw))
 
 
+def write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """Write a small safetensors file in one go (no fsync, no rename: the caller owns
+    durability). Final files of the farm go through ``finalfile.write_parts`` instead."""
+    arrays = {k: np.ascontiguousarray(t.array) for k, t in tensors.items()}
+    head, header = encode_header({k: (t.dtype, arrays[k].shape) for k, t in tensors.items()},
+                                 metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        for name, _, _ in header.file_ranges():
+            f.write(arrays[name].data)
+
+
 def numpy_dtype(dtype: str) -> np.dtype:
     return _DTYPES[dtype]
 

@@ -1,0 +1,287 @@
+"""The training side on real farm output: index, loader, exports, without Celery."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sglang_patch import contracts as c
+from tests.conftest import CACHE
+from tests.training_data import produce
+from training import index
+from training.export.ledger import NAME as LEDGER
+from training.export.runner import export
+from training.loader import HiddenStates
+from worker.errors import ConfigError
+from worker.final_norm import pick_final_norm
+from worker.store import OutputStore
+
+N = 12
+
+
+@pytest.fixture(scope="session")
+def farm_output(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """Real output of a local farm (12 example samples), shared by this module's tests."""
+    return produce(tmp_path_factory.mktemp("training"), N, CACHE)
+
+
+@pytest.fixture
+def out(farm_output: Path, tmp_path: Path) -> Path:
+    """A private copy a test may change."""
+    shutil.copytree(farm_output, tmp_path / "out")
+    return tmp_path / "out"
+
+
+def _py(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+
+
+def test_training_imports_and_loads_without_celery_kombu_or_redis(out: Path) -> None:
+    # Given a fresh interpreter, When it indexes, loads a sample and exports with training/
+    res = _py(f"""
+import sys
+from pathlib import Path
+from training import index, loader
+from training.export.runner import export
+index.refresh(Path({str(out)!r}))
+loader.HiddenStates(Path({str(out)!r}), view="speculators")[0]
+export(Path({str(out)!r}), "specforge", Path({str(out)!r}) / ".." / "sf", jobs=1)
+print(sorted(m for m in ("celery", "kombu", "redis") if m in sys.modules))""")
+    # Then none of Celery, kombu or redis was imported
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+def test_manifest_records_semantics_and_the_final_norm(out: Path) -> None:
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["tensors"]["aux_layers_sglang"] == [2, 4, 5]
+    assert m["tensors"]["aux_layers_output_0based"] == [1, 3, 4]
+    assert m["final_norm"]["source_tensor"] == "model.norm.weight"
+    model_norm = load_file(str(CACHE / "tiny-llama-v2" / "model.safetensors"))["model.norm.weight"]
+    assert torch.equal(load_file(str(out / "final_norm.safetensors"))["weight"], model_norm)
+
+
+def test_an_old_manifest_without_the_new_fields_still_opens_with_the_same_id(out: Path) -> None:
+    # Given a manifest as written before this change (no tensors, no final_norm)
+    m = json.loads((out / "manifest.json").read_text())
+    old = {k: v for k, v in m.items() if k not in ("tensors", "final_norm")}
+    (out / "manifest.json").write_text(json.dumps(old))
+    fp = c.Fingerprint.from_json(old["fingerprint"])
+    # When a worker's store opens it, Then it is accepted, and the id is the recorded one
+    OutputStore(out, fp).open()
+    assert fp.id == old["fingerprint_id"]
+
+
+def test_final_norm_is_found_in_nested_and_other_checkpoints() -> None:
+    kimi = ["language_model.model.norm.weight", "language_model.lm_head.weight",
+            "language_model.model.layers.3.input_layernorm.weight",
+            "vision_tower.encoder.final_layernorm.weight", "mm_projector.pre_norm.weight"]
+    assert pick_final_norm(kimi) == "language_model.model.norm.weight"
+    assert pick_final_norm(["transformer.ln_f.weight", "transformer.h.0.ln_1.weight"]) == \
+        "transformer.ln_f.weight"
+    with pytest.raises(ConfigError, match="cannot tell"):
+        pick_final_norm(["model.layers.0.input_layernorm.weight"])
+
+
+def test_index_refresh_with_nothing_new_reads_no_tensor_data(out: Path) -> None:
+    # Given an index of every sample
+    first = index.refresh(out)
+    assert (first.rows, first.new, first.rejected) == (N, N, [])
+    counts = index.read_counts(out).copy()
+    # When every file's tensor data is overwritten in place (same size, same mtime)
+    for p in index.sample_files(out):
+        st = p.stat()
+        with open(p, "r+b") as f:
+            f.seek(st.st_size - 64)
+            f.write(b"\xff" * 64)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = index.refresh(out)
+    # Then a refresh reads nothing (it would have found the damage) and keeps the counts
+    assert (again.unchanged, again.new, again.tensor_bytes_read, again.rejected) == (N, 0, 0, [])
+    assert np.array_equal(index.read_counts(out), counts)
+    # And a file that changed is read again, checked, and rejected with its reason
+    victim = next(index.sample_files(out))
+    os.utime(victim)
+    third = index.refresh(out, verify=True)
+    assert len(third.rejected) == 1 and "checksum" in third.rejected[0][1]
+
+
+def test_loader_views_hold_our_tensors_without_a_copy(out: Path) -> None:
+    index.refresh(out)
+    ours, lazy = HiddenStates(out), HiddenStates(out, lazy=True)
+    sf, mo, sp = (HiddenStates(out, v) for v in ("specforge", "modelopt", "speculators"))
+    w = load_file(str(out / "final_norm.safetensors"))["weight"].float()
+    for i in range(len(ours)):
+        o = ours[i]
+        assert all(torch.equal(o[k], v) for k, v in lazy[i].items())
+        assert torch.equal(sf[i]["hidden_state"][0], o["hidden_state"])
+        assert sf[i]["input_ids"].shape == o["input_ids"].shape  # never a batch dim on ids
+        assert torch.equal(mo[i]["aux_hidden_states"], o["aux_hidden_state"])
+        s = sp[i]["hidden_states"]
+        assert torch.equal(s[:, :3].reshape(len(s), -1), o["aux_hidden_state"])
+        x = s[:, 3].float()
+        normed = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(normed, o["hidden_state"].float(), rtol=2 ** -7, atol=1e-2)
+    assert ours.lengths == [len(ours[i]["input_ids"]) for i in range(len(ours))]
+
+
+def test_export_verifies_resumes_and_deletes_sources_only_after(out: Path, tmp_path: Path) -> None:
+    # Given an export to Model-Optimizer's container
+    first = export(out, "modelopt", tmp_path / "mo", jobs=2)
+    assert (first.exported, first.failed) == (N, [])
+    # When it runs again, Then every verified output is skipped
+    again = export(out, "modelopt", tmp_path / "mo", jobs=2)
+    assert (again.exported, again.skipped) == (0, N)
+    # And with --delete-source each source goes only once its export is in the ledger
+    moved = export(out, "specforge", tmp_path / "sf", jobs=2, delete_source=True)
+    ledger = [json.loads(x) for x in (tmp_path / "sf" / LEDGER).read_text().splitlines()]
+    assert moved.deleted_sources == N == len(ledger)
+    assert not list(index.sample_files(out))
+    for e in ledger:
+        obj = torch.load(tmp_path / "sf" / e["path"], weights_only=True)
+        assert obj["hidden_state"].shape[0] == 1 and obj["input_ids"].dim() == 1
+
+
+def test_sources_left_after_their_ledger_line_are_deleted_on_resume(out: Path,
+                                                                   tmp_path: Path) -> None:
+    # Given every sample exported and in the ledger, its source still there (as after a crash
+    # between the ledger line and the unlink)
+    assert export(out, "modelopt", tmp_path / "mo", jobs=2).exported == N
+    # When the export is resumed with --delete-source
+    resumed = export(out, "modelopt", tmp_path / "mo", jobs=2, delete_source=True)
+    # Then nothing is exported again and every exported sample's source is removed
+    assert (resumed.exported, resumed.skipped, resumed.deleted_sources) == (0, N, N)
+    assert not list(index.sample_files(out))
+
+
+def test_export_refuses_to_start_without_room_and_says_how_much(out: Path) -> None:
+    dest = Path("/dev/shm") / f"hsfarm-test-{os.getpid()}"
+    dest.mkdir()
+    small = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(dest)],
+                           capture_output=True)
+    try:
+        if small.returncode != 0:
+            pytest.skip("cannot mount a small tmpfs here")
+        with pytest.raises(ConfigError, match=r"GB free; exporting 12 samples needs .* missing"):
+            export(out, "specforge", dest / "x")
+    finally:
+        subprocess.run(["umount", str(dest)], capture_output=True)
+        dest.rmdir()
+
+
+def test_sigkill_mid_export_loses_nothing(out: Path, tmp_path: Path) -> None:
+    # Given an export that is SIGKILLed while samples are in flight
+    dest = tmp_path / "sp"
+    proc = subprocess.Popen([sys.executable, "-c", f"""
+from pathlib import Path
+from training.export.runner import export
+export(Path({str(out)!r}), "speculators", Path({str(dest)!r}), jobs=2, delete_source=True,
+       throttle_s=0.3)"""], env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    ledger = dest / LEDGER
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (
+            ledger.exists() and ledger.read_bytes().count(b"\n") >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = ledger.read_bytes().count(b"\n")
+    assert 3 <= done_before < N, "the kill must land mid-export"
+    # When the export is run again
+    summary = export(out, "speculators", dest, jobs=2, delete_source=True)
+    # Then every sample is exported exactly once, numbered 0..N-1, and no temp file is left
+    assert summary.ok and summary.exported + summary.skipped == N
+    rows = [json.loads(x) for x in ledger.read_text().splitlines()]
+    assert sorted(r["number"] for r in rows) == list(range(N))
+    assert len({r["key"] for r in rows}) == N
+    assert not [p for p in dest.rglob("*") if c.is_temp_name(p.name)]
+    assert not list(index.sample_files(out))  # every source gone, each after its export
+
+
+def test_cli_index_and_export(out: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "FARM_OUTPUT_DIR": str(out)}
+    run = [sys.executable, "-m", "producer"]
+    res = subprocess.run([*run, "index", "--no-progress", "--draft-vocab-size", "32",
+                          "--target-vocab-size", "642"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert f"indexed: {N} samples ({N} new" in res.stdout and (out / "vocab_mapping-32.pt").exists()
+    res = subprocess.run([*run, "export", "--to", "speculators", str(tmp_path / "sp"),
+                          "--no-progress"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and f"exported: {N} samples" in res.stdout, res.stderr
+    bad = subprocess.run([*run, "export", "--to", "specforge", str(tmp_path / "x"), "--from",
+                          str(tmp_path)], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "not an hsfarm output dir" in bad.stderr
+
+
+def test_a_damaged_source_fails_its_export_and_is_kept(out: Path, tmp_path: Path) -> None:
+    # Given one source file with a flipped byte in its hidden states
+    victim = sorted(index.sample_files(out))[0]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x01
+    victim.write_bytes(bytes(data))
+    # When exported with --delete-source
+    summary = export(out, "modelopt", tmp_path / "mo", jobs=2, delete_source=True)
+    # Then that sample fails with the reason, its source stays, and nothing of it is exported
+    assert [k for k, _ in summary.failed] == [victim.stem]
+    assert "differs from source" in summary.failed[0][1]
+    assert victim.exists() and summary.exported == N - 1
+    assert not list((tmp_path / "mo").rglob(f"{victim.stem}*"))
+
+
+def test_a_model_without_a_findable_final_norm_still_runs_and_speculators_says_why(
+        tmp_path: Path) -> None:
+    # Given a model dir with a config but no safetensors weights, and a store opened with it
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fp = c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+                       layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
+                       hidden_size=4, dtype="bfloat16", max_tokens=64, overlong="reject")
+    OutputStore(tmp_path / "out", fp, model_path=model).open()
+    # Then the manifest says why there is no final norm
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert "model.safetensors" in m["final_norm"]["error"]
+    # And only the export that needs it refuses, with that reason
+    with pytest.raises(ConfigError, match=r"final_norm.safetensors is missing \(.*model"):
+        export(tmp_path / "out", "speculators", tmp_path / "sp")
+    assert export(tmp_path / "out", "specforge", tmp_path / "sf").ok
+
+
+def test_a_torn_ledger_line_is_dropped(tmp_path: Path) -> None:
+    from training.export.ledger import Ledger
+
+    # Given a ledger whose last line a crash cut short
+    (tmp_path / LEDGER).write_bytes(b'{"key": "a", "path": "x"}\n{"key": "b", "pa')
+    # When it is opened, Then the whole entries stay and the torn tail is gone from the file
+    ledger = Ledger(tmp_path)
+    assert list(ledger.entries) == ["a"]
+    assert (tmp_path / LEDGER).read_bytes() == b'{"key": "a", "path": "x"}\n'
+    ledger.add({"key": "c", "path": "y"})
+    assert list(Ledger(tmp_path).entries) == ["a", "c"]
+
+
+def test_draft_vocab_mapping_is_specforges_top_n() -> None:
+    from training.vocab import draft_vocab_mapping
+
+    # Given counts where token 7 is most frequent, 3 next, and 5 and 9 tie
+    counts = np.zeros(12, np.int64)
+    counts[[7, 3, 5, 9]] = [10, 5, 2, 2]
+    # When the top 3 are taken, Then ties go to the lower id; d2t is the offset to the target id
+    d2t, t2d = draft_vocab_mapping(counts, 3, 12)
+    assert list(np.flatnonzero(t2d)) == [3, 5, 7] and list(d2t) == [3, 4, 5]
+    # And with fewer seen tokens than the draft size, the lowest unseen ids fill up
+    d2t, t2d = draft_vocab_mapping(counts, 6, 12)
+    assert list(np.flatnonzero(t2d)) == [0, 1, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        draft_vocab_mapping(counts, 3, 8)

@@ -1,0 +1,77 @@
+"""Real farm output for the training-side tests: a local farm (Redis, reference server with the
+tiny model, one Celery worker) extracts example samples; optionally exported to every trainer.
+
+Used by the ``farm_output`` session fixture and, as a script, by ``make trainer-data`` (the
+trainers' own venvs have no Celery or Redis, so their data is made here first)::
+
+    python -m tests.training_data DIR [N]
+    # DIR/out (indexed, with vocab_mapping-64.pt), DIR/model (the tiny target),
+    # DIR/specforge, DIR/modelopt, DIR/speculators (the exports)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from producer.localfarm import LocalFarm, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "data.json"
+FORMATS = ("specforge", "modelopt", "speculators")
+DRAFT_VOCAB, TARGET_VOCAB = 64, 642  # the tiny model's vocabulary
+
+
+def produce(work_dir: Path, n: int, cache_dir: Path) -> Path:
+    """Extract the first ``n`` example samples into ``work_dir/farm/out``; returns that dir."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    data = work_dir / "data.json"
+    data.write_text(json.dumps(json.loads(EXAMPLES.read_text())[:n], ensure_ascii=False))
+    farm = LocalFarm(work_dir / "farm", cache_dir=cache_dir, chunked_prefill_size=256)
+    try:
+        farm.start_redis()
+        farm.start_server()
+        farm.start_worker("w1", concurrency=2)
+        res = farm.cli("enqueue", str(data), "--no-progress")
+        assert res.returncode == 0, res.stdout + res.stderr
+        samples = farm.output_dir / "samples"
+        wait_until(lambda: sum(1 for _ in samples.rglob("*.safetensors")) >= n, 240,
+                   f"{n} samples to be extracted", poll_s=0.5)
+    finally:
+        farm.close()
+    return farm.output_dir
+
+
+def export_all(out_dir: Path, dest_root: Path) -> None:
+    """Export ``out_dir`` to every trainer's container under ``dest_root/<format>``."""
+    from training.export.runner import export
+
+    for fmt in FORMATS:
+        summary = export(out_dir, fmt, dest_root / fmt, jobs=2)
+        assert summary.ok and summary.exported > 0, summary.lines()
+
+
+def main(argv: list[str]) -> int:
+    from sglang_patch.tiny_model import ensure_tiny_model
+    from tests.conftest import CACHE
+    from training import index
+    from training.cli import write_vocab_mapping
+
+    dest, n = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 16
+    shutil.rmtree(dest, ignore_errors=True)
+    ensure_tiny_model(CACHE)
+    out = produce(dest / "work", n, CACHE)
+    shutil.move(str(out), str(dest / "out"))
+    shutil.copytree(CACHE / "tiny-llama-v2", dest / "model")
+    index.refresh(dest / "out")
+    write_vocab_mapping(dest / "out", DRAFT_VOCAB, TARGET_VOCAB)
+    export_all(dest / "out", dest)
+    shutil.rmtree(dest / "work")
+    (dest / ".complete").write_text("ok\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""Durable writes for the training side: temp → fsync → rename → fsync(dir), as the store does.
+
+Temp names carry ``host.pid.random`` after the farm's temp mark, so the store's cleanup (and a
+resumed export) can tell a dead writer's temp file from a live one's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from sglang_patch import contracts as c
+from worker.store import fsync_dir
+
+
+def tmp_for(final: Path) -> Path:
+    """A temp path beside ``final``."""
+    tag = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    return final.with_name(f".{final.name}{c.TMP_MARK}{tag}")
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """fsync ``tmp``, rename it over ``final``, fsync the directory."""
+    fsync_file(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def drop_cache(path: Path) -> None:
+    """Evict a (synced) file's pages, so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir_of(path: Path) -> None:
+    """fsync the directory that holds (or held) ``path``: makes a rename or unlink durable."""
+    fsync_dir(path.parent)

@@ -1,0 +1,1 @@
+"""Export to a trainer's own container: streamed, verified, resumable (see ``runner``)."""

@@ -1,0 +1,188 @@
+"""The index beside the manifest: one row per sample, refreshed incrementally.
+
+``<out>/index.jsonl``: one JSON object per line: ``key``, ``path`` (relative to ``<out>``),
+``tokens``, ``loss_tokens``, ``bytes``, ``mtime_ns``, ``checksums`` (per tensor, as in the
+file), ``source_id``, ``truncated_from``. Sorted by key. Trainers bucket by length, split and
+start from it without opening a sample file.
+
+``<out>/token_counts.safetensors``: ``counts`` I64 [max id + 1], loss-masked tokens over the
+indexed samples; its metadata names the index it matches (``index_sha256``), so a crash between
+the two writes is noticed and the counts are recounted.
+
+A refresh opens only files it has not indexed yet (a file whose size or mtime changed counts
+as new): for those it reads the header and the ids and mask (a few KB) and checks their
+checksums and the manifest; ``verify=True`` also reads the hidden states and checks theirs.
+Files already indexed are only ``stat``-ed: no tensor data is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sglang_patch import contracts as c
+from training import checksums, durable, vocab
+from training.manifest import RunInfo, load_run_info
+from training.sample_file import SampleFile
+from worker import tensorfile
+from worker.errors import Corrupt
+from worker.store import M_SOURCE_ID, M_TRUNCATED
+
+INDEX = "index.jsonl"
+COUNTS = "token_counts.safetensors"
+_DIGEST = "index_sha256"
+
+
+@dataclass
+class RefreshReport:
+    """What one refresh did."""
+
+    rows: int = 0
+    new: int = 0
+    unchanged: int = 0
+    removed: int = 0
+    tensor_bytes_read: int = 0
+    recounted: bool = False
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+
+    def lines(self, show: int = 20) -> list[str]:
+        out = [f"indexed: {self.rows} samples ({self.new} new, {self.unchanged} unchanged, "
+               f"{self.removed} removed)", f"tensor bytes read: {self.tensor_bytes_read}",
+               f"rejected: {len(self.rejected)}"]
+        return out + [f"  rejected {p}: {why}" for p, why in self.rejected[:show]]
+
+
+def read_rows(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """The index's rows by key ({} when there is no index yet)."""
+    path = out_dir / INDEX
+    if not path.exists():
+        return {}
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {r["key"]: r for r in rows}
+
+
+def read_counts(out_dir: Path) -> np.ndarray:
+    """The token counts matching the current index. Raises FileNotFoundError or Corrupt."""
+    tf = tensorfile.read(out_dir / COUNTS)
+    if tf.metadata.get(_DIGEST) != _sha256(out_dir / INDEX):
+        raise Corrupt(f"{out_dir / COUNTS} does not match {INDEX}: run the index refresh")
+    return tf.tensors["counts"].array
+
+
+def sample_files(out_dir: Path) -> Iterator[Path]:
+    """Every final file under ``<out>/samples`` (never temp files), sorted."""
+    if not (out_dir / "samples").is_dir():
+        return
+    for shard in sorted((out_dir / "samples").iterdir()):
+        if shard.is_dir():
+            yield from sorted(p for p in shard.glob(f"*{c.DUMP_SUFFIX}")
+                              if not c.is_temp_name(p.name))
+
+
+def refresh(out_dir: Path, verify: bool = False,
+            progress: Callable[[int], None] | None = None) -> RefreshReport:
+    """Index the files not yet indexed; drop rows whose file is gone. Raises ConfigError."""
+    info = load_run_info(out_dir)
+    old = read_rows(out_dir)
+    try:
+        counts = read_counts(out_dir) if old else np.zeros(0, np.int64)
+    except (FileNotFoundError, Corrupt):
+        counts = None  # recount below
+    rows: dict[str, dict[str, Any]] = {}
+    report = RefreshReport()
+    for path in sample_files(out_dir):
+        key = path.name[: -len(c.DUMP_SUFFIX)]
+        st = path.stat()
+        prev = old.get(key)
+        if prev and (prev["bytes"], prev["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
+            rows[key] = prev
+            report.unchanged += 1
+        else:
+            counts = None if prev else counts  # a changed file: its old counts are unknown
+            _index_new(info, path, key, st, verify, rows, report)
+            if counts is not None and key in rows:
+                counts = vocab.add_counts(counts, rows[key].pop("_counts"))
+        if progress:
+            progress(1)
+    report.removed = len(set(old) - set(rows))
+    if counts is None or report.removed:
+        counts, report.recounted = _recount(out_dir, rows, report), True
+    for r in rows.values():
+        r.pop("_counts", None)
+    _write(out_dir, rows, counts)
+    report.rows, report.new = len(rows), len(rows) - report.unchanged
+    return report
+
+
+def _index_new(info: RunInfo, path: Path, key: str, st: os.stat_result, verify: bool,
+               rows: dict[str, dict[str, Any]], report: RefreshReport) -> None:
+    """Check one new file and add its row (with its token counts under ``_counts``)."""
+    try:
+        sf = SampleFile.open(path)
+        info.check_sample(sf, key)
+        names = list(sf.entries) if verify else [c.T_INPUT_IDS, c.T_LOSS_MASK]
+        arrays = {n: sf.read(n) for n in names}
+        report.tensor_bytes_read += sum(a.nbytes for a in arrays.values())
+        bad = checksums.mismatches(checksums.recorded(sf.metadata), arrays)
+        if bad:
+            raise Corrupt(f"checksum of {', '.join(bad)}")
+    except (Corrupt, OSError) as e:
+        report.rejected.append((str(path.relative_to(info.out_dir)), str(e)))
+        return
+    ids, mask = arrays[c.T_INPUT_IDS], arrays[c.T_LOSS_MASK]
+    rows[key] = {
+        "key": key, "path": str(path.relative_to(info.out_dir)), "tokens": len(ids),
+        "loss_tokens": int(np.count_nonzero(mask)), "bytes": st.st_size,
+        "mtime_ns": st.st_mtime_ns, "checksums": checksums.recorded(sf.metadata).to_json(),
+        "source_id": _json_or_text(sf.metadata.get(M_SOURCE_ID)),
+        "truncated_from": int(sf.metadata.get(M_TRUNCATED) or 0),
+        "_counts": vocab.count_masked(ids, mask),
+    }
+
+
+def _recount(out_dir: Path, rows: dict[str, dict[str, Any]], report: RefreshReport) -> np.ndarray:
+    """Token counts from scratch: the ids and masks of every indexed file."""
+    counts = np.zeros(0, np.int64)
+    for r in rows.values():
+        if "_counts" in r:
+            more = r["_counts"]
+        else:
+            sf = SampleFile.open(out_dir / r["path"])
+            ids, mask = sf.read(c.T_INPUT_IDS), sf.read(c.T_LOSS_MASK)
+            report.tensor_bytes_read += ids.nbytes + mask.nbytes
+            more = vocab.count_masked(ids, mask)
+        counts = vocab.add_counts(counts, more)
+    return counts
+
+
+def _write(out_dir: Path, rows: dict[str, dict[str, Any]], counts: np.ndarray) -> None:
+    """Counts first, then the index, each temp → fsync → rename."""
+    body = "".join(json.dumps(rows[k], sort_keys=True) + "\n" for k in sorted(rows)).encode()
+    digest = hashlib.sha256(body).hexdigest()
+    tmp = durable.tmp_for(out_dir / COUNTS)
+    tensorfile.write(tmp, {"counts": tensorfile.Tensor("I64", counts.astype(np.int64))},
+                     {_DIGEST: digest})
+    durable.commit(tmp, out_dir / COUNTS)
+    tmp = durable.tmp_for(out_dir / INDEX)
+    tmp.write_bytes(body)
+    durable.commit(tmp, out_dir / INDEX)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+
+
+def _json_or_text(value: str | None) -> object:
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value

@@ -1,0 +1,66 @@
+"""A ``torch.utils.data.Dataset`` over an output directory, read in place.
+
+Each item is one sample in the chosen trainer's view (``training.views``); nothing is copied
+on disk. By default each file is read in one sequential pass at getitem (the fastest measured
+for a loop that uses whole samples); ``lazy=True`` memory-maps it instead, and only the pages
+the loop touches are read (a loop that truncates). The manifest is checked once, and every
+file's header on access (fingerprint, tensor shapes); ``verify=True`` also checks every
+tensor's checksum. Samples come in index order when ``<out>/index.jsonl`` exists
+(``python -m producer index``), else in file order; ``lengths`` gives T per item for bucketing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from sglang_patch import contracts as c
+from training import checksums, index, views
+from training.manifest import load_run_info
+from training.sample_file import SampleFile
+from worker.errors import ConfigError, Corrupt
+
+
+class HiddenStates(Dataset[dict[str, Any]]):
+    """Samples of one output dir, in one trainer's view.
+
+    Raises:
+        ConfigError: not an output dir, an unknown view, or (speculators) no final norm.
+    """
+
+    def __init__(self, out_dir: Path, view: str = "hsfarm", verify: bool = False,
+                 lazy: bool = False) -> None:
+        if view not in views.VIEWS:
+            raise ConfigError(f"unknown view {view!r}: one of {', '.join(views.VIEWS)}")
+        self.info = load_run_info(Path(out_dir))
+        self.view = views.VIEW_FUNCS[view]
+        self.verify = verify
+        self.lazy = lazy  # memory-mapped, pages read when touched; else one read per file
+        self.norm_w = self.info.final_norm().as_float32() if view == "speculators" else None
+        rows = index.read_rows(self.info.out_dir)
+        if rows:
+            self.keys = sorted(rows)
+            self.paths = [self.info.out_dir / rows[k]["path"] for k in self.keys]
+            self.lengths = [int(rows[k]["tokens"]) for k in self.keys]
+        else:
+            self.paths = list(index.sample_files(self.info.out_dir))
+            self.keys = [p.name[: -len(c.DUMP_SUFFIX)] for p in self.paths]
+            self.lengths = [SampleFile.open(p).entries[c.T_INPUT_IDS].shape[0]
+                            for p in self.paths]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """One sample. Raises Corrupt (wrong run, shapes, or with verify a checksum)."""
+        sf = SampleFile.open(self.paths[i])
+        self.info.check_sample(sf, self.keys[i])
+        arrays: dict[str, np.ndarray] = sf.map_all() if self.lazy else sf.read_all()
+        if self.verify:
+            bad = checksums.mismatches(checksums.recorded(sf.metadata), arrays)
+            if bad:
+                raise Corrupt(f"{sf.path}: checksum of {', '.join(bad)}")
+        return self.view(self.keys[i], arrays, self.norm_w)

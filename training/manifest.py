@@ -1,0 +1,91 @@
+"""The run's manifest and final-norm weight, as a trainer's machine reads them.
+
+Every sample file is checked against the manifest: its fingerprint id, and its tensors'
+dtypes and shapes (T >= 2, [T, H], [T, 3H]).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_patch import contracts as c
+from training import checksums
+from training.sample_file import SampleFile
+from worker import final_norm
+from worker.errors import ConfigError, Corrupt
+from worker.store import FINAL_TENSORS, M_FINGERPRINT, M_KEY, MANIFEST
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One output directory's manifest, read and checked."""
+
+    out_dir: Path
+    fingerprint: c.Fingerprint
+    manifest: dict[str, Any]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fingerprint.hidden_size
+
+    def check_sample(self, sf: SampleFile, key: str | None = None) -> None:
+        """Raises Corrupt when a file is not a whole sample of this run (header only)."""
+        problems = []
+        if sf.metadata.get(M_FINGERPRINT) != self.fingerprint.id:
+            problems.append(f"fingerprint {sf.metadata.get(M_FINGERPRINT)!r} is not this "
+                            f"run's {self.fingerprint.id}")
+        if key is not None and sf.metadata.get(M_KEY) != key:
+            problems.append(f"sample_key {sf.metadata.get(M_KEY)!r} != {key!r}")
+        missing = set(FINAL_TENSORS) - set(sf.entries)
+        if missing:
+            raise Corrupt(f"{sf.path}: missing tensors {sorted(missing)}")
+        t, h = sf.entries[c.T_INPUT_IDS].shape[0], self.hidden_size
+        want = {c.T_INPUT_IDS: (t,), c.T_LOSS_MASK: (t,), c.T_HIDDEN: (t, h),
+                c.T_AUX: (t, c.AUX_LAYERS * h)}
+        problems += [f"{k} is {sf.entries[k].dtype}{list(sf.entries[k].shape)}, expected "
+                     f"{FINAL_TENSORS[k]}{list(s)}" for k, s in want.items()
+                     if sf.entries[k].shape != s or sf.entries[k].dtype != FINAL_TENSORS[k]]
+        if t < 2:
+            problems.append(f"{t} tokens: trainers need at least 2")
+        if problems:
+            raise Corrupt(f"{sf.path}: " + "; ".join(problems))
+
+    def final_norm(self) -> final_norm.FinalNorm:
+        """The model's final-norm weight, checked against the manifest and the fingerprint.
+
+        Raises:
+            ConfigError: the run did not record it (the manifest says why), or it does not
+                belong to this run's model.
+        """
+        entry = self.manifest.get("final_norm") or {}
+        path = self.out_dir / final_norm.FILE
+        if not path.exists():
+            why = entry.get("error", "the manifest predates it")
+            raise ConfigError(f"{path} is missing ({why}); the pre-norm state cannot be derived")
+        norm = final_norm.load_final_norm(self.out_dir)
+        want = (checksums.Recorded.from_json(entry) if entry.get("checksums")
+                else checksums.recorded(SampleFile.open(path).metadata))
+        if checksums.mismatches(want, {final_norm.TENSOR: norm.weight.array}):
+            raise ConfigError(f"{path}: checksum differs from the one recorded")
+        if norm.config_sha256 != self.fingerprint.config_sha256:
+            raise ConfigError(f"{path} was read from another model (config hash differs)")
+        return norm
+
+
+def load_run_info(out_dir: Path) -> RunInfo:
+    """Read ``<out>/manifest.json``. Raises ConfigError with what is wrong."""
+    path = out_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        fp = c.Fingerprint.from_json(manifest["fingerprint"])
+    except FileNotFoundError:
+        raise ConfigError(f"{out_dir} is not an hsfarm output dir: no {MANIFEST}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: unreadable manifest ({e})") from e
+    if manifest.get("fingerprint_id") != fp.id:
+        raise ConfigError(f"{path}: fingerprint_id {manifest.get('fingerprint_id')} does not "
+                          f"match its fingerprint ({fp.id})")
+    return RunInfo(out_dir, fp, manifest)

@@ -1,0 +1,66 @@
+"""Each trainer's view of one sample: its key names, shapes and dtypes, as torch tensors.
+
+The tensors share memory with the arrays given (memory maps in the loader): no copy, except
+speculators' stacked ``[T, 4, H]`` (which has to interleave) and its derived pre-norm slot.
+
+| view | keys and shapes |
+|---|---|
+| ``hsfarm`` | ours: ``input_ids`` [T], ``loss_mask`` [T], ``hidden_state`` [T,H], ``aux_hidden_state`` [T,3H] |
+| ``specforge`` | what its ``.ckpt`` holds: ids and mask [T]; ``hidden_state`` [1,T,H], ``aux_hidden_state`` [1,T,3H] |
+| ``modelopt`` | its ``.pt``: ``input_ids``, ``hidden_states`` [T,H], ``aux_hidden_states`` [T,3H], ``loss_mask``, ``conversation_id``, ``hidden_states_prenorm`` False |
+| ``speculators`` | its ``hs_{i}.safetensors``: ``token_ids`` [T], ``hidden_states`` [T,4,H] (slot 4 pre-norm); plus ``loss_mask`` [T] (its Arrow row) |
+"""  # noqa: E501
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang_patch import contracts as c
+from training.prenorm import speculators_stack
+
+VIEWS = ("hsfarm", "specforge", "modelopt", "speculators")
+
+
+def tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """A torch tensor over ``arr``'s memory (bf16 held as uint16 becomes bfloat16)."""
+    if dtype == "BF16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def hsfarm(key: str, a: Mapping[str, np.ndarray], norm_w: np.ndarray | None) -> dict[str, Any]:
+    return {c.T_INPUT_IDS: tensor(a[c.T_INPUT_IDS], "I64"),
+            c.T_LOSS_MASK: tensor(a[c.T_LOSS_MASK], "I64"),
+            c.T_HIDDEN: tensor(a[c.T_HIDDEN], "BF16"), c.T_AUX: tensor(a[c.T_AUX], "BF16")}
+
+
+def specforge(key: str, a: Mapping[str, np.ndarray], norm_w: np.ndarray | None) -> dict[str, Any]:
+    """Hidden tensors with a leading 1 as SpecForge's writer saves them; ids and mask [T]."""
+    ours = hsfarm(key, a, norm_w)
+    return {**ours, c.T_HIDDEN: ours[c.T_HIDDEN][None], c.T_AUX: ours[c.T_AUX][None]}
+
+
+def modelopt(key: str, a: Mapping[str, np.ndarray], norm_w: np.ndarray | None) -> dict[str, Any]:
+    """Model-Optimizer's plural key names; post-norm, as its default expects."""
+    ours = hsfarm(key, a, norm_w)
+    return {"input_ids": ours[c.T_INPUT_IDS], "hidden_states": ours[c.T_HIDDEN],
+            "aux_hidden_states": ours[c.T_AUX], "loss_mask": ours[c.T_LOSS_MASK],
+            "conversation_id": key, "hidden_states_prenorm": False}
+
+
+def speculators(key: str, a: Mapping[str, np.ndarray],
+                norm_w: np.ndarray | None) -> dict[str, Any]:
+    if norm_w is None:
+        raise ValueError("the speculators view needs the final-norm weight")
+    return {"token_ids": tensor(a[c.T_INPUT_IDS], "I64"),
+            "hidden_states": tensor(speculators_stack(a, norm_w), "BF16"),
+            "loss_mask": tensor(a[c.T_LOSS_MASK], "I64")}
+
+
+VIEW_FUNCS: dict[str, Callable[[str, Mapping[str, np.ndarray], np.ndarray | None],
+                               dict[str, Any]]] = {
+    "hsfarm": hsfarm, "specforge": specforge, "modelopt": modelopt, "speculators": speculators}
