@@ -32,7 +32,7 @@ log = logging.getLogger("hsfarm.sglang_plugin")
 ENV_QUEUE = "SGLANG_HS_DUMP_QUEUE"  # finished requests buffered for the writer (backpressure)
 ENV_RESERVE = "SGLANG_HS_DUMP_RESERVE_BYTES"  # free tmpfs kept; a dump that would not fit → .err
 
-NO_IDS_FIX = ("the hsfarm dump hook is not active: SGLang never set the model's aux-capture "
+NO_IDS_FIX = (f"{c.ERR_HOOK_INACTIVE}: SGLang never set the model's aux-capture "
               "layer ids (layers_to_capture is empty after load_model, after "
               "init_attention_backends and at this request), so no hidden states can be "
               "dumped; launch with --enable-return-aux-hidden-states --speculative-algorithm "

@@ -107,6 +107,11 @@ ERR_SUFFIX = ".err"
 READY_PREFIX = ".ready."
 TMP_MARK = ".tmp."  # every temp file of ours contains this, so cleanup can find them
 
+# How a ``.err`` file starts when the fault is the server's environment, not the request: the
+# worker then waits (holding its message, spending no attempt) instead of retrying the sample.
+ERR_DUMP_DIR_FULL = "dump dir full"
+ERR_HOOK_INACTIVE = "the hsfarm dump hook is not active"
+
 # Tensor names, shared by the dump file and the final file (SpecForge's offline key names).
 T_INPUT_IDS = "input_ids"
 T_LOSS_MASK = "loss_mask"

@@ -13,6 +13,7 @@ it. On CPU the stager is a plain clone.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -147,7 +148,8 @@ class DumpWriter:
         if free - need < self.min_free_bytes:
             self._write_err(
                 job.rid,
-                f"dump dir full: {free} bytes free, need {need} + reserve {self.min_free_bytes}",
+                f"{c.ERR_DUMP_DIR_FULL}: {free} bytes free, need {need} + reserve "
+                f"{self.min_free_bytes}",
             )
             return
         tensors = {c.T_INPUT_IDS: ids, c.T_HIDDEN: hidden.contiguous(), c.T_AUX: aux.contiguous()}
@@ -157,6 +159,11 @@ class DumpWriter:
         try:
             self._save(job.rid, tensors, tmp, meta)
             os.replace(tmp, final)
+        except Exception as e:  # safetensors raises SafetensorError, not OSError, on ENOSPC
+            if not _no_space(e):
+                raise
+            self._write_err(job.rid, f"{c.ERR_DUMP_DIR_FULL}: {type(e).__name__}: {e}")
+            return
         finally:
             tmp.unlink(missing_ok=True)
         self.written += 1
@@ -284,6 +291,12 @@ def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Concatenate chunks (no copy for a single chunk already in ``dtype``)."""
     t = parts[0] if len(parts) == 1 else torch.cat(parts)
     return t.to(dtype).contiguous()
+
+
+def _no_space(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
 
 
 def free_bytes(path: Path) -> int:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from sglang_patch import contracts as c
-from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
+from sglang_patch.dump_writer import DumpCollector, DumpJob, DumpWriter, _Done, remove_stale_files
 
 H = 8
 
@@ -194,6 +194,26 @@ def test_full_dump_dir_writes_err_not_a_file(tmp_path: Path) -> None:
     assert c.err_path(tmp_path, rid).read_text().startswith("dump dir full")
     assert not c.dump_path(tmp_path, rid).exists()
     assert [p.name for p in tmp_path.iterdir()] == [f"{rid}.err"]
+
+
+def test_enospc_past_the_free_space_check_is_a_full_dump_dir(tmp_path: Path) -> None:
+    # Given a real 1 MB tmpfs and no reserve: the free-space check passes, the write fails
+    # with ENOSPC inside safetensors (which raises SafetensorError, not OSError)
+    from tests.faults import can_mount_tmpfs, small_tmpfs
+
+    if not can_mount_tmpfs(tmp_path):
+        pytest.skip("this machine does not let the test mount a small tmpfs (needs root)")
+    with small_tmpfs(tmp_path / "dumps", "1M") as dumps:
+        (dumps / "filler").write_bytes(b"\0" * (700 << 10))
+        writer = DumpWriter(dumps, {}, min_free_bytes=0)
+        rid = c.make_rid("big", 1, 64)
+        rows = [torch.arange(64), torch.randn(64, 1024), torch.randn(64, 3072)]
+        writer.submit(DumpJob(rid, parts=[_Done(rows)], token_count=64))
+        writer.flush()
+        writer.close()
+        # Then the worker is told the dump dir is full (it waits), not that the dump failed
+        assert c.err_path(dumps, rid).read_text().startswith(c.ERR_DUMP_DIR_FULL)
+        assert sorted(p.name for p in dumps.iterdir()) == sorted(["filler", f"{rid}.err"])
 
 
 def test_bounded_queue_applies_backpressure(tmp_path: Path) -> None:

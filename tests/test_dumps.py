@@ -131,3 +131,22 @@ def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:
             dumps.open_dump(path, sent, _fp())
         assert message in str(e.value), str(e.value)
     assert _open_fds() == before
+
+
+@pytest.mark.parametrize(("message", "error"), [
+    (f"{c.ERR_DUMP_DIR_FULL}: 10 bytes free", "NoSpace"),
+    (f"{c.ERR_HOOK_INACTIVE}: SGLang never set the ids", "ServerMisconfigured"),
+    ("gap: chunk starts at 6", "Corrupt"),
+])
+def test_the_hooks_err_files_tell_the_environment_from_the_request(
+        tmp_path: Path, message: str, error: str) -> None:
+    # Given the hook's .err for a request
+    import asyncio
+
+    rid = c.make_rid("k", 1, 4)
+    c.err_path(tmp_path, rid).write_text(message + "\n")
+    # Then the worker raises what makes it wait (environment) or retry (the request)
+    with pytest.raises(Exception) as e:
+        asyncio.run(dumps.wait_for_dump(tmp_path, rid, timeout_s=5))
+    assert type(e.value).__name__ == error
+    assert not c.err_path(tmp_path, rid).exists()

@@ -58,3 +58,19 @@ def test_worker_started_before_the_server_waits_for_it(tmp_path: Path, tiny_mode
         wait_finished(farm, 20)
         assert not failed(farm)
         assert_farm_invariants(farm, keys)
+
+
+def test_worker_whose_dump_dir_the_hook_does_not_write_takes_nothing(tmp_path: Path,
+                                                                     tiny_model: Path) -> None:
+    with running_farm(tmp_path) as farm:
+        # Given samples queued, and a worker looking for dumps where the server writes none
+        # (FARM_DUMP_DIR is not the server's SGLANG_HS_DUMP_DIR)
+        enqueue(farm, tmp_path, 5)
+        farm.extra_env["FARM_DUMP_DIR"] = str(tmp_path / "elsewhere")
+        w = farm.start_worker("w1", concurrency=2, wait=False)
+        # Then its start-up probe fails, it says why, and it takes nothing
+        wait_until(lambda: "taking no work" in w.log.read_text(), 120, "the probe to fail")
+        assert "no dump of it appeared" in w.log.read_text()
+        time.sleep(2)
+        assert w.alive() and " ready." not in w.log.read_text()
+        assert broker_depth(farm.redis(), farm.settings().queue) == (5, 0)

@@ -20,7 +20,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import tensorfile
-from worker.errors import Corrupt, NoSpace, Transient
+from worker.errors import Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.finalfile import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -41,7 +41,8 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     """Return the dump's path once it exists.
 
     Raises:
-        Transient: nothing appeared within ``timeout_s``, or the hook ran out of space.
+        Transient: nothing appeared within ``timeout_s``.
+        NoSpace, ServerMisconfigured: the hook reported a fault of the server's environment.
         Corrupt: the hook reported a problem with the request (gap, overrun, truncation).
     """
     dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
@@ -52,8 +53,10 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
         if err.exists():
             message = err.read_text(errors="replace").strip()
             err.unlink(missing_ok=True)
-            if message.startswith("dump dir full"):
-                raise NoSpace(f"server-side dump failed: {message}")
+            if message.startswith(c.ERR_DUMP_DIR_FULL):
+                raise NoSpace(f"server-side dump failed: {message}", on_server=True)
+            if message.startswith(c.ERR_HOOK_INACTIVE):
+                raise ServerMisconfigured(f"server-side dump failed: {message}")
             raise Corrupt(f"server-side dump failed: {message}")
         if time.monotonic() > deadline:
             raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s "

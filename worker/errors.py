@@ -9,6 +9,7 @@
     ├── KeyTaken           the sample's file holds another record; recorded as failed at once
     ├── Transient          timeout, server error, Redis away; retried with backoff, bounded
     │   ├── ServerUnavailable    the server does not answer: wait for it, attempt refunded
+    │   ├── ServerMisconfigured  the server answers but its dump hook is not active: wait
     │   ├── NoSpace              ENOSPC/EDQUOT or a full dump dir: wait for space, refunded
     │   └── DataFileUnavailable  the data file cannot be read: wait for it, refunded
     └── Corrupt            a dump or file failed a check; retried, then recorded as failed
@@ -54,16 +55,23 @@ class ServerUnavailable(Transient):
     """The inference server refuses connections or does not answer. Not the sample's fault."""
 
 
+class ServerMisconfigured(ServerUnavailable):
+    """The server answers, but its dump hook cannot dump (not loaded, no capture ids)."""
+
+
 class NoSpace(Transient):
     """A disk (output) or tmpfs (dumps) ran out of space mid-write. Nothing partial remains.
 
     Args:
         need_bytes: what the write needed, when known (a wait for space waits for this much).
+        on_server: the server's hook found the dump dir full (by its own reserve, which this
+            worker cannot see: the wait then holds at least one poll interval).
     """
 
-    def __init__(self, message: str, need_bytes: int = 0) -> None:
+    def __init__(self, message: str, need_bytes: int = 0, on_server: bool = False) -> None:
         super().__init__(message)
         self.need_bytes = need_bytes
+        self.on_server = on_server
 
 
 class DataFileUnavailable(Transient):

@@ -3,9 +3,11 @@
 In the main process, before Celery starts the pool and the consumer (``worker_init``):
 Redis answers and keeps its data (``broker.check_persistence``); the run context is built
 (waiting for the server while it loads the model, when the model path must be asked from
-it); the output directory's manifest matches the run; temp files of dead writers go. Any
-``ConfigError`` stops the process here with exit code 2 and the fix, before a single message
-is taken. Pool processes inherit the context when they fork and only open their own
+it); the output directory's manifest matches the run; temp files of dead writers go; and one
+probe request of ours comes back as a dump in this worker's dump dir (``sglang_patch.probe``:
+while the server runs without the hook, or writes elsewhere, the worker waits and says why).
+Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
+message is taken. Pool processes inherit the context when they fork and only open their own
 connections.
 """
 
@@ -64,6 +66,24 @@ def _wait_for_redis() -> redis.Redis:
             time.sleep(1.0)
 
 
+def _wait_for_hook() -> None:
+    """Until a probe request of ours comes back as a dump in this worker's dump dir."""
+    from sglang_patch.probe import ProbeFailed, run_probe
+
+    said = -math.inf
+    while True:
+        try:
+            log.info("probe: %s", run_probe(settings.server_url, settings.dump_dir,
+                                            timeout_s=min(60.0, settings.dump_timeout_s)))
+            return
+        except ProbeFailed as e:
+            if time.monotonic() - said > 30:
+                said = time.monotonic()
+                log.warning("waiting, taking no work: the server's dump hook does not answer a "
+                            "probe request: %s", e)
+            time.sleep(2.0)
+
+
 @worker_init.connect
 def _on_worker_init(**_: Any) -> None:
     global CONTEXT, MAIN_PID
@@ -75,6 +95,7 @@ def _on_worker_init(**_: Any) -> None:
         broker.check_persistence(r, settings)
         CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
         CONTEXT.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
+        _wait_for_hook()
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:
         log.critical("cannot start: %s", e)

@@ -41,6 +41,7 @@ from worker.errors import (
     KeyTaken,
     MalformedMessage,
     NoSpace,
+    ServerMisconfigured,
     ServerUnavailable,
     StaleRecord,
     Transient,
@@ -176,15 +177,25 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
     log.warning("%s paused (no attempt spent): %s: %s", ref.key, type(e).__name__, e)
     if isinstance(e, leases.LeaseLost):
         raise Reject(str(e), requeue=True)
-    if isinstance(e, ServerUnavailable):
+    if isinstance(e, ServerMisconfigured):  # it answers at once: hold a while, then try again
+        _hold(rt, ref.key, str(e), deadline)
+    elif isinstance(e, ServerUnavailable):
         _wait(rt, ref.key, lambda: waits.server_problem(rt), deadline)
     elif isinstance(e, NoSpace):
         never = waits.never_fits(rt, e.need_bytes)
         if never:
             _give_up(rt, ref.key, f"NoSpace: {never}", rt.index.next_attempt(ref.key))
+        if e.on_server:
+            _hold(rt, ref.key, str(e), deadline)
         _wait(rt, ref.key, lambda: waits.space_problem(rt, e.need_bytes), deadline)
     else:
         _wait(rt, ref.key, lambda: waits.data_file_problem(ref.file), deadline)
+
+
+def _hold(rt: Runtime, key: str, reason: str, deadline: float) -> None:
+    """Wait one poll interval for a fault this worker cannot observe clearing."""
+    until = time.monotonic() + settings.pause_poll_s
+    _wait(rt, key, lambda: reason if time.monotonic() < until else None, deadline)
 
 
 def _wait(rt: Runtime, key: str, problem: Any, deadline: float) -> None:
