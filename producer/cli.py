@@ -22,7 +22,7 @@ from training import cli as training_cli
 from worker.chat import ChatTokenizer
 from worker.datafile import DataFileError
 from worker.errors import ConfigError, Transient
-from worker.fingerprint import load_run
+from worker.fingerprint import load_run, run_fingerprint
 from worker.index import RunIndex
 from worker.settings import Settings
 from worker.store import OutputStore
@@ -73,11 +73,12 @@ def main(argv: list[str] | None = None) -> int:
             return main_demo(args.work_dir, args.data, settings.redis_url)
         if args.cmd in ("index", "export"):  # the training side: no server, no Redis
             return training_cli.main(args, settings.output_dir)
-        _, chat, fingerprint = load_run(settings, wait_s=5)
+        if args.cmd == "audit":  # the only command that renders chat templates
+            _, chat, fingerprint = load_run(settings, wait_s=5)
+            return _audit(settings, fingerprint, chat, args)
+        _, fingerprint = run_fingerprint(settings, wait_s=5)
         if args.cmd == "enqueue":
             return _enqueue(settings, fingerprint, args)
-        if args.cmd == "audit":
-            return _audit(settings, fingerprint, chat, args)
         return _status(settings, fingerprint, args)
     except (ConfigError, DataFileError, EnqueueRefused) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ from producer.localfarm import LocalFarm, wait_until
 from producer.status import Status, read_status
 from sglang_patch.contracts import Fingerprint
 from worker import keys
-from worker.fingerprint import load_run
+from worker.fingerprint import run_fingerprint
 from worker.settings import Settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data.json"
@@ -63,7 +63,7 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
             farm.start_worker(f"demo{i + 1}", concurrency=concurrency)
         _step(f"{workers} celery workers x {concurrency} processes ready")
         settings = farm.settings()
-        _, _, fp = load_run(settings)
+        _, fp = run_fingerprint(settings)
         _clear_run_index(farm, fp.id)
         t0 = time.monotonic()
         _step(f"python -m producer enqueue {data}")

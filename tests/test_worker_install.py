@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from producer.queue_scan import broker_depth
 from tests.conftest import ROOT, assert_farm_invariants, wait_finished, write_samples
 from tests.faults import run_hash, running_farm
 from worker import keys
@@ -56,8 +57,11 @@ def test_the_worker_alone_extracts_and_a_missing_library_stops_it(
         subprocess.run([str(pip), "uninstall", "-y", "-q", "jinja2"], check=True, timeout=120)
         more = tmp_path / "more.json"
         write_samples(more, 3, start=1)
+        # Then enqueue, which renders nothing, still publishes; audit, which renders, stops at
+        # start-up with the fix (a configuration error, exit 2)
         res = _cli(worker_venv, farm.env(), "enqueue", str(more), "--no-progress")
-        # Then the producer stops at start-up with the fix (a configuration error, exit 2)
+        assert res.returncode == 0 and "published: 3" in res.stdout, res.stdout + res.stderr
+        res = _cli(worker_venv, farm.env(), "audit")
         assert res.returncode == 2, res.stdout + res.stderr
         assert "error: cannot render the chat template" in res.stderr
         assert "jinja2" in res.stderr and "pip install hsfarm" in res.stderr
@@ -66,5 +70,6 @@ def test_the_worker_alone_extracts_and_a_missing_library_stops_it(
                                    wait=False)
         assert worker.popen is not None and worker.popen.wait(120) == 2
         assert "jinja2" in worker.log.read_text(errors="replace")
-        # And no sample was recorded as rejected for any of it
+        # And no sample was recorded as rejected for any of it: all three wait in the queue
         assert run_hash(farm, keys.REJECTED) == {}
+        assert broker_depth(farm.redis(), farm.settings().queue) == (3, 0)

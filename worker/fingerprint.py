@@ -78,8 +78,29 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return inner if isinstance(inner, dict) and "hidden_size" in inner else config
 
 
-def compute_fingerprint(settings: Settings, model_path: Path, chat_template: str) -> c.Fingerprint:
-    """Raises ConfigError when the model files do not say what is needed."""
+def chat_template_text(model_path: Path) -> str:
+    """The model's chat template as transformers loads it, read from its files without
+    transformers: ``chat_template.jinja`` first, else ``tokenizer_config.json``'s entry (a
+    list of named templates as sorted JSON); "" when there is none."""
+    jinja = model_path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    try:
+        entry = json.loads((model_path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if isinstance(entry, str):
+        return entry
+    return json.dumps(entry, sort_keys=True) if entry else ""
+
+
+def compute_fingerprint(settings: Settings, model_path: Path) -> c.Fingerprint:
+    """From the model's files alone (no tokenizer loaded, no transformers imported): the
+    producer and ``status`` start fast and small, and every process computes the same id.
+
+    Raises:
+        ConfigError: the model files do not say what is needed.
+    """
     config_bytes = (model_path / "config.json").read_bytes()
     try:
         cfg = text_config(json.loads(config_bytes))
@@ -96,7 +117,7 @@ def compute_fingerprint(settings: Settings, model_path: Path, chat_template: str
     return c.Fingerprint(
         config_sha256=hashlib.sha256(config_bytes).hexdigest(),
         tokenizer_sha256=tok_hash.hexdigest(),
-        chat_template_sha256=hashlib.sha256(chat_template.encode()).hexdigest(),
+        chat_template_sha256=_sha256(chat_template_text(model_path)),
         layers_to_capture=settings.layers_to_capture or c.default_layers_to_capture(layers),
         layer_convention=c.LAYER_CONVENTION,
         hidden_size=hidden,
@@ -106,8 +127,27 @@ def compute_fingerprint(settings: Settings, model_path: Path, chat_template: str
     )
 
 
-def load_run(settings: Settings, wait_s: float = 0.0) -> tuple[Path, ChatTokenizer, c.Fingerprint]:
-    """Model path, tokenizer and fingerprint: what producer and workers both start from."""
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_fingerprint(settings: Settings, wait_s: float = 0.0) -> tuple[Path, c.Fingerprint]:
+    """The model path and the run's fingerprint, without loading the tokenizer."""
     model_path = resolve_model_path(settings, wait_s=wait_s)
+    return model_path, compute_fingerprint(settings, model_path)
+
+
+def load_run(settings: Settings, wait_s: float = 0.0) -> tuple[Path, ChatTokenizer, c.Fingerprint]:
+    """Model path, tokenizer and fingerprint: what workers (and ``audit``) start from.
+
+    Raises:
+        ConfigError: as ``run_fingerprint``, or the tokenizer cannot be used, or it renders
+            with another template than its files hold.
+    """
+    model_path, fp = run_fingerprint(settings, wait_s=wait_s)
     chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens, settings.overlong)
-    return model_path, chat, compute_fingerprint(settings, model_path, chat.tok.chat_template)
+    loaded = chat.tok.chat_template
+    if isinstance(loaded, str) and _sha256(loaded) != fp.chat_template_sha256:
+        raise ConfigError(f"the tokenizer in {model_path} renders with a chat template other "
+                          "than its files hold (chat_template.jinja / tokenizer_config.json)")
+    return model_path, chat, fp
