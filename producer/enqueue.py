@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from worker.samples import SampleRef, content_hash, parse_record
 from worker.settings import Settings
 
 BATCH = 1000  # records per Redis round trip
+HEADER_THREADS = 8  # final-file headers read at once
 SHOW = 5  # conflicts named in the refusal
 
 
@@ -59,6 +62,8 @@ class Summary:
     previously_rejected: int = 0
     previously_failed: int = 0
     vanished: int = 0
+    decide_s: float = 0.0  # reading the file and the run's state: what to publish
+    publish_s: float = 0.0
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (where, reason)
     problems: list[tuple[str, str]] = field(default_factory=list)  # file-level, not records
     notes: list[tuple[str, str]] = field(default_factory=list)  # accepted, but worth knowing
@@ -78,6 +83,7 @@ class Summary:
         if self.vanished:
             out.append(f"no longer in the file: {self.vanished} samples enqueued from it "
                        "before, not done; dropped from the run")
+        out.append(f"decided in {self.decide_s:.1f}s, published in {self.publish_s:.1f}s")
         out += [f"  {where}: {reason}" for where, reason in self.problems + self.rejected]
         out += [f"  note, {where}: {text}" for where, text in self.notes]
         return out
@@ -166,6 +172,8 @@ class _Plan:
     keys_seen: set[int] = field(default_factory=set)
     conflicts: list[str] = field(default_factory=list)
     n_conflicts: int = 0
+    # done on disk but not in the index (Redis lost it): key -> (file bytes, tokens)
+    relearn: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _file_version(path: Path) -> tuple[int, int]:
@@ -185,21 +193,41 @@ def _existing(store: st.OutputStore, key: str) -> tensorfile.Header | None:
 
 def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
            refs: Iterator[SampleRef]) -> _Plan:
-    """Pass 1: find the keys this file cannot take; note which samples are done on disk."""
+    """Pass 1: find the keys this file cannot take; note which samples are done on disk.
+
+    A sample the index already knows as done, registered from this very record, needs no
+    file read; every other key's final file, if any, has its header read (in parallel: on a
+    cold disk the reads wait on I/O), never its tensor data.
+    """
     plan = _Plan(fid, _file_version(path))
-    for batch in _batches(refs):
-        for ref, reg in zip(batch, index.registered([r.key for r in batch]), strict=True):
-            plan.keys_seen.add(_digest(ref.key))
-            head = _existing(store, ref.key)
-            theirs = _conflict(ref, fid, reg, head, store.fingerprint.id)
-            if theirs:
-                plan.n_conflicts += 1
-                if len(plan.conflicts) < SHOW:
-                    plan.conflicts.append(f"record {ref.index}: sample key {ref.key!r} {theirs}")
-            if (head is not None and head.metadata.get(st.M_CONTENT) == ref.sha256
-                    and head.metadata.get(st.M_FINGERPRINT) == store.fingerprint.id):
-                plan.done.add(_digest(ref.key))
+    done_in_index = index.done_keys()
+    with ThreadPoolExecutor(max_workers=HEADER_THREADS) as pool:
+        for batch in _batches(refs):
+            regs = index.registered([r.key for r in batch])
+            known = [ref.key in done_in_index and reg is not None and reg.fid == fid
+                     and reg.sha256 == ref.sha256 for ref, reg in zip(batch, regs, strict=True)]
+            heads = pool.map(lambda x: None if x[1] else _existing(store, x[0].key),
+                             zip(batch, known, strict=True))
+            for ref, reg, is_known, head in zip(batch, regs, known, heads, strict=True):
+                _check_one(plan, ref, reg, head, store.fingerprint.id, is_known)
     return plan
+
+
+def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
+               head: tensorfile.Header | None, fingerprint_id: str, known_done: bool) -> None:
+    digest = _digest(ref.key)
+    plan.keys_seen.add(digest)
+    theirs = _conflict(ref, plan.fid, reg, head, fingerprint_id)
+    if theirs:
+        plan.n_conflicts += 1
+        if len(plan.conflicts) < SHOW:
+            plan.conflicts.append(f"record {ref.index}: sample key {ref.key!r} {theirs}")
+    elif known_done:
+        plan.done.add(digest)
+    elif (head is not None and head.metadata.get(st.M_CONTENT) == ref.sha256
+          and head.metadata.get(st.M_FINGERPRINT) == fingerprint_id):
+        plan.done.add(digest)
+        plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
 
 
 def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile.Header | None,
@@ -241,8 +269,10 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
         fid = index.register_file(abs_path) if not dry_run else (
             index.data_files().get(abs_path, 0))
         summary = Summary()
+        t0 = time.monotonic()
         refs = _refs(settings, path, limit, progress, "check", Summary())
         plan = _check(index, store, path, fid, refs)
+        summary.decide_s = time.monotonic() - t0
         if plan.n_conflicts:
             raise EnqueueRefused(
                 f"{path}: {plan.n_conflicts} record(s) would take sample keys this run already "
@@ -251,6 +281,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
                 "FARM_OUTPUT_DIR). Nothing was published.")
         _publish(settings, fingerprint, index, store, path, plan, summary, dry_run=dry_run,
                  limit=limit, retry_failed=retry_failed, progress=progress)
+        summary.publish_s = time.monotonic() - t0 - summary.decide_s
         if _file_version(path) != plan.version:
             summary.problems.append(("the file", "changed while it was enqueued; run enqueue "
                                                  "again once it is complete"))
@@ -276,8 +307,8 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
     rejected_before = index.outcomes(keys.REJECTED)
     failed_before = index.outcomes(keys.FAILED)
     settled = set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
-    done_in_index = index.done_keys()
     if not dry_run:
+        index.mark_done_many(plan.relearn)
         index.clear_invalid(plan.fid)
     refs = _refs(settings, path, limit, progress, "enqueue", summary)
     with app.producer_or_acquire() as producer, producer.batch(max_size=500):
@@ -290,8 +321,6 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
                 summary.records += 1
                 if _digest(ref.key) in plan.done:
                     summary.already_done += 1
-                    if ref.key not in done_in_index and not dry_run:
-                        _index_done(index, store, ref.key)
                 elif busy or task_id(fingerprint.id, ref.key) in in_broker:
                     summary.already_queued += 1
                 elif rejected_before.get(ref.key, {}).get("sha") == ref.sha256:
@@ -302,7 +331,7 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
                     if not dry_run:
                         if ref.key in settled:
                             index.forget_outcome(ref.key)
-                        _send(producer, settings, fingerprint, ref)
+                        _send(producer, settings, fingerprint, replace(ref, fid=plan.fid))
                     summary.published += 1
     summary.records += len(summary.rejected)
     if not dry_run:
@@ -320,24 +349,20 @@ def _leased(r: redis.Redis, fingerprint_id: str, sample_keys: list[str]) -> list
     return [bool(x) for x in p.execute()]
 
 
-def _index_done(index: RunIndex, store: st.OutputStore, key: str) -> None:
-    """The index lost a done sample (Redis flushed or replaced): learn it from its header."""
-    head = _existing(store, key)
-    if head is not None:
-        index.mark_done(key, head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
-
-
 def _send(producer: Any, settings: Settings, fingerprint: c.Fingerprint, ref: SampleRef) -> None:
+    # argsrepr: Flower shows the sample key; the default (the repr of the args) would cost
+    # ~150 bytes of Redis per queued message for nothing
     app.send_task(TASK_NAME, args=[ref.to_json()], task_id=task_id(fingerprint.id, ref.key),
-                  queue=settings.queue, producer=producer)
+                  queue=settings.queue, producer=producer, argsrepr=ref.key, kwargsrepr="{}")
 
 
 def _drop_vanished(index: RunIndex, plan: _Plan) -> int:
     """Samples this file registered before, holds no more, and never finished: out of the
-    run (a done one keeps its file and stays)."""
-    done = index.done_keys()
-    gone = [key for key, reg in index.all_registered().items()
-            if reg.fid == plan.fid and _digest(key) not in plan.keys_seen and key not in done]
+    run (a done one keeps its file and stays). Streams the registry: constant memory."""
+    gone = [key for key, reg in index.iter_registered()
+            if reg.fid == plan.fid and _digest(key) not in plan.keys_seen]
+    done = index.are_done(gone)
+    gone = [key for key, is_done in zip(gone, done, strict=True) if not is_done]
     index.unregister(gone)
     return len(gone)
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 PATCH_VERSION = "0.1.0"
@@ -165,9 +166,9 @@ class Fingerprint:
     max_tokens: int
     overlong: str
 
-    @property
+    @cached_property
     def id(self) -> str:
-        """A short stable id, used in task ids and Redis keys."""
+        """A short stable id, used in task ids and Redis keys (computed once)."""
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

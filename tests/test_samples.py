@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,16 @@ def test_task_message_is_small_and_round_trips() -> None:
     ref = SampleRef("k" * 96, "/data/" + "d" * 200 + ".json", 10**12, 10**6, "f" * 32, 10**6)
     assert SampleRef.from_json(orjson.loads(orjson.dumps(ref.to_json()))) == ref
     assert len(orjson.dumps(ref.to_json())) < 500
+    # enqueue names the data file by its id in the run; the worker resolves it, and only to
+    # a data file of the run
+    by_id = replace(ref, fid=3)
+    sent = SampleRef.from_json(orjson.loads(orjson.dumps(by_id.to_json())))
+    assert sent.file == "" and len(orjson.dumps(by_id.to_json())) < 200
+    assert sent.resolved({"/x.jsonl": 2, ref.file: 3}) == by_id
+    with pytest.raises(MalformedMessage, match="no data file id of this run"):
+        sent.resolved({"/x.jsonl": 2})
+    with pytest.raises(MalformedMessage, match="not a data file enqueued for this run"):
+        ref.resolved({"/x.jsonl": 2})
 
 
 GOOD = {"k": "ex-1", "f": "/data/x.jsonl", "o": 0, "n": 10, "h": "0" * 32, "i": 0}

@@ -91,5 +91,5 @@ def test_crafted_task_messages_are_refused_and_delete_nothing(tmp_path: Path,
         assert victim.read_bytes() == b"model weights, say"
         log = farm.procs["w1"].log.read_text()
         assert "refusing a task message" in log and "is not a sample key" in log
-        assert "is not a data file enqueued for run" in log
+        assert "is not a data file enqueued for this run" in log
         assert farm.procs["w1"].alive()

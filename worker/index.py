@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -129,6 +129,21 @@ class RunIndex:
         p.execute()
 
     @_redis_errors
+    def mark_done_many(self, done: dict[str, tuple[int, int]]) -> None:
+        """``mark_done`` for many samples (key -> (bytes, tokens)), a batch per round trip."""
+        items = list(done.items())
+        for i in range(0, len(items), 1000):
+            batch = dict(items[i : i + 1000])
+            names = list(batch)
+            p = self.r.pipeline(transaction=False)
+            p.zadd(self.k(keys.DONE), dict.fromkeys(names, time.time()))
+            p.hset(self.k(keys.BYTES), mapping={k: v[0] for k, v in batch.items()})
+            p.hset(self.k(keys.TOKENS), mapping={k: v[1] for k, v in batch.items()})
+            for name in (keys.RUNNING, keys.FAILED, keys.RETRYING, keys.STALE):
+                p.hdel(self.k(name), *names)
+            p.execute()
+
+    @_redis_errors
     def mark_failed(self, key: str, reason: str, attempts: int) -> None:
         body = orjson.dumps({"reason": bounded(reason), "attempts": attempts, "at": time.time()})
         self._set_outcome(keys.FAILED, key, body)
@@ -221,10 +236,19 @@ class RunIndex:
 
     @_redis_errors
     def all_registered(self) -> dict[str, Registered]:
-        out = {}
+        return dict(self.iter_registered())
+
+    def iter_registered(self) -> Iterator[tuple[str, Registered]]:
+        """Every registered sample, streamed (raises redis errors as they come)."""
         for k, v in self.r.hscan_iter(self.k(keys.SAMPLES), count=2000):
-            out[_text(k)] = Registered.decode(v)
-        return out
+            yield _text(k), Registered.decode(v)
+
+    @_redis_errors
+    def are_done(self, sample_keys: list[str]) -> list[bool]:
+        p = self.r.pipeline(transaction=False)
+        for key in sample_keys:
+            p.zscore(self.k(keys.DONE), key)
+        return [x is not None for x in p.execute()] if sample_keys else []
 
     @_redis_errors
     def register(self, entries: dict[str, Registered]) -> None:

@@ -49,18 +49,38 @@ _HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
 @dataclass(frozen=True)
 class SampleRef:
-    """Where a sample lives: small enough for a task message (well under 1 KB)."""
+    """Where a sample lives: small enough for a task message (well under 1 KB).
+
+    The data file goes in a message by its id in the run (``d``, from ``enqueue``), or by
+    its path (``f``: ``audit --requeue``, and messages of earlier versions); either way the
+    worker accepts only a data file registered for the run.
+    """
 
     key: str
-    file: str
+    file: str  # "" until resolved from ``fid``
     offset: int
     length: int
     sha256: str
     index: int
+    fid: int = 0  # the data file's id in the run; 0: not known
 
     def to_json(self) -> dict[str, Any]:
-        return {"k": self.key, "f": self.file, "o": self.offset, "n": self.length,
+        where: dict[str, Any] = {"d": self.fid} if self.fid else {"f": self.file}
+        return {"k": self.key, **where, "o": self.offset, "n": self.length,
                 "h": self.sha256, "i": self.index}
+
+    def resolved(self, files: dict[str, int]) -> SampleRef:
+        """This ref with its data file's path, checked against the run's data files
+        (path -> id). Raises MalformedMessage for a file that is not one of them."""
+        if self.fid:
+            path = next((p for p, fid in files.items() if fid == self.fid), None)
+            if path is None:
+                raise MalformedMessage(f"d: {self.fid} is no data file id of this run")
+            return replace(self, file=path)
+        if self.file not in files:
+            raise MalformedMessage(f"f: {self.file[:200]!r} is not a data file enqueued for "
+                                   "this run")
+        return self
 
     @classmethod
     def from_json(cls, d: Any) -> SampleRef:
@@ -72,12 +92,16 @@ class SampleRef:
         """
         if not isinstance(d, dict):
             raise MalformedMessage(f"task message is {type(d).__name__}, not an object")
-        key, file, sha = (_field(d, name, str) for name in ("k", "f", "h"))
+        key, sha = (_field(d, name, str) for name in ("k", "h"))
         offset, length, index = (_field(d, name, int) for name in ("o", "n", "i"))
+        fid = _field(d, "d", int) if "d" in d else 0
+        file = "" if "d" in d else _field(d, "f", str)
         problems = []
         if not c.is_valid_sample_key(key):
             problems.append(f"k: {key[:100]!r} is not a sample key")
-        if not os.path.isabs(file) or "\0" in file or len(file) > 4096:
+        if "d" in d and fid < 1:
+            problems.append(f"d: {fid} is not a data file id")
+        if "d" not in d and (not os.path.isabs(file) or "\0" in file or len(file) > 4096):
             problems.append(f"f: {file[:200]!r} is not an absolute file path")
         if not _HASH_RE.match(sha):
             problems.append(f"h: {sha[:100]!r} is not a 32-hex-digit content hash")
@@ -85,7 +109,8 @@ class SampleRef:
             problems.append(f"o/n/i out of range: {offset}/{length}/{index}")
         if problems:
             raise MalformedMessage("malformed task message: " + "; ".join(problems))
-        return cls(key=key, file=file, offset=offset, length=length, sha256=sha, index=index)
+        return cls(key=key, file=file, offset=offset, length=length, sha256=sha, index=index,
+                   fid=fid)
 
 
 def _field(d: dict[str, Any], name: str, kind: type) -> Any:

@@ -120,12 +120,9 @@ def _checked_ref(rt: Runtime, ref_json: Any) -> SampleRef:
         MessageRefused: recorded (bounded) and logged; the message is acknowledged.
     """
     try:
-        ref = SampleRef.from_json(ref_json)
+        ref = SampleRef.from_json(ref_json).resolved(rt.index.data_files())
         if ref.length > settings.max_record_bytes:
             raise MalformedMessage(f"n: {ref.length} bytes is over FARM_MAX_RECORD_BYTES")
-        if ref.file not in rt.index.data_files():
-            raise MalformedMessage(f"f: {ref.file[:200]!r} is not a data file enqueued for "
-                                   f"run {rt.fingerprint.id}")
     except MalformedMessage as e:
         log.error("refusing a task message: %s", e)
         rt.index.record_malformed(str(e))

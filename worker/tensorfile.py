@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from worker.errors import Corrupt
 
@@ -110,14 +111,14 @@ def parse_header(raw: bytes, file_size: int, name: str) -> Header:
             do not tile the data exactly, or a file size that does not match (truncated).
     """
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
         if not isinstance(body, dict):
             raise ValueError("header is not an object")
         meta = body.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ValueError("__metadata__ is not a string map")
         tensors = {k: _entry(k, v) for k, v in body.items()}
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError) as e:  # orjson.JSONDecodeError is a ValueError
         raise Corrupt(f"{name}: not a valid safetensors file: {e}") from e
     header = Header(tensors, dict(meta), 8 + len(raw))
     pos = 0
