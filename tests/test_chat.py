@@ -37,6 +37,23 @@ def test_mask_covers_exactly_the_assistant_turns(tokenizer: Any) -> None:
                                                           return_dict=False)
 
 
+def test_tokenizers_without_offsets_get_the_same_mask(tokenizer: Any) -> None:
+    # Given every example conversation, masked by character offsets (a fast tokenizer) and by
+    # tokenizing prefixes (what a tokenizer without offsets, such as Kimi-K2.5's, gets)
+    import json
+
+    from tests.conftest import EXAMPLES
+    from worker.samples import validate_record
+
+    by_offsets = _chat(tokenizer)
+    by_prefixes = ChatTokenizer(tokenizer, 8192, "reject", offsets=False)
+    assert by_offsets.offsets and not by_prefixes.offsets
+    samples = [validate_record(r) for r in json.loads(EXAMPLES.read_text())]
+    # Then both give the same ids and the same mask, sample by sample
+    for sample in samples:
+        assert by_prefixes.encode(sample) == by_offsets.encode(sample), sample.source_id
+
+
 def test_overlong_rejected_or_truncated(tokenizer: Any) -> None:
     s = _sample(("user", "x " * 50), ("assistant", "y " * 50))
     full = _chat(tokenizer).encode(s)

@@ -5,6 +5,11 @@ after its generation prompt (its content and end-of-turn marker). It is found by
 template incrementally, as vLLM's speculators do, so it is correct for multi-turn
 conversations and any template that renders a conversation as a prefix of its continuation;
 templates that do not (some rewrite earlier turns) are reported per sample, never guessed.
+Where the tokenizer gives character offsets (fast tokenizers), the mask is the tokens whose
+characters fall in the assistant spans; where it does not (slow ones, such as Kimi-K2.5's
+tiktoken-based tokenizer, loaded with ``FARM_TRUST_REMOTE_CODE=1``), it is the tokens between
+the tokenization of the text before a turn and of the text through it, provided the whole
+conversation's tokens start with both (checked, else the sample is rejected with the reason).
 
 An environment problem is never bad input: a library the template engine needs that is missing
 (jinja2) or a template that does not compile raise ``ConfigError`` with the fix, at start-up
@@ -38,14 +43,19 @@ class Tokenized:
 
 
 class ChatTokenizer:
-    """Wraps a Hugging Face fast tokenizer with the run's length policy."""
+    """Wraps a Hugging Face tokenizer with the run's length policy.
 
-    def __init__(self, tokenizer: Any, max_tokens: int, overlong: str) -> None:
-        if not getattr(tokenizer, "is_fast", False):
-            raise ConfigError("a fast tokenizer is required (offsets are needed for the mask)")
+    Args:
+        offsets: place the mask by character offsets (default: when the tokenizer is fast);
+            else by tokenizing prefixes.
+    """
+
+    def __init__(self, tokenizer: Any, max_tokens: int, overlong: str,
+                 offsets: bool | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("the served model's tokenizer has no chat template")
         self.tok = tokenizer
+        self.offsets = bool(getattr(tokenizer, "is_fast", False)) if offsets is None else offsets
         self.max_tokens = max_tokens
         self.overlong = overlong
         self.vocab_size = len(tokenizer)
@@ -62,11 +72,12 @@ class ChatTokenizer:
                               "(chat_template.jinja or tokenizer_config.json)") from e
 
     @classmethod
-    def from_pretrained(cls, path: str, max_tokens: int, overlong: str) -> ChatTokenizer:
+    def from_pretrained(cls, path: str, max_tokens: int, overlong: str,
+                        trust_remote_code: bool = False) -> ChatTokenizer:
         from transformers import AutoTokenizer
 
         try:
-            tok = AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except ImportError as e:
             raise ConfigError(f"the tokenizer at {path} needs a library this environment "
                               f"lacks: {e}") from e
@@ -120,15 +131,37 @@ class ChatTokenizer:
     def _encode_messages(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
         full = self._render(messages, gen_prompt=False)
         spans = self._assistant_spans(messages, full)
+        ids, mask = (self._mask_by_offsets if self.offsets else self._mask_by_prefixes)(
+            full, spans)
+        if not any(mask):
+            raise BadInput("assistant turns are empty after templating: nothing to train on")
+        return ids, mask
+
+    def _mask_by_offsets(self, full: str, spans: list[range]) -> tuple[list[int], list[int]]:
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids: list[int] = list(enc["input_ids"])
         mask = [0] * len(ids)
         for t, (start, end) in enumerate(enc["offset_mapping"]):
             if end > start and any(start in s for s in spans):
                 mask[t] = 1
-        if not any(mask):
-            raise BadInput("assistant turns are empty after templating: nothing to train on")
         return ids, mask
+
+    def _mask_by_prefixes(self, full: str, spans: list[range]) -> tuple[list[int], list[int]]:
+        """For tokenizers without offsets: a turn's tokens are those the text through it adds
+        to the text before it, when the whole conversation tokenizes to the same prefixes."""
+        ids = self._ids(full)
+        mask = [0] * len(ids)
+        for span in spans:
+            before, upto = self._ids(full[: span.start]), self._ids(full[: span.stop])
+            if upto[: len(before)] != before or ids[: len(upto)] != upto:
+                raise BadInput(f"the tokenizer does not split the conversation at the assistant "
+                               f"turn starting at character {span.start} as it splits the "
+                               "text before it; cannot place the loss mask")
+            mask[len(before) : len(upto)] = [1] * (len(upto) - len(before))
+        return ids, mask
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def _fit(self, ids: list[int], mask: list[int]) -> Tokenized:
         n = len(ids)

@@ -110,7 +110,8 @@ def compute_fingerprint(settings: Settings, model_path: Path) -> c.Fingerprint:
             f"{model_path}/config.json lacks num_hidden_layers/hidden_size: {e}"
         ) from e
     tok_hash = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    code = sorted(p.name for p in model_path.glob("tokenization_*.py"))  # remote tokenizer code
+    for name in (*TOKENIZER_FILES, *code):
         p = model_path / name
         if p.is_file():
             tok_hash.update(name.encode() + b"\0" + p.read_bytes())
@@ -145,7 +146,8 @@ def load_run(settings: Settings, wait_s: float = 0.0) -> tuple[Path, ChatTokeniz
             with another template than its files hold.
     """
     model_path, fp = run_fingerprint(settings, wait_s=wait_s)
-    chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens, settings.overlong)
+    chat = ChatTokenizer.from_pretrained(str(model_path), settings.max_tokens, settings.overlong,
+                                         trust_remote_code=settings.trust_remote_code)
     loaded = chat.tok.chat_template
     if isinstance(loaded, str) and _sha256(loaded) != fp.chat_template_sha256:
         raise ConfigError(f"the tokenizer in {model_path} renders with a chat template other "

@@ -26,6 +26,8 @@ class Settings:
     dump_dir: Path = Path("/dev/shm/hsfarm-dumps")
     output_dir: Path = Path("hsfarm-out")
     model_path: str = ""  # empty: ask the server (/model_info)
+    # Run the tokenizer code shipped with the model (Kimi-K2.5's is tiktoken-based remote code)
+    trust_remote_code: bool = False
     layers_to_capture: tuple[int, ...] = ()  # empty: SGLang's default for the model
     max_tokens: int = 8192
     overlong: str = "reject"  # or "truncate"
