@@ -85,6 +85,15 @@ class Proc:
         with suppress(ProcessLookupError):  # stragglers of the group (orphaned children)
             os.killpg(self.pid, signal.SIGKILL)
 
+    def kill_group(self) -> None:
+        """SIGKILL the process and its children, and reap it."""
+        if self.popen is None:
+            return
+        with suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+
     def children(self) -> list[int]:
         """Direct children's pids (e.g. Celery's pool processes)."""
         path = Path(f"/proc/{self.pid}/task/{self.pid}/children")
@@ -216,10 +225,17 @@ class LocalFarm:
         return subprocess.run([sys.executable, "-m", "producer", *args], env=self.env(),
                               capture_output=True, text=True, timeout=timeout_s)
 
-    def close(self) -> None:
-        """Stop workers first (they restore unacked messages), then the server, then Redis."""
+    def close(self, kill: bool = False) -> None:
+        """Stop workers first (they restore unacked messages), then the server, then Redis.
+
+        ``kill``: SIGKILL every process group at once instead (a test's teardown: nothing
+        of the farm outlives it, and there is nothing to shut down gracefully for).
+        """
         last = ("server", "redis")
         order = sorted(self.procs.values(),
                        key=lambda p: last.index(p.name) if p.name in last else -1)
         for proc in order:
-            proc.stop()
+            if kill:
+                proc.kill_group()
+            else:
+                proc.stop()

@@ -67,7 +67,7 @@ def farm(tmp_path: Path, tiny_model: Path) -> Iterator[LocalFarm]:
         f.start_server()
         yield f
     finally:
-        f.close()
+        f.close(kill=True)
 
 
 def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:

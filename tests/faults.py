@@ -32,7 +32,7 @@ def running_farm(tmp_path: Path, server_args: list[str] | None = None,
         farm.start_server(server_args)
         yield farm
     finally:
-        farm.close()
+        farm.close(kill=True)
 
 
 def enqueue(farm: LocalFarm, tmp_path: Path, n: int, start: int = 0) -> list[str]:

@@ -28,7 +28,7 @@ def server_farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
         farm.start_server()
         yield farm
     finally:
-        farm.close()
+        farm.close(kill=True)
 
 
 CASES = [
@@ -107,4 +107,4 @@ def test_worker_side_rejections_and_safe_paths(tmp_path: Path, tiny_model: Path)
             if p.is_file():
                 assert p.stat().st_mode & 0o002 == 0  # not world-writable
     finally:
-        farm.close()
+        farm.close(kill=True)

@@ -115,7 +115,7 @@ def test_two_producers_at_once_queue_each_sample_once(tmp_path: Path, tiny_model
         assert sorted(_count(o, "published") for o in outs) == [0, 3000], outs
         assert broker_depth(farm.redis(), farm.settings().queue) == (3000, 0)
     finally:
-        farm.close()
+        farm.close(kill=True)
 
 
 def _maxrss_enqueue(farm: LocalFarm, data: Path) -> tuple[int, str]:
@@ -150,7 +150,7 @@ def test_a_huge_record_is_rejected_unread(tmp_path: Path, tiny_model: Path) -> N
         assert re.search(r"line 6: record is \d+ bytes, over FARM_MAX_RECORD_BYTES", out), out
         assert rss_with - rss_without < 20 << 10, (rss_with, rss_without)  # KB
     finally:
-        farm.close()
+        farm.close(kill=True)
 
 
 def test_volatile_redis_is_refused_unless_allowed(tmp_path: Path, tiny_model: Path) -> None:
@@ -174,7 +174,7 @@ def test_volatile_redis_is_refused_unless_allowed(tmp_path: Path, tiny_model: Pa
         ok = farm.cli("enqueue", str(data), "--no-progress")
         assert ok.returncode == 0 and _count(ok.stdout, "published") == 3
     finally:
-        farm.close()
+        farm.close(kill=True)
 
 
 def test_index_is_rebuilt_from_disk_after_redis_lost_it(tmp_path: Path, tiny_model: Path) -> None:

@@ -42,7 +42,7 @@ def test_enqueue_twice_and_after_done(tmp_path: Path, tiny_model: Path) -> None:
         dry = farm.cli("enqueue", str(data), "--no-progress", "--dry-run")
         assert "published: 0" in dry.stdout
     finally:
-        farm.close()
+        farm.close(kill=True)
 
 
 def test_duplicate_deliveries_never_run_at_once(tmp_path: Path, tiny_model: Path) -> None:

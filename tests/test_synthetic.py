@@ -113,4 +113,4 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
         assert status["admission"]["in_flight"] == 0 and status["admission"]["dump_bytes_held"] == 0
         assert "in flight 0/8" in farm.cli("status").stdout
     finally:
-        farm.close()
+        farm.close(kill=True)
