@@ -37,6 +37,15 @@ def _redis_answers(url: str | None) -> bool:
         return False
 
 
+def _keeps_nothing(url: str) -> bool:
+    """A Redis without AOF (or whose CONFIG is disabled: assume the worst)."""
+    try:
+        aof = redis.Redis.from_url(url).config_get("appendonly").get("appendonly")
+    except redis.RedisError:
+        return True
+    return str(aof) != "yes"
+
+
 def _step(msg: str) -> None:
     print(f"==> {msg}", flush=True)
 
@@ -47,12 +56,17 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
     shutil.rmtree(work_dir / "out", ignore_errors=True)
     shutil.rmtree(work_dir / "dumps", ignore_errors=True)
     shared = _redis_answers(redis_url)
-    farm = LocalFarm(work_dir, redis_url=redis_url if shared else None,
-                     extra_env={"FARM_QUEUE": "hsfarm-demo"})
+    volatile = shared and _keeps_nothing(str(redis_url))
+    env = {"FARM_QUEUE": "hsfarm-demo", **({"FARM_ALLOW_VOLATILE_REDIS": "1"} if volatile else {})}
+    farm = LocalFarm(work_dir, redis_url=redis_url if shared else None, extra_env=env)
     t_start = time.monotonic()
     try:
         if shared:
             _step(f"using the Redis at {redis_url} (queue 'hsfarm-demo')")
+            if volatile:
+                _step("that Redis keeps nothing on disk: fine for a demo (allowed with "
+                      "FARM_ALLOW_VOLATILE_REDIS=1); a real run refuses it, use "
+                      "ops/start-redis.sh")
         else:
             farm.start_redis()
             _step(f"started a private redis-server on port {farm.redis_port} (AOF always)")
