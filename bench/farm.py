@@ -13,7 +13,7 @@ and runs them to the end. Reported per run:
 - tmpfs peak: the most bytes of dumps in the dump dir at once, against the dump budget;
 - per-worker-process peak RSS, and how much it grew during the run; CPU per sample of the
   workers (all processes) and of the server. Worker processes run without torch, as on a
-  worker host (``notorch/``; ``--torch-in-workers`` to keep this venv's);
+  worker host (``producer/notorch/``; ``--torch-in-workers`` to keep this venv's);
 - baseline (b) in the same run: copy + fsync + read back (cache dropped) of dumps of the same
   sizes on the same disk, measured before and after the farm runs.
 
@@ -38,12 +38,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.localfarm import LocalFarm, Proc
+from producer.localfarm import LocalFarm
 from producer.queue_scan import broker_depth
 from worker import keys
 
 BYTES_PER_TOKEN = 8 + 2 * 4 * 7168
-NOTORCH = str(Path(__file__).resolve().parent / "notorch")
 VOCAB = 642
 
 
@@ -60,25 +59,6 @@ def write_data(path: Path, n: int, seed: int = 0) -> int:
             ids = [rng.randrange(1, VOCAB) for _ in range(t)]
             f.write(json.dumps({"id": f"s{i:05d}", "input_ids": ids}) + "\n")
     return total
-
-
-class BenchFarm(LocalFarm):
-    """A LocalFarm whose worker processes can run without torch (``notorch/sitecustomize``)."""
-
-    def __init__(self, *args: Any, workers_without_torch: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.workers_without_torch = workers_without_torch
-
-    def _start(self, name: str, argv: list[str]) -> Proc:
-        if not (self.workers_without_torch and name.startswith("w")):
-            return super()._start(name, argv)
-        saved = dict(self.extra_env)
-        path = os.pathsep.join(filter(None, [NOTORCH, os.environ.get("PYTHONPATH")]))
-        self.extra_env["PYTHONPATH"] = path
-        try:
-            return super()._start(name, argv)
-        finally:
-            self.extra_env = saved
 
 
 class Monitor:
@@ -153,7 +133,7 @@ def run_farm(args: argparse.Namespace, rate: float, procs: int, data: Path,
     work = Path(tempfile.mkdtemp(prefix="hsfarm-bench-farm.", dir=args.shm))
     out = Path(tempfile.mkdtemp(prefix=".hsfarm-bench-farm-out.", dir=args.out_dir))
     env = {"FARM_OUTPUT_DIR": str(out), "FARM_MIN_FREE_DUMP_BYTES": str(64 << 20)}
-    farm = BenchFarm(work, model="synthetic", cache_dir=args.cache_dir,
+    farm = LocalFarm(work, model="synthetic", cache_dir=args.cache_dir,
                      chunked_prefill_size=8192, extra_env=env,
                      workers_without_torch=args.no_torch_in_workers)
     try:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from producer.localfarm import LocalFarm
 from sglang_patch import contracts as c
+from sglang_patch.probe import PROBE_IDS
 from sglang_patch.synthetic import (
     BufferPool,
     PooledStager,
@@ -106,7 +107,8 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
         with urllib.request.urlopen(url, timeout=10) as r:
             info = json.loads(r.read())
         assert info["hsfarm"]["hidden_size"] == H and 0 < info["busy_s"] < info["uptime_s"]
-        assert info["tokens_done"] == sum(int(np.asarray(load_file(str(
+        probes = 2 * len(PROBE_IDS)  # each worker's start-up probe request
+        assert info["tokens_done"] == probes + sum(int(np.asarray(load_file(str(
             c.final_path(farm.output_dir, k)))[c.T_INPUT_IDS]).size) for k in keys)
         status = json.loads(farm.cli("status", "--json").stdout)
         assert status["admission"]["max_in_flight"] == 8

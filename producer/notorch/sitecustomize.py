@@ -1,4 +1,5 @@
-"""For bench/farm.py's worker processes only: make ``import torch`` fail, as on a worker host.
+"""For the worker processes of a ``LocalFarm`` (tests, demo, benches): make ``import torch``
+fail, as on a worker host.
 
 A worker needs no torch (pyproject: torch is the [server] extra), but this dev venv has it,
 and transformers 5 imports it whenever it is installed (there is no switch), adding ~220 MB
