@@ -161,6 +161,10 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
             rt.index.mark_stale(key, str(e))
             log.warning("%s a%d stale: %s", key, attempt, e)
             raise SampleStale(str(e)) from e
+        except ConfigError:  # the environment broke under the process: hand back and stop
+            rt.index.refund_attempt(key)
+            rt.index.clear_running(key)
+            raise
         except (ServerUnavailable, NoSpace, DataFileUnavailable, leases.LeaseLost) as e:
             rt.index.refund_attempt(key)
             rt.index.clear_running(key)
