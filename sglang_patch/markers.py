@@ -164,6 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     for m in found:
         print(m.line() + (": removed" if m.path in removed else ""))
     dead = sum(m.state == DEAD for m in found)
-    print(f"{len(found)} markers in {args.dump_dir}, {dead} of dead processes"
-          + (f", {len(removed)} removed" if args.remove_dead else ""))
+    print(f"ready markers in {args.dump_dir}: {len(found)}, of dead processes: {dead}"
+          + (f", removed: {len(removed)}" if args.remove_dead else ""))
     return 0
