@@ -59,7 +59,8 @@ def fail(text: str) -> Line:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GiB:,.1f} GiB"
+    """A size for a person: GiB from 1 GiB up, MB below."""
+    return f"{n / GiB:,.1f} GiB" if n >= GiB else f"{n / 1e6:,.1f} MB"
 
 
 def existing(path: Path) -> Path:

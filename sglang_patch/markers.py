@@ -15,6 +15,7 @@ fields) is **unknown** and left alone: a live server's marker is never removed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -145,17 +146,19 @@ def _contents(path: Path) -> object:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m sglang_patch markers --dump-dir D [--remove-dead]``: one line per marker."""
-    import argparse
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_patch markers",
                                 description="The ready markers in a dump dir, and whose are "
                                 "dead (this boot, this pid namespace, the process gone).")
     p.add_argument("--dump-dir", type=Path, required=True)
     p.add_argument("--remove-dead", action="store_true",
                    help="remove the markers of dead processes (never a live or unknown one)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sglang_patch markers --dump-dir D [--remove-dead]``: one line per marker."""
+    args = build_parser().parse_args(argv)
     if not args.dump_dir.is_dir():
         print(f"no dump dir {args.dump_dir} (the server creates it at start-up)")
         return 0

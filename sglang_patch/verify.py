@@ -198,7 +198,7 @@ def install_checks() -> list[Check]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_patch verify",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--dump-dir", type=Path, default=None)
@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--since", type=float, default=0.0, metavar="UNIX_TIME",
                    help="only a marker written at or after this time counts (what the "
                    "launcher waits for: one of the server it started)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.server and args.dump_dir is None:
         p.error("--server needs --dump-dir (the server's SGLANG_HS_DUMP_DIR)")
