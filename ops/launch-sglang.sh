@@ -70,7 +70,8 @@ check_model() {
   if [ -f "$MODEL/config.json" ]; then ok "model dir $MODEL"
   else bad "model dir $MODEL has no config.json: set FARM_MODEL_PATH to the local model directory"
   fi
-  if [ "${#layers[@]}" -ne 0 ] && [ "${#layers[@]}" -ne 3 ]; then
+  if [ "${#layers[@]}" -ne 0 ] && { [ "${#layers[@]}" -ne 3 ] \
+       || ! [[ "${layers[*]}" =~ ^[0-9]+\ [0-9]+\ [0-9]+$ ]]; }; then
     bad "FARM_LAYERS_TO_CAPTURE=$LAYERS_RAW must hold 3 layer ids"
   fi
   if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "TP=$TP must be a positive integer"; fi
@@ -122,7 +123,7 @@ check_gpus() {
 check_port() {
   if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
     local what
-    what=$(curl -s -m 3 "http://127.0.0.1:$PORT/model_info" || true)
+    what=$(curl -s -m 3 "http://127.0.0.1:$PORT/model_info" 2>/dev/null || true)
     bad "port $PORT: something already listens there${what:+ (/model_info: ${what:0:120})}:" \
         "another server? stop it, or set FARM_SERVER_URL to another port"
   else ok "port $PORT is free"
