@@ -327,3 +327,26 @@ def test_dead_marker_of_the_reference_server_is_gone_after_a_restart(
         assert not dead.exists()
     finally:
         farm.close(kill=True)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.worker", "Dockerfile.sglang"])
+def test_each_dockerfile_copies_what_the_package_needs(tmp_path: Path, dockerfile: str) -> None:
+    """No Docker engine here: lay out the image's context as its COPY lines do, then build the
+    wheel its ``pip install .`` would build (a package left out fails the build)."""
+    lines = (OPS / dockerfile).read_text().splitlines()
+    copies = [line.split()[1:] for line in lines if line.startswith("COPY ")]
+    assert copies, f"{dockerfile} copies nothing"
+    for *sources, dest in copies:
+        for src in sources:
+            # COPY a b/ (or ./) puts a inside b; COPY a b names the copy b
+            target = tmp_path / dest / Path(src).name if dest.endswith("/") else tmp_path / dest
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / src, target)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "wheel"), str(tmp_path)],
+        capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-2000:]
