@@ -11,6 +11,8 @@ repeated every ``FARM_PAUSE_POLL_S`` and work resumes once the server's model is
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -22,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 
 from sglang_patch import contracts as c
 from worker import canary as cn
-from worker import tensorfile
+from worker import keys, liveness, tensorfile
 from worker.client import ServerClient
 from worker.dumps import wait_for_dump
 from worker.errors import Corrupt, FarmError
@@ -33,6 +36,8 @@ from worker.settings import Settings
 
 log = logging.getLogger("hsfarm.canary")
 Encode = Callable[[str], list[int]]
+CHECK_LOCK_S = 300  # one process of a host checks at a time; a dead one's lock expires
+VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,12 @@ class CanaryCheck:
     epoch: tuple[tuple[str, int], ...] | None = None
     _said: float = field(default=-math.inf, repr=False)
 
+    def _keys(self, epoch: tuple[tuple[str, int], ...]) -> tuple[str, str]:
+        where = hashlib.sha256(json.dumps([liveness.HOST, str(self.settings.dump_dir),
+                                           epoch]).encode()).hexdigest()[:16]
+        return (keys.run_key(self.fingerprint.id, f"{keys.CANARY}:{where}"),
+                keys.run_key(self.fingerprint.id, f"{keys.CANARY_LOCK}:{where}"))
+
     def force(self) -> None:
         """Check again before the next sample (the server was seen down)."""
         self.last_ok = -math.inf
@@ -208,14 +219,38 @@ class CanaryCheck:
             "of two models are never mixed in one directory).",
         ])
 
-    def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop) -> str | None:
-        """For ``waits.until_clear`` in a task: None when not due or passed, else why not."""
-        if not self.due():
-            return None
+    def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop,
+                r: redis.Redis) -> str | None:
+        """For ``waits.until_clear`` in a task: None when not due or passed, else why not.
+
+        The processes of one host share their verdict through Redis (per server start): a
+        pass holds for one interval, so after a restart sixteen pool processes do not each put
+        the long canary's dump in tmpfs at once (one checks at a time); a mismatch makes every
+        process check before its next sample, not at its own next interval.
+        """
+        epoch = server_epoch(self.settings.dump_dir)
+        key, lock_key = self._keys(epoch)
+        try:
+            verdict = r.get(key)
+            if verdict != VERDICT_MISMATCH and not self.due():
+                return None
+            if verdict == VERDICT_OK:
+                self.last_ok, self.epoch = time.monotonic(), epoch
+                return None
+            if not r.set(lock_key, liveness.identity(), nx=True, ex=CHECK_LOCK_S):
+                return "the canary is being checked by another process of this host"
+        except redis.RedisError as e:
+            return f"the canary could not be checked: Redis: {e}"
         try:
             outcome = loop.run_until_complete(self.run(client))
         except FarmError as e:
             return f"the canary could not be checked: {type(e).__name__}: {e}"
+        finally:
+            with contextlib.suppress(redis.RedisError):
+                r.delete(lock_key)
+        with contextlib.suppress(redis.RedisError):
+            r.set(key, VERDICT_OK if outcome.passed else VERDICT_MISMATCH,
+                  ex=max(1, int(self.settings.canary_interval_s)) if outcome.passed else 86400)
         if outcome.passed:
             log.info("%s", outcome.text)
             return None
