@@ -56,8 +56,8 @@ class Settings:
     # layer: a token's relative error |new - recorded| / |recorded|, at most this (max over
     # tokens) and on average this (mean). Margins measured in docs/canary.md.
     canary_interval_s: float = 600.0
-    canary_max_rel_err: float = 0.05
-    canary_mean_rel_err: float = 0.01
+    canary_max_rel_err: float = 0.01
+    canary_mean_rel_err: float = 0.0025
     # Host-wide admission (worker/admission.py), 0 = sized from the server and tmpfs: requests
     # in flight to the server at once, and tmpfs bytes their dumps may take until collected.
     max_in_flight: int = 0
