@@ -220,8 +220,11 @@ class CanaryCheck:
         ])
 
     def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop,
-                r: redis.Redis) -> str | None:
+                r: redis.Redis, deadline: float = math.inf) -> str | None:
         """For ``waits.until_clear`` in a task: None when not due or passed, else why not.
+
+        A check is cut short at ``deadline`` (monotonic): a hung server must not hold the
+        task past the time it has to hand its message back.
 
         The processes of one host share their verdict through Redis (per server start): a
         pass holds for one interval, so after a restart sixteen pool processes do not each put
@@ -242,9 +245,12 @@ class CanaryCheck:
         except redis.RedisError as e:
             return f"the canary could not be checked: Redis: {e}"
         try:
-            outcome = loop.run_until_complete(self.run(client))
+            limit_s = max(1.0, deadline - time.monotonic() - 1.0)
+            outcome = loop.run_until_complete(asyncio.wait_for(self.run(client), limit_s))
         except FarmError as e:
             return f"the canary could not be checked: {type(e).__name__}: {e}"
+        except TimeoutError:
+            return f"the canary could not be checked: no answer within {limit_s:.0f}s"
         finally:
             with contextlib.suppress(redis.RedisError):
                 r.delete(lock_key)

@@ -144,7 +144,8 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
             log.info("%s already done (verified from disk)", key)
             return {"status": done.status, "key": key}
         _wait(rt, key, lambda: waits.space_problem(rt), deadline)
-        _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r), deadline)
+        _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
+              deadline)
         attempt = rt.index.next_attempt(key)
         if attempt > settings.max_attempts:
             _give_up(rt, key, f"gave up after {settings.max_attempts} attempts (crashes or "
