@@ -1,8 +1,9 @@
 """``audit``: read every final file back from disk and check it against its source sample.
 
 Per sample of the data file: the final file exists, parses, has the right tensors, dtypes and
-shapes, its per-tensor checksums match, it belongs to this run (fingerprint) and this content
-(hash), and its input_ids and loss_mask equal a fresh tokenization of the source record.
+shapes, its per-tensor checksums match, it belongs to this run (fingerprint), was written
+under the checkpoint the manifest records (weights identity), holds this content (hash), and
+its input_ids and loss_mask equal a fresh tokenization of the source record.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from worker.chat import ChatTokenizer
 from worker.errors import BadInput, Corrupt, StaleRecord
 from worker.samples import SampleRef, read_sample
 from worker.store import M_FINGERPRINT, OutputStore
+from worker.weights import M_WEIGHTS_ID
 
 
 @dataclass
@@ -56,8 +58,8 @@ class AuditReport:
         return out
 
 
-def _check_one(store: OutputStore, chat: ChatTokenizer,
-               ref: SampleRef) -> tuple[str, str, int, int]:
+def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
+               weights_id: str | None) -> tuple[str, str, int, int]:
     """(verdict, reason, tokens, bytes); verdict in whole/missing/corrupt/incompatible/invalid.
 
     "invalid": the record is one the worker rejects (too long, no assistant tokens, ...), so
@@ -75,6 +77,10 @@ def _check_one(store: OutputStore, chat: ChatTokenizer,
         meta = tensorfile.header_metadata(path)
         if meta.get(M_FINGERPRINT) != store.fingerprint.id:
             return "incompatible", f"fingerprint {meta.get(M_FINGERPRINT)}", 0, 0
+        written_under = meta.get(M_WEIGHTS_ID)  # files of older runs do not say: not judged
+        if weights_id and written_under and written_under != weights_id:
+            return "incompatible", (f"written under weights identity {written_under}, the "
+                                    f"manifest records {weights_id}"), 0, 0
         v = store.verify(ref.key, ref.sha256)
     except (Corrupt, OSError) as e:
         return "corrupt", str(e), 0, 0
@@ -90,11 +96,13 @@ def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_b
           jobs: int = 4) -> AuditReport:
     """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help."""
     report = AuditReport()
+    weights_id = store.recorded_weights_id()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rejected: list[tuple[str, str]] = []
         refs = list(sample_refs(data_file, max_record_bytes, rejected, []))
         report.invalid_records += len(rejected)
-        results = pool.map(lambda ref: _check_one(store, chat, ref), refs)
+        results = pool.map(lambda ref: _check_one(store, chat, ref, weights_id),
+                           refs)
         for ref, (verdict, why, tokens, size) in zip(refs, results, strict=True):
             report.checked += 1
             if verdict == "whole":

@@ -23,6 +23,7 @@ from worker.errors import Corrupt, KeyTaken
 from worker.lease import Lease
 from worker.runtime import Runtime
 from worker.samples import SampleRef, read_sample
+from worker.weights import M_WEIGHTS_ID
 
 log = logging.getLogger("hsfarm.extract")
 
@@ -105,6 +106,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
                 st.M_SOURCE_FILE: ref.file,
                 st.M_TRUNCATED: str(tok.truncated_from),
                 c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
+                M_WEIGHTS_ID: rt.store.weights_id,
             }
             v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
                            meta, before_write=lease.check)  # lost the lease: write nothing

@@ -18,6 +18,7 @@ from pathlib import Path
 from sglang_patch import contracts as c
 from worker import broker, liveness
 from worker.admission import Admission, Limits, limits_for_host
+from worker.canary_check import CanaryCheck
 from worker.chat import ChatTokenizer
 from worker.client import ServerClient
 from worker.fingerprint import load_run
@@ -36,6 +37,7 @@ class RunContext:
     fingerprint: c.Fingerprint
     store: OutputStore
     limits: Limits  # the host's admission limits (in flight, dump budget)
+    canary: CanaryCheck  # its state (last passed) is inherited by pool processes
 
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
@@ -48,7 +50,10 @@ class RunContext:
         settings.dump_dir.mkdir(parents=True, exist_ok=True)
         limits = limits_for_host(settings, fp.hidden_size)
         log.info("admission: %s", limits.describe())
-        return cls(settings, model_path, chat, fp, store, limits)
+        check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
+                            encode=lambda text: list(chat.tok(text, add_special_tokens=False)
+                                                     ["input_ids"]))
+        return cls(settings, model_path, chat, fp, store, limits, check)
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Runtime:
     index: RunIndex
     hostname: str
     admission: Admission
+    canary: CanaryCheck
 
     @classmethod
     def for_process(cls, ctx: RunContext) -> Runtime:
@@ -73,7 +79,8 @@ class Runtime:
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
                    index=RunIndex(broker.client(s), ctx.fingerprint.id),
                    hostname=liveness.HOST,
-                   admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2))
+                   admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2),
+                   canary=ctx.canary)
 
     def close(self) -> None:
         try:

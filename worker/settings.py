@@ -52,6 +52,12 @@ class Settings:
     heartbeat_ttl_s: float = 20.0  # a worker whose heartbeat is this old is dead
     reaper_interval_s: float = 5.0  # how often a worker returns dead workers' messages
     log_level: str = "INFO"
+    # The canary (worker/canary.py): how often each worker re-checks it, and the tolerance per
+    # layer: a token's relative error |new - recorded| / |recorded|, at most this (max over
+    # tokens) and on average this (mean). Margins measured in docs/canary.md.
+    canary_interval_s: float = 600.0
+    canary_max_rel_err: float = 0.01
+    canary_mean_rel_err: float = 0.0025
     # Host-wide admission (worker/admission.py), 0 = sized from the server and tmpfs: requests
     # in flight to the server at once, and tmpfs bytes their dumps may take until collected.
     max_in_flight: int = 0
@@ -91,6 +97,10 @@ class Settings:
             out.append(f"FARM_LEASE_TTL_S must be >= 3, not {self.lease_ttl_s}")
         if self.max_record_bytes < 1024:
             out.append(f"FARM_MAX_RECORD_BYTES must be >= 1024, not {self.max_record_bytes}")
+        if self.canary_interval_s <= 0:
+            out.append(f"FARM_CANARY_INTERVAL_S must be > 0, not {self.canary_interval_s}")
+        if not 0 < self.canary_mean_rel_err <= self.canary_max_rel_err:
+            out.append("FARM_CANARY_MEAN_REL_ERR must be > 0 and at most FARM_CANARY_MAX_REL_ERR")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
             out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
         return out

@@ -5,7 +5,9 @@ Redis answers and keeps its data (``broker.check_persistence``); the run context
 (waiting for the server while it loads the model, when the model path must be asked from
 it); the output directory's manifest matches the run; temp files of dead writers go; and one
 probe request of ours comes back as a dump in this worker's dump dir (``sglang_patch.probe``:
-while the server runs without the hook, or writes elsewhere, the worker waits and says why).
+while the server runs without the hook, or writes elsewhere, the worker waits and says why);
+and the canary (``canary_check``) is recorded, or matches the run's recording (while it does
+not, the worker waits, says per layer what differs, and shows the pause in ``status``).
 Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
 message is taken. Pool processes inherit the context when they fork and only open their own
 connections.
@@ -13,6 +15,8 @@ connections.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -24,9 +28,12 @@ from typing import Any
 import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker import broker, reaper
+from worker import broker, liveness, reaper
 from worker.app import settings
-from worker.errors import ConfigError
+from worker.canary_check import Outcome
+from worker.client import ServerClient
+from worker.errors import ConfigError, Corrupt, Transient
+from worker.index import RunIndex
 from worker.runtime import RunContext, Runtime
 
 log = logging.getLogger("hsfarm.worker")
@@ -84,6 +91,38 @@ def _wait_for_hook() -> None:
             time.sleep(2.0)
 
 
+def _wait_for_canary(r: redis.Redis) -> None:
+    """Until the canary is recorded for this run, or the server's states match the recording."""
+    assert CONTEXT is not None
+    check, index = CONTEXT.canary, RunIndex(r, CONTEXT.fingerprint.id)
+    said = -math.inf
+
+    async def once() -> Outcome:
+        client = ServerClient(settings.server_url, settings.request_timeout_s)
+        try:
+            return await check.run(client)
+        finally:
+            await client.close()
+
+    while True:
+        try:
+            outcome = asyncio.run(once())
+        except (Transient, Corrupt) as e:
+            outcome = Outcome(False, f"waiting, taking no work: the canary could not be "
+                                     f"checked: {e}", f"the canary could not be checked: {e}")
+        if outcome.passed:
+            log.info("%s", outcome.text)
+            with contextlib.suppress(Transient):
+                index.set_paused(liveness.identity(), None)
+            return
+        if time.monotonic() - said > 60:
+            said = time.monotonic()
+            log.error("%s", outcome.text)
+        with contextlib.suppress(Transient):
+            index.set_paused(liveness.identity(), outcome.summary)
+        time.sleep(settings.pause_poll_s)
+
+
 @worker_init.connect
 def _on_worker_init(**_: Any) -> None:
     global CONTEXT, MAIN_PID
@@ -96,6 +135,7 @@ def _on_worker_init(**_: Any) -> None:
         CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
         CONTEXT.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
         _wait_for_hook()
+        _wait_for_canary(r)
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:
         log.critical("cannot start: %s", e)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import checksums, diskio, final_norm, tensorfile
+from worker import checksums, diskio, final_norm, tensorfile, weights
 from worker.errors import ConfigError, Corrupt, NoSpace, Transient
 from worker.finalfile import Part, read_back, write_parts
 from worker.semantics import tensor_semantics
@@ -97,21 +97,29 @@ class OutputStore:
         self.min_free_bytes = min_free_bytes
         self.versions = versions or {}
         self.debug_write_delay_s = debug_write_delay_s
+        self.weights_id = ""  # the checkpoint's identity (weights.py), once opened with a model
 
     def open(self) -> OutputStore:
         """Create the dir and manifest, or check that the existing manifest matches.
 
+        With a model path, the checkpoint's weights identity is recorded in a new manifest
+        and checked against an existing one's, before any request is sent.
+
         Raises:
-            ConfigError: the directory belongs to a run with a different fingerprint.
+            ConfigError: the directory belongs to a run with a different fingerprint, or to
+                other weights; or a weight shard is truncated.
         """
         (self.out_dir / "samples").mkdir(parents=True, exist_ok=True)
         path = self.out_dir / MANIFEST
+        identity = None if self.model_path is None else weights.weights_identity(self.model_path)
         if not path.exists():
             body = {"fingerprint_id": self.fingerprint.id,
                     "fingerprint": self.fingerprint.to_json(),
                     "versions": self.versions, "created_at": time.time(),
                     "tensors": tensor_semantics(self.fingerprint),
                     "final_norm": self._write_final_norm()}
+            if identity is not None:
+                body["weights"] = identity
             tmp = path.with_name(f".{MANIFEST}{c.TMP_MARK}{_tmp_tag()}")
             tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
             with open(tmp, "rb") as f:
@@ -123,8 +131,31 @@ class OutputStore:
             finally:
                 tmp.unlink(missing_ok=True)
             fsync_dir(self.out_dir)
-        self._check_manifest(path)
+        manifest = self._check_manifest(path)
+        if identity is not None:
+            self._check_weights(manifest, identity)
         return self
+
+    def _check_weights(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
+        recorded = manifest.get("weights")
+        if isinstance(recorded, dict):
+            why = weights.mismatch(recorded, identity, self.model_path or self.out_dir)
+            if why:
+                raise ConfigError(why)
+        else:  # a run started before the identity existed: keep it running, say what is unchecked
+            log.warning("%s/%s records no weights identity (a run started by an older hsfarm): "
+                        "the checkpoint cannot be checked against it; files written from now on "
+                        "carry identity %s, and the canary guards the served model",
+                        self.out_dir, MANIFEST, identity["id"])
+        self.weights_id = str(identity["id"])
+
+    def recorded_weights_id(self) -> str | None:
+        """The weights identity the manifest records (None: none recorded, or no manifest)."""
+        try:
+            entry = json.loads((self.out_dir / MANIFEST).read_text()).get("weights")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return str(entry["id"]) if isinstance(entry, dict) and "id" in entry else None
 
     def _write_final_norm(self) -> dict[str, object]:
         """Store the model's final-norm weight beside the manifest; the manifest's entry.
@@ -148,9 +179,10 @@ class OutputStore:
                 "rms_norm_eps": norm.rms_norm_eps,
                 checksums.M_ALGORITHM: checksums.DEFAULT_ALGORITHM, checksums.M_CHECKSUMS: sums}
 
-    def _check_manifest(self, path: Path) -> None:
+    def _check_manifest(self, path: Path) -> dict[str, object]:
         try:
-            theirs = c.Fingerprint.from_json(json.loads(path.read_text())["fingerprint"])
+            manifest = json.loads(path.read_text())
+            theirs = c.Fingerprint.from_json(manifest["fingerprint"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(
                 f"{path}: unreadable manifest ({e}); move it away to start anew"
@@ -162,6 +194,7 @@ class OutputStore:
                 f"Differences (this run != directory): {'; '.join(diff)}. "
                 "Use a new FARM_OUTPUT_DIR, or restore the original settings."
             )
+        return dict(manifest)
 
     def final_path(self, key: str) -> Path:
         return c.final_path(self.out_dir, key)

@@ -11,7 +11,8 @@ acknowledgement without an outcome:
 - ``Transient``, ``Corrupt``, anything unexpected: a counted attempt, retried with backoff
   within this delivery while its time limit allows (so failures show at once), else handed
   back; after ``FARM_MAX_ATTEMPTS`` started attempts the sample is recorded as failed;
-- the environment (server down or hung, disk full, data file unreadable): the task waits,
+- the environment (server down or hung, disk full, data file unreadable, a canary that no
+  longer matches: the server serves another model): the task waits,
   holding its message, and the attempt is refunded; at the time limit it hands it back;
 - ``ConfigError``: hands the message back and stops the worker.
 
@@ -143,6 +144,8 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
             log.info("%s already done (verified from disk)", key)
             return {"status": done.status, "key": key}
         _wait(rt, key, lambda: waits.space_problem(rt), deadline)
+        _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
+              deadline)
         attempt = rt.index.next_attempt(key)
         if attempt > settings.max_attempts:
             _give_up(rt, key, f"gave up after {settings.max_attempts} attempts (crashes or "
@@ -181,6 +184,7 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
     if isinstance(e, ServerMisconfigured):  # it answers at once: hold a while, then try again
         _hold(rt, ref.key, str(e), deadline)
     elif isinstance(e, ServerUnavailable):
+        rt.canary.force()  # the server may come back with another model: check before work
         _wait(rt, ref.key, lambda: waits.server_problem(rt), deadline)
     elif isinstance(e, NoSpace):
         never = waits.never_fits(rt, e.need_bytes)

@@ -1,6 +1,6 @@
 """The whole farm against a live SGLang server started by ``ops/launch-sglang.sh``: real Redis,
 real ``celery -A worker worker`` processes, real dumps; then the server SIGKILLed mid-run and
-started again by the test."""
+started again by the test (the canary recorded before the kill passes after it)."""
 
 from __future__ import annotations
 
@@ -124,6 +124,12 @@ def test_server_sigkilled_mid_run_and_restarted(farm: LocalFarm, server: LiveSer
     # And the workers saw the server go away and waited for it, without failing anything
     log = farm.procs["w1"].log.read_text(errors="replace")
     assert re.search(r"server .*(does not answer|unreachable|unavailable)", log), log[-2000:]
+    # And the canary the worker recorded at its start was checked again against the restarted
+    # server by a pool process, and passed (the same model: a restart is not a new model)
+    assert "recorded the run's canary" in log
+    rechecks = re.findall(r"ForkPoolWorker\S* hsfarm.canary: canary passed: .*", log)
+    assert rechecks, log[-3000:]
+    measured(f"canary after the restart: {rechecks[0].split(': ', 1)[1]}")
 
 
 def _pid(marker: Path) -> int:

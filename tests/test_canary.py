@@ -1,0 +1,209 @@
+"""The canary: recorded once per run, re-checked by every worker; a server serving other
+weights pauses the farm with nothing lost, and the same model (restarted, chunked or not)
+passes. Real Redis, real ``celery worker`` processes, real reference servers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from producer.localfarm import LocalFarm, wait_until
+from producer.queue_scan import broker_depth
+from sglang_patch import contracts as c
+from sglang_patch.tiny_model import ensure_tiny_model
+from tests.conftest import CACHE, assert_farm_invariants, wait_finished
+from tests.faults import enqueue, failed, run_hash, running_farm
+from worker import canary as cn
+from worker import keys, tensorfile
+from worker.canary_check import CanaryCheck, server_epoch
+from worker.client import ServerClient
+from worker.errors import ConfigError
+from worker.fingerprint import compute_fingerprint
+
+
+@pytest.fixture(scope="module")
+def other_model() -> Path:
+    """Same config and tokenizer as the tiny model, other weights (a 'fine-tune')."""
+    return ensure_tiny_model(CACHE, seed=1)
+
+
+def _swap_server(farm: LocalFarm, model: Path | None, chunk: int) -> None:
+    """Stop the server; start it again (same port and dump dir) on ``model``, or the tiny one."""
+    farm.procs["server"].stop()
+    farm.chunked_prefill_size = chunk
+    farm.start_server(["--model", str(model)] if model else None)
+
+
+def _paused(farm: LocalFarm) -> list[str]:
+    return [json.loads(v)["reason"] for v in run_hash(farm, keys.PAUSED).values()]
+
+
+# --- the recording and the comparison, without services --------------------------------------
+
+def _canaries(seed: int) -> list[cn.Canary]:
+    rng = np.random.default_rng(seed)
+    return [cn.Canary(np.arange(n, dtype=np.int64), cn.sample_rows(n, 64),
+                      cn.from_bf16(cn._to_bf16(rng.normal(size=(4, len(cn.sample_rows(n, 64)),
+                                                                 16)).astype(np.float32))))
+            for n in (10, 200)]
+
+
+def test_recording_is_written_once_and_read_back(tmp_path: Path) -> None:
+    # Given two workers recording at once (other values each)
+    mine, theirs = _canaries(0), _canaries(1)
+    assert cn.record(tmp_path, mine, {"who": "first"})
+    # Then only the first recording stands; the second is told so
+    assert not cn.record(tmp_path, theirs, {"who": "second"})
+    got, meta = cn.load(tmp_path)
+    assert meta["who"] == "first" and not list(tmp_path.glob(f"*{c.TMP_MARK}*"))
+    for a, b in zip(got, mine, strict=True):
+        assert np.array_equal(a.states, b.states) and np.array_equal(a.rows, b.rows)
+    # And comparing it with itself passes with zero error, with the other fails
+    names = cn.layer_names((2, 4, 5))
+    assert cn.compare(got, [m.states for m in mine], names, 1e-9, 1e-9).passed
+    bad = cn.compare(got, [t.states for t in theirs], names, 0.05, 0.01)
+    assert not bad.passed and all(e.mean_rel > 0.5 for e in bad.layers)
+    assert "<-- differs" in bad.table() and "final" in bad.table()
+
+
+def test_damaged_recording_is_refused(tmp_path: Path) -> None:
+    cn.record(tmp_path, _canaries(0), {})
+    path = cn.path_in(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="is damaged"):
+        cn.load(tmp_path)
+
+
+def test_rows_include_the_chunk_boundary() -> None:
+    rows = cn.sample_rows(320, 256).tolist()
+    assert {0, 255, 256, 319} <= set(rows) and rows == sorted(set(rows))
+    assert cn.long_tokens(256, 8192) == 320 and cn.long_tokens(-1, 8192) == 1024
+
+
+def test_processes_of_a_host_share_the_verdict(tmp_path: Path, tiny_model: Path) -> None:
+    """Through Redis: a pass holds for an interval, a mismatch makes every process check, and
+    one process checks at a time. No server runs here: a check that is made fails."""
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+    try:
+        farm.start_redis()
+        settings = dataclasses.replace(farm.settings(), canary_interval_s=0.5)
+        settings.dump_dir.mkdir(parents=True)
+        check = CanaryCheck(settings, settings.output_dir, tiny_model,
+                            compute_fingerprint(settings, tiny_model), "w", encode=lambda t: [])
+        r, loop = farm.redis(), asyncio.new_event_loop()
+        client = ServerClient(settings.server_url, 5)
+        verdict, lock = check._keys(server_epoch(settings.dump_dir))
+        # Given no verdict yet: the process checks (and here cannot reach the server)
+        assert "could not be checked" in str(check.problem(client, loop, r))
+        assert r.get(lock) is None  # the lock is given back
+        # Given another process of the host passed: this one takes its verdict, and is not
+        # due again before the interval
+        r.set(verdict, "ok")
+        assert check.problem(client, loop, r) is None and not check.due()
+        r.delete(verdict)
+        assert check.problem(client, loop, r) is None  # not due: nothing asked
+        time.sleep(0.6)
+        assert check.due()
+        # Given another process is checking now: this one waits for its verdict
+        r.set(lock, "someone")
+        assert "being checked by another process" in str(check.problem(client, loop, r))
+        # Given another process saw a mismatch: this one checks at once, due or not
+        r.delete(lock)
+        r.set(verdict, "ok")
+        check.problem(client, loop, r)
+        assert not check.due()
+        r.set(verdict, "mismatch")
+        assert "could not be checked" in str(check.problem(client, loop, r))
+        loop.run_until_complete(client.close())
+        loop.close()
+    finally:
+        farm.close(kill=True)
+
+
+# --- the farm --------------------------------------------------------------------------------
+
+def test_server_on_other_weights_pauses_the_farm_and_loses_nothing(
+        tmp_path: Path, tiny_model: Path, other_model: Path) -> None:
+    with running_farm(tmp_path, chunk=256) as farm:
+        # Given a run whose first worker recorded the canary (chunked prefill, 256)
+        w1 = farm.start_worker("w1", concurrency=2)
+        first = enqueue(farm, tmp_path, 3)
+        wait_finished(farm, 3)
+        assert "recorded the run's canary: 3 prompts" in w1.log.read_text()
+        assert cn.path_in(farm.output_dir).exists()
+        # When the server restarts on other weights of the same config (w1 keeps its model
+        # dir, which still holds the recorded files), and more samples are queued
+        _swap_server(farm, other_model, chunk=256)
+        more = enqueue(farm, tmp_path, 6, start=3)
+        # Then w1's tasks hold their messages and wait, printing per layer what differs
+        wait_until(lambda: "CANARY MISMATCH" in w1.log.read_text(), 90, "w1 to see it")
+        # and a worker starting now takes nothing either
+        farm.extra_env["FARM_MODEL_PATH"] = str(tiny_model)
+        w2 = farm.start_worker("w2", concurrency=1, wait=False)
+        wait_until(lambda: "CANARY MISMATCH" in w2.log.read_text(), 90, "w2 to see it")
+        log = w2.log.read_text()
+        assert "max rel err" in log and "aux layer 2" in log and "final" in log
+        assert "restore the server's model" in log and "new output directory" in log
+        assert " ready." not in log
+        reasons = _paused(farm)
+        assert len(reasons) >= 2 and any("canary mismatch" in r for r in reasons), reasons
+        assert not any(c.final_path(farm.output_dir, k).exists() for k in more)
+        assert not failed(farm)
+        waiting, unacked = broker_depth(farm.redis(), farm.settings().queue)
+        assert waiting + unacked == 6
+        # When the run's model is served again (restarted, now unchunked)
+        _swap_server(farm, None, chunk=-1)
+        # Then both workers pass the canary and finish the run, nothing failed
+        farm.procs["w2"] = w2
+        wait_until(lambda: " ready." in w2.log.read_text(), 90, "w2 to start consuming")
+        wait_finished(farm, 9)
+        assert "canary passed" in w2.log.read_text()
+        assert_farm_invariants(farm, first + more)
+        assert not _paused(farm)
+
+
+def test_other_checkpoint_is_refused_by_its_identity_before_any_request(
+        tmp_path: Path, tiny_model: Path, other_model: Path) -> None:
+    with running_farm(tmp_path) as farm:
+        # Given a finished run, whose worker asks the server which model it serves
+        w1 = farm.start_worker("w1", concurrency=2)
+        keys_ = enqueue(farm, tmp_path, 3)
+        wait_finished(farm, 3)
+        w1.stop()
+        # When the server restarts on another checkpoint of the same config and a worker starts
+        _swap_server(farm, other_model, chunk=64)
+        more = enqueue(farm, tmp_path, 4, start=3)
+        bad = farm.start_worker("bad", concurrency=1, wait=False)
+        wait_until(lambda: not bad.alive(), 120, "the worker to exit")
+        # Then it exits with code 2 naming the shard and the fix, having sent no request
+        assert bad.popen is not None and bad.popen.returncode == 2
+        log = bad.log.read_text()
+        assert "weights identity" in log and "sampled bytes differ" in log, log[-2000:]
+        assert "Restore the original checkpoint" in log
+        info = json.loads(urllib.request.urlopen(
+            farm.env()["FARM_SERVER_URL"] + "/server_info", timeout=10).read())
+        assert info["forward_passes"] == 0  # not even the hook probe ran
+        assert broker_depth(farm.redis(), farm.settings().queue) == (4, 0)
+        # And audit calls a file written under another identity incompatible
+        path = c.final_path(farm.output_dir, keys_[0])
+        tf = tensorfile.read(path)
+        tensorfile.write(path, tf.tensors, {**tf.metadata, "weights_id": "0123456789abcdef"})
+        res = farm.cli("audit", "--data", str(tmp_path / "data.json"))
+        assert res.returncode == 1 and "incompatible: 1\n" in res.stdout, res.stdout
+        assert f"incompatible {keys_[0]}: written under weights identity 0123456789abcdef" \
+            in res.stdout
+        # And with the original checkpoint served again, the run goes on
+        _swap_server(farm, None, chunk=64)
+        farm.start_worker("w2", concurrency=2)
+        wait_finished(farm, 7)
+        assert sorted(p.name for p in (farm.output_dir / "samples").rglob("*.safetensors")) \
+            == sorted(f"{k}.safetensors" for k in keys_ + more)

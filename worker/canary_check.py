@@ -1,0 +1,266 @@
+"""When and how a worker runs the canary (``canary.py``): through the server, like a sample.
+
+A worker checks at start-up (its main process, after the hook probe and before consuming),
+after the server comes back from an outage (a task saw it down, or the server's ready markers
+in the dump dir changed: it restarted), and every ``FARM_CANARY_INTERVAL_S``. A mismatch
+pauses consumption: the start-up check waits, and a task holds its message and waits
+(``waits.until_clear``), so messages stay queued and nothing is marked failed; the check is
+repeated every ``FARM_PAUSE_POLL_S`` and work resumes once the server's model is restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from sglang_patch import contracts as c
+from worker import canary as cn
+from worker import keys, liveness, tensorfile
+from worker.client import ServerClient
+from worker.dumps import wait_for_dump
+from worker.errors import Corrupt, FarmError
+from worker.settings import Settings
+
+log = logging.getLogger("hsfarm.canary")
+Encode = Callable[[str], list[int]]
+CHECK_LOCK_S = 300  # one process of a host checks at a time; a dead one's lock expires
+VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    passed: bool
+    text: str  # what a person reads: the table and the two ways on, or a one-line pass
+    summary: str  # one line, for status's paused reason
+
+
+def read_rows(path: Path, ids: list[int], rows: np.ndarray) -> tuple[np.ndarray, dict[str, str]]:
+    """A dump's states at ``rows``: float32 [4, R, H] (aux layers, then final), and metadata.
+
+    Raises:
+        Corrupt: not the ids sent, or not the layout of contract 2.
+    """
+    header = tensorfile.read_header(path)
+    t = header.tensors
+    n = len(ids)
+    if c.T_HIDDEN not in t or c.T_AUX not in t or c.T_INPUT_IDS not in t:
+        raise Corrupt(f"{path.name}: canary dump lacks tensors (has {sorted(t)})")
+    h = t[c.T_HIDDEN].shape[-1]
+    if (t[c.T_HIDDEN].dtype, t[c.T_HIDDEN].shape, t[c.T_AUX].dtype, t[c.T_AUX].shape) != (
+            "BF16", (n, h), "BF16", (n, c.AUX_LAYERS * h)):
+        raise Corrupt(f"{path.name}: canary dump has shapes {header.shapes}")
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def take(name: str, dtype: str) -> np.ndarray:
+        e = t[name]
+        return mm[header.data_start + e.begin: header.data_start + e.end].view(dtype).reshape(
+            e.shape)
+
+    if not np.array_equal(take(c.T_INPUT_IDS, "<i8"), np.asarray(ids)):
+        raise Corrupt(f"{path.name}: the canary dump's input_ids are not the ids sent")
+    hidden = cn.from_bf16(np.array(take(c.T_HIDDEN, "<u2")[rows]))
+    aux = cn.from_bf16(np.array(take(c.T_AUX, "<u2")[rows])).reshape(len(rows), c.AUX_LAYERS, h)
+    states = np.concatenate([aux.transpose(1, 0, 2), hidden[None]], axis=0)
+    return states, header.metadata
+
+
+async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]],
+                  rows: list[np.ndarray], timeout_s: float) -> list[tuple[np.ndarray,
+                                                                        dict[str, str]]]:
+    """Send every canary prompt at once (batched, as samples are) and read their dumps.
+
+    Raises:
+        ServerUnavailable, Transient, Corrupt, NoSpace: as for a sample.
+    """
+    async def one(i: int) -> tuple[np.ndarray, dict[str, str]]:
+        key = f"_hsfarm_canary{i}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        rid = c.make_rid(key, 1, len(prompts[i]))
+        try:
+            await client.generate(rid, prompts[i])
+            path = await wait_for_dump(dump_dir, rid, timeout_s)
+            return read_rows(path, prompts[i], rows[i])
+        finally:
+            c.dump_path(dump_dir, rid).unlink(missing_ok=True)
+            c.err_path(dump_dir, rid).unlink(missing_ok=True)
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+
+def server_epoch(dump_dir: Path) -> tuple[tuple[str, int], ...]:
+    """The server's ready markers (name and mtime): they change when the server restarts."""
+    out = []
+    for p in dump_dir.glob(f"{c.READY_PREFIX}*"):
+        if c.is_temp_name(p.name):
+            continue
+        try:
+            out.append((p.name, p.stat().st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(sorted(out))
+
+
+@dataclass
+class CanaryCheck:
+    """One worker's canary: records it for the run if nobody has, else compares with it.
+
+    Built in the worker's main process; pool processes inherit its state when they fork, so
+    a check passed at start-up is not repeated by each of them at once.
+    """
+
+    settings: Settings
+    out_dir: Path
+    model_path: Path
+    fingerprint: c.Fingerprint
+    weights_id: str
+    encode: Encode
+    last_ok: float = -math.inf
+    epoch: tuple[tuple[str, int], ...] | None = None
+    _said: float = field(default=-math.inf, repr=False)
+
+    def _keys(self, epoch: tuple[tuple[str, int], ...]) -> tuple[str, str]:
+        where = hashlib.sha256(json.dumps([liveness.HOST, str(self.settings.dump_dir),
+                                           epoch]).encode()).hexdigest()[:16]
+        return (keys.run_key(self.fingerprint.id, f"{keys.CANARY}:{where}"),
+                keys.run_key(self.fingerprint.id, f"{keys.CANARY_LOCK}:{where}"))
+
+    def force(self) -> None:
+        """Check again before the next sample (the server was seen down)."""
+        self.last_ok = -math.inf
+
+    def due(self) -> bool:
+        return (time.monotonic() - self.last_ok >= self.settings.canary_interval_s
+                or server_epoch(self.settings.dump_dir) != self.epoch)
+
+    async def run(self, client: ServerClient) -> Outcome:
+        """Record the canary (first worker of the run) or compare with the recording.
+
+        Raises:
+            Transient (ServerUnavailable, NoSpace, ...), Corrupt: it could not be run.
+            ConfigError: the recording is damaged.
+        """
+        epoch = server_epoch(self.settings.dump_dir)
+        if not cn.path_in(self.out_dir).exists():
+            outcome = await self._record(client)
+        else:
+            outcome = await self._compare(client)
+        if outcome.passed:
+            self.last_ok, self.epoch = time.monotonic(), epoch
+        return outcome
+
+    async def _record(self, client: ServerClient) -> Outcome:
+        info = await client.server_info()
+        chunk = int(info.get("chunked_prefill_size") or 0)
+        prompts = cn.prompt_ids(self.encode, chunk, self.fingerprint.max_tokens)
+        rows = [cn.sample_rows(len(p), chunk) for p in prompts]
+        got = await extract(client, self.settings.dump_dir, prompts, rows,
+                            self.settings.dump_timeout_s)
+        canaries = [cn.Canary(np.asarray(p, dtype=np.int64), r, s)
+                    for p, r, (s, _) in zip(prompts, rows, got, strict=True)]
+        meta = cn.recording_meta(self.fingerprint, self.weights_id,
+                                 got[0][1].get(c.M_SERVER_VERSION, ""), chunk)
+        if not cn.record(self.out_dir, canaries, meta):
+            return await self._compare(client)  # another worker recorded it first
+        lengths = ", ".join(str(len(p)) for p in prompts)
+        text = (f"recorded the run's canary: {len(prompts)} prompts of {lengths} tokens "
+                f"(server chunk size {chunk}) in {cn.path_in(self.out_dir)}")
+        return Outcome(True, text, "recorded")
+
+    async def _compare(self, client: ServerClient) -> Outcome:
+        recorded, meta = cn.load(self.out_dir)
+        prompts = [r.input_ids.tolist() for r in recorded]
+        got = await extract(client, self.settings.dump_dir, prompts,
+                            [r.rows for r in recorded], self.settings.dump_timeout_s)
+        problems = []
+        served = json.loads(got[0][1].get(c.M_LAYERS, "[]"))
+        wanted = json.loads(meta.get(c.M_LAYERS, "[]"))
+        if served != wanted:
+            problems.append(f"the server captures layers {served}, the recording layers {wanted}")
+        names = json.loads(meta.get(cn.M_LAYERS_NAMES, "[]")) or cn.layer_names(tuple(wanted))
+        cmp = cn.compare(recorded, [s for s, _ in got], names, self.settings.canary_max_rel_err,
+                         self.settings.canary_mean_rel_err, problems)
+        if cmp.passed:
+            worst = max((e.max_rel for e in cmp.layers), default=0.0)
+            return Outcome(True, f"canary passed: {len(prompts)} prompts, worst max rel err "
+                                 f"{worst:.4%} (tolerance {cmp.max_rel_tol:.2%})", "passed")
+        return Outcome(False, self._mismatch_text(cmp, meta), "canary mismatch: "
+                       + cmp.summary() + ": restore the server's model, or start a new "
+                       "FARM_OUTPUT_DIR")
+
+    def _mismatch_text(self, cmp: cn.Comparison, meta: dict[str, str]) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                             time.gmtime(float(meta.get("recorded_at", "0"))))
+        rec_weights = meta.get(cn.M_WEIGHTS, "?")
+        return "\n".join([
+            f"CANARY MISMATCH: the server at {self.settings.server_url} no longer computes the "
+            f"hidden states this run recorded in {cn.path_in(self.out_dir)} (recorded {when}, "
+            f"weights identity {rec_weights}). Relative error per layer, over the "
+            "sampled tokens of every canary prompt:",
+            cmp.table(),
+            "This worker takes no work: messages stay queued, nothing is marked failed. It "
+            f"checks again every {self.settings.pause_poll_s:g}s. Two ways on:",
+            "  1. restore the server's model: serve the checkpoint this run started with "
+            f"(weights identity {rec_weights}; this worker reads {self.model_path}), and work "
+            "resumes by itself;",
+            "  2. or keep the new model and start a new output directory for it: set "
+            "FARM_OUTPUT_DIR to a new path for the producer and every worker (hidden states "
+            "of two models are never mixed in one directory).",
+        ])
+
+    def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop,
+                r: redis.Redis, deadline: float = math.inf) -> str | None:
+        """For ``waits.until_clear`` in a task: None when not due or passed, else why not.
+
+        A check is cut short at ``deadline`` (monotonic): a hung server must not hold the
+        task past the time it has to hand its message back.
+
+        The processes of one host share their verdict through Redis (per server start): a
+        pass holds for one interval, so after a restart sixteen pool processes do not each put
+        the long canary's dump in tmpfs at once (one checks at a time); a mismatch makes every
+        process check before its next sample, not at its own next interval.
+        """
+        epoch = server_epoch(self.settings.dump_dir)
+        key, lock_key = self._keys(epoch)
+        try:
+            verdict = r.get(key)
+            if verdict != VERDICT_MISMATCH and not self.due():
+                return None
+            if verdict == VERDICT_OK:
+                self.last_ok, self.epoch = time.monotonic(), epoch
+                return None
+            if not r.set(lock_key, liveness.identity(), nx=True, ex=CHECK_LOCK_S):
+                return "the canary is being checked by another process of this host"
+        except redis.RedisError as e:
+            return f"the canary could not be checked: Redis: {e}"
+        try:
+            limit_s = max(1.0, deadline - time.monotonic() - 1.0)
+            outcome = loop.run_until_complete(asyncio.wait_for(self.run(client), limit_s))
+        except FarmError as e:
+            return f"the canary could not be checked: {type(e).__name__}: {e}"
+        except TimeoutError:
+            return f"the canary could not be checked: no answer within {limit_s:.0f}s"
+        finally:
+            with contextlib.suppress(redis.RedisError):
+                r.delete(lock_key)
+        with contextlib.suppress(redis.RedisError):
+            r.set(key, VERDICT_OK if outcome.passed else VERDICT_MISMATCH,
+                  ex=max(1, int(self.settings.canary_interval_s)) if outcome.passed else 86400)
+        if outcome.passed:
+            log.info("%s", outcome.text)
+            return None
+        if time.monotonic() - self._said > 60:
+            self._said = time.monotonic()
+            log.error("%s", outcome.text)
+        return outcome.summary
