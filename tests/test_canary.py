@@ -83,6 +83,27 @@ def test_damaged_recording_is_refused(tmp_path: Path) -> None:
         cn.load(tmp_path)
 
 
+def test_a_small_mismatch_names_a_change_of_numerics_a_large_one_does_not(
+        tmp_path: Path, tiny_model: Path) -> None:
+    settings = LocalFarm(tmp_path / "farm", cache_dir=CACHE).settings()
+    check = CanaryCheck(settings, settings.output_dir, tiny_model,
+                        compute_fingerprint(settings, tiny_model), "w", encode=lambda t: [])
+    names = cn.layer_names((2, 4, 5))
+
+    def text(max_rel: float) -> str:
+        cmp = cn.Comparison([cn.LayerError(n, max_rel, max_rel / 2) for n in names], [],
+                            0.01, 0.0025)
+        return check._mismatch_text(cmp, {"recorded_at": "0", cn.M_WEIGHTS: "ab12"})
+
+    # Another checkpoint (measured: ~166%): restore the model or start a new output dir
+    large = text(1.66)
+    assert "Two ways on:" in large and "FARM_CANARY_MAX_REL_ERR" not in large
+    # A few percent (another quantisation, or numerics: TP size, kernels): a third way
+    small = text(0.03)
+    assert "Three ways on:" in small and "FARM_CANARY_MAX_REL_ERR" in small
+    assert "restore the server's model" in small and "FARM_OUTPUT_DIR" in small
+
+
 def test_rows_include_the_chunk_boundary() -> None:
     rows = cn.sample_rows(320, 256).tolist()
     assert {0, 255, 256, 319} <= set(rows) and rows == sorted(set(rows))

@@ -203,6 +203,17 @@ class CanaryCheck:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC",
                              time.gmtime(float(meta.get("recorded_at", "0"))))
         rec_weights = meta.get(cn.M_WEIGHTS, "?")
+        worst = max((e.max_rel for e in cmp.layers), default=math.inf)
+        # Within ten times the tolerance the states are still the same model's, moved by
+        # something: a quantisation, or a change of numerics that may be harmless (another TP
+        # size, attention backend, GPU type) and larger than the noise measured here on CPU.
+        # The files this worker reads matched the run's weights identity at its start.
+        numerics = [] if worst >= 10 * cmp.max_rel_tol else [
+            "  3. or, if the server still serves that very checkpoint and only its numerics "
+            "changed on purpose (TP size, attention backend, kernels, GPU type): an error this "
+            "small can be their noise; when it is what you expect, raise "
+            "FARM_CANARY_MAX_REL_ERR / FARM_CANARY_MEAN_REL_ERR for every worker "
+            "(docs/canary.md has the measured margins)."]
         return "\n".join([
             f"CANARY MISMATCH: the server at {self.settings.server_url} no longer computes the "
             f"hidden states this run recorded in {cn.path_in(self.out_dir)} (recorded {when}, "
@@ -210,13 +221,15 @@ class CanaryCheck:
             "sampled tokens of every canary prompt:",
             cmp.table(),
             "This worker takes no work: messages stay queued, nothing is marked failed. It "
-            f"checks again every {self.settings.pause_poll_s:g}s. Two ways on:",
+            f"checks again every {self.settings.pause_poll_s:g}s. "
+            + ("Two ways on:" if not numerics else "Three ways on:"),
             "  1. restore the server's model: serve the checkpoint this run started with "
             f"(weights identity {rec_weights}; this worker reads {self.model_path}), and work "
             "resumes by itself;",
             "  2. or keep the new model and start a new output directory for it: set "
             "FARM_OUTPUT_DIR to a new path for the producer and every worker (hidden states "
             "of two models are never mixed in one directory).",
+            *numerics,
         ])
 
     def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop,
