@@ -101,16 +101,19 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
     until = _last_outcome_at(index) if finished else None
     rate, bytes_rate, measured_s = _rates(r, index, window_s, until or time.time())
     started = index.meta().get("started_at")
+    paused = index.outcomes(keys.PAUSED)
+    # while every process with work waits out the environment, no rate predicts the end
+    stalled = bool(paused) and counts.running == 0
     return Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
                   running=counts.running, retrying=counts.retrying, failed=counts.failed,
                   rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
                   tokens=counts.tokens, rate_per_s=rate,
-                  eta_s=(remaining / rate) if rate > 0 and remaining else None,
+                  eta_s=(remaining / rate) if rate > 0 and remaining and not stalled else None,
                   bytes_per_s=bytes_rate, rate_window_s=measured_s,
                   elapsed_s=None if started is None else max(
                       (until or time.time()) - float(started), 0.0),
                   retrying_samples=index.outcomes(keys.RETRYING),
-                  paused=index.outcomes(keys.PAUSED), pruned_running=pruned,
+                  paused=paused, pruned_running=pruned,
                   admission=host_admission(settings, fingerprint))
 
 
