@@ -160,9 +160,10 @@ async def sample_forever(app: web.Application) -> None:
             try:
                 await asyncio.to_thread(sampler.sample, server)
             except (redis.RedisError, Transient) as e:
+                shown = ("the figures are from the last good sample" if sampler.snapshot
+                         else "no figures yet")
                 sampler.error = (f"Redis at {broker.where(sampler.settings)} did not answer "
-                                 f"({e}); the figures are from the last good sample. Is Redis "
-                                 "running, is REDIS_URL right?")
+                                 f"({e}); {shown}. Is Redis running, is REDIS_URL right?")
                 log.warning("%s", sampler.error)
             await asyncio.sleep(period_s)
 

@@ -29,6 +29,7 @@ from worker.store import free_bytes
 
 HISTORY_POINTS = 300  # points of the progress and throughput plots, whatever the run's length
 MAX_SAMPLES = 8640  # sampled points kept: a day at the default 10 s
+SAMPLES_SHOWN = 1000  # of which the page gets at most this many (evenly spread, the last too)
 # throughput at a point: the average over the last tenth of the run (at most a minute), and
 # over at least five grid steps, so a point is not noise and a short run's plot not a smear
 RATE_WINDOW_MAX_S = 60.0
@@ -64,6 +65,14 @@ class DoneHistory:
             sizes = index.r.hmget(index.k(keys.BYTES), part)
             self.size.update({k: int(v or 0) for k, v in zip(part, sizes, strict=True)})
         self.at.update({k.decode(): float(t) for k, t in entries})
+
+
+def thinned(points: list[dict[str, Any]], at_most: int) -> list[dict[str, Any]]:
+    """Every k-th point, so that at most ``at_most`` remain, always with the newest."""
+    if len(points) <= at_most:
+        return points
+    stride = -(-len(points) // (at_most - 1))
+    return points[-1::-stride][::-1]
 
 
 def _cumulative(times: list[float], grid: list[float]) -> list[int]:
@@ -161,11 +170,12 @@ class Sampler:
         # a finished run's plots end at its last outcome (elapsed is measured to it)
         end = start + st.elapsed_s if st.finished and st.elapsed_s is not None else now
         self.status = st
+        shown = thinned(list(self.samples), SAMPLES_SHOWN)
         self.snapshot = {
             "run": self.fingerprint.id, "now": now, "status": st.to_json(),
             "history": history(self.done, _outcome_times(self.index, keys.FAILED),
                                _outcome_times(self.index, keys.REJECTED), start, max(end, start)),
-            "sampled": {name: [p[name] for p in self.samples] for name in ("t", *SAMPLED)},
+            "sampled": {name: [p[name] for p in shown] for name in ("t", *SAMPLED)},
             "failures": failures_by_reason(self.index),
             "workers": self._workers(heartbeats),
             "server": server, "disks": {"output": str(out_dir), "dump": str(dump_dir)},

@@ -10,6 +10,7 @@ Set HSFARM_SCREENSHOT_DIR to keep the screenshots (``docs/img`` holds the README
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import re
@@ -276,3 +277,13 @@ def test_dashboard_refuses_to_start_without_a_password(tmp_path: Path) -> None:
         res = farm.cli(*args, timeout_s=60)
         assert res.returncode == 2 and says in res.stderr, res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_sampled_series_are_thinned_evenly_keeping_the_newest() -> None:
+    from producer.dashboard_data import thinned
+
+    points = [{"t": i} for i in range(8640)]
+    shown = thinned(points, 1000)
+    assert len(shown) <= 1000 and shown[-1] == {"t": 8639}
+    steps = {b["t"] - a["t"] for a, b in itertools.pairwise(shown)}
+    assert steps == {9} and thinned(points[:10], 1000) == points[:10]
