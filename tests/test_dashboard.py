@@ -1,7 +1,8 @@
 """The dashboard, Flower and ``status`` against one real farm run with broken samples.
 
 One run is shared by every test here (module fixture): a private Redis, the reference server
-with four samples broken by its NaN fault, two real ``celery worker`` processes, a real Flower
+with three samples broken by its NaN fault and one sample too long for the run (rejected),
+two real ``celery worker`` processes, a real Flower
 and the dashboard (``python -m producer dashboard``), all on loopback. The page is rendered
 by headless Debian Chromium; its numbers and ``/metrics`` are checked against the run index.
 Set HSFARM_SCREENSHOT_DIR to keep the screenshots (``docs/img`` holds the README's).
@@ -32,14 +33,17 @@ from tests.conftest import CACHE, FAST_ENV, wait_finished, write_samples
 from worker import keys
 
 N_SAMPLES = 24
-BROKEN = [f"ex-{i:04d}" for i in range(20, 24)]  # the fault's key prefix ex-002 matches these
+FAILED = ["ex-0020", "ex-0021", "ex-0022"]  # the NaN fault's key prefix ex-002 matches these
+REJECTED = ["ex-0023"]  # 4,921 tokens, over FARM_MAX_TOKENS (rejected before the server)
+NOT_DONE = FAILED + REJECTED
+DONE = N_SAMPLES - len(NOT_DONE)
 AUTH = ("watcher", "s3cret-pw")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
 # Slow retries (2 s, then 4 s) so a sample is visibly "retrying" for a while, and 3 attempts
 ENV = dict(FAST_ENV, FARM_MAX_ATTEMPTS="3", FARM_RETRY_BACKOFF_S="2",
-           FARM_RETRY_BACKOFF_MAX_S="4")
+           FARM_RETRY_BACKOFF_MAX_S="4", FARM_MAX_TOKENS="4700")
 
 
 @dataclass
@@ -123,20 +127,20 @@ def test_status_shows_retrying_samples_as_they_fail_and_says_finished(run: Run) 
     # While the run went on, status named each broken sample with its last error
     retrying = [out for out in run.during if "retrying: " in out]
     assert retrying, "status never showed a retrying sample:\n" + "\n".join(run.during)
-    for key in BROKEN:
+    for key in FAILED:
         assert any(re.search(rf"  {key} after attempt \d: Corrupt: .*NaN/Inf", out)
                    for out in retrying), key
     assert any("unacked " in out and "ETA " in out and "elapsed " in out for out in run.during)
     # And at the end it says so, with the counts, and the ETA is gone
     final = run.farm.cli("status").stdout
-    assert f"finished: every sample has an outcome (20 done, {len(BROKEN)} failed, 0 rejected)" \
+    assert f"finished: every sample has an outcome ({DONE} done, 3 failed, 1 rejected)" \
         in final, final
     assert "ETA -" in final and "retrying: " not in final
     # And --json --failures is one JSON document, failures inside it
     res = run.farm.cli("status", "--json", "--failures")
     body = json.loads(res.stdout)
-    assert sorted(f["key"] for f in body["failures"]) == BROKEN
-    assert body["finished"] and (body["done"], body["failed"]) == (20, len(BROKEN))
+    assert sorted(f["key"] for f in body["failures"]) == NOT_DONE
+    assert body["finished"] and (body["done"], body["failed"], body["rejected"]) == (DONE, 3, 1)
     assert body["bytes_per_s"] > 0 and body["elapsed_s"] > 0
 
 
@@ -147,15 +151,15 @@ def test_flower_counts_failed_samples_as_failed(run: Run) -> None:
     by_state: dict[str, set[str]] = {}
     for t in tasks.values():
         by_state.setdefault(t["state"], set()).add(t["args"])
-    assert by_state.get("FAILURE") == set(BROKEN), by_state
-    assert len(by_state.get("SUCCESS", ())) == N_SAMPLES - len(BROKEN)
+    assert by_state.get("FAILURE") == set(NOT_DONE), by_state  # failed and rejected alike
+    assert len(by_state.get("SUCCESS", ())) == DONE
     # And Flower's own Prometheus metrics count them as failed, not succeeded
     status, metrics = run.get(run.flower_port, "/metrics")
     counts: dict[str, float] = {}
     for m in re.finditer(r'^flower_events_total\{[^}]*type="(task-\w+)"[^}]*\} (\S+)$', metrics,
                          re.M):
         counts[m[1]] = counts.get(m[1], 0) + float(m[2])
-    assert counts["task-failed"] == len(BROKEN) and counts["task-succeeded"] == 20, counts
+    assert counts["task-failed"] == len(NOT_DONE) and counts["task-succeeded"] == DONE, counts
 
 
 def test_dashboard_requires_the_password(run: Run) -> None:
@@ -179,16 +183,19 @@ def test_dashboard_metrics_match_the_index(run: Run) -> None:
         return v
 
     done, failed = run.index(keys.DONE), run.index(keys.FAILED)
-    assert value("hsfarm_samples", state="done") == len(done) == 20
-    assert value("hsfarm_samples", state="failed") == len(failed) == len(BROKEN)
+    assert value("hsfarm_samples", state="done") == len(done) == DONE
+    assert value("hsfarm_samples", state="failed") == len(failed) == len(FAILED)
+    assert value("hsfarm_samples", state="rejected") == len(run.index(keys.REJECTED)) == 1
     assert value("hsfarm_samples", state="total") == N_SAMPLES
     assert value("hsfarm_finished") == 1 and value("hsfarm_server_up") == 1
     assert value("hsfarm_broker_messages", state="unacked") == 0
     assert value("hsfarm_workers") == 2
     assert value("hsfarm_disk_free_bytes", disk="output") > 0
-    [reason] = [ls for (n, ls), _ in values.items() if n == "hsfarm_failures"]
-    assert dict(reason)["kind"] == "failed" and "NaN/Inf" in dict(reason)["reason"]
-    assert value("hsfarm_failures", kind="failed") == len(BROKEN)
+    reasons = {dict(ls)["kind"]: dict(ls)["reason"]
+               for (n, ls), _ in values.items() if n == "hsfarm_failures"}
+    assert "NaN/Inf" in reasons["failed"] and "over the maximum of N" in reasons["rejected"]
+    assert value("hsfarm_failures", kind="failed") == len(FAILED)
+    assert value("hsfarm_failures", kind="rejected") == len(REJECTED)
 
 
 def test_dashboard_page_renders_in_chromium(run: Run) -> None:
@@ -204,7 +211,8 @@ def test_dashboard_page_renders_in_chromium(run: Run) -> None:
 
     # Then its figures are the index's
     assert (int(shown("done")), int(shown("total"))) == (len(run.index(keys.DONE)), N_SAMPLES)
-    assert int(shown("failed")) == len(run.index(keys.FAILED)) == len(BROKEN)
+    assert int(shown("failed")) == len(run.index(keys.FAILED)) == len(FAILED)
+    assert int(shown("rejected")) == len(REJECTED)
     assert shown("server") == "up" and shown("workers") == "2"
     assert re.search(r'class="badge finished"', dom)
     # And every plot was drawn by uPlot, the index-based ones over the whole run
@@ -213,10 +221,11 @@ def test_dashboard_page_renders_in_chromium(run: Run) -> None:
     assert int(plots["progress"]) == 300 and all(int(n) >= 2 for n in plots.values())
     assert dom.count("<canvas") == 6
     # And the failures table names the reason and how many
-    assert re.search(rf"<td>failed</td><td>{len(BROKEN)}</td><td[^>]*>Corrupt: [^<]*NaN/Inf", dom)
+    assert re.search(rf"<td>failed</td><td>{len(FAILED)}</td><td[^>]*>Corrupt: [^<]*NaN/Inf", dom)
+    assert re.search(r"<td>rejected</td><td>1</td><td[^>]*>sample has N tokens", dom)
     shots = Path(os.environ.get("HSFARM_SCREENSHOT_DIR", run.tmp))
     shots.mkdir(parents=True, exist_ok=True)
-    res = chromium(url, run.tmp, "--window-size=1280,1300",
+    res = chromium(url, run.tmp, "--window-size=1280,1400",
                    f"--screenshot={shots / 'dashboard.png'}")
     assert (shots / "dashboard.png").stat().st_size > 20_000, res.stderr[-2000:]
     flower = f"http://{AUTH[0]}:{AUTH[1]}@127.0.0.1:{run.flower_port}/tasks"
@@ -238,7 +247,7 @@ def test_server_down_then_requeued_samples_show_their_new_attempt(run: Run,
     # When the failed samples are enqueued again while it is down
     res = farm.cli("enqueue", "--retry-failed", "--no-progress",
                    str(run.tmp / "data.json"), env={"FARM_MODEL_PATH": str(tiny_model)})
-    assert f"published: {len(BROKEN)}" in res.stdout, res.stdout + res.stderr
+    assert f"published: {len(FAILED)}" in res.stdout, res.stdout + res.stderr
     # Then status says the workers are paused and why, and gives no ETA while they wait
     said: list[str] = []
 
@@ -252,16 +261,17 @@ def test_server_down_then_requeued_samples_show_their_new_attempt(run: Run,
     assert "ETA - (paused, see below)" in said[-1], said[-1]
     # When the server is back, without the fault
     farm.start_server(["--forward-delay-s", "0.05"])
-    wait_until(lambda: len(run.index(keys.DONE)) == N_SAMPLES, 120, "the requeued samples")
+    wait_until(lambda: len(run.index(keys.DONE)) == N_SAMPLES - 1, 120, "the requeued samples")
     # Then Flower shows each requeued sample's new task (its own id) as a success, and the
     # old task's failure is kept as it was
     tasks = json.loads(run.get(run.flower_port, "/api/tasks")[1]).values()
-    for key in BROKEN:
+    for key in FAILED:
         mine = sorted((t for t in tasks if t["args"] == key), key=lambda t: t["received"])
         assert [t["state"] for t in mine] == ["FAILURE", "SUCCESS"], (key, mine)
         assert mine[0]["uuid"] != mine[1]["uuid"]
+    assert [t["state"] for t in tasks if t["args"] == REJECTED[0]] == ["FAILURE"]
     out = farm.cli("status").stdout
-    assert "finished: every sample has an outcome (24 done, 0 failed, 0 rejected)" in out, out
+    assert "finished: every sample has an outcome (23 done, 0 failed, 1 rejected)" in out, out
     shots = Path(os.environ.get("HSFARM_SCREENSHOT_DIR", run.tmp))
     flower = f"http://{AUTH[0]}:{AUTH[1]}@127.0.0.1:{run.flower_port}/tasks"
     chromium(flower, run.tmp, "--window-size=1280,560",
