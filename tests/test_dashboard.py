@@ -198,6 +198,21 @@ def test_dashboard_metrics_match_the_index(run: Run) -> None:
     assert value("hsfarm_failures", kind="rejected") == len(REJECTED)
 
 
+def test_dashboard_history_comes_from_the_index(run: Run) -> None:
+    status, body = run.get(run.dashboard_port, "/api/run")
+    assert status == 200, body
+    snap = json.loads(body)
+    h, done = snap["history"], run.index(keys.DONE)
+    # The progress series starts at the run's first enqueue with nothing done, ends at its
+    # last outcome with the index's counts, and never goes down
+    assert h["done"][0] == 0 and h["done"][-1] == len(done) == DONE
+    assert (h["failed"][-1], h["rejected"][-1]) == (len(FAILED), len(REJECTED))
+    assert all(a <= b for a, b in itertools.pairwise(h["done"]))
+    assert abs(h["t"][-1] - max([*done.values(), *(
+        f["at"] for f in run.index(keys.FAILED).values())])) < 1.0
+    assert max(h["samples_per_s"]) > 0 and max(h["bytes_per_s"]) > 0
+
+
 def test_dashboard_page_renders_in_chromium(run: Run) -> None:
     url = f"http://{AUTH[0]}:{AUTH[1]}@127.0.0.1:{run.dashboard_port}/"
     res = chromium(url, run.tmp, "--dump-dom")
