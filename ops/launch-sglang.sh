@@ -1,45 +1,186 @@
 #!/usr/bin/env bash
-# Usage: MODEL_PATH=/models/Kimi-K2.5 [TP=8] [DUMP_DIR=/dev/shm/hsfarm-dumps] [PORT=30000] \
-#          [LAYERS="1 29 57"] ops/launch-sglang.sh [extra sglang args]
-# Checks the install (python -m sglang_patch verify), refuses to start while something else
-# holds the GPUs, starts SGLang with the dump hook and the flags extraction needs, and waits
-# until the hook has written a fresh ready marker and a probe request of ours came back as a
-# correct dump (python -m sglang_patch verify --live-only --server URL --dump-dir DIR).
-# When right it ends with "PASS  ready marker: pid ... layers [2, 30, 58] ...",
+# Usage: ops/launch-sglang.sh [--dry-run] [--help] [-- extra sglang.launch_server args]
+# Starts SGLang with the hsfarm dump hook, reading the same variables as the farm's settings
+# (/etc/hsfarm/env; python -m producer settings):
+#   FARM_MODEL_PATH         the local model directory (required)
+#   FARM_DUMP_DIR           the hook's dump dir, the workers' too (default /dev/shm/hsfarm-dumps)
+#   FARM_SERVER_URL         the port to listen on is taken from it (default http://127.0.0.1:30000)
+#   FARM_LAYERS_TO_CAPTURE  three aux layer ids, e.g. "2 30 58" (default: SGLang's own)
+# and, for the launcher only: TP (tensor parallel size, default 8), SGLANG_HOST (address to
+# bind, default 127.0.0.1; 0.0.0.0 only inside a container network), PYTHON (SGLang's python,
+# default python3).
+# Checks first, one line each (OK, WARN or FAIL): the model dir, the install (python -m
+# sglang_patch verify: SGLang, its plugin loader, hook targets, flags), the GPUs (refuses while
+# another process holds them, naming it and its systemd unit), the port, the dump dir (tmpfs,
+# ready markers of dead servers: removed). Then starts SGLang with SGLANG_HS_DUMP_DIR and the
+# flags extraction needs, waits for a fresh ready marker of the new server and one probe
+# request of ours to come back as a correct dump (python -m sglang_patch verify --live-only),
+# and prints "ready". --dry-run: all the checks, then the exact command, starting nothing
+# and removing nothing; exit 0 only when no check failed.
+# When right it ends with "PASS  ready marker: pid ... (alive), ... layers [2, 30, 58] ...",
 # "PASS  probe request: a 16-token request of ours through ... all finite" and "ready".
 set -euo pipefail
-: "${MODEL_PATH:?set MODEL_PATH to the local model directory}"
-TP=${TP:-8}
-PORT=${PORT:-30000}
-DUMP_DIR=${DUMP_DIR:-/dev/shm/hsfarm-dumps}
-PY=${PYTHON:-python3}
 
-"$PY" -m sglang_patch verify
-if command -v nvidia-smi >/dev/null; then
-  busy=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader || true)
-  if [ -n "$busy" ]; then
-    echo "GPUs are in use by:"; echo "$busy"
-    echo "stop them first (an auto-started inference service?): see ops/RUNBOOK.md, 'GPUs held'"
-    exit 1
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+dry_run=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --dry-run) dry_run=1; shift ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+
+# The launcher's old variable names: refused, so that the server and the workers can never read
+# two different values of one setting.
+for pair in MODEL_PATH:FARM_MODEL_PATH DUMP_DIR:FARM_DUMP_DIR LAYERS:FARM_LAYERS_TO_CAPTURE \
+            PORT:FARM_SERVER_URL; do
+  old=${pair%%:*}
+  if [ -n "${!old:-}" ]; then
+    echo "FAIL  $old is no longer read: set ${pair##*:} instead (in /etc/hsfarm/env: the" \
+         "workers and python -m producer read that name too)" >&2
+    exit 2
   fi
+done
+if [ -z "${FARM_MODEL_PATH:-}" ]; then
+  echo "FAIL  FARM_MODEL_PATH is not set: the local model directory (see --help)" >&2
+  exit 2
 fi
-mkdir -p "$DUMP_DIR"
-rm -f "$DUMP_DIR"/.ready.*
+MODEL=$FARM_MODEL_PATH
+DUMP_DIR=${FARM_DUMP_DIR:-/dev/shm/hsfarm-dumps}
+URL=${FARM_SERVER_URL:-http://127.0.0.1:30000}
+if [[ ! "$URL" =~ ^https?://[^/:]+:([0-9]+)/?$ ]]; then
+  echo "FAIL  FARM_SERVER_URL=$URL must name a port, like http://127.0.0.1:30000" >&2
+  exit 2
+fi
+PORT=${BASH_REMATCH[1]}
+TP=${TP:-8}
+HOST=${SGLANG_HOST:-127.0.0.1}
+PY=${PYTHON:-python3}
+LAYERS_RAW=${FARM_LAYERS_TO_CAPTURE:-}
+read -r -a layers <<<"${LAYERS_RAW//,/ }"
+
+failed=0
+ok()   { echo "OK    $*"; }
+warn() { echo "WARN  $*"; }
+bad()  { echo "FAIL  $*"; failed=1; }
+
+check_model() {
+  if [ -f "$MODEL/config.json" ]; then ok "model dir $MODEL"
+  else bad "model dir $MODEL has no config.json: set FARM_MODEL_PATH to the local model directory"
+  fi
+  if [ "${#layers[@]}" -ne 0 ] && { [ "${#layers[@]}" -ne 3 ] \
+       || ! [[ "${layers[*]}" =~ ^[0-9]+\ [0-9]+\ [0-9]+$ ]]; }; then
+    bad "FARM_LAYERS_TO_CAPTURE=$LAYERS_RAW must hold 3 layer ids"
+  fi
+  if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "TP=$TP must be a positive integer"; fi
+}
+
+check_install() {
+  if ! command -v "$PY" >/dev/null; then
+    bad "PYTHON=$PY is not a command: set PYTHON to SGLang's python"; return
+  fi
+  local out
+  out=$("$PY" -m sglang_patch verify 2>&1) || true
+  if [ -z "$out" ]; then out="FAIL  verify: $PY -m sglang_patch verify printed nothing"; fi
+  while IFS= read -r line; do
+    case "$line" in
+      "PASS  "*) ok "${line#PASS  }" ;;
+      "FAIL  "*) bad "${line#FAIL  }" ;;
+      *) bad "$line" ;;
+    esac
+  done <<<"$out"
+}
+
+unit_of() {  # the systemd unit (or container scope) of a pid, from its cgroup
+  local unit
+  unit=$( (tr ':/' '\n' <"/proc/$1/cgroup" | grep -E '\.(service|scope)$' | tail -n 1) \
+         2>/dev/null || true)
+  echo "${unit:-no systemd unit}"
+}
+
+check_gpus() {
+  if ! command -v nvidia-smi >/dev/null; then
+    warn "GPUs: none on this host (no nvidia-smi, no NVIDIA driver): SGLang will fail to" \
+         "start unless it runs on CPU"
+    return
+  fi
+  local apps pid name held=""
+  if ! apps=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>&1); then
+    bad "GPUs: nvidia-smi failed ($apps): is the driver loaded?"; return
+  fi
+  while IFS=', ' read -r pid name; do
+    [ -n "$pid" ] || continue
+    held+="${held:+; }pid $pid $name ($(unit_of "$pid"))"
+  done <<<"$apps"
+  if [ -z "$held" ]; then ok "GPUs: $(nvidia-smi -L | wc -l) present, none in use"
+  else bad "GPUs are in use by: $held: stop them first (systemctl disable --now UNIT;" \
+           "see ops/RUNBOOK.md, 'GPUs held')"
+  fi
+}
+
+check_port() {
+  if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
+    local what
+    what=$(curl -s -m 3 "http://127.0.0.1:$PORT/model_info" 2>/dev/null || true)
+    bad "port $PORT: something already listens there${what:+ (/model_info: ${what:0:120})}:" \
+        "another server? stop it, or set FARM_SERVER_URL to another port"
+  else ok "port $PORT is free"
+  fi
+  command -v curl >/dev/null || bad "curl is not installed: the readiness wait needs it"
+}
+
+check_dump_dir() {
+  local at=$DUMP_DIR kind
+  while [ ! -e "$at" ] && [ "$at" != / ]; do at=$(dirname "$at"); done
+  kind=$(stat -f -c %T "$at" 2>/dev/null || echo "?")
+  case "$kind" in
+    tmpfs|ramfs) ok "dump dir $DUMP_DIR is on $kind${at:+ ($at)}" ;;
+    *) warn "dump dir $DUMP_DIR is on $kind, not tmpfs: every dump would hit a disk twice" \
+            "(use a directory under /dev/shm)" ;;
+  esac
+  [ -d "$DUMP_DIR" ] || return 0
+  local mode=() dead
+  [ "$dry_run" = 1 ] || mode=(--remove-dead)
+  if dead=$("$PY" -m sglang_patch markers --dump-dir "$DUMP_DIR" "${mode[@]}" 2>&1); then
+    ok "ready markers: $(tail -n 1 <<<"$dead")$([ "$dry_run" = 1 ] && echo \
+       ' (the dead ones are removed at start)')"
+  fi
+}
+
+check_model
+check_install
+check_gpus
+check_port
+check_dump_dir
+
 layer_args=()
-[ -n "${LAYERS:-}" ] && layer_args=(--return-aux-hidden-state-layer-ids $LAYERS)
-SGLANG_HS_DUMP_DIR="$DUMP_DIR" "$PY" -m sglang.launch_server \
-  --model-path "$MODEL_PATH" --tp-size "$TP" --port "$PORT" --host 127.0.0.1 \
-  --disable-radix-cache --disable-prefill-cuda-graph --skip-server-warmup \
-  --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "${layer_args[@]}" \
-  --trust-remote-code "$@" &
+[ "${#layers[@]}" -eq 0 ] || layer_args=(--return-aux-hidden-state-layer-ids "${layers[@]}")
+cmd=("$PY" -m sglang.launch_server --model-path "$MODEL" --tp-size "$TP" --port "$PORT"
+     --host "$HOST" --disable-radix-cache --disable-prefill-cuda-graph --skip-server-warmup
+     --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "${layer_args[@]}"
+     --trust-remote-code "$@")
+
+if [ "$dry_run" = 1 ]; then
+  if [ "$failed" = 0 ]; then echo "would run:"; else echo "would run, once the FAILs above are fixed:"; fi
+  printf 'SGLANG_HS_DUMP_DIR=%q' "$DUMP_DIR"; printf ' %q' "${cmd[@]}"; echo
+  exit "$failed"
+fi
+if [ "$failed" != 0 ]; then echo "not starting SGLang: fix the FAIL lines above"; exit 1; fi
+
+mkdir -p "$DUMP_DIR"
+started=$(date +%s)
+SGLANG_HS_DUMP_DIR="$DUMP_DIR" "${cmd[@]}" &
 server=$!
 trap 'kill $server 2>/dev/null || true' INT TERM
 for _ in $(seq 1 720); do
   if ! kill -0 "$server" 2>/dev/null; then echo "SGLang exited during start-up"; exit 1; fi
   if curl -sf "http://127.0.0.1:$PORT/model_info" >/dev/null \
-     && "$PY" -m sglang_patch verify --live-only --dump-dir "$DUMP_DIR" >/dev/null 2>&1; then
+     && "$PY" -m sglang_patch verify --live-only --dump-dir "$DUMP_DIR" --since "$started" \
+        >/dev/null 2>&1; then
     # the hook is up: one probe request of ours must now come back as a correct dump
-    if ! "$PY" -m sglang_patch verify --live-only --dump-dir "$DUMP_DIR" \
+    if ! "$PY" -m sglang_patch verify --live-only --dump-dir "$DUMP_DIR" --since "$started" \
          --server "http://127.0.0.1:$PORT" --timeout-s 600; then
       echo "the server runs but its dumps are wrong (above); stopping it"
       kill "$server"; wait "$server" || true; exit 1

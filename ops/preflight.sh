@@ -1,47 +1,33 @@
 #!/usr/bin/env bash
-# Usage: ops/preflight.sh     (with the farm's environment: REDIS_URL, FARM_*)
-# Checks a host before and during a run; exits 0 only when all is well. Each line says
-# OK or FAIL and what to do. When right, every line starts with OK.
-set -uo pipefail
-PY=${PYTHON:-python3}
-fail=0
-ok()   { echo "OK    $*"; }
-bad()  { echo "FAIL  $*"; fail=1; }
+# Usage: ops/preflight.sh        (with the farm's environment: set -a; . /etc/hsfarm/env; set +a)
+#        PYTHON=/opt/hsfarm/.venv/bin/python SGLANG_PYTHON=/opt/sglang/bin/python ops/preflight.sh
+# Checks a host before and during a run and changes nothing (no directory is created, no
+# request is dumped). One line per check: OK, WARN (works, but read it) or FAIL (with what to
+# do): settings, Redis (AOF, noeviction), the server, the run and how much of it remains, the
+# output disk sized to that remaining work, the dump dir (space, tmpfs), the hook's ready
+# marker, the GPUs and who holds them (process, systemd unit), and the SGLang plugin (with
+# SGLANG_PYTHON, or this python when SGLang is installed in it; a WARN line says when they
+# did not run). Exit code: 0 when no line says FAIL, 1 otherwise, 2 when the farm's python
+# cannot be found. Python: $PYTHON, else the .venv next to ops/, else python3.
+set -euo pipefail
 
-out=${FARM_OUTPUT_DIR:-hsfarm-out}
-dumps=${FARM_DUMP_DIR:-/dev/shm/hsfarm-dumps}
-mkdir -p "$out" "$dumps" 2>/dev/null
-free_out=$(df --output=avail -B1 "$out" | tail -1)
-[ "$free_out" -gt $((200 * 1024**3)) ] && ok "output disk $out: $((free_out / 1024**3)) GiB free" \
-  || bad "output disk $out: only $((free_out / 1024**3)) GiB free (a sample is ~86 MB; 37k samples ~3.2 TB)"
-free_shm=$(df --output=avail -B1 "$dumps" | tail -1)
-[ "$free_shm" -gt $((8 * 1024**3)) ] && ok "dump dir $dumps: $((free_shm / 1024**3)) GiB free" \
-  || bad "dump dir $dumps: only $((free_shm / 1024**3)) GiB free (Docker's default /dev/shm is 64 MB: set shm_size)"
-case "$(stat -f -c %T "$dumps" 2>/dev/null)" in
-  tmpfs) ok "dump dir is tmpfs" ;;
-  *) bad "dump dir $dumps is not tmpfs: dumps would hit a disk twice" ;;
+case "${1:-}" in
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  "") ;;
+  *) echo "ops/preflight.sh takes no arguments (got: $*); see ops/preflight.sh --help" >&2
+     exit 2 ;;
 esac
-"$PY" - <<'PYEOF' || fail=1
-import sys
-import redis
-from worker.settings import Settings
-s = Settings.from_env()
-try:
-    r = redis.Redis.from_url(s.redis_url, socket_connect_timeout=3)
-    r.ping()
-    cfg = {**r.config_get("appendonly"), **r.config_get("appendfsync"),
-           **r.config_get("maxmemory-policy")}
-except redis.RedisError as e:
-    print(f"FAIL  redis at {s.redis_url.split('@')[-1]}: {e}"); sys.exit(1)
-want = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
-wrong = {k: cfg.get(k) for k, v in want.items() if cfg.get(k) != v}
-print(("FAIL  redis config " + str(wrong) + ": use ops/redis.conf") if wrong
-      else "OK    redis reachable, AOF always, noeviction")
-sys.exit(1 if wrong else 0)
-PYEOF
-"$PY" -m producer status >/dev/null 2>&1 && ok "server answers and the run fingerprint resolves" \
-  || bad "python -m producer status failed: is the server up (FARM_SERVER_URL)?"
-if "$PY" -c "import sglang" 2>/dev/null; then
-  "$PY" -m sglang_patch verify --dump-dir "$dumps" | sed 's/^PASS /OK   /' || fail=1
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x "$root/.venv/bin/python" ]; then PY=$root/.venv/bin/python; else PY=python3; fi
 fi
-exit $fail
+# The farm's code and its libraries must import in that python; say so plainly if not.
+if ! err=$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import producer.preflight' 2>&1); then
+  echo "FAIL  environment: $PY cannot run the farm's code ($(printf '%s\n' "$err" | tail -n 1))."
+  echo "      Run preflight with the project's python: PYTHON=/opt/hsfarm/.venv/bin/python" \
+       "ops/preflight.sh (or activate that venv, or make .venv/.installed in the checkout)."
+  exit 2
+fi
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m producer.preflight

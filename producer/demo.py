@@ -75,7 +75,8 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
               f"{farm.dump_dir}")
         for i in range(workers):
             farm.start_worker(f"demo{i + 1}", concurrency=concurrency)
-        _step(f"{workers} celery workers x {concurrency} processes ready")
+        _step(f"{workers} celery workers x {concurrency} processes ready; logs in "
+              f"{work_dir / 'logs'} (tail -f {work_dir / 'logs' / 'demo1.log'})")
         settings = farm.settings()
         _, fp = run_fingerprint(settings)
         _clear_run_index(farm, fp.id)

@@ -1,10 +1,13 @@
 import sys
 
-from sglang_patch.verify import main
+from sglang_patch import markers, verify
 
-USAGE = "usage: python -m sglang_patch verify [--dump-dir DIR [--server URL]] [--live-only]"
+USAGE = ("usage: python -m sglang_patch verify [--dump-dir DIR [--server URL]] [--live-only]\n"
+         "       python -m sglang_patch markers --dump-dir DIR [--remove-dead]")
+COMMANDS = {"verify": verify.main, "markers": markers.main}
 
-if len(sys.argv) < 2 or sys.argv[1] != "verify":
-    print(USAGE, file=sys.stderr)
-    sys.exit(2)
-sys.exit(main(sys.argv[2:]))
+if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+    asked = sys.argv[1:2] in (["-h"], ["--help"])
+    print(USAGE, file=sys.stdout if asked else sys.stderr)
+    sys.exit(0 if asked else 2)
+sys.exit(COMMANDS[sys.argv[1]](sys.argv[2:]))

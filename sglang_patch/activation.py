@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
-from sglang_patch.dump_writer import remove_stale_files, write_err, write_ready_marker
+from sglang_patch.dump_writer import remove_stale_files, write_err
 from sglang_patch.layout import LayoutError, sglang_version
+from sglang_patch.markers import write_ready_marker
 from sglang_patch.sglang_hook import DumpHook
 
 log = logging.getLogger("hsfarm.sglang_plugin")

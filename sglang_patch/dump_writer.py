@@ -14,7 +14,6 @@ it. On CPU the stager is a plain clone.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import queue
@@ -29,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_patch import contracts as c
+from sglang_patch import markers
 
 log = logging.getLogger("hsfarm.dump")
 
@@ -321,11 +321,13 @@ def remove_stale_files(dump_dir: Path) -> int:
 
     What a server killed mid-write leaves in tmpfs (RAM): its half-written ``.<rid>.tmp.<pid>``
     files and its ``.ready.<pid>`` marker. Files of living processes are never touched, nor
-    anything that is not a temp file or marker of ours. Returns how many were removed.
+    anything that is not a temp file or marker of ours, nor a marker whose writer cannot be
+    judged from here (``markers``: another pid namespace or boot). Returns how many were
+    removed.
     """
-    removed = 0
+    removed = len(markers.remove_dead(dump_dir))
     for path in dump_dir.iterdir():
-        pid = _writer_pid(path.name)
+        pid = _writer_pid(path.name) if c.is_temp_name(path.name) else None
         if pid is not None and not _process_exists(pid):
             path.unlink(missing_ok=True)
             removed += 1
@@ -352,14 +354,3 @@ def _process_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
-    """Write ``.ready.<pid>`` (JSON, atomically): proof that the hook runs in this process."""
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    body = {**info, "pid": os.getpid(), "time": time.time(), "patch_version": c.PATCH_VERSION}
-    path = dump_dir / f"{c.READY_PREFIX}{os.getpid()}"
-    tmp = dump_dir / f"{c.READY_PREFIX}{os.getpid()}{c.TMP_MARK}"
-    tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return path

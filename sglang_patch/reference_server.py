@@ -35,8 +35,9 @@ import torch
 from aiohttp import web
 
 from sglang_patch import contracts as c
-from sglang_patch.dump_writer import DumpCollector, DumpWriter, write_ready_marker
+from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
 from sglang_patch.faults import Fault, FaultyWriter
+from sglang_patch.markers import write_ready_marker
 from sglang_patch.reference_model import ReferenceModel
 from sglang_patch.synthetic import (
     KIMI_HIDDEN_SIZE,
@@ -312,9 +313,12 @@ class ReferenceServer:
                                    forward_delay_s=self.args.forward_delay_s,
                                    tokens_per_s=self.args.tokens_per_s)
         app["scheduler_task"] = asyncio.create_task(self.scheduler.run())
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale_files(self.dump_dir)  # as the SGLang hook does at start-up
         write_ready_marker(self.dump_dir, self.ready_info())
-        log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s", self.model_path,
-                 self.dump_dir, self.model.layers_to_capture, self.args.chunked_prefill_size)
+        log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s; %d stale files of dead "
+                 "processes removed", self.model_path, self.dump_dir,
+                 self.model.layers_to_capture, self.args.chunked_prefill_size, stale)
 
     async def _run(self, rid: str, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         assert self.scheduler is not None

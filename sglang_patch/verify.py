@@ -18,9 +18,9 @@ the exit code is 0 only when every check passes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import inspect
-import json
 import pkgutil
 import subprocess
 import sys
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_patch import contracts as c
+from sglang_patch import markers as mk
 from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG, sglang_version
 from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS
 
@@ -119,23 +119,30 @@ def check_flags() -> Check:
     return Check("launch flags", True, " ".join(REQUIRED_FLAGS))
 
 
-def check_marker(dump_dir: Path, max_age_s: float) -> Check:
-    markers = sorted(dump_dir.glob(f"{c.READY_PREFIX}*"), key=lambda p: p.stat().st_mtime)
-    markers = [m for m in markers if not c.is_temp_name(m.name)]
-    if not markers:
+def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0) -> Check:
+    """A ready marker of a live hook process: the newest one whose writer is not dead
+    (``markers``), written at or after ``since`` (unix time)."""
+    found = [m for m in mk.markers(dump_dir) if m.time >= since]
+    if not found:
+        when = f" written since {time.strftime('%H:%M:%S', time.localtime(since))}" \
+            if since else ""
         return Check("ready marker", False,
-                     f"none in {dump_dir}: start the server with {ENV_DUMP_DIR}={dump_dir} and "
-                     "wait until it has loaded the model")
-    newest = markers[-1]
-    info = json.loads(newest.read_text())
-    age = time.time() - float(info.get("time", 0))
+                     f"none{when} in {dump_dir}: start the server with {ENV_DUMP_DIR}="
+                     f"{dump_dir} and wait until it has loaded the model")
+    live = [m for m in found if m.state == mk.ALIVE] or [m for m in found if m.state != mk.DEAD]
+    newest = (live or found)[-1]
+    info = newest.info
+    age = time.time() - newest.time
     pid_alive = Path(f"/proc/{info.get('pid')}").exists()
-    if age > max_age_s and not pid_alive:
+    if newest.state == mk.DEAD or (newest.state == mk.UNKNOWN and age > max_age_s
+                                   and not pid_alive):
         return Check("ready marker", False,
-                     f"{newest.name} is {age:.0f}s old and its process {info.get('pid')} is "
-                     "gone: stale, from an earlier server; restart the server with the variable")
+                     f"{newest.path.name} is {age:.0f}s old and its process {info.get('pid')} "
+                     f"is gone: stale, from an earlier server ({newest.why}); restart the "
+                     "server with the variable")
+    where = "alive" if newest.state == mk.ALIVE else newest.why
     return Check("ready marker", True,
-                 f"pid {info.get('pid')} ({'alive' if pid_alive else 'not on this host'}), "
+                 f"pid {info.get('pid')} ({where}), "
                  f"{info.get('server_version')}, patch {info.get('patch_version')}, layers "
                  f"{info.get('layers_to_capture')}, model {info.get('model_path')} "
                  f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}")
@@ -150,12 +157,37 @@ def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> Check:
         return Check("probe request", False, str(e))
 
 
+def sglang_missing() -> str | None:
+    """Why there is no usable SGLang in this interpreter, or None when there is one.
+
+    Installed means: its package metadata is present and ``sglang.srt`` imports. A directory
+    named ``sglang`` on the path (a source checkout in the current directory) is not SGLang.
+    """
+    here = sys.executable
+    fix = ("run verify with the python that runs sglang.launch_server, with hsfarm installed "
+           "in it")
+    version = sglang_version()
+    spec = importlib.util.find_spec("sglang")
+    if not version:
+        if spec is None:
+            return f"SGLang is not installed here ({here}): {fix}"
+        where = ", ".join(str(x) for x in (spec.submodule_search_locations or [str(spec.origin)]))
+        return (f"SGLang is not installed here ({here}); the 'sglang' on the path is {where}, "
+                f"not an installed SGLang (run from another directory?): {fix}")
+    try:
+        importlib.import_module("sglang.srt.server_args")
+    except Exception as e:
+        return (f"SGLang {version} is installed here ({here}) but does not import "
+                f"({type(e).__name__}: {e}): install its dependencies (pip install "
+                f"'sglang[all]=={version}') or run verify with the server's python")
+    return None
+
+
 def install_checks() -> list[Check]:
     """Checks 1-4: this interpreter's SGLang and the plugin in it."""
-    if importlib.util.find_spec("sglang") is None:
-        return [Check("sglang", False,
-                      f"SGLang is not installed here ({sys.executable}): run verify with the "
-                      "python that runs sglang.launch_server, with hsfarm installed in it")]
+    missing = sglang_missing()
+    if missing is not None:
+        return [Check("sglang", False, missing)]
     results = [check_version()]
     for fn in (check_loader, check_targets, check_flags):
         try:
@@ -166,7 +198,7 @@ def install_checks() -> list[Check]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_patch verify",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--dump-dir", type=Path, default=None)
@@ -178,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the checks of a running server (--dump-dir, --server)")
     p.add_argument("--max-age-s", type=float, default=3600.0,
                    help="a marker older than this, whose process is gone, is stale")
+    p.add_argument("--since", type=float, default=0.0, metavar="UNIX_TIME",
+                   help="only a marker written at or after this time counts (what the "
+                   "launcher waits for: one of the server it started)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.server and args.dump_dir is None:
         p.error("--server needs --dump-dir (the server's SGLANG_HS_DUMP_DIR)")
@@ -185,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--live-only needs --dump-dir")
     results = [] if args.live_only else install_checks()
     if args.dump_dir is not None:
-        results.append(check_marker(args.dump_dir, args.max_age_s))
+        results.append(check_marker(args.dump_dir, args.max_age_s, args.since))
     if args.server:
         results.append(check_probe(args.server, args.dump_dir, args.timeout_s))
     for r in results:

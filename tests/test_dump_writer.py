@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from sglang_patch import contracts as c
 from sglang_patch.dump_writer import DumpCollector, DumpJob, DumpWriter, _Done, remove_stale_files
+from sglang_patch.markers import write_ready_marker
 
 H = 8
 
@@ -142,17 +143,25 @@ def test_decode_rows_of_mixed_batches_are_not_prompt_rows(rig) -> None:
 
 
 def test_stale_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
-    # Given what a killed hook process left (a half-written dump, an .err temp, its marker),
-    # the same from this living process, and files that are not the hook's temp files
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
+    # Given what a killed hook process left (a half-written dump, an .err temp, its marker
+    # written by that process itself), the same from this living process, and files that
+    # are not the hook's temp files
     rid = c.make_rid("k", 1, 4)
-    stale = [f".{rid}{c.TMP_MARK}{gone.pid}", f".{rid}{c.TMP_MARK}{gone.pid}.err",
-             f"{c.READY_PREFIX}{gone.pid}", f"{c.READY_PREFIX}{gone.pid}{c.TMP_MARK}"]
-    alive = [f".{rid}{c.TMP_MARK}{os.getpid()}", f"{c.READY_PREFIX}{os.getpid()}"]
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os, sys; from pathlib import Path; "
+         "from sglang_patch.markers import write_ready_marker; "
+         "write_ready_marker(Path(sys.argv[1]), {}); print(os.getpid())", str(tmp_path)],
+        capture_output=True, text=True, check=True)
+    pid = int(gone.stdout)
+    stale = [f".{rid}{c.TMP_MARK}{pid}", f".{rid}{c.TMP_MARK}{pid}.err",
+             f"{c.READY_PREFIX}{pid}{c.TMP_MARK}"]
+    alive = [f".{rid}{c.TMP_MARK}{os.getpid()}"]
     others = [f"{rid}.safetensors", f"{rid}.err", "notes.txt", f".x{c.TMP_MARK}not-a-pid"]
     for name in stale + alive + others:
         (tmp_path / name).write_text("x")
+    write_ready_marker(tmp_path, {})
+    alive.append(f"{c.READY_PREFIX}{os.getpid()}")
+    stale.append(f"{c.READY_PREFIX}{pid}")
     # When a new hook starts in that dump dir
     removed = remove_stale_files(tmp_path)
     # Then exactly the dead process's files are gone

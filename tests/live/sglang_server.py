@@ -95,9 +95,9 @@ class LiveServer:
             env["SGLANG_HS_DUMP_DIR"] = str(self.dump_dir)
         if self.via_script:
             assert self.dump_dir is not None
-            env.update({"MODEL_PATH": str(self.model), "TP": str(self.tp),
-                        "PORT": str(self.port), "DUMP_DIR": str(self.dump_dir),
-                        "PYTHON": str(sglang_python())})
+            env.update({"FARM_MODEL_PATH": str(self.model), "TP": str(self.tp),
+                        "FARM_SERVER_URL": f"http://127.0.0.1:{self.port}",
+                        "FARM_DUMP_DIR": str(self.dump_dir), "PYTHON": str(sglang_python())})
         if self.tp > 1:
             # one thread per rank on its own core (SGLang asserts a binding on CPU), and no
             # NCCL: the torch wheel ships libnccl, which PyNccl would then try on CPU tensors

@@ -1,0 +1,382 @@
+"""``ops/preflight.sh`` (``python -m producer.preflight``): is this host ready for the run?
+
+One line per check, ``OK``, ``WARN`` or ``FAIL`` and, for the last two, what to do. It reads
+and asks, and changes nothing: no directory is created, no request is sent that the server
+would dump. The output disk is sized to the work that remains: the run's samples without an
+outcome times the average size of its files so far (from the run index). Exit code: 0 when no
+line says FAIL, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from sglang_patch import contracts as c
+from sglang_patch.verify import check_marker, sglang_missing
+from worker import broker
+from worker.client import ServerClient
+from worker.errors import FarmError
+from worker.fingerprint import compute_fingerprint, resolve_model_path
+from worker.index import RunIndex
+from worker.settings import Settings
+from worker.store import MANIFEST, free_bytes
+
+GiB = 1 << 30
+TMPFS_TYPES = {"tmpfs", "ramfs"}
+LOAD_ENV = "load the farm's environment first: set -a; . /etc/hsfarm/env; set +a"
+
+
+@dataclass(frozen=True)
+class Line:
+    level: str  # OK, WARN or FAIL
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.level:<5} {self.text}"
+
+
+def ok(text: str) -> Line:
+    return Line("OK", text)
+
+
+def warn(text: str) -> Line:
+    return Line("WARN", text)
+
+
+def fail(text: str) -> Line:
+    return Line("FAIL", text)
+
+
+def _gib(n: float) -> str:
+    """A size for a person: GiB from 1 GiB up, MB below."""
+    return f"{n / GiB:,.1f} GiB" if n >= GiB else f"{n / 1e6:,.1f} MB"
+
+
+def existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (what df would measure once it exists)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of ``path`` (from /proc/self/mounts: the longest mount prefix)."""
+    target, best = str(existing(path).resolve()), ("", "?")
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return "?"
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best[0]):
+            best = (mount, parts[2])
+    return best[1]
+
+
+# --- the run: which one, and how much of it remains ------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    fingerprint: c.Fingerprint
+    source: str  # where the fingerprint came from
+    total: int = 0
+    done: int = 0
+    remaining: int = 0
+    done_bytes: int = 0
+
+
+def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
+    """The run's fingerprint from the model (FARM_MODEL_PATH or the server) or else the
+    output dir's manifest; (None, why) when neither is available."""
+    if settings.model_path or server_up:
+        try:
+            path = resolve_model_path(settings, wait_s=0)
+            return Run(compute_fingerprint(settings, path), f"model {path}"), ""
+        except FarmError as e:
+            return None, str(e)
+    manifest = settings.output_dir / MANIFEST
+    try:
+        fp = c.Fingerprint.from_json(json.loads(manifest.read_text())["fingerprint"])
+        return Run(fp, f"the manifest {manifest}"), ""
+    except FileNotFoundError:
+        return None, ("FARM_MODEL_PATH is not set, the server does not answer and "
+                      f"{manifest} does not exist yet")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{manifest} is unreadable ({e})"
+
+
+def with_counts(run: Run, r: redis.Redis) -> Run:
+    n = RunIndex(r, run.fingerprint.id).counts()
+    remaining = max(n.total - n.done - n.failed - n.rejected, 0)
+    return Run(run.fingerprint, run.source, n.total, n.done, remaining, n.bytes)
+
+
+def check_run(run: Run | None, why: str) -> Line:
+    if run is None:
+        return warn(f"run: unknown ({why}); the output disk is checked against its reserve "
+                    "only")
+    if run.total == 0:
+        return warn(f"run {run.fingerprint.id} (from {run.source}): nothing enqueued yet; "
+                    "run python -m producer enqueue FILE, then preflight again to size it")
+    return ok(f"run {run.fingerprint.id} (from {run.source}): {run.done} of {run.total} "
+              f"samples done, {run.remaining} without an outcome")
+
+
+def check_output_disk(settings: Settings, run: Run | None) -> Line:
+    out = settings.output_dir
+    where = existing(out)
+    free = free_bytes(where)
+    on = "" if where == out.absolute() else f" (not created yet; free space of {where})"
+    reserve = settings.min_free_output_bytes
+    if run is None or run.done == 0:
+        per_token = 8 * run.fingerprint.hidden_size + 16 if run is not None else 0
+        size = (f"; each token takes {per_token:,} bytes ({per_token * 2000 / 1e6:,.0f} MB "
+                "for a 2,000-token sample)") if per_token else ""
+        if free < reserve:
+            return fail(f"output disk {out}{on}: {_gib(free)} free, under the reserve "
+                        f"FARM_MIN_FREE_OUTPUT_BYTES ({_gib(reserve)}): free space first")
+        return warn(f"output disk {out}{on}: {_gib(free)} free; not sized to the run: no "
+                    f"sample is done yet, so the average file size is unknown{size}; run "
+                    "preflight again once some are done")
+    avg = run.done_bytes / run.done
+    need = int(run.remaining * avg) + reserve
+    text = (f"output disk {out}{on}: {_gib(free)} free, the {run.remaining} remaining samples "
+            f"need ~{_gib(need - reserve)} (average {avg / 1e6:,.1f} MB over {run.done} done) "
+            f"+ the reserve of {_gib(reserve)}")
+    if free >= need:
+        return ok(text)
+    return fail(f"{text}: {_gib(need - free)} short; grow the volume or use another "
+                "FARM_OUTPUT_DIR for the rest (workers pause when it runs low)")
+
+
+def check_dump_dir(settings: Settings, run: Run | None) -> list[Line]:
+    d = settings.dump_dir
+    where = existing(d)
+    on = "" if where == d.absolute() else f" (not created yet: the server makes it; {where})"
+    free = free_bytes(where)
+    need = settings.min_free_dump_bytes
+    one = ""
+    if run is not None:  # one dump of the longest sample must fit
+        longest = settings.max_tokens * (8 * run.fingerprint.hidden_size + 8)
+        need += longest
+        one = f" (one {settings.max_tokens}-token dump: {_gib(longest)}, + the reserve)"
+    space = (ok if free >= need else fail)(
+        f"dump dir {d}{on}: {_gib(free)} free, needs {_gib(need)}{one}"
+        + ("" if free >= need else "; Docker's default /dev/shm is 64 MB: set shm_size"))
+    kind = fs_type(d)
+    tmpfs = (ok(f"dump dir is on {kind} (RAM)") if kind in TMPFS_TYPES else
+             fail(f"dump dir {d} is on {kind}, not tmpfs: every dump would hit a disk twice; "
+                  "use a directory under /dev/shm"))
+    return [space, tmpfs]
+
+
+# --- services ----------------------------------------------------------------------------------
+
+def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, redis.Redis | None]:
+    where = broker.where(settings)
+    r = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=5)
+    try:
+        r.ping()
+        cfg: dict[Any, Any] = {}
+        for name in ("appendonly", "appendfsync", "maxmemory-policy"):
+            cfg.update(r.config_get(name))
+    except redis.ResponseError as e:
+        return warn(f"redis at {where} answers, but its settings cannot be read ({e}); make "
+                    "sure it runs with appendonly yes, appendfsync always, noeviction"), r
+    except redis.RedisError as e:
+        hint = "" if env_loaded else f"; REDIS_URL is not set: {LOAD_ENV}"
+        return fail(f"redis at {where}: {e}: start it (systemctl start hsfarm-redis) or fix "
+                    f"REDIS_URL{hint}"), None
+    want = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
+    wrong = {k: cfg.get(k) for k, v in want.items() if cfg.get(k) != v}
+    if not wrong:
+        return ok(f"redis at {where}: AOF always, noeviction"), r
+    text = f"redis at {where}: {wrong}, wanted {want}: start it with ops/start-redis.sh"
+    if settings.allow_volatile_redis and set(wrong) <= {"appendonly", "appendfsync"}:
+        return warn(f"{text} (accepted: FARM_ALLOW_VOLATILE_REDIS=1; a restart loses the "
+                    "queue)"), r
+    return fail(text), r
+
+
+def check_server(settings: Settings) -> tuple[Line, bool]:
+    async def ask() -> dict[str, Any]:
+        client = ServerClient(settings.server_url, timeout_s=5.0)
+        try:
+            return await client.model_info()
+        finally:
+            await client.close()
+
+    try:
+        info = asyncio.run(ask())
+    except FarmError as e:
+        return fail(f"server at {settings.server_url} does not answer /model_info ({e}): "
+                    "start it (systemctl start hsfarm-sglang, or ops/launch-sglang.sh) or "
+                    "fix FARM_SERVER_URL"), False
+    return ok(f"server at {settings.server_url} serves {info.get('model_path')}"), True
+
+
+def check_hook(settings: Settings) -> Line:
+    if not settings.dump_dir.is_dir():
+        return fail(f"ready marker: no dump dir {settings.dump_dir}: the hook creates it when "
+                    f"the server starts with SGLANG_HS_DUMP_DIR={settings.dump_dir}")
+    result = check_marker(settings.dump_dir, max_age_s=3600)
+    return (ok if result.ok else fail)(f"{result.name}: {result.detail}")
+
+
+# --- this host: GPUs and the SGLang plugin ----------------------------------------------------
+
+def _unit_of(pid: int) -> str:
+    """The systemd unit (or container scope) a process runs in, from its cgroup."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return "?"
+    for line in lines:
+        for part in reversed(line.split(":", 2)[-1].split("/")):
+            if part.endswith((".service", ".scope")):
+                return part
+    return "no systemd unit"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _smi(smi: str, query: str, what: str) -> list[list[str]]:
+    out = subprocess.run([smi, f"--query-{query}={what}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise RuntimeError((out.stderr or out.stdout).strip().splitlines()[-1:] or "failed")
+    return [[f.strip() for f in row.split(",")] for row in out.stdout.splitlines() if row.strip()]
+
+
+def check_gpus() -> Line:
+    """Which GPUs this host has, and who holds them (process, command, systemd unit)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return warn("GPUs: none on this host (no nvidia-smi, no NVIDIA driver): nothing to "
+                    "check; SGLang needs the GPUs of the host it runs on (fine for the CPU "
+                    "reference server)")
+    try:
+        gpus = _smi(smi, "gpu", "index,uuid,name,memory.used")
+        apps = _smi(smi, "compute-apps", "gpu_uuid,pid,process_name,used_memory")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return fail(f"GPUs: nvidia-smi failed ({e}): is the driver loaded?")
+    names = {g[1]: g[0] for g in gpus if len(g) > 1}
+    holders: dict[int, set[str]] = {}
+    for app in apps:
+        if len(app) > 1 and app[1].isdigit():
+            holders.setdefault(int(app[1]), set()).add(names.get(app[0], "?"))
+    model = gpus[0][2] if gpus and len(gpus[0]) > 2 else "?"
+    if not holders:
+        used = [g[0] for g in gpus if len(g) > 3 and g[3].isdigit() and int(g[3]) > 1024]
+        if used:
+            return warn(f"GPUs: {len(gpus)} x {model}; memory in use on GPU {','.join(used)} "
+                        "but no process visible (another container?)")
+        return ok(f"GPUs: {len(gpus)} x {model}, none in use")
+    who, foreign = [], []
+    for pid, held in sorted(holders.items()):
+        cmd, unit = _cmdline(pid), _unit_of(pid)
+        ours = "sglang" in cmd
+        who.append(f"GPU {','.join(sorted(held))}: pid {pid} ({cmd[:60] or '?'}; {unit})"
+                   + ("" if ours else " NOT the farm's server"))
+        if not ours:
+            foreign.append(unit)
+    text = f"GPUs: {len(gpus)} x {model}; " + "; ".join(who)
+    if not foreign:
+        return ok(text)
+    stop = ", ".join(sorted({u for u in foreign if u.endswith(".service")})) or "them"
+    return fail(f"{text}: stop {stop} (systemctl disable --now UNIT; see ops/RUNBOOK.md, "
+                "'GPUs held')")
+
+
+def check_plugin(sglang_python: str | None) -> list[Line]:
+    """The install checks of ``python -m sglang_patch verify`` with SGLang's python: the
+    one given, or this one when SGLang is installed here; else a line saying they did not
+    run."""
+    python = sglang_python or sys.executable
+    if not sglang_python:
+        missing = sglang_missing()
+        if missing is not None:
+            return [warn(f"plugin checks NOT run: SGLang is not installed in this python "
+                         f"({sys.executable}); run them with the server's: SGLANG_PYTHON="
+                         "/path/to/sglang/bin/python ops/preflight.sh, or that python -m "
+                         "sglang_patch verify")]
+    try:
+        res = subprocess.run([python, "-m", "sglang_patch", "verify"], capture_output=True,
+                             text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [fail(f"plugin checks: cannot run {python} -m sglang_patch verify ({e})")]
+    lines = [ok(x[6:]) if x.startswith("PASS  ") else fail(x[6:]) if x.startswith("FAIL  ")
+             else warn(x) for x in res.stdout.splitlines() if x.strip()]
+    if not lines:
+        err = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        lines = [fail(f"plugin checks: {python} -m sglang_patch verify: {err}")]
+    return lines
+
+
+# --- the whole check ---------------------------------------------------------------------------
+
+def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
+    lines: list[Line] = []
+    env_loaded = any(k == "REDIS_URL" or k.startswith("FARM_") for k in env)
+    if not env_loaded:
+        lines.append(warn(f"environment: no REDIS_URL or FARM_* variable set, checking the "
+                          f"defaults; {LOAD_ENV}"))
+    redis_line, r = check_redis(settings, env_loaded)
+    server_line, server_up = check_server(settings)
+    lines += [redis_line, server_line]
+    run, why = find_run(settings, server_up)
+    if run is not None and r is not None:
+        try:
+            run = with_counts(run, r)
+        except redis.RedisError as e:
+            why, run = f"the run index cannot be read ({e})", None
+    lines.append(check_run(run, why))
+    lines.append(check_output_disk(settings, run))
+    lines += check_dump_dir(settings, run)
+    lines.append(check_hook(settings))
+    lines.append(check_gpus())
+    lines += check_plugin(env.get("SGLANG_PYTHON") or None)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="ops/preflight.sh", description=__doc__.split("\n\n")[1])
+    p.parse_args(argv)
+    env = os.environ
+    try:
+        settings = Settings.from_env(env)
+    except FarmError as e:
+        print(fail(f"settings: {e}"))
+        return 1
+    lines = run_checks(settings, env)
+    for line in lines:
+        print(line, flush=True)
+    return 1 if any(line.level == "FAIL" for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

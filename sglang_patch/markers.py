@@ -1,0 +1,172 @@
+"""Ready markers: the hook's proof that it runs in a serving process, and which ones are dead.
+
+A marker is ``<dump dir>/.ready.<pid>`` (JSON, written atomically) with what the hook serves
+(versions, layer ids, model) and who wrote it: the pid, the process's start time in clock
+ticks since boot, the boot id and the pid namespace. A pid alone names a process only within
+one pid namespace of one boot, and pids are reused (a container's server is often the same
+small pid after every restart), so a marker is **dead** only when all of this holds:
+
+- it was written in this boot (same ``boot_id``) and this pid namespace (same ``pid_ns``);
+- no process has its pid here, or the one that has it started at another time.
+
+Anything else (another container or host sharing the dump dir, an older marker without these
+fields) is **unknown** and left alone: a live server's marker is never removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_patch import contracts as c
+
+DEAD, ALIVE, UNKNOWN = "dead", "alive", "unknown"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot); None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+def pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def process_identity() -> dict[str, object]:
+    """Who this process is, in the terms ``state`` checks: what a marker records."""
+    pid = os.getpid()
+    return {"pid": pid, "start_ticks": start_ticks(pid) or "",
+            "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_namespace(),
+            "host": socket.gethostname()}
+
+
+def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
+    """Write ``.ready.<pid>`` (JSON, atomically): proof that the hook runs in this process."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    body = {**info, **process_identity(), "time": time.time(),
+            "patch_version": c.PATCH_VERSION}
+    path = dump_dir / f"{c.READY_PREFIX}{os.getpid()}"
+    tmp = dump_dir / f"{c.READY_PREFIX}{os.getpid()}{c.TMP_MARK}"
+    tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass(frozen=True)
+class Marker:
+    path: Path
+    info: dict[str, object]
+    state: str  # DEAD, ALIVE or UNKNOWN
+    why: str
+
+    @property
+    def time(self) -> float:
+        try:
+            return float(self.info.get("time", 0))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return 0.0
+
+    def line(self) -> str:
+        return f"{self.path.name}: {self.state} ({self.why})"
+
+
+def state(info: dict[str, object]) -> tuple[str, str]:
+    """(DEAD/ALIVE/UNKNOWN, why) for a marker's contents, judged from this process."""
+    me = process_identity()
+    pid, ticks = info.get("pid"), info.get("start_ticks")
+    if not info.get("boot_id") or not info.get("pid_ns") or not ticks:
+        return UNKNOWN, "written by an older hook: it does not say which process wrote it"
+    if info["boot_id"] != me["boot_id"]:
+        return UNKNOWN, f"written on host {info.get('host')} in another boot"
+    if info["pid_ns"] != me["pid_ns"]:
+        return UNKNOWN, (f"written in another pid namespace (another container?) on host "
+                         f"{info.get('host')}")
+    now = start_ticks(int(pid)) if isinstance(pid, int) else None
+    if now is None:
+        return DEAD, f"process {pid} is gone"
+    if now != ticks:
+        return DEAD, f"pid {pid} now belongs to a process started later"
+    return ALIVE, f"process {pid} runs"
+
+
+def markers(dump_dir: Path) -> list[Marker]:
+    """The ready markers in ``dump_dir``, oldest first (none when it does not exist)."""
+    found = []
+    try:
+        paths = [p for p in dump_dir.glob(f"{c.READY_PREFIX}*") if not c.is_temp_name(p.name)]
+    except OSError:
+        return []
+    for path in paths:
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to judge
+        if isinstance(info, dict):
+            found.append(Marker(path, info, *state(info)))
+    return sorted(found, key=lambda m: m.time)
+
+
+def remove_dead(dump_dir: Path) -> list[Marker]:
+    """Remove the markers of dead processes (never an alive or unknown one); what went."""
+    gone = []
+    for m in markers(dump_dir):
+        # a new process that got the same pid may have just replaced it: judge what is there
+        if m.state == DEAD and _contents(m.path) == m.info:
+            m.path.unlink(missing_ok=True)
+            gone.append(m)
+    return gone
+
+
+def _contents(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_patch markers",
+                                description="The ready markers in a dump dir, and whose are "
+                                "dead (this boot, this pid namespace, the process gone).")
+    p.add_argument("--dump-dir", type=Path, required=True)
+    p.add_argument("--remove-dead", action="store_true",
+                   help="remove the markers of dead processes (never a live or unknown one)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sglang_patch markers --dump-dir D [--remove-dead]``: one line per marker."""
+    args = build_parser().parse_args(argv)
+    if not args.dump_dir.is_dir():
+        print(f"no dump dir {args.dump_dir} (the server creates it at start-up)")
+        return 0
+    found = markers(args.dump_dir)
+    removed = {m.path for m in remove_dead(args.dump_dir)} if args.remove_dead else set()
+    for m in found:
+        print(m.line() + (": removed" if m.path in removed else ""))
+    dead = sum(m.state == DEAD for m in found)
+    print(f"ready markers in {args.dump_dir}: {len(found)}, of dead processes: {dead}"
+          + (f", removed: {len(removed)}" if args.remove_dead else ""))
+    return 0

@@ -1,0 +1,123 @@
+"""Ready markers: which are dead (this boot, this pid namespace, the process gone or its pid
+reused), and that only those are ever removed. Real processes write every marker."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_patch import contracts as c
+from sglang_patch import markers as mk
+from sglang_patch.verify import check_marker
+
+pytestmark = pytest.mark.timeout(60)
+
+WRITE = ("import os, sys, time; from pathlib import Path; "
+         "from sglang_patch.markers import write_ready_marker; "
+         "write_ready_marker(Path(sys.argv[1]), {'layers_to_capture': [2, 30, 58]}); "
+         "print(os.getpid(), flush=True); time.sleep(float(sys.argv[2]))")
+
+
+def _marker_of_dead_process(dump_dir: Path) -> Path:
+    res = subprocess.run([sys.executable, "-c", WRITE, str(dump_dir), "0"], capture_output=True,
+                         text=True, check=True, timeout=30)
+    return dump_dir / f"{c.READY_PREFIX}{int(res.stdout)}"
+
+
+def _sglang(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sglang_patch", *args], capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_dead_live_reused_and_legacy_markers(tmp_path: Path) -> None:
+    # Given the marker of a server process that exited, this (live) process's marker, a marker
+    # naming this process's pid with another start time (a reused pid), and one of an older
+    # hook that does not say who wrote it
+    dead = _marker_of_dead_process(tmp_path)
+    live = mk.write_ready_marker(tmp_path, {})
+    reused = tmp_path / f"{c.READY_PREFIX}{os.getpid()}x"
+    reused.write_text(json.dumps({**json.loads(live.read_text()), "start_ticks": "1"}))
+    legacy = tmp_path / f"{c.READY_PREFIX}999999"
+    legacy.write_text(json.dumps({"pid": 999999, "time": time.time()}))
+    # When they are judged
+    states = {m.path.name: m.state for m in mk.markers(tmp_path)}
+    # Then only the exited process and the reused pid are dead
+    assert states == {dead.name: mk.DEAD, live.name: mk.ALIVE, reused.name: mk.DEAD,
+                      legacy.name: mk.UNKNOWN}
+    # And the command removes exactly those, saying so
+    res = _sglang("markers", "--dump-dir", str(tmp_path), "--remove-dead")
+    assert res.returncode == 0, res.stderr
+    assert f"{dead.name}: dead (process {dead.name.rsplit('.', 1)[1]} is gone): removed" \
+        in res.stdout
+    assert f"{reused.name}: dead (pid {os.getpid()} now belongs to a process started " \
+           "later): removed" in res.stdout
+    assert res.stdout.endswith(f"ready markers in {tmp_path}: 4, of dead processes: 2, "
+                               "removed: 2\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, legacy.name])
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare(1) and root for a new pid namespace")
+def test_a_live_marker_of_another_pid_namespace_is_never_removed(tmp_path: Path) -> None:
+    # Given a live server process in another pid namespace (a container sharing the dump
+    # dir) whose pid here would name some other process, or none
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
+                             "-c", WRITE, str(tmp_path), "30"], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout is not None
+        pid_there = int(proc.stdout.readline())
+        marker = tmp_path / f"{c.READY_PREFIX}{pid_there}"
+        # When a server starting here removes stale markers
+        mk.remove_dead(tmp_path)
+        # Then its marker stays, judged unknown, not dead
+        [m] = mk.markers(tmp_path)
+        assert m.path == marker and m.state == mk.UNKNOWN
+        assert "another pid namespace" in m.why
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_verify_takes_a_live_marker_over_a_newer_dead_one_and_honours_since(
+        tmp_path: Path) -> None:
+    # Given this process's marker, then a newer one of a server that exited
+    mk.write_ready_marker(tmp_path, {"layers_to_capture": [1, 2, 3]})
+    time.sleep(0.05)
+    _marker_of_dead_process(tmp_path)
+    # When verify checks the dump dir, Then the live marker counts
+    check = check_marker(tmp_path, max_age_s=3600)
+    assert check.ok and f"pid {os.getpid()} (alive)" in check.detail
+    # And only the dead one remains to be judged after the live one is gone: a FAIL
+    (tmp_path / f"{c.READY_PREFIX}{os.getpid()}").unlink()
+    check = check_marker(tmp_path, max_age_s=3600)
+    assert not check.ok and "stale, from an earlier server (process" in check.detail
+    # And a marker written before --since does not count (what the launcher waits for)
+    later = time.time() + 1
+    res = _sglang("verify", "--live-only", "--dump-dir", str(tmp_path), "--since", str(later))
+    assert res.returncode == 1
+    assert "FAIL  ready marker: none written since" in res.stdout
+
+
+def test_verify_says_sglang_is_not_installed_even_with_a_sglang_dir_on_the_path(
+        tmp_path: Path) -> None:
+    # Given the farm's python (no SGLang) run from a directory holding a folder named sglang
+    (tmp_path / "sglang").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for cwd in (Path.cwd(), tmp_path):
+        # When verify runs its install checks
+        res = subprocess.run([sys.executable, "-m", "sglang_patch", "verify"], cwd=cwd,
+                             env=env, capture_output=True, text=True, timeout=60)
+        # Then it says SGLang is not installed here, never that SGLang changed its code
+        assert res.returncode == 1
+        assert res.stdout.startswith(f"FAIL  sglang: SGLang is not installed here "
+                                     f"({sys.executable})"), res.stdout
+        assert "changed the code" not in res.stdout
+        assert len(res.stdout.splitlines()) == 1
