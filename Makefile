@@ -30,10 +30,12 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # System packages: redis-server (the broker), strace (the live TP=2 test watches which rank
-# writes). Installed only where missing.
+# writes), chromium (tests/test_dashboard.py renders the dashboard headless). Installed only
+# where missing.
 system-deps:
-	@command -v redis-server >/dev/null && command -v strace >/dev/null || \
-		{ apt-get update -qq && apt-get install -y -qq redis-server strace; }
+	@command -v redis-server >/dev/null && command -v strace >/dev/null && \
+		command -v chromium >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq redis-server strace chromium; }
 
 demo: $(STAMP) system-deps
 	$(PY) -m producer demo

@@ -16,7 +16,14 @@ import redis
 
 from producer.audit import AuditReport, audit
 from producer.enqueue import EnqueueRefused, enqueue, requeue
-from producer.status import failures, missing_done_files, read_status
+from producer.status import (
+    failure_entries,
+    failures,
+    missing_done_files,
+    read_status,
+    status_fingerprint,
+)
+from producer.status_text import render
 from sglang_patch.contracts import Fingerprint
 from training import cli as training_cli
 from worker.chat import ChatTokenizer
@@ -41,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish samples that failed earlier in this run again")
     e.add_argument("--no-progress", action="store_true")
     s = sub.add_parser("status", help="progress of the run")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--failures", action="store_true", help="list failed and rejected samples")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object (per --watch round), nothing else on stdout")
+    s.add_argument("--failures", action="store_true",
+                   help="list failed, rejected, stale and retrying samples with their reasons")
     s.add_argument("--watch", type=float, default=0, metavar="S", help="repeat every S seconds")
     s.add_argument("--check", action="store_true",
                    help="exit 0 only if every sample has an outcome and none failed")
@@ -55,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the whole farm locally on the example data")
     d.add_argument("--work-dir", type=Path, default=None, help="default: ./demo-out")
     d.add_argument("--data", type=Path, default=None, help="default: examples/data.json")
+    w = sub.add_parser("dashboard", help="serve the run's dashboard (plots) and /metrics")
+    w.add_argument("--address", default="127.0.0.1",
+                   help="address to listen on (default: loopback; reach it by SSH tunnel)")
+    w.add_argument("--port", type=int, default=5556)
+    w.add_argument("--basic-auth", metavar="USER:PASSWORD", default=None,
+                   help="HTTP basic auth, as Flower's flag (visible in ps: prefer the file)")
+    w.add_argument("--basic-auth-file", metavar="FILE", type=Path, default=None,
+                   help="a file holding USER:PASSWORD on its first line")
+    w.add_argument("--no-auth", action="store_true",
+                   help="serve without a password (refused unless --address is loopback)")
+    w.add_argument("--sample-s", type=float, default=10.0, metavar="S",
+                   help="how often disks, server, broker and workers are sampled")
     sub.add_parser("settings", help="print the effective settings")
     training_cli.add_commands(sub)
     return p
@@ -76,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "audit":  # the only command that renders chat templates
             _, chat, fingerprint = load_run(settings, wait_s=5)
             return _audit(settings, fingerprint, chat, args)
+        if args.cmd == "status":  # from the manifest when there is one: no server needed
+            fingerprint, source = status_fingerprint(settings)
+            return _status(settings, fingerprint, source, args)
+        if args.cmd == "dashboard":
+            from producer.dashboard import main_dashboard
+
+            return main_dashboard(settings, args)
         _, fingerprint = run_fingerprint(settings, wait_s=5)
-        if args.cmd == "enqueue":
-            return _enqueue(settings, fingerprint, args)
-        return _status(settings, fingerprint, args)
+        return _enqueue(settings, fingerprint, args)
     except (ConfigError, DataFileError, EnqueueRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -100,17 +126,24 @@ def _enqueue(settings: Settings, fingerprint: Fingerprint, args: argparse.Namesp
     return EXIT_OK if summary.ok else EXIT_PARTIAL
 
 
-def _status(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespace) -> int:
+def _status(settings: Settings, fingerprint: Fingerprint, source: str,
+            args: argparse.Namespace) -> int:
     while True:
         st = read_status(settings, fingerprint)
         if args.json:
-            print(json.dumps({"run": fingerprint.id, **st.to_json()}))
+            body: dict[str, object] = {"run": fingerprint.id, "fingerprint_from": source,
+                                       **st.to_json()}
+            if args.failures:
+                body["failures"] = failure_entries(settings, fingerprint)
+            print(json.dumps(body), flush=True)
         else:
-            print(f"run {fingerprint.id}: {st.line()}", flush=True)
+            print("\n".join(render(st, fingerprint.id, source)), flush=True)
         if not args.watch or st.finished:
             break
         time.sleep(args.watch)
-    if args.failures:
+        if not args.json:
+            print()
+    if args.failures and not args.json:
         print("\n".join(failures(settings, fingerprint)))
     if args.check:
         gone = missing_done_files(settings, fingerprint)

@@ -32,7 +32,7 @@ from typing import Any
 import redis
 from tqdm import tqdm
 
-from producer.queue_scan import broker_task_ids
+from producer.queue_scan import broker_sample_keys, task_id
 from sglang_patch import contracts as c
 from worker import broker, keys, tensorfile
 from worker import lease as leases
@@ -91,10 +91,6 @@ class Summary:
     @property
     def ok(self) -> bool:
         return not (self.rejected or self.problems)
-
-
-def task_id(fingerprint_id: str, key: str) -> str:
-    return f"hsd-{fingerprint_id}-{key}"
 
 
 def _digest(key: str) -> int:
@@ -303,7 +299,8 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
              dry_run: bool, limit: int | None, retry_failed: bool, progress: bool) -> None:
     """Pass 2: register and publish what is not done, queued, running or settled."""
     r = index.r
-    in_broker = broker_task_ids(r, settings.queue)
+    in_broker = broker_sample_keys(r, settings.queue, fingerprint.id)
+    publication = 0 if dry_run else index.next_publication()
     rejected_before = index.outcomes(keys.REJECTED)
     failed_before = index.outcomes(keys.FAILED)
     settled = set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
@@ -321,7 +318,7 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
                 summary.records += 1
                 if _digest(ref.key) in plan.done:
                     summary.already_done += 1
-                elif busy or task_id(fingerprint.id, ref.key) in in_broker:
+                elif busy or ref.key in in_broker:
                     summary.already_queued += 1
                 elif rejected_before.get(ref.key, {}).get("sha") == ref.sha256:
                     summary.previously_rejected += 1
@@ -331,7 +328,8 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
                     if not dry_run:
                         if ref.key in settled:
                             index.forget_outcome(ref.key)
-                        _send(producer, settings, fingerprint, replace(ref, fid=plan.fid))
+                        _send(producer, settings, fingerprint, publication,
+                              replace(ref, fid=plan.fid))
                     summary.published += 1
     summary.records += len(summary.rejected)
     if not dry_run:
@@ -340,6 +338,8 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
         if limit is None:
             summary.vanished = _drop_vanished(index, plan)
         index.set_meta(last_enqueue=str(path.resolve()))
+        if summary.published:
+            index.mark_started()
 
 
 def _leased(r: redis.Redis, fingerprint_id: str, sample_keys: list[str]) -> list[bool]:
@@ -349,11 +349,13 @@ def _leased(r: redis.Redis, fingerprint_id: str, sample_keys: list[str]) -> list
     return [bool(x) for x in p.execute()]
 
 
-def _send(producer: Any, settings: Settings, fingerprint: c.Fingerprint, ref: SampleRef) -> None:
+def _send(producer: Any, settings: Settings, fingerprint: c.Fingerprint, publication: int,
+          ref: SampleRef) -> None:
     # argsrepr: Flower shows the sample key; the default (the repr of the args) would cost
     # ~150 bytes of Redis per queued message for nothing
-    app.send_task(TASK_NAME, args=[ref.to_json()], task_id=task_id(fingerprint.id, ref.key),
-                  queue=settings.queue, producer=producer, argsrepr=ref.key, kwargsrepr="{}")
+    app.send_task(TASK_NAME, args=[ref.to_json()],
+                  task_id=task_id(fingerprint.id, publication, ref.key), queue=settings.queue,
+                  producer=producer, argsrepr=ref.key, kwargsrepr="{}")
 
 
 def _drop_vanished(index: RunIndex, plan: _Plan) -> int:
@@ -371,16 +373,17 @@ def requeue(settings: Settings, fingerprint: c.Fingerprint, refs: list[SampleRef
     """Publish ``refs`` again, clearing their failed/rejected marks. Returns how many."""
     r = broker.client(settings)
     index = RunIndex(r, fingerprint.id)
-    in_broker = broker_task_ids(r, settings.queue)
+    in_broker = broker_sample_keys(r, settings.queue, fingerprint.id)
+    publication = index.next_publication()
     sent = 0
     with leases.held(r, _run_lock_name(fingerprint.id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0), \
             app.producer_or_acquire() as producer, producer.batch(max_size=500):
         for ref, busy in zip(refs, _leased(r, fingerprint.id, [x.key for x in refs]),
                              strict=True):
-            if busy or task_id(fingerprint.id, ref.key) in in_broker:
+            if busy or ref.key in in_broker:
                 continue
             index.forget_outcome(ref.key)
-            _send(producer, settings, fingerprint, ref)
+            _send(producer, settings, fingerprint, publication, ref)
             sent += 1
     return sent

@@ -42,6 +42,18 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def _answers(proc: Proc, port: int, path: str) -> bool:
+    """The process is up and answers HTTP on ``port`` (any status: 401 counts)."""
+    if not proc.alive():
+        raise RuntimeError(f"{proc.name} exited; see {proc.log}")
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            return s.recv(12).startswith(b"HTTP/1.")
+    except OSError:
+        return False
+
+
 @dataclass
 class Proc:
     """A started subprocess with its log file."""
@@ -233,10 +245,27 @@ class LocalFarm:
         self.procs[name] = proc
         return proc
 
-    def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-        """Run ``python -m producer ARGS`` against this farm."""
-        return subprocess.run([sys.executable, "-m", "producer", *args], env=self._farm_env(),
+    def cli(self, *args: str, timeout_s: float = 300,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``python -m producer ARGS`` against this farm (``env``: added variables)."""
+        return subprocess.run([sys.executable, "-m", "producer", *args],
+                              env={**self._farm_env(), **(env or {})},
                               capture_output=True, text=True, timeout=timeout_s)
+
+    def start_flower(self, port: int, basic_auth: str) -> Proc:
+        """Flower (``celery -A worker flower``) on loopback, watching this farm's events."""
+        argv = [sys.executable, "-m", "celery", "-A", "worker", "flower", "--address=127.0.0.1",
+                f"--port={port}", f"--basic-auth={basic_auth}"]
+        proc = self._start("flower", argv, self._farm_env())
+        wait_until(lambda: _answers(proc, port, "/healthcheck"), 60, "flower")
+        return proc
+
+    def start_dashboard(self, port: int, *args: str) -> Proc:
+        """``python -m producer dashboard`` on loopback; ``args``: its auth and other flags."""
+        argv = [sys.executable, "-m", "producer", "dashboard", "--port", str(port), *args]
+        proc = self._start("dashboard", argv, self._farm_env())
+        wait_until(lambda: _answers(proc, port, "/"), 60, "the dashboard")
+        return proc
 
     def close(self, kill: bool = False) -> None:
         """Stop workers first (they restore unacked messages), then the server, then Redis.

@@ -1,8 +1,15 @@
-"""Which task ids are in the broker right now: waiting in the queue, or reserved/running.
+"""Which tasks are in the broker right now: waiting in the queue, or reserved/running.
 
 This is the ground truth for "already queued or running" (no marker that could go stale): the
 queue list, plus kombu's ``unacked`` hash, where every delivered-but-unacknowledged message
 sits until its ack (running tasks, prefetched ones and retries waiting for their countdown).
+
+Task ids: ``hsd-<fingerprint id>-<publication>-<sample key>``. The sample key is the identity
+(dedupe, leases, the index); the publication number (one per ``enqueue``/``requeue`` call of
+the run) makes each publication of a sample a task of its own, so a monitor that keeps task
+states by id (Flower: a FAILURE outranks every later state of the same id) shows a
+re-enqueued sample's new attempt instead of its old outcome. Redeliveries of one message
+(``Reject(requeue=True)``, a restore) keep their id: they are the same publication.
 """
 
 from __future__ import annotations
@@ -13,6 +20,27 @@ import redis
 from worker import keys
 
 _PAGE = 2000
+TASK_PREFIX = "hsd"
+
+
+def task_id(fingerprint_id: str, publication: int, key: str) -> str:
+    """The task id of one publication of sample ``key`` in run ``fingerprint_id``."""
+    return f"{TASK_PREFIX}-{fingerprint_id}-{publication}-{key}"
+
+
+def sample_key_of(task: str, fingerprint_id: str) -> str | None:
+    """The sample key in a task id of run ``fingerprint_id``; None for any other id.
+
+    Ids without a publication number (``hsd-<fingerprint id>-<key>``, published before
+    there was one) still name their sample: a run enqueued by an older version is not
+    published twice by a newer one.
+    """
+    head = f"{TASK_PREFIX}-{fingerprint_id}-"
+    if not task.startswith(head) or len(task) == len(head):
+        return None
+    rest = task[len(head):]
+    publication, sep, key = rest.partition("-")
+    return key if sep and publication.isdigit() and key else rest
 
 
 def _task_id(raw: bytes | str, unacked: bool = False) -> str | None:
@@ -39,6 +67,12 @@ def broker_task_ids(r: redis.Redis, queue: str) -> set[str]:
         if tid:
             ids.add(tid)
     return ids
+
+
+def broker_sample_keys(r: redis.Redis, queue: str, fingerprint_id: str) -> set[str]:
+    """Sample keys of run ``fingerprint_id`` with a task queued or unacknowledged."""
+    found = (sample_key_of(t, fingerprint_id) for t in broker_task_ids(r, queue))
+    return {k for k in found if k is not None}
 
 
 def broker_depth(r: redis.Redis, queue: str) -> tuple[int, int]:

@@ -1,19 +1,31 @@
-"""``status``: where a run stands, from the Redis index and the broker."""
+"""``status``: where a run stands, from the Redis index and the broker.
+
+Needs neither the inference server nor ``FARM_MODEL_PATH`` once the output dir has its
+manifest (which names the run): ``status`` is what a person runs while the server is down.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
-from worker import broker, keys
+from worker import broker, keys, liveness
 from worker.admission import Admission, limits_for_host
+from worker.errors import ConfigError
+from worker.fingerprint import run_fingerprint
 from worker.index import RunIndex
 from worker.settings import Settings
+from worker.store import MANIFEST
+
+RATE_WINDOW_S = 300.0  # the moving window of the rate, once the run is older than it
+BYTES_WINDOW_MAX = 5000  # newest completions whose sizes make bytes/s (one HMGET)
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,14 @@ class Status:
     tokens: int
     rate_per_s: float
     eta_s: float | None
+    bytes_per_s: float = 0.0
+    rate_window_s: float = 0.0  # what the rate was measured over (shorter early in a run)
+    elapsed_s: float | None = None  # since the first enqueue; to the last outcome when finished
+    # key -> {attempt, reason, at}: samples whose last attempt failed and that will be retried
+    retrying_samples: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # process -> {reason, at}: processes waiting out the environment (low disk, server down)
+    paused: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pruned_running: int = 0  # entries of attempts that no longer run, removed just now
     # this host's admission: limits, and what is held now (when the dump dir is local)
     admission: dict[str, object] = field(default_factory=dict)
 
@@ -42,33 +62,58 @@ class Status:
     @property
     def finished(self) -> bool:
         """Every sample has an outcome and nothing is in flight."""
-        return self.remaining == 0 and self.queued == 0 and self.unacked == 0
+        return (self.remaining == 0 and self.queued == 0 and self.unacked == 0
+                and self.running == 0 and self.retrying == 0)
 
     def to_json(self) -> dict[str, object]:
         return {**asdict(self), "remaining": self.remaining, "finished": self.finished}
 
-    def line(self) -> str:
-        eta = "-" if self.eta_s is None else f"{self.eta_s:.0f}s"
-        extra = f"  stale {self.stale}" if self.stale else ""
-        return (f"total {self.total}  done {self.done}  queued {self.queued}  "
-                f"unacked {self.unacked}  running {self.running}  retrying {self.retrying}  "
-                f"failed {self.failed}  rejected {self.rejected}{extra}  "
-                f"{self.bytes / 1e6:.1f} MB  {self.rate_per_s:.2f} samples/s  ETA {eta}"
-                + _admission_text(self.admission))
+
+def status_fingerprint(settings: Settings) -> tuple[c.Fingerprint, str]:
+    """The run's fingerprint and where it came from: the output dir's manifest when there is
+    one (no server, no model files needed), else the model's files, as ``enqueue`` does.
+
+    Raises:
+        ConfigError: the manifest is unreadable, or there is none and the model cannot be found.
+    """
+    path = Path(settings.output_dir) / MANIFEST
+    if path.is_file():
+        try:
+            return c.Fingerprint.from_json(json.loads(path.read_text())["fingerprint"]), str(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}: unreadable manifest ({e})") from e
+    model_path, fingerprint = run_fingerprint(settings, wait_s=5)
+    return fingerprint, str(model_path)
 
 
-def read_status(settings: Settings, fingerprint: c.Fingerprint, window_s: float = 300.0) -> Status:
+def read_status(settings: Settings, fingerprint: c.Fingerprint,
+                window_s: float = RATE_WINDOW_S) -> Status:
     r = broker.client(settings)
     index = RunIndex(r, fingerprint.id)
+    pruned = index.prune_running(liveness.gone_here)
+    index.prune_paused(liveness.gone_here, max_age_s=max(60.0, 3 * settings.pause_poll_s))
     counts = index.counts()
     waiting, unacked = broker_depth(r, settings.queue)
-    rate = _rate(r, index, window_s)
     remaining = max(counts.total - counts.done - counts.failed - counts.rejected, 0)
+    finished = (remaining == 0 and waiting == 0 and unacked == 0 and counts.running == 0
+                and counts.retrying == 0)
+    # a finished run's figures stop at its last outcome, not at the time of asking
+    until = _last_outcome_at(index) if finished else None
+    rate, bytes_rate, measured_s = _rates(r, index, window_s, until or time.time())
+    started = index.meta().get("started_at")
+    paused = index.outcomes(keys.PAUSED)
+    # while every process with work waits out the environment, no rate predicts the end
+    stalled = bool(paused) and counts.running == 0
     return Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
                   running=counts.running, retrying=counts.retrying, failed=counts.failed,
                   rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
                   tokens=counts.tokens, rate_per_s=rate,
-                  eta_s=(remaining / rate) if rate > 0 else None,
+                  eta_s=(remaining / rate) if rate > 0 and remaining and not stalled else None,
+                  bytes_per_s=bytes_rate, rate_window_s=measured_s,
+                  elapsed_s=None if started is None else max(
+                      (until or time.time()) - float(started), 0.0),
+                  retrying_samples=index.outcomes(keys.RETRYING),
+                  paused=paused, pruned_running=pruned,
                   admission=host_admission(settings, fingerprint))
 
 
@@ -85,24 +130,33 @@ def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, 
     return out
 
 
-def _admission_text(a: dict[str, object]) -> str:
-    if not a:
-        return ""
-    held = f"{a['in_flight']}/" if "in_flight" in a else "max "
-    gb = f"{int(str(a['dump_bytes_held'])) / 1e9:.2f}/" if "dump_bytes_held" in a else ""
-    budget_gb = int(str(a["dump_budget_bytes"])) / 1e9
-    return f"  in flight {held}{a['max_in_flight']}  dumps {gb}{budget_gb:.2f} GB"
-
-
-def _rate(r: redis.Redis, index: RunIndex, window_s: float) -> float:
-    """Samples/s over the last ``window_s``, or since the first completion when more recent."""
-    now = time.time()
+def _rates(r: redis.Redis, index: RunIndex, window_s: float,
+           now: float) -> tuple[float, float, float]:
+    """(samples/s, bytes/s, seconds measured over) up to ``now``: over the last ``window_s``,
+    or since the first completion while the run is younger than that (so the first minutes
+    read right)."""
     first = r.zrange(index.k(keys.DONE), 0, 0, withscores=True)
     if not first:
-        return 0.0
+        return 0.0, 0.0, 0.0
     since = max(float(first[0][1]), now - window_s)
+    span_s = max(now - since, 1.0)
+    recent: list[bytes] = r.zrevrangebyscore(  # type: ignore[assignment]
+        index.k(keys.DONE), now, since, start=0, num=BYTES_WINDOW_MAX)
     n = int(r.zcount(index.k(keys.DONE), since, now))
-    return n / max(now - since, 1.0)
+    if not recent:
+        return 0.0, 0.0, span_s
+    sizes = [int(x) for x in r.hmget(index.k(keys.BYTES), recent) if x is not None]
+    mean_bytes = sum(sizes) / max(len(sizes), 1)
+    return n / span_s, n * mean_bytes / span_s, span_s
+
+
+def _last_outcome_at(index: RunIndex) -> float | None:
+    """When the newest done, failed or rejected outcome was recorded."""
+    last = index.r.zrange(index.k(keys.DONE), -1, -1, withscores=True)
+    ends = [float(last[0][1])] if last else []
+    for name in (keys.FAILED, keys.REJECTED):
+        ends += [float(b.get("at", 0)) for b in index.outcomes(name).values()]
+    return max(ends, default=None)
 
 
 def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
@@ -112,11 +166,23 @@ def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[s
     return sorted(k for k in index.done_keys() if not c.final_path(out, k).exists())
 
 
-def failures(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
-    """One line per failed, rejected or stale sample: key, kind, reason."""
+def failure_entries(settings: Settings, fingerprint: c.Fingerprint) -> list[dict[str, Any]]:
+    """Every failed, rejected, stale and retrying sample: kind, key and body (reason, at…)."""
     index = RunIndex(broker.client(settings), fingerprint.id)
-    out = []
-    for kind in (keys.FAILED, keys.REJECTED, keys.STALE, keys.RETRYING):
-        for key, body in sorted(index.outcomes(kind).items()):
-            out.append(f"{kind:8} {key}: {body.get('reason')}")
-    return out
+    return [{"kind": kind, "key": key, **body}
+            for kind in (keys.FAILED, keys.REJECTED, keys.STALE, keys.RETRYING)
+            for key, body in sorted(index.outcomes(kind).items())]
+
+
+def failures(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
+    """One line per failed, rejected, stale or retrying sample: kind, key, reason."""
+    return [f"{e['kind']:8} {e['key']}: {e.get('reason')}"
+            for e in failure_entries(settings, fingerprint)]
+
+
+def worker_heartbeats(r: redis.Redis) -> list[str]:
+    """Identities of the worker main processes whose heartbeat is alive (every run's)."""
+    prefix = f"{keys.HEARTBEAT}:"
+    found = (k.decode() if isinstance(k, bytes) else str(k)
+             for k in r.scan_iter(f"{prefix}*", count=1000))
+    return sorted(k[len(prefix):] for k in found)

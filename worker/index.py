@@ -18,8 +18,18 @@ import redis
 
 from worker import keys
 from worker.errors import Transient
+from worker.lease import lease_name
 
 T = TypeVar("T")
+# Delete a ``running`` entry only while it is still the one judged stale and its sample's lease
+# is free or still held by the holder seen gone: a new attempt takes the lease before it marks
+# itself running, so its entry is never removed.
+_PRUNE_RUNNING = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[3] then return 0 end
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""
 MAX_TEXT_CHARS = 500  # longest reason or record description kept in Redis
 MAX_MALFORMED = 100  # refused task messages remembered (the newest)
 
@@ -117,6 +127,39 @@ class RunIndex:
     @_redis_errors
     def clear_running(self, key: str) -> None:
         self.r.hdel(self.k(keys.RUNNING), key)
+
+    @_redis_errors
+    def prune_running(self, gone: Callable[[str], bool]) -> int:
+        """Drop ``running`` entries whose attempt no longer runs: its sample's lease is free
+        (every attempt holds it while running), or its holder is ``gone`` (a process
+        identity; a holder on another host stops renewing and its lease expires). Returns how
+        many were dropped."""
+        raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.RUNNING))  # type: ignore[assignment]
+        dropped = 0
+        for k, body in raw.items():
+            key = _text(k)
+            lease = lease_name(self.fp, key)
+            holder = self.r.get(lease)
+            seen = "" if holder is None else _text(holder)
+            if seen and not gone(seen.split("#", 1)[0]):
+                continue
+            dropped += int(self.r.eval(_PRUNE_RUNNING, 2, self.k(keys.RUNNING), lease, key,
+                                       body, seen))
+        return dropped
+
+    @_redis_errors
+    def prune_paused(self, gone: Callable[[str], bool], max_age_s: float) -> int:
+        """Drop ``paused`` entries of processes that are ``gone`` or stopped refreshing them
+        ``max_age_s`` ago (a waiting process rewrites its entry at every poll)."""
+        now = time.time()
+        stale = [k for k, body in self.outcomes(keys.PAUSED).items()
+                 if gone(k) or now - float(body.get("at", 0)) > max_age_s]
+        return int(self.r.hdel(self.k(keys.PAUSED), *stale)) if stale else 0
+
+    @_redis_errors
+    def mark_started(self) -> None:
+        """Remember when the run's first ``enqueue`` published (kept from then on)."""
+        self.r.hsetnx(self.k(keys.META), "started_at", repr(time.time()))
 
     @_redis_errors
     def mark_done(self, key: str, size_bytes: int, tokens: int) -> None:
@@ -290,6 +333,11 @@ class RunIndex:
                  if _text(k).startswith(prefix)]
         if names:
             self.r.hdel(self.k(keys.REJECTED), *names)
+
+    @_redis_errors
+    def next_publication(self) -> int:
+        """A fresh number for one ``enqueue`` or ``requeue`` call: part of its task ids."""
+        return int(self.r.hincrby(self.k(keys.META), "publications", 1))
 
     @_redis_errors
     def set_meta(self, **fields: Any) -> None:

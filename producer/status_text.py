@@ -1,0 +1,99 @@
+"""How ``status`` reads to a person: a few labelled lines, the reasons spelled out."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from producer.status import Status
+
+SHOW_RETRYING = 20  # retrying samples listed by name (the count is always shown)
+
+
+def duration(seconds: float | None) -> str:
+    """``3d04h``, ``2h05m``, ``7m12s``, ``45s``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = round(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{s:02d}s" if minutes else f"{s}s"
+
+
+def size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render(st: Status, run_id: str, source: str) -> list[str]:
+    """The text of ``status``: progress, broker, speed, time, pauses, retrying, finished."""
+    pct = 100.0 * st.done / st.total if st.total else 0.0
+    lines = [
+        f"run {run_id} (from {source})",
+        f"progress  {st.done}/{st.total} done ({pct:.1f}%), failed {st.failed}, "
+        f"rejected {st.rejected}, remaining {st.remaining}"
+        + (f", stale {st.stale} (re-run enqueue)" if st.stale else ""),
+        f"broker    queued {st.queued}, unacked {st.unacked} (delivered, not yet acknowledged)"
+        f"; running {st.running}, retrying {st.retrying}"
+        + (f" ({st.pruned_running} stale running entries removed)" if st.pruned_running else ""),
+        f"speed     {_speed(st)}; {size(st.bytes)} written",
+        f"time      elapsed {duration(st.elapsed_s)}, ETA {_eta(st)}",
+    ]
+    if st.admission:
+        lines.append(f"host      {_admission_text(st.admission)}")
+    lines += _paused_lines(st)
+    lines += _retrying_lines(st)
+    if st.finished:
+        lines.append(f"finished: every sample has an outcome ({st.done} done, {st.failed} "
+                     f"failed, {st.rejected} rejected) in {duration(st.elapsed_s)}"
+                     + ("; see --failures" if st.failed or st.rejected else ""))
+    return lines
+
+
+def _speed(st: Status) -> str:
+    if not st.rate_window_s:
+        return "no sample done yet"
+    return (f"{st.rate_per_s:.2f} samples/s, {size(st.bytes_per_s)}/s "
+            f"(over the last {duration(st.rate_window_s)})")
+
+
+def _eta(st: Status) -> str:
+    if st.remaining == 0:
+        return "-" if st.finished else "- (nothing left to start; waiting for the broker)"
+    if st.eta_s is not None:
+        return duration(st.eta_s)
+    if st.paused:
+        return "- (paused, see below)"
+    return "- (no sample done in the rate window)"
+
+
+def _paused_lines(st: Status) -> list[str]:
+    """One line per distinct pause reason, with how many processes wait on it."""
+    by_reason = Counter(str(b.get("reason")) for b in st.paused.values())
+    return [f"paused    {n} process{'es' if n > 1 else ''}: {reason}"
+            for reason, n in by_reason.most_common()]
+
+
+def _retrying_lines(st: Status) -> list[str]:
+    if not st.retrying_samples:
+        return []
+    items = sorted(st.retrying_samples.items(), key=lambda kv: -float(kv[1].get("at", 0)))
+    lines = [f"retrying: {len(items)} (last error of each; newest first)"]
+    lines += [f"  {key} after attempt {body.get('attempt')}: {body.get('reason')}"
+              for key, body in items[:SHOW_RETRYING]]
+    if len(items) > SHOW_RETRYING:
+        lines.append(f"  … and {len(items) - SHOW_RETRYING} more (status --failures lists all)")
+    return lines
+
+
+def _admission_text(a: dict[str, object]) -> str:
+    held = f"{a['in_flight']}/" if "in_flight" in a else "max "
+    gb = f"{int(str(a['dump_bytes_held'])) / 1e9:.2f}/" if "dump_bytes_held" in a else ""
+    budget_gb = int(str(a["dump_budget_bytes"])) / 1e9
+    return f"in flight {held}{a['max_in_flight']}, dumps {gb}{budget_gb:.2f} GB"

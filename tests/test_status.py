@@ -1,0 +1,84 @@
+"""``status`` on a real Redis: stale entries cleaned, pauses and retries explained, no server.
+
+The farm's own run (workers, failures, the finished line) is checked in test_dashboard.py;
+here the index is written as workers write it, so each case is exact and takes a second.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from producer.localfarm import LocalFarm
+from producer.status_text import duration
+from tests.conftest import CACHE
+from worker import keys, liveness
+from worker.fingerprint import compute_fingerprint
+from worker.index import Registered, RunIndex
+from worker.lease import lease_name
+from worker.store import OutputStore
+
+
+def _gone_identity() -> str:
+    """The identity of a process of this host that has exited."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return f"{liveness.HOST}:{proc.pid}:1"
+
+
+def test_status_without_server_cleans_stale_entries_and_explains(tmp_path: Path,
+                                                                 tiny_model: Path) -> None:
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)  # Redis only: no server, no workers
+    try:
+        farm.start_redis()
+        fp = compute_fingerprint(farm.settings(), tiny_model)
+        OutputStore(farm.output_dir, fp).open()  # the manifest, as the first worker writes it
+        r, dead, me = farm.redis(), _gone_identity(), liveness.identity()
+        index = RunIndex(r, fp.id)
+        index.register({k: Registered(1, i * 10, 10, "0" * 64, i) for i, k in enumerate("abcd")})
+        # Given three samples marked running: "a" whose attempt ended without a trace (its
+        # lease is free), "b" whose lease holder exited, "c" held by a live process
+        r.set(lease_name(fp.id, "b"), f"{dead}#t1")
+        r.set(lease_name(fp.id, "c"), f"{me}#t2")
+        for key in ("a", "b", "c"):
+            index.mark_running(key, f"{liveness.HOST}:1", 1)
+        # and a live process paused for low disk, a gone one paused for the server
+        index.set_paused(me, "output disk /nvme/out low: 1.0 MB free, waiting for 2.0 MB")
+        index.set_paused(dead, "server http://x does not answer")
+        index.mark_retrying("d", 2, "Corrupt: dump hsd-d-a2-n9.safetensors: 1 NaN/Inf values")
+        # When status runs with the server down and no FARM_MODEL_PATH
+        res = farm.cli("status")
+        # Then it reads the run from the manifest and explains what is going on
+        assert res.returncode == 0, res.stdout + res.stderr
+        out = res.stdout
+        assert f"run {fp.id} (from {farm.output_dir}/manifest.json)" in out
+        assert "running 1, retrying 1 (2 stale running entries removed)" in out, out
+        assert "paused    1 process: output disk /nvme/out low: 1.0 MB free" in out
+        assert "does not answer" not in out
+        assert "retrying: 1 (last error of each; newest first)\n  d after attempt 2: Corrupt: " \
+               "dump hsd-d-a2-n9.safetensors: 1 NaN/Inf values" in out
+        assert "progress  0/4 done (0.0%), failed 0, rejected 0, remaining 4" in out
+        assert "ETA - (paused, see below)" in out and "finished" not in out
+        assert set(index.outcomes(keys.RUNNING)) == {"c"}
+        assert set(index.outcomes(keys.PAUSED)) == {me}
+        # And --json (with --failures) is one JSON document and nothing else
+        res = farm.cli("status", "--json", "--failures")
+        body = json.loads(res.stdout)
+        assert body["running"] == 1 and body["fingerprint_from"].endswith("manifest.json")
+        assert [(f["kind"], f["key"]) for f in body["failures"]] == [("retrying", "d")]
+        assert list(body["paused"]) == [me]
+    finally:
+        farm.close(kill=True)
+
+
+def test_status_without_manifest_or_server_says_what_to_do(tmp_path: Path) -> None:
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+    res = farm.cli("status")
+    assert res.returncode == 2 and "start it first or set FARM_MODEL_PATH" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_durations_read_at_a_glance() -> None:
+    assert [duration(s) for s in (None, 0.4, 45, 432, 7500, 3 * 86400 + 4 * 3600)] == \
+        ["-", "0s", "45s", "7m12s", "2h05m", "3d04h"]
