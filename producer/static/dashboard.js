@@ -28,12 +28,13 @@ const SPECS = {
     axes: [{scale: "n", label: "samples/s"}, {scale: "mb", side: 1, label: "MB/s", grid: {show: false}}],
     data: s => [s.history.t, s.history.samples_per_s, scaled(s.history.bytes_per_s, MB)],
   },
-  eta: {
-    series: [["ETA h", "#7a4fd6"]],
-    data: s => [s.sampled.t, scaled(s.sampled.eta_s, 3600)],
+  eta: {  // seconds, shown as 45s / 12m05s / 3h20m / 2d04h on the axis and in the legend
+    series: [["ETA", "#7a4fd6", "y", (u, v) => duration(v)]],
+    axes: [{scale: "y", size: 60, values: (u, splits) => splits.map(duration)}],
+    data: s => [s.sampled.t, s.sampled.eta_s],
   },
   disks: {
-    series: [["output free", "#2b7bd6"], ["dump dir free", "#3aa35b"], ["dump dir used", "#d6452b"]],
+    series: [["output free", "#2b7bd6"], ["dump dir free", "#3aa35b"], ["dump dir filesystem used", "#d6452b"]],
     data: s => [s.sampled.t, scaled(s.sampled.output_free_bytes, GB),
                 scaled(s.sampled.dump_free_bytes, GB), scaled(s.sampled.dump_used_bytes, GB)],
   },
@@ -44,9 +45,9 @@ const SPECS = {
                 s.sampled.retrying, s.sampled.workers, s.sampled.paused],
   },
   server: {
-    series: [["up (1) / down (0)", "#3aa35b", "up"], ["/health s", "#2b7bd6", "lat"]],
-    axes: [{scale: "up", label: "up"}, {scale: "lat", side: 1, label: "s", grid: {show: false}}],
-    data: s => [s.sampled.t, s.sampled.server_up, s.sampled.server_latency_s],
+    series: [["up (1) / down (0)", "#3aa35b", "up"], ["/health ms", "#2b7bd6", "lat"]],
+    axes: [{scale: "up", label: "up"}, {scale: "lat", side: 1, label: "ms", grid: {show: false}}],
+    data: s => [s.sampled.t, s.sampled.server_up, scaled(s.sampled.server_latency_s, 1e-3)],
   },
 };
 
@@ -55,8 +56,8 @@ function makePlot(name, spec, data) {
   const width = Math.max(box.clientWidth - 16, 400);
   const opts = {
     width, height: 220,
-    series: [{}].concat(spec.series.map(([label, stroke, scale]) =>
-      ({label, stroke, width: 2, scale: scale || "y", spanGaps: false}))),
+    series: [{}].concat(spec.series.map(([label, stroke, scale, value]) =>
+      ({label, stroke, width: 2, scale: scale || "y", spanGaps: false, ...(value ? {value} : {})}))),
     axes: [{}].concat(spec.axes || [{scale: "y"}]),
     scales: {x: {time: true}},
   };
