@@ -21,6 +21,7 @@ from sglang_patch.synthetic import (
     ensure_synthetic_model,
 )
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
+from worker import canary as canaries
 
 H = 256
 
@@ -108,8 +109,12 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
             info = json.loads(r.read())
         assert info["hsfarm"]["hidden_size"] == H and 0 < info["busy_s"] < info["uptime_s"]
         probes = 2 * len(PROBE_IDS)  # each worker's start-up probe request
-        assert info["tokens_done"] == probes + sum(int(np.asarray(load_file(str(
+        samples_tokens = sum(int(np.asarray(load_file(str(
             c.final_path(farm.output_dir, k)))[c.T_INPUT_IDS]).size) for k in keys)
+        # each worker's start-up canary: one records it, the other compares (or, when both
+        # recorded at once, the one whose recording did not stand compares too)
+        canary = sum(len(x.input_ids) for x in canaries.load(farm.output_dir)[0])
+        assert info["tokens_done"] - probes - samples_tokens in (2 * canary, 3 * canary)
         status = json.loads(farm.cli("status", "--json").stdout)
         assert status["admission"]["max_in_flight"] == 8
         assert status["admission"]["in_flight"] == 0 and status["admission"]["dump_bytes_held"] == 0
