@@ -19,6 +19,7 @@ conversation the template itself refuses is ``BadInput``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,9 @@ class ChatTokenizer:
     @classmethod
     def from_pretrained(cls, path: str, max_tokens: int, overlong: str,
                         trust_remote_code: bool = False) -> ChatTokenizer:
+        # A worker has no torch on purpose (it only tokenizes); transformers' advice that
+        # "PyTorch was not found" at import would be noise in every worker's log.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoTokenizer
 
         try:
