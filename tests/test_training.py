@@ -285,3 +285,31 @@ def test_draft_vocab_mapping_is_specforges_top_n() -> None:
     assert list(np.flatnonzero(t2d)) == [0, 1, 3, 5, 7, 9]
     with pytest.raises(ValueError, match="outside the target vocab"):
         draft_vocab_mapping(counts, 3, 8)
+
+
+def test_bf16_rounding_and_the_prenorm_state_equal_torchs() -> None:
+    """training.prenorm rounds in place for speed; the bits must still be torch's."""
+    from training.prenorm import f32_to_bf16, prenorm_bf16
+
+    def bf16_bits(t: torch.Tensor) -> np.ndarray:
+        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+    rng = np.random.default_rng(0)
+    y = (rng.normal(size=(64, 512)) * 10).astype(np.float32)
+    # ties to even (down and up), the largest float, infinities, signed zeros, and a NaN
+    y[0, :9] = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800000,
+                         0xFF800000, 0, 0x80000000, 0x7FC00000], np.uint32).view(np.float32)
+    before = y.copy()
+    got = f32_to_bf16(y)
+    assert np.array_equal(y, before, equal_nan=True)  # the input is left alone
+    finite = ~np.isnan(y)
+    assert np.array_equal(got[finite], bf16_bits(torch.from_numpy(y))[finite])
+    assert got[0, 8] == 0x7FC0  # NaN stays a NaN
+    # The pre-norm state: hidden / w in float32, rounded; 0 where w is 0
+    hidden = bf16_bits(torch.from_numpy(rng.normal(size=(64, 512)).astype(np.float32)))
+    w = rng.uniform(0.5, 2.0, 512).astype(np.float32)
+    w[[3, 100]] = 0
+    x = torch.from_numpy(hidden.view(np.int16)).view(torch.bfloat16).float()
+    wt = torch.from_numpy(w)
+    want = bf16_bits(torch.where(wt == 0, 0.0, x / torch.where(wt == 0, 1.0, wt)))
+    assert np.array_equal(prenorm_bf16(hidden, w), want)

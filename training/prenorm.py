@@ -19,19 +19,34 @@ def prenorm_bf16(hidden_bf16: np.ndarray, weight_f32: np.ndarray) -> np.ndarray:
     RMSNorm(x) = w * x / rms(x) is invariant to scaling x, so the trainer's own norm maps the
     result back to ``hidden`` (to bf16 rounding). Channels where w = 0 are set to 0.
     """
-    x = (hidden_bf16.astype(np.uint32) << 16).view(np.float32)
-    safe_w = np.where(weight_f32 == 0, 1.0, weight_f32).astype(np.float32)
-    y = np.where(weight_f32 == 0, np.float32(0), x / safe_w).astype(np.float32)
-    return f32_to_bf16(y)
+    # One [T, H] float32 buffer, worked on in place: at T x 7168 the temporaries of the
+    # straightforward expression cost more than writing the file
+    bits = hidden_bf16.astype(np.uint32)
+    bits <<= 16
+    x = bits.view(np.float32)
+    zero = weight_f32 == 0
+    np.divide(x, np.where(zero, 1.0, weight_f32).astype(np.float32), out=x)
+    if zero.any():
+        x[..., zero] = 0
+    return _round_to_bf16(bits)
 
 
 def f32_to_bf16(y: np.ndarray) -> np.ndarray:
     """float32 → bf16 bits (uint16), round to nearest even, as torch's ``.to(bfloat16)``."""
-    bits = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(y)
-    if nan.any():
+    return _round_to_bf16(np.array(y, dtype=np.float32).view(np.uint32))
+
+
+def _round_to_bf16(bits: np.ndarray) -> np.ndarray:
+    """float32 bits (uint32, consumed: overwritten) → bf16 bits, round to nearest even."""
+    f = bits.view(np.float32)
+    nan = np.isnan(f) if np.isnan(f.max(initial=0.0)) else None  # max propagates a NaN
+    lsb = bits >> 16
+    lsb &= 1
+    lsb += np.uint32(0x7FFF)
+    bits += lsb
+    bits >>= 16
+    out = bits.astype(np.uint16)
+    if nan is not None:
         out[nan] = 0x7FC0
     return out
 
