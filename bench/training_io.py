@@ -6,7 +6,8 @@ alternating the two sides of each pair ``--rounds`` times, with every source fil
 dropped from the page cache before each pass:
 
 - export (``training.export.runner.export``, ``--jobs``) bytes/s vs ``cp`` + fsync per file
-  of the same files, one after another, in the same run;
+  of the same files, one copy before each export, the formats taking turns, every format
+  against the median of all the run's copies;
 - the loader (``training.loader.HiddenStates``, every tensor copied into a buffer, as a
   pinned-memory stage would) samples/s vs reading each file whole into a buffer.
 
@@ -130,16 +131,26 @@ def main() -> int:
     norm = FinalNorm("model.norm.weight", tensorfile.Tensor("F32", np.ones(a.hidden, np.float32)),
                      1e-6, "bench")
     write_final_norm(out, norm, checksums.as_metadata({"weight": checksums.of(norm.weight.array)}))
-    for fmt in a.formats.split(","):
-        copies, exports = [], []
-        for r in range(a.rounds):
-            dest = a.work_dir / f"copy{r}"
+    # One baseline for every format: a copy before each export, the formats taking turns
+    # within each round, so no format's ratio rests on copies made in one stretch of this
+    # virtual disk's moods (they moved ±40% between stretches of one run).
+    formats = a.formats.split(",")
+    copies: list[float] = []
+    exports: dict[str, list[float]] = {fmt: [] for fmt in formats}
+    for r in range(a.rounds):
+        for fmt in formats[r % len(formats):] + formats[: r % len(formats)]:
+            dest = a.work_dir / f"copy{r}{fmt}"
             copies.append(timed(partial(copy_fsync, out, dest), out))
             shutil.rmtree(dest)
             dest = a.work_dir / f"{fmt}{r}"
-            exports.append(timed(partial(export, out, fmt, dest, jobs=a.jobs), out))
+            exports[fmt].append(timed(partial(export, out, fmt, dest, jobs=a.jobs), out))
             shutil.rmtree(dest)
-        c_s, e_s = statistics.median(copies), statistics.median(exports)
+    c_s = statistics.median(copies)
+    res["copy_fsync_MBps"] = total / c_s / 1e6
+    res["copy_fsync_MBps_range"] = [total / max(copies) / 1e6, total / min(copies) / 1e6]
+    print("copy + fsync", res["copy_fsync_MBps"], res["copy_fsync_MBps_range"], flush=True)
+    for fmt in formats:
+        e_s = statistics.median(exports[fmt])
         res[f"export_{fmt}"] = {"copy_fsync_MBps": total / c_s / 1e6,
                                 "export_MBps": total / e_s / 1e6, "ratio": c_s / e_s}
         print(fmt, res[f"export_{fmt}"], flush=True)
