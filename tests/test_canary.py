@@ -144,6 +144,15 @@ def test_processes_of_a_host_share_the_verdict(tmp_path: Path, tiny_model: Path)
         assert not check.due()
         r.set(verdict, "mismatch")
         assert "could not be checked" in str(check.problem(client, loop, r))
+        # Given a pass shared before this process saw the server down: it checks itself (the
+        # server may be back with another model and the same ready markers)
+        r.set(verdict, f"ok:{time.time()}")
+        assert check.problem(client, loop, r) is None
+        check.force()
+        assert "could not be checked" in str(check.problem(client, loop, r))
+        # ...but a pass shared after that moment holds
+        r.set(verdict, f"ok:{time.time()}")
+        assert check.problem(client, loop, r) is None
         loop.run_until_complete(client.close())
         loop.close()
     finally:
@@ -228,3 +237,9 @@ def test_other_checkpoint_is_refused_by_its_identity_before_any_request(
         wait_finished(farm, 7)
         assert sorted(p.name for p in (farm.output_dir / "samples").rglob("*.safetensors")) \
             == sorted(f"{k}.safetensors" for k in keys_ + more)
+        # And audit --requeue has the file of the other identity extracted again, in place
+        data = str(tmp_path / "data.json")
+        assert farm.cli("audit", "--data", data, "--requeue").returncode == 1
+        wait_until(lambda: farm.cli("audit", "--data", data).returncode == 0, 90,
+                   "audit to find every file whole")
+        assert tensorfile.header_metadata(path)["weights_id"] != "0123456789abcdef"

@@ -95,3 +95,23 @@ def test_manifest_without_identity_still_opens(tmp_path: Path, tiny_model: Path,
     assert store.weights_id == weights.weights_identity(tiny_model)["id"]
     assert store.recorded_weights_id() is None
     assert "records no weights identity" in caplog.text
+
+
+def test_a_host_without_the_weight_files_or_another_scheme_is_not_refused(
+        tmp_path: Path, tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a run recorded where the weights are
+    out = tmp_path / "out"
+    recorded = _store(out, tiny_model).open().weights_id
+    # When a host whose model dir holds only the config and tokenizer opens it
+    light = tmp_path / "tokenizer-only"
+    shutil.copytree(tiny_model, light, ignore=shutil.ignore_patterns("*.safetensors"))
+    store = _store(out, light).open()
+    # Then it is not refused (the canary guards the served model) and tags files as the run
+    assert store.weights_id == recorded
+    assert "no *.safetensors weight files" in caplog.text
+    # And an identity of another scheme (another hsfarm version) is not a mismatch either
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["weights"]["scheme"] = "hsfarm-weights-0"
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    assert _store(out, tiny_model).open().weights_id == recorded
+    assert "identity scheme" in caplog.text

@@ -31,13 +31,28 @@ from worker import canary as cn
 from worker import keys, liveness, tensorfile
 from worker.client import ServerClient
 from worker.dumps import wait_for_dump
-from worker.errors import Corrupt, FarmError
+from worker.errors import ConfigError, Corrupt
 from worker.settings import Settings
 
 log = logging.getLogger("hsfarm.canary")
 Encode = Callable[[str], list[int]]
 CHECK_LOCK_S = 300  # one process of a host checks at a time; a dead one's lock expires
-VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"
+VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"  # stored as b"<kind>:<time the check began>"
+_RELEASE_LOCK = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                 "return redis.call('DEL', KEYS[1]) else return 0 end")
+
+
+def _parse_verdict(raw: bytes | str | None) -> tuple[bytes | None, float]:
+    """(kind, when its check began); (None, 0) when there is none."""
+    if not raw:
+        return None, 0.0
+    if isinstance(raw, str):
+        raw = raw.encode()
+    kind, _, at = raw.partition(b":")
+    try:
+        return kind, float(at)
+    except ValueError:
+        return kind, 0.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,7 @@ class CanaryCheck:
     weights_id: str
     encode: Encode
     last_ok: float = -math.inf
+    forced_at: float = 0.0  # wall clock: shared passes older than this are not taken
     epoch: tuple[tuple[str, int], ...] | None = None
     _said: float = field(default=-math.inf, repr=False)
 
@@ -137,8 +153,13 @@ class CanaryCheck:
                 keys.run_key(self.fingerprint.id, f"{keys.CANARY_LOCK}:{where}"))
 
     def force(self) -> None:
-        """Check again before the next sample (the server was seen down)."""
+        """Check again before the next sample (the server was seen down).
+
+        A pass that another process of the host recorded before this moment does not count:
+        the server may have come back with another model without its ready markers changing
+        (the marker of a lazily activated hook is written only at its first request)."""
         self.last_ok = -math.inf
+        self.forced_at = time.time()
 
     def due(self) -> bool:
         return (time.monotonic() - self.last_ok >= self.settings.canary_interval_s
@@ -246,29 +267,34 @@ class CanaryCheck:
         """
         epoch = server_epoch(self.settings.dump_dir)
         key, lock_key = self._keys(epoch)
+        me = liveness.identity()
         try:
-            verdict = r.get(key)
-            if verdict != VERDICT_MISMATCH and not self.due():
+            kind, at = _parse_verdict(r.get(key))
+            if kind != VERDICT_MISMATCH and not self.due():
                 return None
-            if verdict == VERDICT_OK:
+            if kind == VERDICT_OK and at >= self.forced_at:
                 self.last_ok, self.epoch = time.monotonic(), epoch
                 return None
-            if not r.set(lock_key, liveness.identity(), nx=True, ex=CHECK_LOCK_S):
+            if not r.set(lock_key, me, nx=True, ex=CHECK_LOCK_S):
                 return "the canary is being checked by another process of this host"
         except redis.RedisError as e:
             return f"the canary could not be checked: Redis: {e}"
+        started = time.time()
+        limit_s = max(1.0, deadline - time.monotonic() - 1.0)
         try:
-            limit_s = max(1.0, deadline - time.monotonic() - 1.0)
             outcome = loop.run_until_complete(asyncio.wait_for(self.run(client), limit_s))
-        except FarmError as e:
-            return f"the canary could not be checked: {type(e).__name__}: {e}"
         except TimeoutError:
             return f"the canary could not be checked: no answer within {limit_s:.0f}s"
+        except ConfigError:
+            raise  # the recording is damaged: the worker stops (tasks.py)
+        except Exception as e:  # anything else: wait and check again, never run samples
+            return f"the canary could not be checked: {type(e).__name__}: {e}"
         finally:
-            with contextlib.suppress(redis.RedisError):
-                r.delete(lock_key)
+            with contextlib.suppress(redis.RedisError):  # only our own lock
+                r.eval(_RELEASE_LOCK, 1, lock_key, me)
         with contextlib.suppress(redis.RedisError):
-            r.set(key, VERDICT_OK if outcome.passed else VERDICT_MISMATCH,
+            r.set(key, (VERDICT_OK if outcome.passed else VERDICT_MISMATCH)
+                  + b":" + repr(started).encode(),
                   ex=max(1, int(self.settings.canary_interval_s)) if outcome.passed else 86400)
         if outcome.passed:
             log.info("%s", outcome.text)

@@ -32,7 +32,7 @@ from worker import broker, liveness, reaper
 from worker.app import settings
 from worker.canary_check import Outcome
 from worker.client import ServerClient
-from worker.errors import ConfigError, Corrupt, Transient
+from worker.errors import ConfigError, Transient
 from worker.index import RunIndex
 from worker.runtime import RunContext, Runtime
 
@@ -107,9 +107,11 @@ def _wait_for_canary(r: redis.Redis) -> None:
     while True:
         try:
             outcome = asyncio.run(once())
-        except (Transient, Corrupt) as e:
-            outcome = Outcome(False, f"waiting, taking no work: the canary could not be "
-                                     f"checked: {e}", f"the canary could not be checked: {e}")
+        except ConfigError:
+            raise
+        except Exception as e:  # a 4xx, an unreadable recording...: wait, never consume
+            why = f"the canary could not be checked: {type(e).__name__}: {e}"
+            outcome = Outcome(False, f"waiting, taking no work: {why}", why)
         if outcome.passed:
             log.info("%s", outcome.text)
             with contextlib.suppress(Transient):
@@ -141,6 +143,11 @@ def _on_worker_init(**_: Any) -> None:
         log.critical("cannot start: %s", e)
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from e  # BaseException: Celery's signal dispatch lets it through
+    except Exception as e:
+        # Celery's signal dispatch would log any other exception and let the worker consume
+        # with its checks half done; stop instead (systemd restarts it: exit code 1)
+        log.critical("cannot start: unexpected %s: %s", type(e).__name__, e, exc_info=True)
+        raise SystemExit(1) from e
     log.info("run %s: model %s, output %s", CONTEXT.fingerprint.id, CONTEXT.model_path,
              settings.output_dir)
 

@@ -139,6 +139,13 @@ class OutputStore:
     def _check_weights(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
         recorded = manifest.get("weights")
         if isinstance(recorded, dict):
+            unknown = weights.incomparable(recorded, identity)
+            if unknown:  # nothing to compare here: the canary alone guards the served model
+                log.warning("the weights cannot be checked against the run's identity here "
+                            "(%s); the canary guards the served model, and files written "
+                            "here carry the run's identity %s", unknown, recorded.get("id"))
+                self.weights_id = str(recorded.get("id"))
+                return
             why = weights.mismatch(recorded, identity, self.model_path or self.out_dir)
             if why:
                 raise ConfigError(why)

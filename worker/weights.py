@@ -103,6 +103,24 @@ def _digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def incomparable(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Why the two identities cannot be compared (then only the canary can tell), or None.
+
+    A host whose model dir holds only the config and tokenizer (the weights live where the
+    server runs), a run recorded on such a host, or an identity of another scheme (another
+    hsfarm version) says nothing about the weights: refusing the run for it would stop a
+    healthy farm.
+    """
+    if recorded.get("scheme") != current.get("scheme"):
+        return (f"the run recorded identity scheme {recorded.get('scheme')!r}, this hsfarm "
+                f"computes {current.get('scheme')!r}")
+    if not current.get("shards"):
+        return "this host's model dir has no *.safetensors weight files"
+    if not recorded.get("shards"):
+        return "the run was recorded from a model dir without *.safetensors weight files"
+    return None
+
+
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two identities, shard by shard, in words (empty: the same)."""
     if recorded.get("scheme") != current.get("scheme"):
