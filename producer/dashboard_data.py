@@ -37,9 +37,14 @@ SAMPLED = ("eta_s", "output_free_bytes", "dump_free_bytes", "dump_used_bytes", "
            "server_latency_s", "queued", "unacked", "running", "retrying", "workers", "paused")
 
 
+# a request id of ours (contracts.RID_RE without its anchors): names the sample, whatever its key
+_RID = re.compile(r"hsd-[A-Za-z0-9_.\-]+?-a\d+-n\d+")
+
+
 def reason_class(reason: str) -> str:
-    """A failure reason without its sample-specific numbers, to group failures by kind."""
-    return re.sub(r"\d+(\.\d+)?", "N", reason.strip())[:120]
+    """A failure reason without its sample-specific parts (request ids, numbers), to group
+    failures by kind."""
+    return re.sub(r"\d+(\.\d+)?", "N", _RID.sub("<request>", reason.strip()))[:120]
 
 
 @dataclass

@@ -20,6 +20,7 @@ Memory grows with the number of records (8 bytes each), not with the size of the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
@@ -170,6 +171,7 @@ class _Plan:
     n_conflicts: int = 0
     # done on disk but not in the index (Redis lost it): key -> (file bytes, tokens)
     relearn: dict[str, tuple[int, int]] = field(default_factory=dict)
+    relearn_at: dict[str, float] = field(default_factory=dict)  # key -> its file's mtime
 
 
 def _file_version(path: Path) -> tuple[int, int]:
@@ -206,6 +208,9 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
                              zip(batch, known, strict=True))
             for ref, reg, is_known, head in zip(batch, regs, known, heads, strict=True):
                 _check_one(plan, ref, reg, head, store.fingerprint.id, is_known)
+                if ref.key in plan.relearn:
+                    with contextlib.suppress(OSError):
+                        plan.relearn_at[ref.key] = store.final_path(ref.key).stat().st_mtime
     return plan
 
 
@@ -305,7 +310,7 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
     failed_before = index.outcomes(keys.FAILED)
     settled = set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
     if not dry_run:
-        index.mark_done_many(plan.relearn)
+        index.mark_done_many(plan.relearn, plan.relearn_at)
         index.clear_invalid(plan.fid)
     refs = _refs(settings, path, limit, progress, "enqueue", summary)
     with app.producer_or_acquire() as producer, producer.batch(max_size=500):

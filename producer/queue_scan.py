@@ -4,7 +4,7 @@ This is the ground truth for "already queued or running" (no marker that could g
 queue list, plus kombu's ``unacked`` hash, where every delivered-but-unacknowledged message
 sits until its ack (running tasks, prefetched ones and retries waiting for their countdown).
 
-Task ids: ``hsd-<fingerprint id>-<publication>-<sample key>``. The sample key is the identity
+Task ids: ``hsd-<fingerprint id>-<publication>:<sample key>``. The sample key is the identity
 (dedupe, leases, the index); the publication number (one per ``enqueue``/``requeue`` call of
 the run) makes each publication of a sample a task of its own, so a monitor that keeps task
 states by id (Flower: a FAILURE outranks every later state of the same id) shows a
@@ -24,23 +24,29 @@ TASK_PREFIX = "hsd"
 
 
 def task_id(fingerprint_id: str, publication: int, key: str) -> str:
-    """The task id of one publication of sample ``key`` in run ``fingerprint_id``."""
-    return f"{TASK_PREFIX}-{fingerprint_id}-{publication}-{key}"
+    """The task id of one publication of sample ``key`` in run ``fingerprint_id``.
+
+    ``:`` never occurs in a sample key (contracts), so the publication number cannot be
+    mistaken for the head of a key that starts with digits and a dash (``2024-01-x``).
+    """
+    return f"{TASK_PREFIX}-{fingerprint_id}-{publication}:{key}"
 
 
 def sample_key_of(task: str, fingerprint_id: str) -> str | None:
     """The sample key in a task id of run ``fingerprint_id``; None for any other id.
 
     Ids without a publication number (``hsd-<fingerprint id>-<key>``, published before
-    there was one) still name their sample: a run enqueued by an older version is not
-    published twice by a newer one.
+    there was one: no ``:`` in them) still name their sample: a run enqueued by an older
+    version is not published twice by a newer one.
     """
     head = f"{TASK_PREFIX}-{fingerprint_id}-"
     if not task.startswith(head) or len(task) == len(head):
         return None
     rest = task[len(head):]
-    publication, sep, key = rest.partition("-")
-    return key if sep and publication.isdigit() and key else rest
+    publication, sep, key = rest.partition(":")
+    if not sep:
+        return rest  # the older format
+    return key if publication.isdigit() and key else None
 
 
 def _task_id(raw: bytes | str, unacked: bool = False) -> str | None:

@@ -61,8 +61,9 @@ class Status:
 
     @property
     def finished(self) -> bool:
-        """Every sample has an outcome and nothing is in flight."""
-        return (self.remaining == 0 and self.queued == 0 and self.unacked == 0
+        """Every sample has an outcome and nothing is in flight (and there is a run: an
+        index that Redis lost reads total 0, which is not a finished run)."""
+        return (self.total > 0 and self.remaining == 0 and self.queued == 0 and self.unacked == 0
                 and self.running == 0 and self.retrying == 0)
 
     def to_json(self) -> dict[str, object]:

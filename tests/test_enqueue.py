@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from producer.localfarm import LocalFarm
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.faults import running_farm
+from worker import keys
 
 
 def _record(i: int, tag: str = "", with_id: bool = True) -> dict[str, object]:
@@ -192,3 +195,10 @@ def test_index_is_rebuilt_from_disk_after_redis_lost_it(tmp_path: Path, tiny_mod
         assert (status["total"], status["done"], status["finished"]) == (12, 12, True)
         assert farm.cli("status", "--check").returncode == 0
         assert all(c.final_path(farm.output_dir, f"s-{i:04d}").exists() for i in range(12))
+        # And each relearnt sample is done when its file was written, not when it was relearnt
+        r = farm.redis()
+        [done_key] = r.scan_iter(f"{keys.PREFIX}:*:{keys.DONE}")
+        at = dict(r.zrange(done_key, 0, -1, withscores=True))
+        for i in range(12):
+            path = c.final_path(farm.output_dir, f"s-{i:04d}")
+            assert at[f"s-{i:04d}".encode()] == pytest.approx(path.stat().st_mtime)

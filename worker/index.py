@@ -172,14 +172,17 @@ class RunIndex:
         p.execute()
 
     @_redis_errors
-    def mark_done_many(self, done: dict[str, tuple[int, int]]) -> None:
-        """``mark_done`` for many samples (key -> (bytes, tokens)), a batch per round trip."""
-        items = list(done.items())
+    def mark_done_many(self, done: dict[str, tuple[int, int]],
+                       at: dict[str, float] | None = None) -> None:
+        """``mark_done`` for many samples (key -> (bytes, tokens)), a batch per round trip;
+        ``at``: when each was done (its file's mtime, when relearnt from the disk), so the
+        run's history and rate do not see thousands finish in one instant."""
+        items, now, at = list(done.items()), time.time(), at or {}
         for i in range(0, len(items), 1000):
             batch = dict(items[i : i + 1000])
             names = list(batch)
             p = self.r.pipeline(transaction=False)
-            p.zadd(self.k(keys.DONE), dict.fromkeys(names, time.time()))
+            p.zadd(self.k(keys.DONE), {k: at.get(k, now) for k in names})
             p.hset(self.k(keys.BYTES), mapping={k: v[0] for k, v in batch.items()})
             p.hset(self.k(keys.TOKENS), mapping={k: v[1] for k, v in batch.items()})
             for name in (keys.RUNNING, keys.FAILED, keys.RETRYING, keys.STALE):
@@ -336,8 +339,15 @@ class RunIndex:
 
     @_redis_errors
     def next_publication(self) -> int:
-        """A fresh number for one ``enqueue`` or ``requeue`` call: part of its task ids."""
-        return int(self.r.hincrby(self.k(keys.META), "publications", 1))
+        """A fresh number for one ``enqueue`` or ``requeue`` call: part of its task ids.
+
+        The count starts at the current time in ms, so a run whose Redis lost its data
+        does not publish under numbers (hence task ids) a monitor's history already holds.
+        """
+        p = self.r.pipeline()
+        p.hsetnx(self.k(keys.META), "publications", int(time.time() * 1000))
+        p.hincrby(self.k(keys.META), "publications", 1)
+        return int(p.execute()[1])
 
     @_redis_errors
     def set_meta(self, **fields: Any) -> None:
