@@ -81,16 +81,26 @@ check_install() {
   if ! command -v "$PY" >/dev/null; then
     bad "PYTHON=$PY is not a command: set PYTHON to SGLang's python"; return
   fi
-  local out
-  out=$("$PY" -m sglang_patch verify 2>&1) || true
-  if [ -z "$out" ]; then out="FAIL  verify: $PY -m sglang_patch verify printed nothing"; fi
+  # verify's verdict is its stdout (PASS/FAIL lines) and its exit code; what a library
+  # prints on stderr (a FutureWarning at import, say) is shown, not taken for a failure
+  local out err rc=0 said_fail=0
+  err=$(mktemp)
+  out=$("$PY" -m sglang_patch verify 2>"$err") || rc=$?
   while IFS= read -r line; do
     case "$line" in
       "PASS  "*) ok "${line#PASS  }" ;;
-      "FAIL  "*) bad "${line#FAIL  }" ;;
-      *) bad "$line" ;;
+      "FAIL  "*) bad "${line#FAIL  }"; said_fail=1 ;;
+      "") ;;
+      *) warn "verify: $line" ;;
     esac
   done <<<"$out"
+  while IFS= read -r line; do
+    if [ -n "$line" ]; then warn "verify (stderr): $line"; fi
+  done <"$err"
+  rm -f "$err"
+  if [ "$rc" -ne 0 ] && [ "$said_fail" -eq 0 ]; then
+    bad "verify: $PY -m sglang_patch verify exited with $rc (its output above)"
+  fi
 }
 
 unit_of() {  # the systemd unit (or container scope) of a pid, from its cgroup

@@ -236,6 +236,34 @@ def test_launcher_dry_run_checks_everything_and_starts_and_removes_nothing(
         shutil.rmtree(dumps)
 
 
+@pytest.mark.parametrize("verify_rc", [0, 1])
+def test_launcher_takes_verifys_verdict_not_its_stderr(tmp_path: Path, tiny_model: Path,
+                                                       verify_rc: int) -> None:
+    """A library's warning on stderr (torch's pynvml FutureWarning on GPU hosts) is shown, not
+    taken for a failure; a verify that fails without a FAIL line still fails. SGLang's python
+    is a stand-in here (SGLang is not in this venv): it answers ``-m sglang_patch verify``
+    and hands everything else to this python."""
+    fake = tmp_path / "python"
+    said = 'echo "PASS  sglang version: 0.5.23"' if verify_rc == 0 else "true"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'if [ "$*" = "-m sglang_patch verify" ]; then\n'
+        "  echo 'FutureWarning: The pynvml package is deprecated' >&2\n"
+        f"  {said}\n"
+        f"  exit {verify_rc}\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
+                    FARM_SERVER_URL="http://127.0.0.1:9", TP="1", PYTHON=str(fake))
+    out = sh("ops/launch-sglang.sh", "--dry-run", env=env).stdout
+    assert "WARN  verify (stderr): FutureWarning: The pynvml package is deprecated" in out, out
+    if verify_rc == 0:
+        assert "OK    sglang version: 0.5.23" in out and "FAIL  verify" not in out, out
+    else:
+        assert f"FAIL  verify: {fake} -m sglang_patch verify exited with 1" in out, out
+
+
 def test_launcher_dry_run_without_a_model_dir_or_a_port(tmp_path: Path) -> None:
     env = clean_env(FARM_MODEL_PATH=str(tmp_path / "none"), PYTHON=sys.executable,
                     FARM_SERVER_URL="http://127.0.0.1")
