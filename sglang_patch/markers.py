@@ -16,6 +16,7 @@ fields) is **unknown** and left alone: a live server's marker is never removed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -132,11 +133,32 @@ def remove_dead(dump_dir: Path) -> list[Marker]:
     """Remove the markers of dead processes (never an alive or unknown one); what went."""
     gone = []
     for m in markers(dump_dir):
-        # a new process that got the same pid may have just replaced it: judge what is there
-        if m.state == DEAD and _contents(m.path) == m.info:
-            m.path.unlink(missing_ok=True)
+        if m.state == DEAD and _take_if_unchanged(m):
             gone.append(m)
     return gone
+
+
+def _take_if_unchanged(m: Marker) -> bool:
+    """Remove ``m.path`` only if it still holds ``m.info``, race-free against a new process
+    that got the same pid and writes its own marker (``os.replace``) at the same moment.
+
+    The marker is first renamed aside (atomic: what is moved is whatever was there at that
+    instant), then judged; a live marker moved by mistake goes back with ``link``, which
+    fails, harmlessly, when its writer has meanwhile written it again.
+    """
+    aside = m.path.with_name(f"{m.path.name}{c.TMP_MARK}dead.{os.getpid()}")
+    try:
+        os.rename(m.path, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        if _contents(aside) == m.info:
+            return True
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, m.path)
+        return False
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 def _contents(path: Path) -> object:

@@ -3,6 +3,7 @@ reused), and that only those are ever removed. Real processes write every marker
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -61,6 +62,27 @@ def test_dead_live_reused_and_legacy_markers(tmp_path: Path) -> None:
     assert res.stdout.endswith(f"ready markers in {tmp_path}: 4, of dead processes: 2, "
                                "removed: 2\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, legacy.name])
+
+
+def test_a_marker_rewritten_by_a_new_process_after_it_was_judged_dead_stays(
+        tmp_path: Path) -> None:
+    # Given a dead server's marker, judged dead
+    dead = _marker_of_dead_process(tmp_path)
+    [judged] = mk.markers(tmp_path)
+    assert judged.state == mk.DEAD
+    # When a new server that got the same pid writes its marker before the removal runs
+    fresh = {**judged.info, "start_ticks": "999", "time": time.time()}
+    tmp = dead.with_name(f"{dead.name}{c.TMP_MARK}")
+    tmp.write_text(json.dumps(fresh))
+    os.replace(tmp, dead)
+    # Then the removal leaves the new marker in place, and nothing else behind
+    assert not mk._take_if_unchanged(judged)
+    assert json.loads(dead.read_text()) == fresh
+    assert [p.name for p in tmp_path.iterdir()] == [dead.name]
+    # And a marker still as judged goes
+    [again] = mk.markers(tmp_path)
+    assert mk._take_if_unchanged(dataclasses.replace(again, info=fresh))
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
