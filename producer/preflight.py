@@ -24,9 +24,9 @@ import redis
 
 from sglang_patch import contracts as c
 from sglang_patch.verify import check_marker, sglang_missing
-from worker import broker
+from worker import broker, weights
 from worker.client import ServerClient
-from worker.errors import FarmError
+from worker.errors import ConfigError, FarmError
 from worker.fingerprint import compute_fingerprint, resolve_model_path
 from worker.index import RunIndex
 from worker.settings import Settings
@@ -337,6 +337,38 @@ def check_plugin(sglang_python: str | None) -> list[Line]:
 
 # --- the whole check ---------------------------------------------------------------------------
 
+def check_weights(settings: Settings) -> Line:
+    """The checkpoint in FARM_MODEL_PATH against the identity the run recorded (the check a
+    worker makes before it sends anything), so a swapped or truncated checkpoint shows here."""
+    manifest = settings.output_dir / MANIFEST
+    try:
+        recorded = json.loads(manifest.read_text()).get("weights")
+    except FileNotFoundError:
+        return ok(f"weights: no run in {settings.output_dir} yet; the first worker records "
+                  "the checkpoint's identity")
+    except (OSError, ValueError, AttributeError) as e:
+        return fail(f"weights: {manifest} is unreadable ({e})")
+    if not isinstance(recorded, dict):
+        return warn("weights: the run records no weights identity (started by an older "
+                    "hsfarm); only the canary guards the served model")
+    if not settings.model_path:
+        return warn("weights: FARM_MODEL_PATH is not set, so the checkpoint cannot be checked "
+                    f"here against the run's identity {recorded.get('id')}")
+    try:
+        current = weights.weights_identity(Path(settings.model_path))
+    except (ConfigError, OSError) as e:
+        return fail(f"weights: {e}")
+    unknown = weights.incomparable(recorded, current)
+    if unknown:
+        return warn(f"weights: cannot be compared here ({unknown}); the canary guards the "
+                    "served model")
+    why = weights.mismatch(recorded, current, Path(settings.model_path))
+    if why:
+        return fail(f"weights: {why}")
+    return ok(f"weights: {settings.model_path} is the run's checkpoint (identity "
+              f"{recorded.get('id')}, {len(current['shards'])} shards)")
+
+
 def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
     lines: list[Line] = []
     env_loaded = any(k == "REDIS_URL" or k.startswith("FARM_") for k in env)
@@ -353,6 +385,7 @@ def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
         except redis.RedisError as e:
             why, run = f"the run index cannot be read ({e})", None
     lines.append(check_run(run, why))
+    lines.append(check_weights(settings))
     lines.append(check_output_disk(settings, run))
     lines += check_dump_dir(settings, run)
     lines.append(check_hook(settings))

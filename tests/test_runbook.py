@@ -299,3 +299,20 @@ def test_preflight_sizes_the_output_disk_to_the_remaining_samples(
                      r"done\) \+ the reserve of [\d.,]+ GiB: [\d.]+ MB short", line.group(0))
     assert short.rc == 1
     assert re.search(r"^OK    output disk .*the 4 remaining samples need", enough.out, re.M)
+
+
+def test_preflight_checks_the_checkpoint_against_the_runs_weights_identity(
+        farm: LocalFarm, tiny_model: Path) -> None:
+    from sglang_patch.tiny_model import ensure_tiny_model
+
+    # Given the run's own checkpoint, then another of the same config (a "fine-tune")
+    right = run_here(farm, "ops/preflight.sh", FARM_MODEL_PATH=str(tiny_model))
+    other = ensure_tiny_model(CACHE, seed=1)
+    wrong = run_here(farm, "ops/preflight.sh", FARM_MODEL_PATH=str(other))
+    # Then preflight says which one the run came from, and fails the other naming the fix
+    assert re.search(rf"^OK    weights: {re.escape(str(tiny_model))} is the run's checkpoint",
+                     right.out, re.M), right.out
+    assert re.search(rf"^FAIL  weights: the weights in {re.escape(str(other))} are not the "
+                     r"checkpoint this run's hidden states came from .*sampled bytes differ",
+                     wrong.out, re.M), wrong.out
+    assert wrong.rc == 1
