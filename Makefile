@@ -21,7 +21,7 @@ TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
 TDATA := .trainer-data
 
 .PHONY: demo test test-farm test-sglang test-live test-trainers trainer-data build-side-venvs \
-	lint system-deps clean
+	lint system-deps test-system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,13 +29,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# System packages: redis-server (the broker), strace (the live TP=2 test watches which rank
-# writes), chromium (tests/test_dashboard.py renders the dashboard headless). Installed only
-# where missing.
+# System packages, installed only where missing: redis-server (the broker) for everything;
+# for the tests also strace (the live TP=2 test watches which rank writes) and chromium
+# (tests/test_dashboard.py renders the dashboard headless), which the demo does not need.
 system-deps:
-	@command -v redis-server >/dev/null && command -v strace >/dev/null && \
-		command -v chromium >/dev/null || \
-		{ apt-get update -qq && apt-get install -y -qq redis-server strace chromium; }
+	@command -v redis-server >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq redis-server; }
+
+test-system-deps: system-deps
+	@command -v strace >/dev/null && command -v chromium >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq strace chromium; }
 
 demo: $(STAMP) system-deps
 	$(PY) -m producer demo
@@ -104,7 +107,7 @@ test: lint
 
 build-side-venvs: $(SGSTAMP) $(TRAINER_STAMPS)
 
-test-farm: $(STAMP) system-deps
+test-farm: $(STAMP) test-system-deps
 	$(PY) -m pytest
 
 # tests/sglang has its own conftest; --confcutdir keeps the farm's out of that venv.
@@ -114,7 +117,7 @@ test-sglang: $(SGSTAMP)
 
 # Live SGLang servers (python -m sglang.launch_server in $(SGVENV)) driven from the farm's
 # venv, as a worker drives them: tests/live. HSFARM_SGLANG_PYTHON picks another server python.
-test-live: $(STAMP) $(SGSTAMP) system-deps
+test-live: $(STAMP) $(SGSTAMP) test-system-deps
 	$(PY) -m pytest -o addopts=-ra -p no:cacheprovider tests/live
 
 clean:

@@ -81,7 +81,7 @@ def chromium(url: str, out: Path, *args: str) -> subprocess.CompletedProcess[str
     """Headless Chromium on ``url`` with a fresh profile; ``args``: --dump-dom, --screenshot."""
     exe = shutil.which("chromium")
     if exe is None:
-        pytest.skip("chromium is not installed (make system-deps installs Debian's chromium)")
+        pytest.skip("chromium is not installed (make test-system-deps installs Debian's chromium)")
     profile = tempfile.mkdtemp(dir=out, prefix="chromium-")
     return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
                            "--virtual-time-budget=10000", *args, url],
