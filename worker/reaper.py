@@ -43,6 +43,7 @@ log = logging.getLogger("hsfarm.reaper")
 # Forget an owner entry only while it still names that owner (another worker may own the tag
 # by now: the same message, delivered again).
 ORPHAN_AGE_S = 60.0
+DELIVERY_SETTLE_S = 2.0  # a delivery this fresh may not have recorded its owner yet
 _FORGET = "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then " \
           "return redis.call('HDEL', KEYS[1], ARGV[1]) else return 0 end"
 
@@ -87,11 +88,30 @@ def reap(app: Celery, r: redis.Redis, held: set[str]) -> int:
             why = f"gone worker {owner}"
         else:
             continue
+        if not _still_theirs(r, tag, owner):
+            continue
         _restore(app, tag)
         forget(r, tag, owner)
         returned += 1
         log.warning("returned message %s of %s to the queue", tag, why)
     return returned
+
+
+def _still_theirs(r: redis.Redis, tag: str, owner: str) -> bool:
+    """Read again just before restoring: is the message still ``owner``'s delivery?
+
+    Between the reading of the owners and now, another reaper may have restored it and a live
+    worker received it again (same delivery tag): kombu records that delivery a few ms before
+    the receiver records itself as the owner, and restoring it would put a second copy of a
+    running sample in the queue. A delivery younger than ``DELIVERY_SETTLE_S`` is left to the
+    next round, when its owner is known.
+    """
+    p = r.pipeline(transaction=False)
+    p.hget(keys.OWNERS, tag)
+    p.zscore(keys.KOMBU_UNACKED_INDEX, tag)
+    current, delivered_at = p.execute()
+    return (current is not None and _text(current) == owner and delivered_at is not None
+            and time.time() - float(delivered_at) >= DELIVERY_SETTLE_S)
 
 
 def _return_orphans(app: Celery, r: redis.Redis, owners: dict[str, str]) -> int:
