@@ -76,13 +76,17 @@ def _one_kill(farm: LocalFarm, rng: random.Random, stats: dict[str, int],
 
 def _recovery_s(farm: LocalFarm, kill: MainKill) -> float:
     """Seconds from a main-process kill until its last sample started again (or was found
-    done), from the workers' timeline logs."""
+    done), from the workers' timeline logs. An attempt has started once it holds the
+    sample's lease: a pool process of the next worker can itself be SIGKILLed by the run a
+    few ms later, before it logs the tokenization (seen once: that is a pool kill's
+    recovery, not the main kill's)."""
     logs = "".join(p.log.read_text() for n, p in farm.procs.items() if n.startswith("w"))
     worst = 0.0
     for key in kill.keys:
+        k = re.escape(key)
         starts = [datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                  for m in re.finditer(rf"^(\S+ \S+) \S+ \S+ \S+ {re.escape(key)} "
-                                       r"(a\d+ tokenized|already done)", logs, re.M)]
+                  for m in re.finditer(rf"^(\S+ \S+) \S+ \S+ \S+ (?:{k} (?:a\d+ tokenized|already "
+                                       rf"done)|took over \S+:lease:{k} from)", logs, re.M)]
         after = [t - kill.at for t in starts if t > kill.at]
         worst = max(worst, min(after) if after else math.inf)
     return worst
