@@ -37,7 +37,12 @@ def test_sigkill_pool_process_mid_request(tmp_path: Path, tiny_model: Path) -> N
         wait_finished(farm, 24)
         # Then every sample, the killed ones too, has exactly one verified file
         assert_farm_invariants(farm, keys)
-        assert all(attempts(farm)[k] >= 2 for k in killed), (killed, attempts(farm))
+        # And each killed sample was extracted again, or (the kill landed after its file was
+        # written, before the acknowledgement) its redelivery found the file whole
+        logs = "".join(farm.procs[w].log.read_text() for w in ("w1", "w2"))
+        for k in killed:
+            assert attempts(farm)[k] >= 2 or f" {k} already done (verified from disk)" in logs, \
+                (k, attempts(farm))
         assert "WorkerLostError" in farm.procs["w1"].log.read_text()
 
 
