@@ -161,9 +161,13 @@ class CanaryCheck:
         self.last_ok = -math.inf
         self.forced_at = time.time()
 
-    def due(self) -> bool:
+    def due(self, epoch: tuple[tuple[str, int], ...] | None = None) -> bool:
+        """``epoch``: the server's markers when the caller has just read them (one dump-dir
+        scan per sample, not two)."""
+        if epoch is None:
+            epoch = server_epoch(self.settings.dump_dir)
         return (time.monotonic() - self.last_ok >= self.settings.canary_interval_s
-                or server_epoch(self.settings.dump_dir) != self.epoch)
+                or epoch != self.epoch)
 
     async def run(self, client: ServerClient) -> Outcome:
         """Record the canary (first worker of the run) or compare with the recording.
@@ -270,7 +274,7 @@ class CanaryCheck:
         me = liveness.identity()
         try:
             kind, at = _parse_verdict(r.get(key))
-            if kind != VERDICT_MISMATCH and not self.due():
+            if kind != VERDICT_MISMATCH and not self.due(epoch):
                 return None
             if kind == VERDICT_OK and at >= self.forced_at:
                 self.last_ok, self.epoch = time.monotonic(), epoch
