@@ -214,14 +214,18 @@ class LocalFarm:
                 and any(self.dump_dir.glob(".ready.*")))
 
     def start_worker(self, name: str, concurrency: int = 2, extra: list[str] | None = None,
-                     wait: bool = True, python: str = sys.executable) -> Proc:
-        """A ``celery -A worker worker`` of ``python`` (another venv's, to test an install)."""
-        argv = [python, "-m", "celery", "-A", "worker", "worker", "-n", f"{name}@%h",
-                "-c", str(concurrency), "--loglevel", "INFO", "-P", "prefork",
+                     wait: bool = True, python: str = sys.executable,
+                     prefix: list[str] | None = None) -> Proc:
+        """A ``celery -A worker worker`` of ``python`` (another venv's, to test an install);
+        ``prefix``: a command that runs it (``unshare --pid --fork --mount-proc``: another
+        pid namespace, as in a container)."""
+        argv = [*(prefix or []), python, "-m", "celery", "-A", "worker", "worker",
+                "-n", f"{name}@%h", "-c", str(concurrency), "--loglevel", "INFO", "-P", "prefork",
                 "--without-gossip", "--without-mingle", *(extra or [])]
         proc = self._start(name, argv, self._farm_env())
-        if wait:
-            wait_until(lambda: self._worker_ready(proc, concurrency), 120, f"worker {name}")
+        if wait:  # under a prefix, the pool processes are not the started process's children
+            wait_until(lambda: self._worker_ready(proc, 0 if prefix else concurrency), 120,
+                       f"worker {name}")
         return proc
 
     def _farm_env(self) -> dict[str, str]:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from producer.localfarm import LocalFarm, wait_until
+import aiohttp
+from aiohttp import web
+
+from producer.localfarm import LocalFarm, free_port, wait_until
 from tests.conftest import CACHE, FAST_ENV, write_samples
 from worker import keys
 
@@ -114,3 +119,72 @@ def can_mount_tmpfs(tmp_path: Path) -> bool:
             return True
     except (subprocess.CalledProcessError, FileNotFoundError, PermissionError):
         return False
+
+
+class FlakyProxy:
+    """An HTTP proxy in front of the server, run on a thread of the test process, that fails
+    ``/generate`` requests in a fixed pattern while ``flaky``: of every four, the second is
+    answered 500 without reaching the server, and the fourth reaches it under a rid the hook
+    does not dump (the server answers 200; no dump ever appears). Everything else passes.
+
+    Any three requests sent at once include a failing one.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.flaky = True
+        self.generates = 0
+        self.failed = {"500": 0, "no dump": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flaky-proxy",
+                                        daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def __enter__(self) -> FlakyProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        app = web.Application(client_max_size=1 << 28)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if request.path == "/generate" and self.flaky:
+            n, self.generates = self.generates, self.generates + 1
+            if n % 4 == 1:
+                self.failed["500"] += 1
+                return web.json_response({"error": {"message": "injected server error"}},
+                                         status=500)
+            if n % 4 == 3:
+                self.failed["no dump"] += 1
+                req = json.loads(body)
+                req["rid"] = f"withheld-{req.get('rid')}"
+                body = json.dumps(req).encode()
+        assert self._session is not None
+        async with self._session.request(request.method, self.upstream + request.path_qs,
+                                         data=body, headers={"Content-Type": "application/json"}
+                                         ) as resp:
+            data = await resp.read()
+            return web.Response(body=data, status=resp.status,
+                                content_type=resp.content_type)

@@ -19,10 +19,19 @@ from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
-from tests.faults import enqueue, failed, run_hash, running_farm
+from tests.faults import (
+    FlakyProxy,
+    attempts,
+    enqueue,
+    failed,
+    kill,
+    run_hash,
+    running_farm,
+    text,
+)
 from worker import canary as cn
-from worker import keys, tensorfile
-from worker.canary_check import CanaryCheck, server_epoch
+from worker import keys, liveness, tensorfile
+from worker.canary_check import CanaryCheck, Outcome, server_epoch
 from worker.client import ServerClient
 from worker.errors import ConfigError
 from worker.fingerprint import compute_fingerprint
@@ -159,6 +168,63 @@ def test_processes_of_a_host_share_the_verdict(tmp_path: Path, tiny_model: Path)
         farm.close(kill=True)
 
 
+class _Mismatching(CanaryCheck):
+    """A check whose server computes other states (the seam: what ``run`` finds)."""
+
+    async def run(self, client: ServerClient) -> Outcome:
+        return Outcome(False, "CANARY MISMATCH: ...", "canary mismatch: worst final: max rel "
+                       "err 166%: restore the server's model, or start a new FARM_OUTPUT_DIR")
+
+
+def _gone_identity() -> str:
+    """The identity an exited process of this machine had."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "from worker import liveness; print(liveness.identity())"],
+                            stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    return out.strip()
+
+
+def test_a_mismatch_shows_as_the_mismatch_and_a_dead_checkers_lock_is_taken_over(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """Real Redis, no server: the check's outcome is the seam."""
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+    try:
+        farm.start_redis()
+        settings = farm.settings()
+        settings.dump_dir.mkdir(parents=True)
+        fp = compute_fingerprint(settings, tiny_model)
+        first = _Mismatching(settings, settings.output_dir, tiny_model, fp, "w", lambda t: [])
+        other = CanaryCheck(settings, settings.output_dir, tiny_model, fp, "w", lambda t: [])
+        r, loop = farm.redis(), asyncio.new_event_loop()
+        client = ServerClient(settings.server_url, 5)
+        _, lock = first._keys(server_epoch(settings.dump_dir))
+        # Given a process of the host that found the server computing other states
+        assert "canary mismatch" in str(first.problem(client, loop, r))
+        # When another process checks again now (the lock held by a live process)
+        r.set(lock, f"{liveness.identity()}#checking")
+        why = str(other.problem(client, loop, r))
+        # Then the others' pause says the mismatch and its fix, not that someone checks
+        assert "canary mismatch" in why and "restore the server's model" in why, why
+        # Given the process checking the canary died holding the lock
+        r.set(lock, f"{_gone_identity()}#checking")
+        # Then the next process takes the lock over at once and checks (here: no server)
+        assert "could not be checked" in str(other.problem(client, loop, r))
+        assert r.get(lock) is None
+        # And a lock whose holder cannot be judged (an older worker's) is left to expire
+        r.set(lock, f"{liveness.HOST}:1:1", px=1500)
+        assert "canary mismatch" in str(other.problem(client, loop, r))
+        time.sleep(1.6)
+        assert "could not be checked" in str(other.problem(client, loop, r))
+        loop.run_until_complete(client.close())
+        loop.close()
+    finally:
+        farm.close(kill=True)
+
+
 # --- the farm --------------------------------------------------------------------------------
 
 def test_server_on_other_weights_pauses_the_farm_and_loses_nothing(
@@ -243,3 +309,62 @@ def test_other_checkpoint_is_refused_by_its_identity_before_any_request(
         wait_until(lambda: farm.cli("audit", "--data", data).returncode == 0, 90,
                    "audit to find every file whole")
         assert tensorfile.header_metadata(path)["weights_id"] != "0123456789abcdef"
+
+
+def test_a_flaky_server_slows_the_farm_but_never_stops_it(tmp_path: Path) -> None:
+    """Of every four requests, one is answered 500 and one never dumps (``FlakyProxy``)."""
+    with running_farm(tmp_path, env={"FARM_DUMP_TIMEOUT_S": "3"}) as farm, \
+            FlakyProxy(farm.env()["FARM_SERVER_URL"]) as proxy:
+        farm.extra_env["FARM_SERVER_URL"] = proxy.url
+        # Given a worker starting behind the flaky server: it records the run's canary
+        w1 = farm.start_worker("w1", concurrency=1, wait=False)
+        wait_until(lambda: " ready." in w1.log.read_text(), 60, "w1 to start consuming")
+        # When samples are queued
+        first = enqueue(farm, tmp_path, 4)
+        wait_finished(farm, 4, timeout_s=120)
+        # And a second worker starts behind it: it compares with the recording
+        w2 = farm.start_worker("w2", concurrency=1, wait=False)
+        wait_until(lambda: " ready." in w2.log.read_text(), 60, "w2 to start consuming")
+        # Then both passed the canary through the faults, and every sample is done
+        assert proxy.failed["500"] and proxy.failed["no dump"], proxy.failed
+        assert "recorded the run's canary" in w1.log.read_text()
+        assert "canary passed" in w2.log.read_text()
+        assert_farm_invariants(farm, first)
+        # And no HTTP session was left unclosed on any path
+        for w in (w1, w2):
+            w.stop()
+            log = w.log.read_text()
+            assert "Unclosed client session" not in log and "ResourceWarning" not in log, \
+                log[-3000:]
+
+
+def test_a_canary_checker_killed_holding_the_lock_stalls_its_host_seconds_not_minutes(
+        tmp_path: Path) -> None:
+    # Given a worker whose processes re-check the canary every second
+    with running_farm(tmp_path, env={"FARM_CANARY_INTERVAL_S": "1"}) as farm:
+        w1 = farm.start_worker("w1", concurrency=3)
+        r = farm.redis()
+        samples = enqueue(farm, tmp_path, 12)
+        # When a pool process is SIGKILLed right after taking the host's canary lock
+        pids: list[int] = []
+
+        def locked() -> bool:
+            for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.CANARY_LOCK}:*"):
+                holder = r.get(k)
+                if holder is not None:
+                    pids.append(int(text(holder).split("#")[0].split(":")[1]))
+                    return True
+            return False
+
+        wait_until(locked, 60, "a process to take the canary lock", poll_s=0.002)
+        kill(pids[0])
+        killed_at = time.monotonic()
+        assert pids[0] in w1.children()
+        # Then the host works again within seconds: every sample done, none failed
+        wait_finished(farm, 12, timeout_s=40)
+        took_s = time.monotonic() - killed_at
+        assert_farm_invariants(farm, samples)
+        assert max(attempts(farm).values()) <= 2
+        log = w1.log.read_text()
+        assert "took over" in log and "canary-lock" in log, log[-3000:]
+        print(f"12 samples finished {took_s:.1f}s after the lock holder's kill")
