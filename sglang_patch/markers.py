@@ -25,41 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_patch import contracts as c
+from sglang_patch.process_identity import boot_id, pid_namespace, start_ticks
 
 DEAD, ALIVE, UNKNOWN = "dead", "alive", "unknown"
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def start_ticks(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot); None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat.rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
-    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
-
-
-def pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
 
 
 def process_identity() -> dict[str, object]:
     """Who this process is, in the terms ``state`` checks: what a marker records."""
     pid = os.getpid()
     return {"pid": pid, "start_ticks": start_ticks(pid) or "",
-            "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_namespace(),
+            "boot_id": boot_id(), "pid_ns": pid_namespace(),
             "host": socket.gethostname()}
 
 

@@ -221,15 +221,16 @@ def test_startup_cleans_stale_files_but_not_outputs(tmp_path: Path, tiny_model: 
         wait_finished(farm, 3)
         farm.procs["w1"].stop()
         # Given leftovers of a crashed run: a temp file of a dead writer, an old dump
-        import socket
         import subprocess
         import sys
+
+        from worker import liveness
 
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
         shard = c.final_path(farm.output_dir, "zz").parent
         shard.mkdir(parents=True, exist_ok=True)
-        stale = shard / f".zz.safetensors{c.TMP_MARK}{socket.gethostname()}.{dead.pid}.ab12"
+        stale = shard / f".zz.safetensors{c.TMP_MARK}{liveness.temp_tag('ab12', dead.pid)}"
         stale.write_bytes(b"half a file")
         old_dump = farm.dump_dir / f"{c.make_rid('gone', 1, 5)}.safetensors"
         old_dump.write_bytes(b"x")

@@ -26,7 +26,7 @@ def _gone_identity() -> str:
     """The identity of a process of this host that has exited."""
     proc = subprocess.Popen(["true"])
     proc.wait()
-    return f"{liveness.HOST}:{proc.pid}:1"
+    return f"{liveness.HOST}:{proc.pid}:1:{liveness.MACHINE}"
 
 
 def test_status_without_server_cleans_stale_entries_and_explains(tmp_path: Path,

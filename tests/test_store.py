@@ -98,19 +98,25 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
     store.write("done", _tensors(), {M_CONTENT: "h"})
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    import socket
+    from worker import liveness
 
-    host = socket.gethostname()
     shard = store.final_path("x").parent
     shard.mkdir(parents=True, exist_ok=True)
-    stale = shard / f".x.safetensors{c.TMP_MARK}{host}.{dead.pid}.abcd1234"
-    live = shard / f".y.safetensors{c.TMP_MARK}{host}.{os.getpid()}.abcd1234"
-    stale.write_bytes(b"partial")
-    live.write_bytes(b"in progress")
+    stale = shard / f".x.safetensors{c.TMP_MARK}{liveness.temp_tag('abcd1234', dead.pid)}"
+    live = shard / f".y.safetensors{c.TMP_MARK}{liveness.temp_tag('abcd1234')}"
+    # and, with the same dead pid: one of another machine (boot or pid namespace) of our
+    # hostname, and one of an older version, whose name does not say where it was written
+    elsewhere = shard / (f".z.safetensors{c.TMP_MARK}{liveness.HOST}.m0123456789abcdef-1."
+                         f"{dead.pid}.abcd1234")
+    older = shard / f".w.safetensors{c.TMP_MARK}{liveness.HOST}.{dead.pid}.abcd1234"
+    for p in (stale, live, elsewhere, older):
+        p.write_bytes(b"partial")
     # When cleaning at start-up
     assert store.clean_stale_temp(max_age_s=3600) == 1
-    # Then only the dead writer's temp file is gone
-    assert not stale.exists() and live.exists()
+    # Then only the dead writer's temp file of this machine is gone; the others wait for
+    # their age
+    assert not stale.exists() and live.exists() and elsewhere.exists() and older.exists()
+    assert store.clean_stale_temp(max_age_s=0) == 3
     store.verify("done", "h")
 
 

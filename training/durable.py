@@ -1,23 +1,23 @@
 """Durable writes for the training side: temp → fsync → rename → fsync(dir), as the store does.
 
-Temp names carry ``host.pid.random`` after the farm's temp mark, so the store's cleanup (and a
-resumed export) can tell a dead writer's temp file from a live one's.
+Temp names carry the writer's ``liveness.temp_tag`` after the farm's temp mark, so the store's
+cleanup (and a resumed export) can tell a dead writer's temp file from a live one's.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from pathlib import Path
 
 from sglang_patch import contracts as c
+from worker import liveness
 from worker.store import fsync_dir
 
 
 def tmp_for(final: Path) -> Path:
     """A temp path beside ``final``."""
-    tag = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tag = liveness.temp_tag(uuid.uuid4().hex[:8])  # as the store's temps
     return final.with_name(f".{final.name}{c.TMP_MARK}{tag}")
 
 

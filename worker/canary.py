@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import checksums, diskio, tensorfile
+from worker import checksums, diskio, liveness, tensorfile
 from worker.errors import ConfigError, Corrupt, Transient
 
 FILE = "canary.safetensors"
@@ -109,7 +109,7 @@ def record(out_dir: Path, canaries: list[Canary], meta: dict[str, str]) -> bool:
     sums = {k: checksums.tensor_checksum(np.ascontiguousarray(t.array).data)
             for k, t in tensors.items()}
     body = {**meta, "prompts": str(len(canaries)), **checksums.checksum_metadata(sums)}
-    tag = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tag = liveness.temp_tag(uuid.uuid4().hex[:8])  # as the store's temps
     tmp = out_dir / f".{FILE}{c.TMP_MARK}{tag}"
     try:
         tensorfile.write(tmp, tensors, body)

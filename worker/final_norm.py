@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import struct
 import uuid
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import tensorfile
+from worker import liveness, tensorfile
 from worker.errors import ConfigError
 
 FILE = "final_norm.safetensors"
@@ -135,7 +134,7 @@ def write_final_norm(out_dir: Path, norm: FinalNorm, checksums: dict[str, str]) 
     path = out_dir / FILE
     if path.exists():
         return path
-    tag = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"  # as the store's temps
+    tag = liveness.temp_tag(uuid.uuid4().hex[:8])  # as the store's temps
     tmp = out_dir / f".{FILE}{c.TMP_MARK}{tag}"
     meta = {M_SOURCE_NAME: norm.source_name, M_CONFIG_SHA: norm.config_sha256,
             M_EPS: repr(norm.rms_norm_eps), **checksums}

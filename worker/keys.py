@@ -22,7 +22,7 @@ ATTEMPTS = "attempts"  # sample_key -> attempts spent (refunded when the environ
 TRIES = "tries"  # sample_key -> requests sent: numbers each rid, so none is ever reused
 META = "meta"  # hash: created_at, last enqueue, ...
 MALFORMED = "malformed"  # list (bounded) of refused task messages, JSON {reason, at}
-PAUSED = "paused"  # host:pid -> JSON {reason, at}: a process waiting out a condition
+PAUSED = "paused"  # process identity -> JSON {reason, at}: a process waiting out a condition
 LEASE = "lease"  # LEASE:<sample_key> -> owner of the attempt running it (string, with TTL)
 ENQUEUE_LOCK = "enqueue-lock"  # held by the one enqueue running for this run
 # CANARY:<host, dump dir, server start> -> "ok" (TTL FARM_CANARY_INTERVAL_S) or "mismatch":
@@ -32,7 +32,7 @@ CANARY = "canary"
 CANARY_LOCK = "canary-lock"
 
 # --- the workers themselves (not per run: kombu's unacked messages are global) ----------------
-OWNERS = f"{PREFIX}:owners"  # hash delivery tag -> owner id (host:pid:nonce of a worker)
+OWNERS = f"{PREFIX}:owners"  # hash delivery tag -> owner id (liveness.identity())
 HEARTBEAT = f"{PREFIX}:heartbeat"  # HEARTBEAT:<owner id> -> "1", with a TTL: the owner lives
 
 

@@ -7,8 +7,8 @@ still runs, two producers, a dead worker's message returned by the reaper), and 
 deletes earlier attempts' dumps and writes the sample's final file. So every attempt first
 takes the sample's lease: ``SET NX`` with a TTL, renewed by a thread while the attempt runs.
 A second attempt waits, holding its message, until the lease is free; it takes a lease over
-only from a holder that is gone (on this host: its process no longer runs; elsewhere: it
-stopped renewing, so its TTL ran out).
+only from a holder that is gone (on this machine, same boot and pid namespace: its process no
+longer runs; elsewhere, whatever its hostname: it stopped renewing, so its TTL ran out).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def holder(r: redis.Redis, name: str) -> str | None:
 
 
 def try_acquire(r: redis.Redis, name: str, ttl_s: float) -> Lease | str:
-    """The lease, or who holds it now. A holder gone from this host is taken over."""
+    """The lease, or who holds it now. A holder gone from this machine is taken over."""
     token = f"{liveness.identity()}#{uuid.uuid4().hex[:12]}"
     ttl_ms = int(ttl_s * 1000)
     if r.set(name, token, nx=True, px=ttl_ms):

@@ -1,35 +1,69 @@
-"""Who is alive: a process identity that survives pid reuse, and how to tell it is gone.
+"""Who is alive: a process identity unique per machine, and when our own /proc can tell it is gone.
 
-An identity is ``host:pid:start`` (``start``: the process's start time in clock ticks since
-boot, from ``/proc``). A process on this host is gone when no process has that pid with that
-start time; a process on another host cannot be checked from here, so callers pair this with
-a heartbeat or a TTL.
+An identity is ``host:pid:start:machine``: ``start`` is the process's start time in clock
+ticks since boot, ``machine`` is where that pid means something, the boot id and the pid
+namespace (``<boot id, 16 hex>-<pid namespace inode>``, as ``sglang_patch.process_identity``
+reads them). A hostname names no machine: two containers with host networking, or two VMs
+cloned from one image, share it.
+
+A process is judged gone from here only when its identity names this machine (same boot, same
+pid namespace) and no process has its pid with its start time. A process anywhere else, or an
+identity that does not say where it ran (``host:pid:start``, written by an older version), is
+never judged from our /proc: callers take its liveness from a heartbeat or a TTL in Redis
+(the reaper's worker heartbeats, a lease's renewals).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+from dataclasses import dataclass
 from functools import cache
 
+from sglang_patch import process_identity as pi
+
 HOST = socket.gethostname()
+_MACHINE_RE = re.compile(r"[0-9a-f]{16}-\d+")
 
 
-def _start_ticks(pid: int) -> str | None:
-    """The process's start time, or None when it is gone (a zombie is gone: it runs no more,
-    its parent just has not collected its exit status yet)."""
-    try:
-        stat = open(f"/proc/{pid}/stat", "rb").read()  # noqa: SIM115 (tiny, read at once)
-    except OSError:
-        return None
-    # after the command name (which may hold spaces and parentheses): state, ..., starttime
-    fields = stat.rsplit(b")", 1)[1].split()
-    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+def _machine() -> str:
+    """``<boot id>-<pid ns inode>``, or "" where the kernel does not tell both."""
+    boot = pi.boot_id().replace("-", "").lower()[:16]
+    ns = pi.pid_namespace_inode(pi.pid_namespace())
+    machine = f"{boot}-{ns}"
+    return machine if _MACHINE_RE.fullmatch(machine) else ""
+
+
+MACHINE = _machine()  # a pool process shares its parent's boot and pid namespace
+
+
+@dataclass(frozen=True)
+class Identity:
+    host: str
+    pid: int
+    start: str
+    machine: str  # "" for an identity of the older form, which does not say
+
+    @classmethod
+    def parse(cls, ident: str) -> Identity | None:
+        """Either form, or None when ``ident`` is neither (then nothing is judged)."""
+        parts = ident.rsplit(":", 3)
+        if len(parts) == 4 and _MACHINE_RE.fullmatch(parts[3]):
+            host, pid, start, machine = parts
+        elif len(parts) == 3:
+            (host, pid, start), machine = parts, ""
+        else:
+            return None
+        try:
+            return cls(host, int(pid), start, machine)
+        except ValueError:
+            return None
 
 
 @cache
 def _identity_of(pid: int) -> str:
-    return f"{HOST}:{pid}:{_start_ticks(pid) or 0}"
+    return f"{HOST}:{pid}:{pi.start_ticks(pid) or 0}:{MACHINE or 'unknown'}"
 
 
 def identity() -> str:
@@ -37,14 +71,32 @@ def identity() -> str:
     return _identity_of(os.getpid())
 
 
-def host_of(ident: str) -> str:
-    return ident.rsplit(":", 2)[0]
+def on_this_machine(ident: str) -> bool:
+    """True when ``ident`` names a process whose pid our /proc can look up."""
+    who = Identity.parse(ident)
+    return who is not None and bool(MACHINE) and who.machine == MACHINE
 
 
 def gone_here(ident: str) -> bool:
-    """True when ``ident`` names a process of this host that no longer runs."""
+    """True when ``ident`` names a process of this machine that no longer runs."""
+    who = Identity.parse(ident)
+    return (who is not None and on_this_machine(ident)
+            and pi.start_ticks(who.pid) != who.start)
+
+
+def temp_tag(nonce: str, pid: int | None = None) -> str:
+    """The writer's part of a temp file's name: ``host.m<machine>.pid.nonce``."""
+    return f"{HOST}.m{MACHINE or 'unknown'}.{os.getpid() if pid is None else pid}.{nonce}"
+
+
+def temp_writer_gone(tag: str) -> bool:
+    """True when a temp file's ``temp_tag`` names a process of this machine that is gone.
+
+    Older names (``host.pid.nonce``) do not say on which machine they were written: never
+    gone here (their age decides)."""
     try:
-        host, pid, start = ident.rsplit(":", 2)
-        return host == HOST and _start_ticks(int(pid)) != start
+        host, machine, pid, _ = tag.rsplit(".", 3)
+        return (host == HOST and bool(MACHINE) and machine == f"m{MACHINE}"
+                and pi.start_ticks(int(pid)) is None)
     except ValueError:
         return False

@@ -10,7 +10,8 @@ it cannot tell a dead consumer from a slow one. We can:
   (``hsfarm:owners``), and forgets it once the message is acknowledged or handed back
   (``OwnedRequest``, the task's Request class);
 - every interval, each worker looks at the owners: a message whose owner is gone (a process
-  of this host that no longer runs, or a heartbeat that expired) goes back to the front of
+  of this machine that no longer runs, or, for one of another machine or pid namespace,
+  whatever its hostname, a heartbeat that expired) goes back to the front of
   the queue through kombu's own ``restore_by_tag`` (WATCH/MULTI on the unacked hash, so a
   concurrent acknowledgement wins and nothing is restored twice). A gone owner cannot
   acknowledge late;
@@ -58,7 +59,10 @@ def beat(r: redis.Redis, settings: Settings) -> None:
 
 
 def is_gone(r: redis.Redis, owner: str) -> bool:
-    if liveness.host_of(owner) == liveness.HOST:
+    """A worker of this machine: its process no longer runs. Anywhere else (another boot or
+    pid namespace, whatever its hostname), or an identity that does not say where it ran:
+    its heartbeat expired."""
+    if liveness.on_this_machine(owner):
         return liveness.gone_here(owner)
     return not r.exists(heartbeat_key(owner))
 

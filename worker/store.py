@@ -16,7 +16,6 @@ import errno
 import json
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import checksums, diskio, final_norm, tensorfile, weights
+from worker import checksums, diskio, final_norm, liveness, tensorfile, weights
 from worker.errors import ConfigError, Corrupt, NoSpace, Transient
 from worker.finalfile import Part, read_back, write_parts
 from worker.semantics import tensor_semantics
@@ -81,8 +80,8 @@ fsync_dir = diskio.fsync_dir
 
 
 def _tmp_tag() -> str:
-    """host.pid.random: lets start-up cleanup tell a crashed writer's temp from a live one's."""
-    return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    """Who writes: lets start-up cleanup tell a crashed writer's temp from a live one's."""
+    return liveness.temp_tag(uuid.uuid4().hex[:8])
 
 
 class OutputStore:
@@ -294,8 +293,8 @@ class OutputStore:
     def clean_stale_temp(self, max_age_s: float) -> int:
         """Remove temp files left by crashed writers; never touch finished files.
 
-        A temp file is stale when its writer (same host) is no longer alive, or it is older
-        than ``max_age_s`` (writers on other hosts sharing the directory).
+        A temp file is stale when its writer (a process of this machine) is no longer alive,
+        or it is older than ``max_age_s`` (writers on other machines sharing the directory).
         """
         removed = 0
         for p in self.out_dir.rglob(f"*{c.TMP_MARK}*"):
@@ -311,22 +310,9 @@ class OutputStore:
 
 
 def _writer_dead(name: str) -> bool:
-    """True if a temp file's name says it was written by a process on this host now gone."""
-    try:
-        host, pid, _ = name.split(c.TMP_MARK, 1)[1].rsplit(".", 2)
-        return host == socket.gethostname() and not _pid_alive(int(pid))
-    except (IndexError, ValueError):
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """True if a temp file's name says it was written by a process of this machine now gone."""
+    parts = name.split(c.TMP_MARK, 1)
+    return len(parts) == 2 and liveness.temp_writer_gone(parts[1])
 
 
 @contextmanager

@@ -1,0 +1,56 @@
+"""Which process this is, in terms that hold across machines: pid, start time, boot, pid namespace.
+
+A pid names a process only within one pid namespace of one boot of one kernel, and pids are
+reused. So a process is named by its pid and start time (clock ticks since boot, from
+``/proc``), and where that pid means something: the boot id
+(``/proc/sys/kernel/random/boot_id``, new at every boot and different on every machine, clones
+of one image included) and the pid namespace (``/proc/self/ns/pid``: containers on one kernel
+differ here). Only a process of the same boot and pid namespace can be looked up in our
+``/proc``; for any other, ``/proc`` says nothing.
+
+Shared by the server side (ready markers) and the farm (worker liveness); imports nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot); None when it is gone or a zombie
+    (it runs no more; its parent just has not collected its exit status yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+def boot_id() -> str:
+    """This boot's id (a UUID), or "" where the kernel does not say."""
+    return _read("/proc/sys/kernel/random/boot_id")
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace as the kernel names it (``pid:[4026531836]``), or ""."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def pid_namespace_inode(name: str) -> str:
+    """The inode number of a pid namespace name (``pid:[4026531836]`` → ``4026531836``)."""
+    m = re.fullmatch(r"pid:\[(\d+)\]", name)
+    return m.group(1) if m else ""
