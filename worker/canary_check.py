@@ -6,6 +6,15 @@ in the dump dir changed: it restarted), and every ``FARM_CANARY_INTERVAL_S``. A 
 pauses consumption: the start-up check waits, and a task holds its message and waits
 (``waits.until_clear``), so messages stay queued and nothing is marked failed; the check is
 repeated every ``FARM_PAUSE_POLL_S`` and work resumes once the server's model is restored.
+
+A mismatch is only ever what the comparison finds. A prompt whose request fails (a 5xx, a
+dump that never comes, a damaged dump) is sent again with backoff, up to ``PROMPT_TRIES``
+times, while the other prompts go on: a flaky server makes the check slower, not failed. A
+check that still cannot finish is "could not be checked", never a mismatch, and is repeated.
+
+The processes of a host take turns through a lock in Redis, a lease (``lease.py``): its value
+names the holder, so a holder that died on this machine is taken over at the next poll, and
+one elsewhere when it stops renewing (``FARM_CANARY_LOCK_TTL_S``).
 """
 
 from __future__ import annotations
@@ -29,30 +38,31 @@ import redis
 from sglang_patch import contracts as c
 from worker import canary as cn
 from worker import keys, liveness, tensorfile
+from worker import lease as leases
 from worker.client import ServerClient
 from worker.dumps import wait_for_dump
-from worker.errors import ConfigError, Corrupt
+from worker.errors import ConfigError, Corrupt, ServerUnavailable, Transient
 from worker.settings import Settings
 
 log = logging.getLogger("hsfarm.canary")
 Encode = Callable[[str], list[int]]
-CHECK_LOCK_S = 300  # one process of a host checks at a time; a dead one's lock expires
-VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"  # stored as b"<kind>:<time the check began>"
-_RELEASE_LOCK = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
-                 "return redis.call('DEL', KEYS[1]) else return 0 end")
+PROMPT_TRIES = 5  # requests per canary prompt within one check, with backoff between
+# stored as b"<kind>:<time the check began>:<what a person reads>"
+VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"
 
 
-def _parse_verdict(raw: bytes | str | None) -> tuple[bytes | None, float]:
-    """(kind, when its check began); (None, 0) when there is none."""
+def _parse_verdict(raw: bytes | str | None) -> tuple[bytes | None, float, str]:
+    """(kind, when its check began, its summary); (None, 0, "") when there is none."""
     if not raw:
-        return None, 0.0
+        return None, 0.0, ""
     if isinstance(raw, str):
         raw = raw.encode()
-    kind, _, at = raw.partition(b":")
+    kind, _, rest = raw.partition(b":")
+    at, _, why = rest.partition(b":")
     try:
-        return kind, float(at)
+        return kind, float(at), why.decode(errors="replace")
     except ValueError:
-        return kind, 0.0
+        return kind, 0.0, why.decode(errors="replace")
 
 
 @dataclass(frozen=True)
@@ -93,14 +103,20 @@ def read_rows(path: Path, ids: list[int], rows: np.ndarray) -> tuple[np.ndarray,
 
 
 async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]],
-                  rows: list[np.ndarray], timeout_s: float) -> list[tuple[np.ndarray,
-                                                                        dict[str, str]]]:
+                  rows: list[np.ndarray], timeout_s: float, *, tries: int = PROMPT_TRIES,
+                  backoff_s: float = 2.0, backoff_max_s: float = 60.0,
+                  ) -> list[tuple[np.ndarray, dict[str, str]]]:
     """Send every canary prompt at once (batched, as samples are) and read their dumps.
 
+    A prompt whose request or dump fails is sent again after ``backoff_s`` (doubling, at most
+    ``backoff_max_s``), up to ``tries`` times, under a new rid. When one prompt fails for good
+    the others are cancelled and awaited: nothing of the check outlives it.
+
     Raises:
-        ServerUnavailable, Transient, Corrupt, NoSpace: as for a sample.
+        ServerUnavailable: the server is down or its hook inactive (not retried here).
+        Transient, Corrupt, NoSpace: a prompt failed ``tries`` times.
     """
-    async def one(i: int) -> tuple[np.ndarray, dict[str, str]]:
+    async def once(i: int) -> tuple[np.ndarray, dict[str, str]]:
         key = f"_hsfarm_canary{i}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         rid = c.make_rid(key, 1, len(prompts[i]))
         try:
@@ -111,7 +127,28 @@ async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]]
             c.dump_path(dump_dir, rid).unlink(missing_ok=True)
             c.err_path(dump_dir, rid).unlink(missing_ok=True)
 
-    return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+    async def one(i: int) -> tuple[np.ndarray, dict[str, str]]:
+        for t in range(1, tries + 1):
+            try:
+                return await once(i)
+            except ServerUnavailable:
+                raise  # the caller waits for the server; a retry here would only wait longer
+            except (Transient, Corrupt) as e:
+                if t >= tries:
+                    raise
+                delay_s = min(backoff_s * 2 ** (t - 1), backoff_max_s)
+                log.info("canary prompt %d: %s: %s; sending it again in %.1fs (try %d of %d)",
+                         i, type(e).__name__, e, delay_s, t + 1, tries)
+                await asyncio.sleep(delay_s)
+        raise AssertionError("unreachable")  # the last try returns or raises
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def server_epoch(dump_dir: Path) -> tuple[tuple[str, int], ...]:
@@ -147,8 +184,9 @@ class CanaryCheck:
     _said: float = field(default=-math.inf, repr=False)
 
     def _keys(self, epoch: tuple[tuple[str, int], ...]) -> tuple[str, str]:
-        where = hashlib.sha256(json.dumps([liveness.HOST, str(self.settings.dump_dir),
-                                           epoch]).encode()).hexdigest()[:16]
+        where = hashlib.sha256(json.dumps([liveness.HOST, liveness.MACHINE,
+                                           str(self.settings.dump_dir), epoch]).encode()
+                               ).hexdigest()[:16]
         return (keys.run_key(self.fingerprint.id, f"{keys.CANARY}:{where}"),
                 keys.run_key(self.fingerprint.id, f"{keys.CANARY_LOCK}:{where}"))
 
@@ -191,7 +229,8 @@ class CanaryCheck:
         prompts = cn.prompt_ids(self.encode, chunk, self.fingerprint.max_tokens)
         rows = [cn.sample_rows(len(p), chunk) for p in prompts]
         got = await extract(client, self.settings.dump_dir, prompts, rows,
-                            self.settings.dump_timeout_s)
+                            self.settings.dump_timeout_s, backoff_s=self.settings.retry_backoff_s,
+                            backoff_max_s=self.settings.retry_backoff_max_s)
         canaries = [cn.Canary(np.asarray(p, dtype=np.int64), r, s)
                     for p, r, (s, _) in zip(prompts, rows, got, strict=True)]
         meta = cn.recording_meta(self.fingerprint, self.weights_id,
@@ -207,7 +246,9 @@ class CanaryCheck:
         recorded, meta = cn.load(self.out_dir)
         prompts = [r.input_ids.tolist() for r in recorded]
         got = await extract(client, self.settings.dump_dir, prompts,
-                            [r.rows for r in recorded], self.settings.dump_timeout_s)
+                            [r.rows for r in recorded], self.settings.dump_timeout_s,
+                            backoff_s=self.settings.retry_backoff_s,
+                            backoff_max_s=self.settings.retry_backoff_max_s)
         problems = []
         served = json.loads(got[0][1].get(c.M_LAYERS, "[]"))
         wanted = json.loads(meta.get(c.M_LAYERS, "[]"))
@@ -267,22 +308,26 @@ class CanaryCheck:
         The processes of one host share their verdict through Redis (per server start): a
         pass holds for one interval, so after a restart sixteen pool processes do not each put
         the long canary's dump in tmpfs at once (one checks at a time); a mismatch makes every
-        process check before its next sample, not at its own next interval.
+        process check before its next sample, not at its own next interval, and those
+        waiting for the lock meanwhile give the mismatch as their reason.
         """
         epoch = server_epoch(self.settings.dump_dir)
         key, lock_key = self._keys(epoch)
-        me = liveness.identity()
         try:
-            kind, at = _parse_verdict(r.get(key))
+            kind, at, why = _parse_verdict(r.get(key))
             if kind != VERDICT_MISMATCH and not self.due(epoch):
                 return None
             if kind == VERDICT_OK and at >= self.forced_at:
                 self.last_ok, self.epoch = time.monotonic(), epoch
                 return None
-            if not r.set(lock_key, me, nx=True, ex=CHECK_LOCK_S):
-                return "the canary is being checked by another process of this host"
+            lock = leases.try_acquire(r, lock_key, self.settings.canary_lock_ttl_s)
         except redis.RedisError as e:
             return f"the canary could not be checked: Redis: {e}"
+        if not isinstance(lock, leases.Lease):
+            if kind == VERDICT_MISMATCH:  # what holds the host up, while one process re-checks
+                return why or ("canary mismatch (found by another process of this host): "
+                               "restore the server's model, or start a new FARM_OUTPUT_DIR")
+            return "the canary is being checked by another process of this host"
         started = time.time()
         limit_s = max(1.0, deadline - time.monotonic() - 1.0)
         try:
@@ -294,11 +339,10 @@ class CanaryCheck:
         except Exception as e:  # anything else: wait and check again, never run samples
             return f"the canary could not be checked: {type(e).__name__}: {e}"
         finally:
-            with contextlib.suppress(redis.RedisError):  # only our own lock
-                r.eval(_RELEASE_LOCK, 1, lock_key, me)
+            lock.release()
+        verdict = VERDICT_OK if outcome.passed else VERDICT_MISMATCH
         with contextlib.suppress(redis.RedisError):
-            r.set(key, (VERDICT_OK if outcome.passed else VERDICT_MISMATCH)
-                  + b":" + repr(started).encode(),
+            r.set(key, b":".join([verdict, repr(started).encode(), outcome.summary.encode()]),
                   ex=max(1, int(self.settings.canary_interval_s)) if outcome.passed else 86400)
         if outcome.passed:
             log.info("%s", outcome.text)

@@ -23,9 +23,13 @@ class ServerClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """The one session; a closed client opens no new one (nothing would close it)."""
+        if self._closed:
+            raise aiohttp.ClientConnectionError("the client was closed")
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=self.timeout, json_serialize=lambda o: orjson.dumps(o).decode()
@@ -33,6 +37,7 @@ class ServerClient:
         return self._session
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
 

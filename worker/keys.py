@@ -25,9 +25,9 @@ MALFORMED = "malformed"  # list (bounded) of refused task messages, JSON {reason
 PAUSED = "paused"  # process identity -> JSON {reason, at}: a process waiting out a condition
 LEASE = "lease"  # LEASE:<sample_key> -> owner of the attempt running it (string, with TTL)
 ENQUEUE_LOCK = "enqueue-lock"  # held by the one enqueue running for this run
-# CANARY:<host, dump dir, server start> -> "ok" (TTL FARM_CANARY_INTERVAL_S) or "mismatch":
-# the last canary verdict of that host's processes against that server; CANARY_LOCK: one
-# process checks at a time
+# CANARY:<host, machine, dump dir, server start> -> "ok" (TTL FARM_CANARY_INTERVAL_S) or
+# "mismatch", with its summary: the last canary verdict of that host's processes against that
+# server; CANARY_LOCK: a lease (lease.py), one process checks at a time
 CANARY = "canary"
 CANARY_LOCK = "canary-lock"
 

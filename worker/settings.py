@@ -56,6 +56,9 @@ class Settings:
     # layer: a token's relative error |new - recorded| / |recorded|, at most this (max over
     # tokens) and on average this (mean). Margins measured in docs/canary.md.
     canary_interval_s: float = 600.0
+    # One process of a host checks the canary at a time; a lock whose holder died elsewhere
+    # (another machine or pid namespace) is free after this (on this machine: at once)
+    canary_lock_ttl_s: float = 30.0
     canary_max_rel_err: float = 0.01
     canary_mean_rel_err: float = 0.0025
     # Host-wide admission (worker/admission.py), 0 = sized from the server and tmpfs: requests
@@ -99,6 +102,8 @@ class Settings:
             out.append(f"FARM_MAX_RECORD_BYTES must be >= 1024, not {self.max_record_bytes}")
         if self.canary_interval_s <= 0:
             out.append(f"FARM_CANARY_INTERVAL_S must be > 0, not {self.canary_interval_s}")
+        if self.canary_lock_ttl_s < 3:
+            out.append(f"FARM_CANARY_LOCK_TTL_S must be >= 3, not {self.canary_lock_ttl_s}")
         if not 0 < self.canary_mean_rel_err <= self.canary_max_rel_err:
             out.append("FARM_CANARY_MEAN_REL_ERR must be > 0 and at most FARM_CANARY_MAX_REL_ERR")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
