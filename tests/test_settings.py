@@ -33,6 +33,7 @@ def test_parsing_each_kind() -> None:
     ({"FARM_LAYERS_TO_CAPTURE": "1,2"}, "needs 3 ids"),
     ({"FARM_VISIBILITY_TIMEOUT_S": "100"}, "FARM_VISIBILITY_TIMEOUT_S must exceed"),
     ({"FARM_DUMP_TIMEOUT_S": "2000"}, "must exceed FARM_DUMP_TIMEOUT_S"),
+    ({"FARM_CANARY_LOCK_TTL_S": "1"}, "FARM_CANARY_LOCK_TTL_S must be >= 3"),
 ])
 def test_invalid_settings_say_what_is_wrong(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
