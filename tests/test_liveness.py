@@ -14,7 +14,8 @@ import pytest
 
 from producer.localfarm import wait_until
 from tests.conftest import assert_farm_invariants, wait_finished
-from tests.faults import attempts, enqueue, running_farm
+from tests.faults import attempts, enqueue, running_farm, text
+from worker import keys as reaper_keys
 from worker import liveness
 
 NEEDS_PID_NS = pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
@@ -67,7 +68,7 @@ def test_two_workers_of_one_hostname_in_two_pid_namespaces_take_nothing_from_eac
     # samples slow enough (2 s between a file's write and its rename) that each one's
     # messages are seen by the other's reaper, and its temp files by the other's start-up
     env = {"FARM_DEBUG_WRITE_DELAY_S": "2", "FARM_REAPER_INTERVAL_S": "1",
-           "FARM_HEARTBEAT_TTL_S": "3"}
+           "FARM_HEARTBEAT_TTL_S": "3", "FARM_LEASE_TTL_S": "5"}
     with running_farm(tmp_path, env=env) as farm:
         a = farm.start_worker("a", concurrency=2, prefix=IN_OTHER_PID_NS)
         keys = enqueue(farm, tmp_path, 16)
@@ -84,3 +85,14 @@ def test_two_workers_of_one_hostname_in_two_pid_namespaces_take_nothing_from_eac
         assert not any(thefts.values()) and spent == dict.fromkeys(keys, 1), (thefts, spent)
         # And every sample was extracted once, into exactly one verified file
         assert_farm_invariants(farm, keys)
+
+        # When one of them dies holding messages (SIGKILL of its whole pid namespace)
+        more = enqueue(farm, tmp_path, 6, start=16)
+        r = farm.redis()
+        wait_until(lambda: len({text(o) for o in r.hvals(reaper_keys.OWNERS)}) == 2, 60,
+                   "both workers to hold messages")
+        a.kill_group()
+        # Then the other returns them once a's heartbeat has expired, and runs them
+        wait_finished(farm, 22, timeout_s=90)
+        assert "returned message" in b.log.read_text()
+        assert_farm_invariants(farm, keys + more)
