@@ -64,6 +64,30 @@ print(sorted(m for m in ("celery", "kombu", "redis") if m in sys.modules))""")
     assert res.stdout.strip() == "[]"
 
 
+def test_python_m_training_indexes_and_exports_without_the_farms_libraries(
+        out: Path, tmp_path: Path) -> None:
+    # Given an interpreter where Celery, kombu, redis and transformers cannot be imported (a
+    # trainer's machine with hsfarm[training] only)
+    blocked = ("celery", "kombu", "redis", "transformers")
+    run = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); sys.argv[0] = 'x'; "
+           "import runpy; runpy.run_module('training', run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+
+    def training(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", run, *args], capture_output=True,
+                              text=True, timeout=120, env=env)
+
+    # When it indexes and exports with `python -m training`
+    res = training("index", "--from", str(out), "--no-progress")
+    assert res.returncode == 0 and f"indexed: {N} samples" in res.stdout, res.stderr
+    res = training("export", "--to", "modelopt", str(tmp_path / "mo"), "--from", str(out),
+                   "--no-progress")
+    # Then both run, as the producer's commands do
+    assert res.returncode == 0 and f"exported: {N} samples" in res.stdout, res.stderr
+    res = training("export", "--to", "modelopt", str(tmp_path / "x"), "--from", str(tmp_path))
+    assert res.returncode == 2 and "not an hsfarm output dir" in res.stderr
+
+
 def test_manifest_records_semantics_and_the_final_norm(out: Path) -> None:
     m = json.loads((out / "manifest.json").read_text())
     assert m["tensors"]["aux_layers_sglang"] == [2, 4, 5]
