@@ -1,10 +1,10 @@
 """Tests run by each trainer's own venv (.venv-specforge, .venv-modelopt, .venv-speculators).
 
-Those venvs have the trainer, torch and safetensors, and none of the farm: the data comes
-from ``make trainer-data`` (``python -m tests.training_data``), real farm output of the tiny
-model, exported to every trainer's container by ``python -m producer export``. Our own files
-are read here with safetensors alone, so "ours" is what the farm wrote, not what our loader
-says.
+Those venvs have the trainer, torch and safetensors, and ``hsfarm[training]`` installed beside
+it as a user would (no Celery, Redis or the farm's transformers): the data comes from
+``make trainer-data`` (``python -m tests.training_data``), real farm output of the tiny model,
+exported to every trainer's container by the farm's export. Our own files are read here with
+safetensors alone, so "ours" is what the farm wrote, not what our loader says.
 """
 
 from __future__ import annotations
