@@ -13,9 +13,10 @@ SGVENV ?= .venv-sglang
 SGSTAMP := $(SGVENV)/.installed
 
 # One venv per trainer (specforge, modelopt, speculators), each with that trainer's PyPI release
-# and CPU torch 2.13.0 from local disk; their tests read .trainer-data, real farm output
-# exported to each trainer's container by `make trainer-data` (in .venv: the trainers' venvs
-# have no Celery or Redis).
+# and CPU torch 2.13.0 from local disk, then hsfarm[training] installed beside it as a user
+# would (its tests check that this left the trainer's transformers as it pins it); their tests
+# read .trainer-data, real farm output exported to each trainer's container by
+# `make trainer-data` (in .venv: the trainers' venvs have no Celery or Redis).
 TRAINERS := specforge modelopt speculators
 TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
 TDATA := .trainer-data
@@ -58,38 +59,43 @@ $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	$(SGVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-.venv-specforge/.installed: Makefile
+.venv-specforge/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-specforge
 	.venv-specforge/bin/pip install -q --upgrade pip
 	.venv-specforge/bin/pip install -q torch==2.13.0 transformers==5.8.1 datasets safetensors \
 		pyyaml pydantic psutil numpy accelerate pytest pytest-timeout
 	.venv-specforge/bin/pip install -q --no-deps specforge==0.2.0
+	.venv-specforge/bin/pip install -q '.[training]'
 	touch $@
 
-.venv-modelopt/.installed: Makefile
+# accelerate: transformers' Trainer, which its example's main.py trains with.
+.venv-modelopt/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-modelopt
 	.venv-modelopt/bin/pip install -q --upgrade pip
-	.venv-modelopt/bin/pip install -q torch==2.13.0 nvidia-modelopt==0.47.0 'transformers<5.15' \
+	.venv-modelopt/bin/pip install -q torch==2.13.0 nvidia-modelopt==0.47.0 'transformers<5.15' accelerate \
 		requests pytest pytest-timeout
+	.venv-modelopt/bin/pip install -q '.[training]'
 	touch $@
 
 # speculators pulls torchvision/torchaudio builds for another torch; it imports neither.
-.venv-speculators/.installed: Makefile
+.venv-speculators/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-speculators
 	.venv-speculators/bin/pip install -q --upgrade pip
 	echo torch==2.13.0 > .venv-speculators/torch-pin.txt
 	.venv-speculators/bin/pip install -q -c .venv-speculators/torch-pin.txt torch==2.13.0 \
 		speculators==0.9.0 pytest pytest-timeout
 	.venv-speculators/bin/pip uninstall -q -y torchvision torchaudio
+	.venv-speculators/bin/pip install -q '.[training]'
 	touch $@
 
 trainer-data: $(STAMP) system-deps
 	$(PY) -m tests.training_data $(TDATA) 16
 
-# Each trainer's tests in its own venv; tests/trainers has its own conftest.
+# Each trainer's tests in its own venv; tests/trainers has its own conftest. PYTHONPATH: this
+# tree's training/ before the copy the venv was built with.
 test-trainers: $(TRAINER_STAMPS) $(TDATA)/.complete
 	for t in $(TRAINERS); do \
-		PYTHONWARNINGS=ignore .venv-$$t/bin/python -m pytest -p no:cacheprovider \
+		PYTHONPATH=$(CURDIR) PYTHONWARNINGS=ignore .venv-$$t/bin/python -m pytest -p no:cacheprovider \
 			--confcutdir tests/trainers tests/trainers/test_$$t.py || exit 1; \
 	done
 

@@ -64,6 +64,30 @@ print(sorted(m for m in ("celery", "kombu", "redis") if m in sys.modules))""")
     assert res.stdout.strip() == "[]"
 
 
+def test_python_m_training_indexes_and_exports_without_the_farms_libraries(
+        out: Path, tmp_path: Path) -> None:
+    # Given an interpreter where Celery, kombu, redis and transformers cannot be imported (a
+    # trainer's machine with hsfarm[training] only)
+    blocked = ("celery", "kombu", "redis", "transformers")
+    run = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); sys.argv[0] = 'x'; "
+           "import runpy; runpy.run_module('training', run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+
+    def training(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", run, *args], capture_output=True,
+                              text=True, timeout=120, env=env)
+
+    # When it indexes and exports with `python -m training`
+    res = training("index", "--from", str(out), "--no-progress")
+    assert res.returncode == 0 and f"indexed: {N} samples" in res.stdout, res.stderr
+    res = training("export", "--to", "modelopt", str(tmp_path / "mo"), "--from", str(out),
+                   "--no-progress")
+    # Then both run, as the producer's commands do
+    assert res.returncode == 0 and f"exported: {N} samples" in res.stdout, res.stderr
+    res = training("export", "--to", "modelopt", str(tmp_path / "x"), "--from", str(tmp_path))
+    assert res.returncode == 2 and "not an hsfarm output dir" in res.stderr
+
+
 def test_manifest_records_semantics_and_the_final_norm(out: Path) -> None:
     m = json.loads((out / "manifest.json").read_text())
     assert m["tensors"]["aux_layers_sglang"] == [2, 4, 5]
@@ -313,3 +337,178 @@ def test_bf16_rounding_and_the_prenorm_state_equal_torchs() -> None:
     wt = torch.from_numpy(w)
     want = bf16_bits(torch.where(wt == 0, 0.0, x / torch.where(wt == 0, 1.0, wt)))
     assert np.array_equal(prenorm_bf16(hidden, w), want)
+
+
+def _re_extract(path: Path) -> None:
+    """Replace a final file as a re-extraction of a fixed record would: same key and size, new
+    hidden states, their checksums recorded (written aside, then renamed over, as the store)."""
+    from worker import checksums as ck
+    from worker import tensorfile
+
+    tf = tensorfile.read(path)
+    arrays = {k: t.array.copy() for k, t in tf.tensors.items()}
+    arrays[c.T_HIDDEN][0, :4] ^= 0x0001  # a different extraction, bit for bit
+    meta = {**tf.metadata, **ck.checksum_metadata(
+        {k: ck.tensor_checksum(np.ascontiguousarray(a).data) for k, a in arrays.items()})}
+    tmp = path.with_name(path.name + ".fixed")
+    tensorfile.write(tmp, {k: tensorfile.Tensor(t.dtype, arrays[k])
+                           for k, t in tf.tensors.items()}, meta)
+    os.replace(tmp, path)
+
+
+def _hidden_of(path: Path) -> np.ndarray:
+    return np.asarray(load_file(str(path))[c.T_HIDDEN].view(torch.int16).numpy())
+
+
+def test_a_changed_source_is_exported_again_and_deleted_only_once_its_bytes_are(
+        out: Path, tmp_path: Path) -> None:
+    # Given an export to SpecForge, then one sample re-extracted (a fixed record: new bytes,
+    # same size)
+    dest = tmp_path / "sf"
+    assert export(out, "specforge", dest).exported == N
+    victim = sorted(index.sample_files(out))[3]
+    _re_extract(victim)
+    fixed = _hidden_of(victim)
+    # When exported again with --delete-source
+    again = export(out, "specforge", dest, delete_source=True)
+    # Then the fixed sample is exported again, its new bytes are what DEST holds, and its
+    # source is gone only now that they are
+    assert (again.exported, again.skipped, again.failed) == (1, N - 1, [])
+    got = torch.load(dest / "samples" / victim.parent.name / f"{victim.stem}.ckpt",
+                     weights_only=True)["hidden_state"][0]
+    assert np.array_equal(got.view(torch.int16).numpy(), fixed)
+    assert again.deleted_sources == N and not victim.exists()
+
+
+def test_a_damaged_destination_is_found_and_rewritten(out: Path, tmp_path: Path) -> None:
+    # Given an export, then one byte flipped in one exported file's hidden states
+    dest = tmp_path / "mo"
+    assert export(out, "modelopt", dest).exported == N
+    victim = sorted(dest.rglob("*.pt"))[2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    # When exported again
+    again = export(out, "modelopt", dest)
+    # Then the damaged file is rewritten from its source and reads back as the source
+    assert (again.exported, again.skipped, again.failed) == (1, N - 1, [])
+    src = load_file(str(next(p for p in index.sample_files(out) if p.stem == victim.stem)))
+    got = torch.load(victim, weights_only=True)
+    assert torch.equal(got["hidden_states"], src[c.T_HIDDEN])
+
+
+def _speculators_rows(dest: Path) -> dict[int, str]:
+    """hs_{i} -> the sample key its file holds, read from the files themselves."""
+    from safetensors import safe_open
+
+    rows = {}
+    for p in (dest / "hidden_states").glob("hs_*.safetensors"):
+        with safe_open(str(p), framework="np") as f:
+            rows[int(p.stem[3:])] = f.metadata()["sample_key"]
+    return rows
+
+
+def test_a_missing_numbered_file_is_exported_again_in_place(out: Path, tmp_path: Path) -> None:
+    # Given a speculators export, then hs_5 removed
+    dest = tmp_path / "sp"
+    assert export(out, "speculators", dest).exported == N
+    before = _speculators_rows(dest)
+    (dest / "hidden_states" / "hs_5.safetensors").unlink()
+    # When exported again (twice)
+    again = export(out, "speculators", dest)
+    third = export(out, "speculators", dest)
+    # Then that sample is written again as hs_5: the rows stay 0..N-1, each key once
+    assert (again.exported, again.failed) == (1, [])
+    assert (third.exported, third.skipped, third.failed) == (0, N, [])
+    assert _speculators_rows(dest) == before
+    assert _arrow_rows(dest) == N
+
+
+def _arrow_rows(dest: Path) -> int:
+    import pyarrow as pa
+
+    from training.export.speculators_dataset import ARROW
+
+    with pa.OSFile(str(dest / ARROW)) as f:
+        return int(pa.ipc.open_stream(f).read_all().num_rows)
+
+
+def test_a_numbered_file_lost_with_its_source_is_reported_and_the_rows_closed_up(
+        out: Path, tmp_path: Path) -> None:
+    # Given a speculators export that deleted its sources, then hs_3 removed
+    dest = tmp_path / "sp"
+    assert export(out, "speculators", dest, delete_source=True).deleted_sources == N
+    lost = _speculators_rows(dest)[3]
+    (dest / "hidden_states" / "hs_3.safetensors").unlink()
+    # When exported again, through the CLI
+    res = subprocess.run([sys.executable, "-m", "producer", "export", "--to", "speculators",
+                          str(dest), "--from", str(out), "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    # Then it says which sample is lost and why, without a traceback (exit 1), and the other
+    # samples are rows 0..N-2, each once
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and f"failed {lost}:" in res.stdout
+    assert "source" in res.stdout
+    rows = _speculators_rows(dest)
+    assert sorted(rows) == list(range(N - 1)) and len(set(rows.values())) == N - 1
+    assert lost not in rows.values() and _arrow_rows(dest) == N - 1
+    ledger = [json.loads(x) for x in (dest / LEDGER).read_text().splitlines()]
+    live: dict[str, dict[str, object]] = {}
+    for e in ledger:
+        live.pop(e["key"], None) if e.get("removed") else live.__setitem__(e["key"], e)
+    assert {e["number"]: k for k, e in live.items()} == rows
+
+
+def test_two_exports_into_one_dest_at_once_lose_and_double_nothing(out: Path,
+                                                                 tmp_path: Path) -> None:
+    # Given two export processes with --delete-source into one DEST, started together
+    dest, go = tmp_path / "sp", tmp_path / "go"
+    code = f"""
+import sys, time
+from pathlib import Path
+from training.export.runner import export
+while not Path({str(go)!r}).exists():
+    time.sleep(0.01)
+try:
+    s = export(Path({str(out)!r}), "speculators", Path({str(dest)!r}), jobs=2,
+               delete_source=True, throttle_s=0.1)
+except Exception as e:
+    print("refused:", e)
+    sys.exit(3)
+print("exported", s.exported, "failed", s.failed)"""
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(2)]
+    time.sleep(3)  # both interpreters have imported and wait for the signal
+    go.touch()
+    results = [(p.wait(120), *p.communicate()) for p in procs]
+    # Then every sample is in DEST exactly once, as one row, and no source is left
+    rows = _speculators_rows(dest)
+    assert sorted(rows) == list(range(N)), results
+    assert len(set(rows.values())) == N, results
+    assert not list(index.sample_files(out)), results
+    lines = [json.loads(x) for x in (dest / LEDGER).read_text().splitlines()]
+    assert len(lines) == N and len({e["number"] for e in lines}) == N, (results, lines)
+    # And one export ran while the other said why it did not
+    assert sorted(rc for rc, _, _ in results) == [0, 3], results
+    assert any("another export" in o for _, o, _ in results), results
+
+
+def test_an_export_into_a_dest_in_use_refuses_with_the_reason(out: Path, tmp_path: Path) -> None:
+    import fcntl
+
+    from training.export.lock import LOCK_NAME
+
+    # Given a DEST whose lock another process holds
+    dest = tmp_path / "sf"
+    dest.mkdir()
+    with open(dest / LOCK_NAME, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        # When the CLI exports into it
+        res = subprocess.run([sys.executable, "-m", "producer", "export", "--to", "specforge",
+                              str(dest), "--from", str(out), "--no-progress"],
+                             capture_output=True, text=True, timeout=120)
+    # Then it exits 2 with the reason, having touched nothing
+    assert res.returncode == 2 and "another export" in res.stderr, res.stdout + res.stderr
+    assert not (dest / LEDGER).exists()

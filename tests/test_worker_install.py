@@ -1,5 +1,5 @@
-"""The worker package installed alone (no extras) into a fresh venv extracts a sample; without
-a library it needs, it stops with the fix and records no sample as rejected."""
+"""The worker package installed alone (its ``worker`` extra only) into a fresh venv extracts a
+sample; without a library it needs, it stops with the fix and records no sample as rejected."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ INSTALL_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``pip install <this project>`` into a new venv: the dependencies it declares, no more."""
+    """``pip install <this project>[worker]`` into a new venv: the dependencies it declares,
+    no more."""
     venv = tmp_path_factory.mktemp("worker-venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    res = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(ROOT)],
+    res = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"{ROOT}[worker]"],
                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     assert res.returncode == 0, res.stdout + res.stderr
     return venv / "bin" / "python"

@@ -7,6 +7,8 @@
 - ``views``: each trainer's key names and shapes for one sample (torch).
 - ``loader``: a ``torch.utils.data.Dataset`` over the output dir, zero-copy.
 - ``export``: streaming, verified, resumable export to SpecForge / Model-Optimizer / speculators.
+- ``cli`` / ``__main__``: the ``index`` and ``export`` commands (``python -m producer ...``, or
+  ``python -m training ...`` where only ``hsfarm[training]`` is installed).
 
 Imports the shared contracts and the worker's torch-free file-format code, never Celery or
 Redis: a trainer's machine has neither.

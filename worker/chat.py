@@ -29,8 +29,8 @@ from worker.samples import Sample
 # Rendered once at start-up: any chat template must accept a plain two-turn conversation.
 PROBE_CONVERSATION = ({"role": "user", "content": "Hello"},
                       {"role": "assistant", "content": "Hi there."})
-_ENGINE_FIX = ("install the worker's dependencies into its environment (pip install hsfarm; "
-               "chat templates need jinja2>=3.1.6)")
+_ENGINE_FIX = ("install the worker's dependencies into its environment "
+               "(pip install hsfarm[worker]; chat templates need jinja2>=3.1.6)")
 
 
 MIN_TOKENS = 2  # EAGLE-3 trainers shift by one; SpecForge's squeeze breaks on T = 1

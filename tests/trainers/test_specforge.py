@@ -1,10 +1,12 @@
 """SpecForge 0.2.0 reads our export with its own reader, store, normalizer and collator, and
-trains its EAGLE-3 draft model one step on it (CPU, .venv-specforge).
+its `specforge train` CLI trains its EAGLE-3 draft two steps on it (CPU, .venv-specforge):
+every row a step consumed is checked against our files after its shift.
 
 Patched, test harness only: SpecForge's loss is a Triton kernel (``LogSoftmaxLoss``, GPU
 only), and ``specforge.core.loss`` imports ``triton`` at module level. A stand-in ``triton``
 module lets it import; ``LogSoftmaxLoss.apply`` is replaced by the same math in torch (its own
-reference formula, ``_compute_loss``, without ``torch.compile``). Nothing else is touched.
+reference formula, ``_compute_loss``, without ``torch.compile``). Nothing else is replaced;
+the CLI test wraps (and runs unchanged) its strategy's ``forward_loss`` to see each batch.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainers.conftest import ours
+from tests.trainers.conftest import assert_in_place_equals_export, assert_training_extra_keeps, ours
 
 MAX_LEN = 40  # below the longest sample: SpecForge's truncation is exercised
+CLI_MAX_LEN = 64  # likewise, for the CLI's run (CPU steps of a few seconds)
 
 
 class _Anything(types.ModuleType):
@@ -120,39 +123,128 @@ def test_its_token_counts_equal_ours_and_it_loads_our_vocab_mapping(data: Path) 
         assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
 
 
-def test_one_training_step_of_its_eagle3_draft_model(data: Path) -> None:
-    # Given SpecForge's EAGLE-3 draft model (Llama, 1 layer) sized for the tiny target, over
-    # the full vocabulary (the random target's argmax tokens are rarely among the 64 most
-    # frequent answer tokens, which would mask every position), the target's LM head as the
-    # teacher head
-    from safetensors.torch import load_file
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
-    from transformers import LlamaConfig
+def _run_config(data: Path, tmp: Path) -> Path:
+    """A `specforge train` config for the export: its EAGLE-3 draft (Llama, 1 layer) sized
+    for the tiny target, over the full vocabulary (the random target's argmax tokens are
+    rarely among the most frequent answer tokens, which would mask every position).
 
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
-                         vocab_size=642, draft_vocab_size=642, target_hidden_size=64,
-                         rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=5)
-    draft = LlamaForCausalLMEagle3(config, attention_backend="sdpa")
-    head = load_file(str(data / "model" / "model.safetensors"))["lm_head.weight"]
-    model = OnlineEagle3Model(draft, length=3, attention_backend="sdpa")
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
-    before = {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
-    # When one step runs on a batch from SpecForge's own loader and collator
-    t = _batches(data, batch_size=2, max_len=2048)[0].tensors  # whole samples
-    assert t["loss_mask"].sum() > 0
-    plosses, *_ = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
-                        target=None, loss_mask=t["loss_mask"][..., None],  # as its strategy does
-                        hidden_states=t["hidden_state"].float(),
-                        target_hidden_for_compact=t["target"].float(),
-                        target_head_weight=head.float())
-    loss = sum(plosses) / len(plosses)
-    loss.backward()
-    optimizer.step()
-    # Then the loss is finite and the weights changed
-    assert torch.isfinite(loss) and loss.item() > 0
-    changed = [n for n, p in draft.named_parameters() if p.requires_grad
-               and not torch.equal(p.detach(), before[n])]
-    assert "fc.weight" in changed and len(changed) >= len(before) // 2, changed
+    Its ``TargetHead`` finds the LM head only through a ``*.safetensors.index.json``: the
+    target dir here links the tiny model's files and adds that index. DDP
+    (``fsdp_sharding: NO_SHARD``, its own choice for a replicated draft): its FSDP needs an
+    accelerator.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    model = tmp / "model"
+    model.mkdir()
+    for f in (data / "model").iterdir():
+        (model / f.name).symlink_to(f)
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    draft = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+             "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1,
+             "vocab_size": 642, "draft_vocab_size": 642, "target_hidden_size": 64,
+             "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "pad_token_id": 5,
+             "hidden_act": "silu", "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+             "tie_word_embeddings": False}
+    (tmp / "draft.json").write_text(json.dumps(draft))
+    run = {"model": {"target_model_path": str(model),
+                     "draft_model_config": str(tmp / "draft.json")},
+           "data": {"hidden_states_path": str(data / "specforge"), "max_length": CLI_MAX_LEN},
+           "training": {"fsdp_sharding": "NO_SHARD", "max_steps": 2, "batch_size": 2,
+                        "ttt_length": 3, "attention_backend": "sdpa", "log_interval": 1,
+                        "learning_rate": 1e-3},
+           "output_dir": str(tmp / "out")}
+    (tmp / "run.json").write_text(json.dumps(run))
+    return tmp / "run.json"
+
+
+def test_its_cli_trains_two_steps_and_each_row_it_trained_on_is_ours_after_its_shift(
+        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given `specforge train -c run.json` on the export (its CLI's main, in this process, so
+    # the batches its strategy consumes are seen: Eagle3TrainStrategy.forward_loss is wrapped
+    # to record its batch, TargetHead.preprocess's output and the loss, and runs unchanged)
+    import socket
+
+    from specforge import cli
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    config = _run_config(data, tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "FSDP_SHARDING": "NO_SHARD"}.items():
+        monkeypatch.setenv(k, v)  # what its single-process launch sets, undone after
+    seen: list[dict[str, Any]] = []
+    forward_loss = Eagle3TrainStrategy.forward_loss
+
+    def recorded(self: Any, batch: Any, ctx: Any = None) -> Any:
+        rec: dict[str, Any] = {"ids": list(batch.sample_ids),
+                               "batch": {k: v.detach().clone() for k, v in batch.tensors.items()}}
+        preprocess = self.target_head.preprocess
+
+        def shifted(*args: Any) -> Any:
+            out = preprocess(*args)
+            rec["shifted"] = [x.detach().clone() for x in out]
+            return out
+
+        self.target_head.preprocess = shifted
+        try:
+            out = forward_loss(self, batch, ctx)
+        finally:
+            del self.target_head.preprocess
+        rec["loss"], rec["plosses"] = out.loss.detach(), list(out.metrics["plosses"])
+        seen.append(rec)
+        return out
+
+    monkeypatch.setattr(Eagle3TrainStrategy, "forward_loss", recorded)
+    # When it trains
+    assert cli.main(["train", "-c", str(config)]) == 0
+    # Then it took two steps, each loss finite and its plosses weighted 0.8^i
+    assert len(seen) == 2
+    for rec in seen:
+        p = rec["plosses"]
+        assert len(p) == 3 and all(torch.isfinite(x) for x in p)
+        torch.testing.assert_close(rec["loss"], sum(0.8**i * x for i, x in enumerate(p)))
+        print(f"specforge step loss {rec['loss'].item():.4f} plosses "
+              f"{[round(x.item(), 4) for x in p]}")
+    # And every row it trained on is ours after its documented transforms: truncated to
+    # max_length, the last kept position's loss mask 0; the draft's input our aux states;
+    # ids and target hidden state shifted left by one (TargetHead.preprocess), zero-padded
+    farm, files = ours(data), list_feature_files(str(data / "specforge"))
+    rows = 0
+    for rec in seen:
+        ids, target, mask = rec["shifted"]
+        for row, sample_id in enumerate(rec["ids"]):
+            want = farm[Path(files[int(sample_id.split(":")[1])]).name[: -len(".ckpt")]]
+            n = min(CLI_MAX_LEN, len(want["input_ids"]))
+            assert torch.equal(rec["batch"]["hidden_state"][row, :n], want["aux_hidden_state"][:n])
+            assert torch.equal(ids[row, : n - 1], want["input_ids"][1:n])
+            assert torch.equal(target[row, : n - 1], want["hidden_state"][1:n])
+            assert not ids[row, n - 1:].any() and not target[row, n - 1:].any()
+            m = want["loss_mask"][:n].clone()
+            m[-1] = 0
+            assert torch.equal(mask[row, :n, 0], m) and not mask[row, n:].any()
+            rows += 1
+    assert rows == 4
+
+
+def test_the_training_extra_installs_beside_it_without_changing_its_transformers() -> None:
+    # Given this trainer's venv, its transformers (and torch) as the trainer pins them
+    # When pip resolves `pip install hsfarm[training]` into it, Then neither would change
+    assert_training_extra_keeps({"transformers": "==5.8.1", "torch": "==2.13.0"})
+
+
+def test_our_loader_beside_it_reads_in_place_what_its_export_holds(data: Path) -> None:
+    # Given hsfarm[training] installed in this venv, When our loader reads the output dir in
+    # place in SpecForge's view, Then each sample is its .ckpt as SpecForge loads it
+    exported = {p.name[: -len(".ckpt")]: torch.load(p, weights_only=False, mmap=True)
+                for p in (data / "specforge").rglob("*.ckpt")}
+    assert_in_place_equals_export(data, "specforge", exported)

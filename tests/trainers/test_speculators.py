@@ -1,12 +1,15 @@
 """vLLM speculators 0.9.0 reads our export with its own ``ArrowDataset`` and ``CollateFn``; its
 ``verifier_norm`` (the target's final-norm weight, which it loads itself) maps our derived
-pre-norm slot back to our post-norm ``hidden_state``; and its EAGLE-3 draft model trains one
-step on it (CPU, .venv-speculators).
+pre-norm slot back to our post-norm ``hidden_state``; and its training CLI
+(``python -m speculators.train``) trains its EAGLE-3 draft two steps on it (CPU,
+.venv-speculators): every packed row a step consumed is checked against our files after its
+``shift_batch``.
 
 Chosen, not patched: the draft's attention is ``sdpa`` (its default flex attention compiles
 kernels) and the loss implementation ``eager`` (the default ``fused`` one is a compiled kernel),
-both of its own options (``--draft-attn-impl sdpa --loss-implementation eager``). Nothing of
-speculators is patched.
+both of its own options (``--draft-attn-impl sdpa --loss-implementation eager``). Replaced in
+the CLI test only, because there is no accelerator: its Trainer's device and
+``torch.accelerator.synchronize`` (see the test).
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainers.conftest import manifest, ours
+from tests.trainers.conftest import (
+    assert_in_place_equals_export,
+    assert_training_extra_keeps,
+    manifest,
+    ours,
+)
 
 MAX_LEN = 4096  # a packed batch of 4 samples holds them whole
 
@@ -109,27 +117,98 @@ def test_its_verifier_norm_on_slot_4_gives_our_post_norm_state(data: Path, draft
         assert not torch.allclose(twice, want, rtol=2 ** -7, atol=1e-2)
 
 
-def test_one_training_step_of_its_eagle3_draft_model(data: Path, draft: Any) -> None:
-    # Given a packed batch from its own dataset and collator (hidden states in float32, the
-    # draft's dtype on CPU, through the collator's own dtype option), and its eager loss
-    from speculators.train.data import CollateFn
+def _cli_args(data: Path, save: Path) -> list[str]:
+    """`python -m speculators.train` on the export, with its sdpa attention and eager loss."""
+    return ["--verifier-name-or-path", str(data / "model"),
+            "--data-path", str(data / "speculators"), "--save-path", str(save),
+            "--target-layer-ids", *map(str, manifest(data)["fingerprint"]["layers_to_capture"]),
+            "--token-freq-path", str(data / "speculators" / "token_freq.pt"),
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--ttt-steps", "3",
+            "--total-seq-len", "512", "--max-steps", "2", "--epochs", "1", "--num-workers", "0",
+            "--on-missing", "raise", "--log-freq", "1", "--no-resume-from-checkpoint"]
 
-    ds = _dataset(data)
-    items = [ds[0], ds[1]]
-    packed_len = sum(len(it["input_ids"]) for it in items)  # no padding: a short CPU step
-    batch = CollateFn(packed_len, hidden_size=64, dtype=torch.float32)(items)
-    train_kwargs, _ = draft.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager",
-                                               ttt_steps=3, ttt_step_loss_decay=1.0)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    before = [p.detach().clone() for p in params]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    # When one step runs
-    draft.train()
-    _, loss, _ = draft(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)},
-                       **train_kwargs)
-    loss.backward()
-    optimizer.step()
-    # Then the loss is finite and the weights changed
-    assert torch.isfinite(loss) and loss.item() > 0
-    changed = sum(not torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
-    assert changed >= len(params) // 2, (changed, len(params))
+
+def test_its_cli_trains_two_steps_and_each_row_it_trained_on_is_ours_after_shift_batch(
+        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given its training CLI's main on the export, in this process (hooks on its draft model
+    # record every batch a step consumes, after its collator and shift_batch). CPU only, the
+    # harness replaces two accelerator calls: its Trainer's device (the local rank, an
+    # accelerator index) becomes "cpu", and torch.accelerator.synchronize (its step timer)
+    # does nothing
+    import speculators.train.trainer as trainer
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    monkeypatch.setattr(trainer, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    seen: list[dict[str, Any]] = []
+    setup_model = trainer.Trainer.setup_model
+
+    def recorded_setup(self: Any) -> None:
+        setup_model(self)
+
+        def before(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            seen.append({"train": module.training, **{k: v.detach().clone()
+                                                      for k, v in kwargs.items()
+                                                      if isinstance(v, torch.Tensor)}})
+
+        def after(module: Any, args: Any, kwargs: Any, out: Any) -> None:
+            seen[-1]["loss"] = out[1].detach()
+
+        self.model.register_forward_pre_hook(before, with_kwargs=True)
+        self.model.register_forward_hook(after, with_kwargs=True)
+
+    monkeypatch.setattr(trainer.Trainer, "setup_model", recorded_setup)
+    # When it trains
+    main(TrainConfig.resolve(_cli_args(data, tmp_path / "ckpt")))
+    # Then it took two training steps, each loss finite
+    steps = [b for b in seen if b["train"]]
+    assert len(steps) == 2 and all(torch.isfinite(b["loss"]) for b in steps)
+    print(f"speculators step losses {[round(b['loss'].item(), 4) for b in steps]}")
+    # And every packed document it trained (and validated) on is one of our samples after
+    # shift_batch: ids, loss mask, positions and its slot-4 state from token 1 on, our aux
+    # states up to the last token
+    farm, keys = ours(data), _keys_by_row(data)
+    docs = 0
+    for b in seen:
+        for d in b["document_ids"][0].unique().tolist():
+            if d < 0:
+                continue
+            at = b["document_ids"][0] == d
+            assert any(_is_document(b, at, data, keys.index(k), t)
+                       for k, t in farm.items()), d
+            docs += 1
+    assert docs >= len(steps)
+
+
+def _is_document(b: dict[str, Any], at: torch.Tensor, data: Path, row: int,
+                 want: dict[str, Any]) -> bool:
+    """The positions ``at`` of a packed batch are sample ``want`` (export row ``row``) after
+    its ``shift_batch``."""
+    from safetensors.torch import load_file
+
+    n = int(at.sum())
+    if not torch.equal(b["input_ids"][0, at], want["input_ids"][1:n + 1]):
+        return False
+    slot4 = load_file(str(data / "speculators" / "hidden_states" /
+                          f"hs_{row}.safetensors"))["hidden_states"][:, -1]
+    return (torch.equal(b["hidden_states"][0, at], want["aux_hidden_state"][:n])
+            and torch.equal(b["verifier_last_hidden_states"][0, at], slot4[1:n + 1])
+            and torch.equal(b["loss_mask"][0, at], want["loss_mask"][1:n + 1])
+            and torch.equal(b["position_ids"][0, at], torch.arange(1, n + 1)))
+
+
+def test_the_training_extra_installs_beside_it_without_changing_its_transformers() -> None:
+    # Given this trainer's venv, its transformers (and torch) as the trainer pins them
+    # When pip resolves `pip install hsfarm[training]` into it, Then neither would change
+    assert_training_extra_keeps({"transformers": "<=5.19.0", "torch": "==2.13.0"})
+
+
+def test_our_loader_beside_it_reads_in_place_what_its_export_holds(data: Path) -> None:
+    # Given hsfarm[training] installed in this venv, When our loader reads the output dir in
+    # place in speculators' view, Then each sample is its hs_{i}.safetensors
+    from safetensors.torch import load_file
+
+    exported = {key: load_file(str(data / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))
+                for i, key in enumerate(_keys_by_row(data))}
+    assert_in_place_equals_export(data, "speculators", exported)

@@ -14,9 +14,9 @@ imports this module runs on a machine without torch.
 
 Read back from the disk, every output tensor that copies a source tensor is checked against
 the source's recorded checksum (so a damaged source is caught too, with one hash pass in all);
-speculators' stacked tensor is compared byte for byte with what was computed in memory, and
-its aux part against the source's checksum, after the source ``hidden_state`` it derives from
-passed its own.
+speculators' stacked tensor is compared with the checksum of what was computed in memory
+(kept in the ledger, so a later run checks it again), and its aux part against the source's
+checksum, after the source ``hidden_state`` it derives from passed its own.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Format:
     needs_norm = False
     numbered = False  # speculators: file names are row numbers given at commit
     source_of: ClassVar[Names] = {}
+    derived: ClassVar[tuple[str, ...]] = ()  # output tensors computed, not copied
 
     def rel_path(self, key: str, number: int = 0) -> str:
         raise NotImplementedError
@@ -62,15 +63,19 @@ class Format:
         raise NotImplementedError
 
     def problems(self, back: Mapping[str, np.ndarray], src_sums: checksums.Recorded,
-                 derived: Mapping[str, np.ndarray]) -> list[str]:
-        """What read back differs from the source's checksums or from the derived tensors."""
-        out = [f"{o} is missing" for o in [*self.source_of, *derived] if o not in back]
+                 derived_sums: Mapping[str, str] | None) -> list[str]:
+        """What read back differs from the source's checksums or from the derived tensors'
+        (``derived_sums``: their checksums as written; None where a ledger did not record
+        them, and only the copies are checked)."""
+        want = dict(derived_sums or {})
+        out = [f"{o} is missing" for o in [*self.source_of, *self.derived, *want]
+               if o not in back]
         if out:
             return out
         out += [f"{o} differs from source {s}" for o, s in self.source_of.items()
                 if not src_sums.matches(s, back[o])]
-        return out + [f"{o} reads back differently" for o, arr in derived.items()
-                      if not np.array_equal(back[o], arr)]
+        return out + [f"{o} reads back differently" for o, s in want.items()
+                      if checksums.of(back[o]) != s]
 
 
 def _torch_raw(t: Any) -> np.ndarray:
@@ -131,9 +136,11 @@ class Speculators(Format):
     name, needs_norm, numbered = "speculators", True, True
     source_of: ClassVar[Names] = {"token_ids": c.T_INPUT_IDS, c.T_LOSS_MASK: c.T_LOSS_MASK}
 
+    derived: ClassVar[tuple[str, ...]] = ("hidden_states",)
+
     def problems(self, back: Mapping[str, np.ndarray], src_sums: checksums.Recorded,
-                 derived: Mapping[str, np.ndarray]) -> list[str]:
-        problems = super().problems(back, src_sums, derived)
+                 derived_sums: Mapping[str, str] | None) -> list[str]:
+        problems = super().problems(back, src_sums, derived_sums)
         if not problems and not src_sums.matches(c.T_AUX, self.aux_part(back["hidden_states"])):
             problems.append(f"hidden_states[:, :3] differs from source {c.T_AUX}")
         return problems

@@ -2,7 +2,9 @@
 
 A line is appended (and fsynced) only after its file was renamed into place and verified, and
 before its source may be deleted: so a key in the ledger is done, and a source file is never
-deleted without its line. A line cut short by a crash is dropped on open.
+deleted without its line. The last line of a key wins (a re-export after its source changed,
+a numbered file moved to close a gap); ``{"key": k, "removed": true}`` drops a key whose file
+is gone with its source. A line cut short by a crash is dropped on open.
 """
 
 from __future__ import annotations
@@ -33,10 +35,16 @@ class Ledger:
                     entry = None
                 if entry is None:
                     break  # a torn last line: everything after it is dropped
-                self.entries[entry["key"]] = entry
+                self._apply(entry)
                 good += len(line)
             if good != len(data):
                 os.truncate(self.path, good)
+
+    def _apply(self, entry: dict[str, Any]) -> None:
+        if entry.get("removed"):
+            self.entries.pop(entry["key"], None)
+        else:
+            self.entries[entry["key"]] = entry
 
     def add(self, entry: dict[str, Any]) -> None:
         """Append one entry durably."""
@@ -46,4 +54,16 @@ class Ledger:
                 f.write(line)
                 f.flush()
                 os.fsync(f.fileno())
-            self.entries[entry["key"]] = entry
+            self._apply(entry)
+
+    def remove(self, key: str) -> None:
+        """Record durably that ``key`` is no longer exported."""
+        self.add({"key": key, "removed": True})
+
+    def numbers(self) -> dict[int, list[str]]:
+        """Numbered layouts: number -> the keys whose entry claims it (more than one: a DEST
+        written by two exports at once, before the lock)."""
+        out: dict[int, list[str]] = {}
+        for key, e in self.entries.items():
+            out.setdefault(int(e["number"]), []).append(key)
+        return out

@@ -1,16 +1,23 @@
 """``export``: stream every sample of an output dir into a trainer's container, never losing one.
 
-Per sample: read the source and check its header against the manifest; write the
-output to a temp file, fsync, drop it from the page cache and read it back from the disk;
-compare every output tensor with the source's recorded checksums (which also catches a
-damaged source) or, where derived, with what was computed; rename into place, fsync the
-directory; append a ledger line (fsync); only then, with ``delete_source``, remove the
-source. A crash at any point leaves the source or a ledger line, so re-running resumes:
-samples in the ledger whose file is there are skipped, the rest are redone.
+One export per DEST at a time (``lock``). Per sample: read the source and check its header
+against the manifest; write the output to a temp file, fsync, drop it from the page cache and
+read it back from the disk; compare every output tensor with the source's recorded checksums
+(which also catches a damaged source) or, where derived, with what was computed; rename into
+place, fsync the directory; append a ledger line (fsync) with the source's checksums and the
+derived tensors'; only then, with ``delete_source``, remove the source, and only if the file at
+its path is still the one whose bytes were exported.
+
+A sample is skipped only when its ledger line records the source's current checksums and its
+file in DEST, read back from the disk, matches them: a changed source is exported again, a
+missing or damaged file is rewritten (numbered layouts: under the same number). Entries whose
+source is gone are checked the same way; one whose file is gone too is reported and leaves the
+ledger. A crash at any point leaves the source or a ledger line, so re-running resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -25,6 +32,8 @@ from sglang_patch import contracts as c
 from training import checksums, durable, index
 from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger
+from training.export.lock import dest_lock
+from training.export.numbered import close_gaps
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
 from worker.errors import ConfigError, Corrupt
@@ -68,12 +77,25 @@ class _Job:
     delete_source: bool
     throttle_s: float = 0.0  # tests: slow each sample down to kill an export mid-way
     lock: threading.Lock = field(default_factory=threading.Lock)
+    shared: set[int] = field(default_factory=set)  # numbers more than one key claims
+    next_number: int = 0
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    exported_bytes: int = 0  # 0: skipped, already in DEST and verified
+    deleted: bool = False
 
 
 def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: bool = False,
            progress: Callable[[int], None] | None = None,
            throttle_s: float = 0.0) -> ExportSummary:
-    """Export every sample of ``out_dir`` not yet exported. Raises ConfigError up front."""
+    """Export every sample of ``out_dir`` not yet in DEST as it is now.
+
+    Raises:
+        ConfigError: up front: bad arguments, not an output dir, no room, or another export
+            into DEST is running.
+    """
     if to not in FORMATS:
         raise ConfigError(f"unknown export format {to!r}: one of {', '.join(FORMATS)}")
     if jobs < 1:
@@ -82,33 +104,54 @@ def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: boo
     fmt = FORMATS[to]
     norm_w = info.final_norm().as_float32() if fmt.needs_norm else None
     dest.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temps(dest)
-    ledger = Ledger(dest)
-    sources = list(index.sample_files(out_dir))
-    pending = [p for p in sources if not _done(ledger, dest, _key(p))]
-    summary = ExportSummary(skipped=len(ledger.entries))
-    if delete_source:  # a crash between the ledger line and the unlink left these behind
-        summary.deleted_sources = _delete_exported(sorted(set(sources) - set(pending)))
-    check_space(dest, out_dir, pending, delete_source, jobs)
-    job = _Job(info, fmt, dest, ledger, norm_w, delete_source, throttle_s)
+    with dest_lock(dest):
+        _remove_dead_temps(dest)
+        job = _Job(info, fmt, dest, Ledger(dest), norm_w, delete_source, throttle_s)
+        return _export(job, out_dir, jobs, progress)
+
+
+def _export(job: _Job, out_dir: Path, jobs: int,
+            progress: Callable[[int], None] | None) -> ExportSummary:
+    sources = {_key(p): p for p in index.sample_files(out_dir)}
+    check_space(job.dest, out_dir, [p for k, p in sources.items() if _changed(job, k, p)],
+                job.delete_source, jobs)
+    if job.fmt.numbered:
+        numbers = job.ledger.numbers()
+        job.shared = {n for n, keys in numbers.items() if len(keys) > 1}
+        job.next_number = max(numbers, default=-1) + 1
+    kept = [k for k in job.ledger.entries if k not in sources]
+    summary = ExportSummary()
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for key, result in zip(map(_key, pending), pool.map(lambda p: _one(job, p), pending),
+        for key, result in zip(sources, pool.map(lambda p: _one(job, p), sources.values()),
                                strict=True):
-            if isinstance(result, str):
-                summary.failed.append((key, result))
-            else:
-                summary.exported += 1
-                summary.bytes_written += result
-                summary.deleted_sources += int(delete_source)
+            _count(summary, key, result)
             if progress:
                 progress(1)
-    if fmt.numbered:
+        for key, why in zip(kept, pool.map(lambda k: _check_kept(job, k), kept), strict=True):
+            if why is None:
+                summary.skipped += 1
+            else:
+                summary.failed.append((key, why))
+    if job.fmt.numbered:
         from training.export.speculators_dataset import write_dataset
 
-        write_dataset(dest, ledger)
+        close_gaps(job.ledger, job.fmt, job.dest)
+        write_dataset(job.dest, job.ledger)
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _count(summary: ExportSummary, key: str, result: _Outcome | str) -> None:
+    if isinstance(result, str):
+        summary.failed.append((key, result))
+        return
+    if result.exported_bytes:
+        summary.exported += 1
+        summary.bytes_written += result.exported_bytes
+    else:
+        summary.skipped += 1
+    summary.deleted_sources += int(result.deleted)
 
 
 def _remove_dead_temps(dest: Path) -> None:
@@ -118,24 +161,20 @@ def _remove_dead_temps(dest: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def _delete_exported(paths: list[Path]) -> int:
-    """Remove sources whose export is in the ledger and whose file is there."""
-    for p in paths:
-        p.unlink()
-        durable.fsync_dir_of(p)
-    return len(paths)
-
-
 def _key(path: Path) -> str:
     return path.name[: -len(c.DUMP_SUFFIX)]
 
 
-def _done(ledger: Ledger, dest: Path, key: str) -> bool:
-    entry = ledger.entries.get(key)
+def _changed(job: _Job, key: str, path: Path) -> bool:
+    """The source is not in the ledger as it is now (its header's checksums; no data read)."""
+    entry = job.ledger.entries.get(key)
     if entry is None:
-        return False
-    path = dest / entry["path"]
-    return path.exists() and path.stat().st_size == entry["bytes"]
+        return True
+    try:
+        now = checksums.recorded(SampleFile.open(path).metadata)
+    except (Corrupt, OSError):
+        return True
+    return now != checksums.Recorded.from_json(entry["source_checksums"])
 
 
 def check_space(dest: Path, out_dir: Path, pending: list[Path], delete_source: bool,
@@ -157,22 +196,29 @@ def check_space(dest: Path, out_dir: Path, pending: list[Path], delete_source: b
             f"{'' if same_fs else '; DEST must then be on the same file system'})")
 
 
-def _one(job: _Job, src_path: Path) -> int | str:
-    """Export one sample; its size in bytes, or the reason it failed (never raises)."""
+def _one(job: _Job, src_path: Path) -> _Outcome | str:
+    """Skip or export one sample; what happened, or the reason it failed (never raises)."""
     key = _key(src_path)
     tmp = None
     try:
+        seen = os.stat(src_path)
         src = SampleFile.open(src_path)
         job.info.check_sample(src, key)
         src_sums = checksums.recorded(src.metadata)
+        entry = job.ledger.entries.get(key)
+        if entry is not None and not _dest_problems(job, entry, src_sums):
+            return _Outcome(0, job.delete_source and _delete_verified(src, src_sums, seen))
         arrays = src.read_all()
+        _same_file(src_path, seen)
         tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
         tmp.parent.mkdir(parents=True, exist_ok=True)
         derived = job.fmt.write(tmp, key, arrays, src_sums, job.norm_w)
-        _verify_from_disk(job.fmt, tmp, src_sums, derived)
+        derived_sums = {o: checksums.of(a) for o, a in derived.items()}
+        _verify_from_disk(job.fmt, tmp, src_sums, derived_sums)
         if job.throttle_s:
             time.sleep(job.throttle_s)
-        return _commit(job, key, tmp, src_path, src_sums)
+        size = _commit(job, key, tmp, src_sums, derived_sums, entry)
+        return _Outcome(size, job.delete_source and _delete_if_same(src_path, seen))
     except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
         return str(e) or type(e).__name__
     finally:
@@ -180,28 +226,112 @@ def _one(job: _Job, src_path: Path) -> int | str:
             tmp.unlink(missing_ok=True)
 
 
+def _dest_problems(job: _Job, entry: dict[str, object], src_sums: checksums.Recorded) -> list[str]:
+    """Why the ledger entry's file does not hold ``src_sums`` (read back from the disk)."""
+    if checksums.Recorded.from_json(entry["source_checksums"]) != src_sums:  # type: ignore[arg-type]
+        return ["the source changed since its export"]
+    path = job.dest / str(entry["path"])
+    if not path.is_file():
+        return [f"{path.name} is missing from DEST"]
+    try:
+        durable.drop_cache(path)
+        back = job.fmt.read_back(path)
+    except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
+        return [f"{path.name} is unreadable: {e}"]
+    derived = entry.get("output_checksums")
+    return job.fmt.problems(back, src_sums, derived if isinstance(derived, dict) else None)
+
+
+def _check_kept(job: _Job, key: str) -> str | None:
+    """An entry whose source is gone: None when its file verifies, else why not. A file that
+    is gone, or (numbered) holds another key's number, leaves the ledger."""
+    entry = job.ledger.entries[key]
+    problems = _dest_problems(job, entry, checksums.Recorded.from_json(entry["source_checksums"]))
+    if not problems:
+        return None
+    lost = not (job.dest / entry["path"]).is_file() or entry.get("number") in job.shared
+    if lost:
+        job.ledger.remove(key)
+    what = "lost" if lost else "damaged in DEST"
+    return (f"{what}, and its source was deleted ({'; '.join(problems)}): extract it again "
+            "(python -m producer audit requeues a sample whose file is missing)")
+
+
 def _verify_from_disk(fmt: Format, tmp: Path, src_sums: checksums.Recorded,
-                      derived: dict[str, np.ndarray]) -> None:
+                      derived_sums: dict[str, str]) -> None:
     """Read the synced temp file back from the disk; Corrupt unless every tensor matches."""
     durable.fsync_file(tmp)
     durable.drop_cache(tmp)
-    problems = fmt.problems(fmt.read_back(tmp), src_sums, derived)
+    problems = fmt.problems(fmt.read_back(tmp), src_sums, derived_sums)
     if problems:
         raise Corrupt("export did not verify: " + "; ".join(problems))
 
 
-def _commit(job: _Job, key: str, tmp: Path, src_path: Path,
-            src_sums: checksums.Recorded) -> int:
-    """Rename into place, record in the ledger, then (optionally) delete the source."""
+def _commit(job: _Job, key: str, tmp: Path, src_sums: checksums.Recorded,
+            derived_sums: dict[str, str], entry: dict[str, object] | None) -> int:
+    """Rename into place and record it in the ledger; the size written."""
     size = tmp.stat().st_size
-    with job.lock:  # numbered files: the next number, given only to a verified file
-        number = len(job.ledger.entries) if job.fmt.numbered else 0
+    with job.lock:  # numbered files: a number is given only to a verified file
+        number = _number(job, entry)
         rel = job.fmt.rel_path(key, number)
         (job.dest / rel).parent.mkdir(parents=True, exist_ok=True)
         durable.commit(tmp, job.dest / rel)
         job.ledger.add({"key": key, "path": rel, "number": number, "bytes": size,
-                        "source_checksums": src_sums.to_json()})
-    if job.delete_source:
-        src_path.unlink()
-        durable.fsync_dir_of(src_path)
+                        "source_checksums": src_sums.to_json(),
+                        "output_checksums": derived_sums})
     return size
+
+
+def _number(job: _Job, entry: dict[str, object] | None) -> int:
+    """The key's own number again; a new one for a new key or one that shares its number."""
+    if not job.fmt.numbered:
+        return 0
+    if entry is not None and entry["number"] not in job.shared:
+        return int(entry["number"])  # type: ignore[call-overload]
+    job.next_number += 1
+    return job.next_number - 1
+
+
+def _same_file(path: Path, seen: os.stat_result) -> None:
+    """Corrupt if ``path`` is no longer the file that was stat-ed before it was read."""
+    now = os.stat(path)
+    if _identity(now) != _identity(seen):
+        raise Corrupt(f"{path} was replaced while it was read; run the export again")
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _delete_verified(src: SampleFile, src_sums: checksums.Recorded,
+                     seen: os.stat_result) -> bool:
+    """A skipped sample's source: read it and delete it only if its bytes are the ones
+    DEST was just verified to hold."""
+    bad = checksums.mismatches(src_sums, src.read_all())
+    if bad:
+        raise Corrupt(f"the source's {', '.join(bad)} differs from its recorded checksum; "
+                      "DEST holds the recorded version, the source is kept")
+    _same_file(src.path, seen)
+    return _delete_if_same(src.path, seen)
+
+
+def _delete_if_same(path: Path, seen: os.stat_result) -> bool:
+    """Remove ``path`` only if it is still the file whose bytes were exported.
+
+    The file is first renamed aside, so what is checked is what is removed: a newer file the
+    farm renamed into place meanwhile is put back (never over a yet newer one).
+    """
+    aside = path.with_name(f".{path.name}.hsfarm-deleting")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    if _identity(os.stat(aside)) == _identity(seen):
+        aside.unlink()
+        durable.fsync_dir_of(path)
+        return True
+    with contextlib.suppress(FileExistsError):  # an even newer one is there: this is stale
+        os.link(aside, path)
+    aside.unlink()
+    durable.fsync_dir_of(path)
+    return False
