@@ -135,7 +135,7 @@ def fake_outputs(farm: LocalFarm, data: Path, n_done: int, tokens: int = 64,
     if mark_done:
         from worker.index import RunIndex
 
-        RunIndex(farm.redis(), fp.id).mark_done_many(done)
+        RunIndex(farm.redis(), farm.run_id()).mark_done_many(done)
 
 
 def fake_size(farm: LocalFarm) -> int:
@@ -151,7 +151,7 @@ def status_all_done(farm: LocalFarm, n: int) -> tuple[float, float, int]:
 
     settings = Settings.from_env(farm.env())
     _, fp = run_fingerprint(settings)
-    index = RunIndex(farm.redis(), fp.id)
+    index = RunIndex(farm.redis(), farm.run_id())
     before = used_memory(farm)
     keys = list(index.all_registered())
     for i in range(0, len(keys), 1000):

@@ -277,8 +277,11 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     if not dry_run:
         broker.check_persistence(r, settings)
     _file_version(path)  # a missing file is a DataFileError before any lock is taken
-    store = open_run(settings, fingerprint, model_path)
-    run_id, queue = store.run_id, runs.queue_for(settings, store.run_id)
+    store = st.OutputStore(settings.output_dir, fingerprint)
+    if not dry_run or (settings.output_dir / st.MANIFEST).exists():
+        store = open_run(settings, fingerprint, model_path)  # a dry run begins no run
+    run_id = store.run_id or c.NO_RUN
+    queue = runs.queue_for(settings, run_id)
     index = RunIndex(r, run_id)
     abs_path = str(path.resolve())
     summary = Summary()
