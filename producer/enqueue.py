@@ -251,12 +251,17 @@ def _run_lock_name(run_id: str) -> str:
 
 def open_run(settings: Settings, fingerprint: c.Fingerprint,
              model_path: Path | None) -> st.OutputStore:
-    """The output dir of the run, its manifest written if no worker wrote it yet (the run id
-    comes from it: worker/run.py).
+    """The output dir of the run (the run id comes from its manifest: worker/run.py), its
+    manifest written with ``model_path``'s weights identity if no worker wrote it yet.
+
+    The weights of a run already begun are the workers' to check: samples may be queued
+    while the server is being put right, and wait for it.
 
     Raises:
-        ConfigError: the dir holds another run, or ``model_path``'s weights are not the run's.
+        ConfigError: the dir holds another fingerprint's run.
     """
+    if (settings.output_dir / st.MANIFEST).exists():
+        return st.OutputStore(settings.output_dir, fingerprint).open()
     return st.OutputStore(settings.output_dir, fingerprint,
                           versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                           model_path=model_path).open()

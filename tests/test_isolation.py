@@ -174,9 +174,9 @@ def test_two_checkpoints_of_one_model_are_two_runs(tmp_path: Path, tiny_model: P
         start_workers(a, b)
         wait_settled(a, b)
         # Then they are two runs, each with every sample in its own dir, of its own model
-        assert status(a)["run"] != status(b)["run"]
         assert_whole(a, keys_all)
         assert_whole(b, keys_all)
+        assert status(a)["run"] != status(b)["run"]
         fa, fb = finals(a), finals(b)
         same = [k for k in keys_all if hidden_checksum(fa[k]) == hidden_checksum(fb[k])]
         assert not same, f"files with the other checkpoint's states: {same}"
