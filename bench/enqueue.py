@@ -135,7 +135,7 @@ def fake_outputs(farm: LocalFarm, data: Path, n_done: int, tokens: int = 64,
     if mark_done:
         from worker.index import RunIndex
 
-        RunIndex(farm.redis(), fp.id).mark_done_many(done)
+        RunIndex(farm.redis(), farm.run_id()).mark_done_many(done)
 
 
 def fake_size(farm: LocalFarm) -> int:
@@ -151,7 +151,7 @@ def status_all_done(farm: LocalFarm, n: int) -> tuple[float, float, int]:
 
     settings = Settings.from_env(farm.env())
     _, fp = run_fingerprint(settings)
-    index = RunIndex(farm.redis(), fp.id)
+    index = RunIndex(farm.redis(), farm.run_id())
     before = used_memory(farm)
     keys = list(index.all_registered())
     for i in range(0, len(keys), 1000):
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         out.update(enqueue_s=secs, enqueue_rss_mb=rss / 1024,
                    redis_bytes_per_queued=(used_memory(farm) - base) // a.samples)
         out["speedup_vs_plain"] = out["plain_loop_s"] / secs
-        farm.redis().delete(farm.settings().queue)  # as if the workers had taken them all
+        farm.redis().delete(farm.queue())  # as if the workers had taken them all
         fake_outputs(farm, data, a.done, mark_done=True)
         out["output_file_bytes"] = fake_size(farm)
         for case in ("index_kept", "index_lost"):
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             assert f"already done: {a.done}" in stdout, stdout
             out[case] = {"enqueue_s": secs, "decide_s": decided_s(stdout),
                          "outputs_bytes_read_per_done": (rchar - rchar_fresh) // max(a.done, 1)}
-            farm.redis().delete(farm.settings().queue)
+            farm.redis().delete(farm.queue())
         in_s, cli_s, per_done = status_all_done(farm, a.samples)
         out.update(status_in_process_s=in_s, status_cli_s=cli_s, redis_bytes_per_done=per_done)
         farm.redis().flushall()

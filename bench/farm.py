@@ -160,7 +160,7 @@ def _watch(farm: LocalFarm, n: int, limits: dict[str, Any], out: Path) -> dict[s
         if start is None and done >= 1:  # the window opens at the first finished sample
             start = (time.monotonic(), server_info(farm), _out_bytes(out), done,
                      cpu_s(mon.worker_pids()), cpu_s([farm.procs["server"].pid]))
-        if done + bad >= n and broker_depth(farm.redis(), farm.settings().queue) == (0, 0):
+        if done + bad >= n and broker_depth(farm.redis(), farm.queue()) == (0, 0):
             break
         time.sleep(0.1)
     end = (time.monotonic(), server_info(farm), _out_bytes(out), done,

@@ -26,6 +26,7 @@ from producer.status import (
 from producer.status_text import render
 from sglang_patch.contracts import Fingerprint
 from training import cli as training_cli
+from worker import run as runs
 from worker.chat import ChatTokenizer
 from worker.datafile import DataFileError
 from worker.errors import ConfigError, Transient
@@ -104,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             from producer.dashboard import main_dashboard
 
             return main_dashboard(settings, args)
-        _, fingerprint = run_fingerprint(settings, wait_s=5)
-        return _enqueue(settings, fingerprint, args)
+        model_path, fingerprint = run_fingerprint(settings, wait_s=5)
+        return _enqueue(settings, fingerprint, model_path, args)
     except (ConfigError, DataFileError, EnqueueRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -116,28 +117,32 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-def _enqueue(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespace) -> int:
+def _enqueue(settings: Settings, fingerprint: Fingerprint, model_path: Path,
+             args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     summary = enqueue(settings, fingerprint, args.file, dry_run=args.dry_run, limit=args.limit,
-                      retry_failed=args.retry_failed, progress=not args.no_progress)
-    print(f"run {fingerprint.id}{' (dry run)' if args.dry_run else ''}, "
-          f"{time.monotonic() - t0:.1f}s")
+                      retry_failed=args.retry_failed, progress=not args.no_progress,
+                      model_path=model_path)
+    run_id = runs.run_id_of(settings.output_dir)
+    print(f"run {run_id}{' (dry run)' if args.dry_run else ''}, queue "
+          f"{runs.queue_for(settings, run_id)}, {time.monotonic() - t0:.1f}s")
     print("\n".join(summary.lines()))
     return EXIT_OK if summary.ok else EXIT_PARTIAL
 
 
 def _status(settings: Settings, fingerprint: Fingerprint, source: str,
             args: argparse.Namespace) -> int:
+    run_id = runs.run_id_of(settings.output_dir)
     while True:
         st = read_status(settings, fingerprint)
         if args.json:
-            body: dict[str, object] = {"run": fingerprint.id, "fingerprint_from": source,
+            body: dict[str, object] = {"run": run_id, "fingerprint_from": source,
                                        **st.to_json()}
             if args.failures:
                 body["failures"] = failure_entries(settings, fingerprint)
             print(json.dumps(body), flush=True)
         else:
-            print("\n".join(render(st, fingerprint.id, source)), flush=True)
+            print("\n".join(render(st, run_id, source)), flush=True)
         if not args.watch or st.finished:
             break
         time.sleep(args.watch)
@@ -160,7 +165,8 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
     if args.data is not None:
         files = [args.data]
     else:
-        index = RunIndex(redis.Redis.from_url(settings.redis_url), fingerprint.id)
+        index = RunIndex(redis.Redis.from_url(settings.redis_url),
+                         runs.run_id_of(settings.output_dir))
         files = [Path(f) for f in sorted(index.data_files())]
         if not files:
             raise ConfigError("no data file recorded for this run: pass --data FILE")
@@ -168,8 +174,9 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
     report = AuditReport()
     for data in files:
         report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs))
-    print(f"run {fingerprint.id}, data: {', '.join(str(f) for f in files)}")
+    print(f"run {runs.run_id_of(settings.output_dir)}, data: "
+          f"{', '.join(str(f) for f in files)}")
     print("\n".join(report.lines()))
     if args.requeue and report.to_requeue:
-        print(f"requeued: {requeue(settings, fingerprint, report.to_requeue)}")
+        print(f"requeued: {requeue(settings, store.open(), report.to_requeue)}")
     return EXIT_OK if report.ok else EXIT_PARTIAL

@@ -23,6 +23,7 @@ import redis
 from producer.status import Status, read_status, worker_heartbeats
 from sglang_patch import contracts as c
 from worker import broker, keys
+from worker import run as runs
 from worker.index import RunIndex
 from worker.settings import Settings
 from worker.store import free_bytes
@@ -148,7 +149,7 @@ class Sampler:
         self.settings = settings
         self.fingerprint = fingerprint
         self.r: redis.Redis = broker.client(settings, socket_timeout_s=10.0)
-        self.index = RunIndex(self.r, fingerprint.id)
+        self.index = RunIndex(self.r, runs.run_id_of(settings.output_dir))
         self.done = DoneHistory()
         self.samples: deque[dict[str, Any]] = deque(maxlen=MAX_SAMPLES)
         self.snapshot: dict[str, Any] = {}
@@ -159,6 +160,8 @@ class Sampler:
         """Read everything once (blocking: run it in a thread); returns the new snapshot."""
         now = time.time()
         st = read_status(self.settings, self.fingerprint)
+        # the run begins with its manifest, maybe after the dashboard started
+        self.index = RunIndex(self.r, runs.run_id_of(self.settings.output_dir))
         self.done.refresh(self.index)
         out_dir, dump_dir = Path(self.settings.output_dir), Path(self.settings.dump_dir)
         heartbeats = worker_heartbeats(self.r)
@@ -177,7 +180,7 @@ class Sampler:
         self.status = st
         shown = thinned(list(self.samples), SAMPLES_SHOWN)
         self.snapshot = {
-            "run": self.fingerprint.id, "now": now, "status": st.to_json(),
+            "run": self.index.fp, "now": now, "status": st.to_json(),
             "history": history(self.done, _outcome_times(self.index, keys.FAILED),
                                _outcome_times(self.index, keys.REJECTED), start, max(end, start)),
             "sampled": {name: [p[name] for p in shown] for name in ("t", *SAMPLED)},

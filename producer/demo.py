@@ -21,7 +21,6 @@ from tqdm import tqdm
 from producer.localfarm import LocalFarm, wait_until
 from producer.status import Status, read_status
 from sglang_patch.contracts import Fingerprint
-from worker import keys
 from worker.fingerprint import run_fingerprint
 from worker.settings import Settings
 
@@ -57,12 +56,13 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
     shutil.rmtree(work_dir / "dumps", ignore_errors=True)
     shared = _redis_answers(redis_url)
     volatile = shared and _keeps_nothing(str(redis_url))
-    env = {"FARM_QUEUE": "hsfarm-demo", **({"FARM_ALLOW_VOLATILE_REDIS": "1"} if volatile else {})}
+    env = {"FARM_ALLOW_VOLATILE_REDIS": "1"} if volatile else {}
     farm = LocalFarm(work_dir, redis_url=redis_url if shared else None, extra_env=env)
     t_start = time.monotonic()
     try:
         if shared:
-            _step(f"using the Redis at {redis_url} (queue 'hsfarm-demo')")
+            _step(f"using the Redis at {redis_url} (the demo's run has keys and a queue of "
+                  "its own)")
             if volatile:
                 _step("that Redis keeps nothing on disk: fine for a demo (allowed with "
                       "FARM_ALLOW_VOLATILE_REDIS=1); a real run refuses it, use "
@@ -79,7 +79,6 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
               f"{work_dir / 'logs'} (tail -f {work_dir / 'logs' / 'demo1.log'})")
         settings = farm.settings()
         _, fp = run_fingerprint(settings)
-        _clear_run_index(farm, fp.id)
         t0 = time.monotonic()
         _step(f"python -m producer enqueue {data}")
         res = farm.cli("enqueue", str(data), "--no-progress")
@@ -98,14 +97,6 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
         farm.close()
         left = [p.name for p in farm.procs.values() if p.alive()]
         _step("stopped everything" + (f"; STILL RUNNING: {left}" if left else ""))
-
-
-def _clear_run_index(farm: LocalFarm, run: str) -> None:
-    """A demo starts from nothing: drop what an earlier, interrupted demo left in Redis (its
-    run index and its own queue; the outputs were removed with the work dir)."""
-    r = farm.redis()
-    stale = list(r.scan_iter(f"{keys.PREFIX}:{run}:*", count=1000))
-    r.delete(farm.settings().queue, *stale)
 
 
 def _follow(settings: Settings, fp: Fingerprint, timeout_s: float = 1800) -> Status:

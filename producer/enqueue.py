@@ -37,6 +37,7 @@ from producer.queue_scan import broker_sample_keys, task_id
 from sglang_patch import contracts as c
 from worker import broker, keys, tensorfile
 from worker import lease as leases
+from worker import run as runs
 from worker import store as st
 from worker.app import TASK_NAME, app
 from worker.datafile import DataFileError, FileProblem, Oversized, scan
@@ -244,32 +245,58 @@ def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile
     return None
 
 
-def _run_lock_name(fingerprint_id: str) -> str:
-    return keys.run_key(fingerprint_id, keys.ENQUEUE_LOCK)
+def _run_lock_name(run_id: str) -> str:
+    return keys.run_key(run_id, keys.ENQUEUE_LOCK)
+
+
+def open_run(settings: Settings, fingerprint: c.Fingerprint,
+             model_path: Path | None) -> st.OutputStore:
+    """The output dir of the run (the run id comes from its manifest: worker/run.py), its
+    manifest written with ``model_path``'s weights identity if no worker wrote it yet.
+
+    The weights of a run already begun are the workers' to check: samples may be queued
+    while the server is being put right, and wait for it.
+
+    Raises:
+        ConfigError: the dir holds another fingerprint's run.
+    """
+    if (settings.output_dir / st.MANIFEST).exists():
+        return st.OutputStore(settings.output_dir, fingerprint).open()
+    return st.OutputStore(settings.output_dir, fingerprint,
+                          versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
+                          model_path=model_path).open()
 
 
 def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
             dry_run: bool = False, limit: int | None = None, retry_failed: bool = False,
-            progress: bool = True) -> Summary:
-    """Publish tasks for every valid, not-yet-done sample of ``path``.
+            progress: bool = True, model_path: Path | None = None) -> Summary:
+    """Publish tasks for every valid, not-yet-done sample of ``path``, on the run's queue.
 
     Raises:
         DataFileError: the file cannot be read as records at all.
         EnqueueRefused: its keys clash with this run's other data files.
-        ConfigError: Redis keeps nothing on disk (and that was not allowed).
+        ConfigError: Redis keeps nothing on disk (and that was not allowed), or the output
+            dir belongs to another run.
     """
     r = broker.client(settings)
     if not dry_run:
         broker.check_persistence(r, settings)
-    index = RunIndex(r, fingerprint.id)
-    store = st.OutputStore(settings.output_dir, fingerprint)
-    abs_path = str(path.resolve())
     _file_version(path)  # a missing file is a DataFileError before any lock is taken
-    with leases.held(r, _run_lock_name(fingerprint.id), settings.lease_ttl_s,
+    store = st.OutputStore(settings.output_dir, fingerprint)
+    if not dry_run or (settings.output_dir / st.MANIFEST).exists():
+        store = open_run(settings, fingerprint, model_path)  # a dry run begins no run
+    run_id = store.run_id or c.NO_RUN
+    queue = runs.queue_for(settings, run_id)
+    index = RunIndex(r, run_id)
+    abs_path = str(path.resolve())
+    summary = Summary()
+    others = runs.note_queue(r, queue, run_id) if not dry_run else []
+    if others:
+        summary.notes.append(("FARM_QUEUE", runs.sharing_warning(queue, run_id, others)))
+    with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0):
         fid = index.register_file(abs_path) if not dry_run else (
             index.data_files().get(abs_path, 0))
-        summary = Summary()
         t0 = time.monotonic()
         refs = _refs(settings, path, limit, progress, "check", Summary())
         plan = _check(index, store, path, fid, refs)
@@ -280,7 +307,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
                 f"gives to other records: {'; '.join(plan.conflicts)}. Keys must be unique "
                 "within a run: give these records distinct ids (or enqueue them into a new "
                 "FARM_OUTPUT_DIR). Nothing was published.")
-        _publish(settings, fingerprint, index, store, path, plan, summary, dry_run=dry_run,
+        _publish(settings, queue, index, store, path, plan, summary, dry_run=dry_run,
                  limit=limit, retry_failed=retry_failed, progress=progress)
         summary.publish_s = time.monotonic() - t0 - summary.decide_s
         if _file_version(path) != plan.version:
@@ -299,12 +326,12 @@ def _refs(settings: Settings, path: Path, limit: int | None, progress: bool, des
                                progress=lambda at: bar.update(at - bar.n), notes=summary.notes)
 
 
-def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
+def _publish(settings: Settings, queue: str, index: RunIndex,
              store: st.OutputStore, path: Path, plan: _Plan, summary: Summary, *,
              dry_run: bool, limit: int | None, retry_failed: bool, progress: bool) -> None:
     """Pass 2: register and publish what is not done, queued, running or settled."""
     r = index.r
-    in_broker = broker_sample_keys(r, settings.queue, fingerprint.id)
+    in_broker = broker_sample_keys(r, queue, index.fp)
     publication = 0 if dry_run else index.next_publication()
     rejected_before = index.outcomes(keys.REJECTED)
     failed_before = index.outcomes(keys.FAILED)
@@ -318,7 +345,7 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
             if not dry_run:
                 index.register({ref.key: Registered(plan.fid, ref.offset, ref.length,
                                                     ref.sha256, ref.index) for ref in batch})
-            leased = _leased(r, fingerprint.id, [ref.key for ref in batch])
+            leased = _leased(r, index.fp, [ref.key for ref in batch])
             for ref, busy in zip(batch, leased, strict=True):
                 summary.records += 1
                 if _digest(ref.key) in plan.done:
@@ -333,7 +360,7 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
                     if not dry_run:
                         if ref.key in settled:
                             index.forget_outcome(ref.key)
-                        _send(producer, settings, fingerprint, publication,
+                        _send(producer, queue, index.fp, publication,
                               replace(ref, fid=plan.fid))
                     summary.published += 1
     summary.records += len(summary.rejected)
@@ -347,19 +374,19 @@ def _publish(settings: Settings, fingerprint: c.Fingerprint, index: RunIndex,
             index.mark_started()
 
 
-def _leased(r: redis.Redis, fingerprint_id: str, sample_keys: list[str]) -> list[bool]:
+def _leased(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[bool]:
     p = r.pipeline()
     for key in sample_keys:
-        p.exists(leases.lease_name(fingerprint_id, key))
+        p.exists(leases.lease_name(run_id, key))
     return [bool(x) for x in p.execute()]
 
 
-def _send(producer: Any, settings: Settings, fingerprint: c.Fingerprint, publication: int,
-          ref: SampleRef) -> None:
+def _send(producer: Any, queue: str, run_id: str, publication: int, ref: SampleRef) -> None:
     # argsrepr: Flower shows the sample key; the default (the repr of the args) would cost
-    # ~150 bytes of Redis per queued message for nothing
+    # ~150 bytes of Redis per queued message for nothing. The task id names the run: a
+    # worker of another run hands the message back untouched (worker/tasks.py)
     app.send_task(TASK_NAME, args=[ref.to_json()],
-                  task_id=task_id(fingerprint.id, publication, ref.key), queue=settings.queue,
+                  task_id=task_id(run_id, publication, ref.key), queue=queue,
                   producer=producer, argsrepr=ref.key, kwargsrepr="{}")
 
 
@@ -374,21 +401,22 @@ def _drop_vanished(index: RunIndex, plan: _Plan) -> int:
     return len(gone)
 
 
-def requeue(settings: Settings, fingerprint: c.Fingerprint, refs: list[SampleRef]) -> int:
-    """Publish ``refs`` again, clearing their failed/rejected marks. Returns how many."""
+def requeue(settings: Settings, store: st.OutputStore, refs: list[SampleRef]) -> int:
+    """Publish ``refs`` again in the run of ``store`` (opened), clearing their failed/rejected
+    marks. Returns how many."""
     r = broker.client(settings)
-    index = RunIndex(r, fingerprint.id)
-    in_broker = broker_sample_keys(r, settings.queue, fingerprint.id)
+    run_id, queue = store.run_id, runs.queue_for(settings, store.run_id)
+    index = RunIndex(r, run_id)
+    in_broker = broker_sample_keys(r, queue, run_id)
     publication = index.next_publication()
     sent = 0
-    with leases.held(r, _run_lock_name(fingerprint.id), settings.lease_ttl_s,
+    with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0), \
             app.producer_or_acquire() as producer, producer.batch(max_size=500):
-        for ref, busy in zip(refs, _leased(r, fingerprint.id, [x.key for x in refs]),
-                             strict=True):
+        for ref, busy in zip(refs, _leased(r, run_id, [x.key for x in refs]), strict=True):
             if busy or ref.key in in_broker:
                 continue
             index.forget_outcome(ref.key)
-            _send(producer, settings, fingerprint, publication, ref)
+            _send(producer, queue, run_id, publication, ref)
             sent += 1
     return sent

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import redis
 
+from worker.run import queue_for, run_id_of
 from worker.settings import Settings
 
 NOTORCH = str(Path(__file__).resolve().parent / "notorch")
@@ -167,6 +168,14 @@ class LocalFarm:
 
     def settings(self) -> Settings:
         return Settings.from_env(self.env())
+
+    def run_id(self) -> str:
+        """The run of this farm's output dir (``NO_RUN`` before its manifest is written)."""
+        return run_id_of(self.output_dir)
+
+    def queue(self) -> str:
+        """The queue of this farm's run."""
+        return queue_for(self.settings(), self.run_id())
 
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.env()["REDIS_URL"])

@@ -25,6 +25,7 @@ import redis
 from sglang_patch import contracts as c
 from sglang_patch.verify import check_marker, sglang_missing
 from worker import broker, weights
+from worker import run as runs
 from worker.client import ServerClient
 from worker.errors import ConfigError, FarmError
 from worker.fingerprint import compute_fingerprint, resolve_model_path
@@ -121,8 +122,8 @@ def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
         return None, f"{manifest} is unreadable ({e})"
 
 
-def with_counts(run: Run, r: redis.Redis) -> Run:
-    n = RunIndex(r, run.fingerprint.id).counts()
+def with_counts(run: Run, r: redis.Redis, settings: Settings) -> Run:
+    n = RunIndex(r, runs.run_id_of(settings.output_dir)).counts()
     remaining = max(n.total - n.done - n.failed - n.rejected, 0)
     return Run(run.fingerprint, run.source, n.total, n.done, remaining, n.bytes)
 
@@ -381,7 +382,7 @@ def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
     run, why = find_run(settings, server_up)
     if run is not None and r is not None:
         try:
-            run = with_counts(run, r)
+            run = with_counts(run, r, settings)
         except redis.RedisError as e:
             why, run = f"the run index cannot be read ({e})", None
     lines.append(check_run(run, why))

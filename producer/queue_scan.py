@@ -4,11 +4,12 @@ This is the ground truth for "already queued or running" (no marker that could g
 queue list, plus kombu's ``unacked`` hash, where every delivered-but-unacknowledged message
 sits until its ack (running tasks, prefetched ones and retries waiting for their countdown).
 
-Task ids: ``hsd-<fingerprint id>-<publication>:<sample key>``. The sample key is the identity
-(dedupe, leases, the index); the publication number (one per ``enqueue``/``requeue`` call of
-the run) makes each publication of a sample a task of its own, so a monitor that keeps task
-states by id (Flower: a FAILURE outranks every later state of the same id) shows a
-re-enqueued sample's new attempt instead of its old outcome. Redeliveries of one message
+Task ids: ``hsd-<run id>-<publication>:<sample key>`` (the run: ``worker/run.py``). The
+sample key is the identity (dedupe, leases, the index); the publication number (one per
+``enqueue``/``requeue`` call of the run) makes each publication of a sample a task of its
+own, so a monitor that keeps task states by id (Flower: a FAILURE outranks every later state
+of the same id) shows a re-enqueued sample's new attempt instead of its old outcome.
+Redeliveries of one message
 (``Reject(requeue=True)``, a restore) keep their id: they are the same publication.
 """
 
@@ -18,28 +19,28 @@ import orjson
 import redis
 
 from worker import keys
+from worker.run import TASK_PREFIX
 
 _PAGE = 2000
-TASK_PREFIX = "hsd"
 
 
-def task_id(fingerprint_id: str, publication: int, key: str) -> str:
-    """The task id of one publication of sample ``key`` in run ``fingerprint_id``.
+def task_id(run_id: str, publication: int, key: str) -> str:
+    """The task id of one publication of sample ``key`` in run ``run_id``.
 
     ``:`` never occurs in a sample key (contracts), so the publication number cannot be
     mistaken for the head of a key that starts with digits and a dash (``2024-01-x``).
     """
-    return f"{TASK_PREFIX}-{fingerprint_id}-{publication}:{key}"
+    return f"{TASK_PREFIX}-{run_id}-{publication}:{key}"
 
 
-def sample_key_of(task: str, fingerprint_id: str) -> str | None:
-    """The sample key in a task id of run ``fingerprint_id``; None for any other id.
+def sample_key_of(task: str, run_id: str) -> str | None:
+    """The sample key in a task id of run ``run_id``; None for any other id.
 
     Ids without a publication number (``hsd-<fingerprint id>-<key>``, published before
     there was one: no ``:`` in them) still name their sample: a run enqueued by an older
     version is not published twice by a newer one.
     """
-    head = f"{TASK_PREFIX}-{fingerprint_id}-"
+    head = f"{TASK_PREFIX}-{run_id}-"
     if not task.startswith(head) or len(task) == len(head):
         return None
     rest = task[len(head):]
@@ -75,9 +76,9 @@ def broker_task_ids(r: redis.Redis, queue: str) -> set[str]:
     return ids
 
 
-def broker_sample_keys(r: redis.Redis, queue: str, fingerprint_id: str) -> set[str]:
-    """Sample keys of run ``fingerprint_id`` with a task queued or unacknowledged."""
-    found = (sample_key_of(t, fingerprint_id) for t in broker_task_ids(r, queue))
+def broker_sample_keys(r: redis.Redis, queue: str, run_id: str) -> set[str]:
+    """Sample keys of run ``run_id`` with a task queued or unacknowledged."""
+    found = (sample_key_of(t, run_id) for t in broker_task_ids(r, queue))
     return {k for k in found if k is not None}
 
 

@@ -17,6 +17,7 @@ import redis
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
 from worker import broker, keys, liveness
+from worker import run as runs
 from worker.admission import Admission, limits_for_host
 from worker.errors import ConfigError
 from worker.fingerprint import run_fingerprint
@@ -90,11 +91,12 @@ def status_fingerprint(settings: Settings) -> tuple[c.Fingerprint, str]:
 def read_status(settings: Settings, fingerprint: c.Fingerprint,
                 window_s: float = RATE_WINDOW_S) -> Status:
     r = broker.client(settings)
-    index = RunIndex(r, fingerprint.id)
+    run_id = runs.run_id_of(settings.output_dir)
+    index = RunIndex(r, run_id)
     pruned = index.prune_running(liveness.gone_here)
     index.prune_paused(liveness.gone_here, max_age_s=max(60.0, 3 * settings.pause_poll_s))
     counts = index.counts()
-    waiting, unacked = broker_depth(r, settings.queue)
+    waiting, unacked = broker_depth(r, runs.queue_for(settings, run_id))
     remaining = max(counts.total - counts.done - counts.failed - counts.rejected, 0)
     finished = (remaining == 0 and waiting == 0 and unacked == 0 and counts.running == 0
                 and counts.retrying == 0)
@@ -162,14 +164,14 @@ def _last_outcome_at(index: RunIndex) -> float | None:
 
 def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
     """Samples the index calls done whose final file is not on disk (deleted since)."""
-    index = RunIndex(broker.client(settings), fingerprint.id)
+    index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
     out = Path(settings.output_dir)
     return sorted(k for k in index.done_keys() if not c.final_path(out, k).exists())
 
 
 def failure_entries(settings: Settings, fingerprint: c.Fingerprint) -> list[dict[str, Any]]:
     """Every failed, rejected, stale and retrying sample: kind, key and body (reason, at…)."""
-    index = RunIndex(broker.client(settings), fingerprint.id)
+    index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
     return [{"kind": kind, "key": key, **body}
             for kind in (keys.FAILED, keys.REJECTED, keys.STALE, keys.RETRYING)
             for key, body in sorted(index.outcomes(kind).items())]

@@ -3,7 +3,7 @@
 Both sides import this module; it imports nothing but the standard library, so the SGLang
 plugin can load it without the farm and the worker can load it without torch.
 
-- rid: ``hsd-<sample_key>-a<attempt>-n<token_count>``
+- rid: ``hsd-<run>-<sample_key>-a<attempt>-n<token_count>`` (``<run>``: 16 hex digits)
 - dump file (tmpfs): ``<dump_dir>/<rid>.safetensors`` or ``<dump_dir>/<rid>.err``
 - final file (disk): ``<out>/samples/<shard>/<sample_key>.safetensors``
 - run fingerprint: the fields that make two hidden-state files comparable
@@ -24,33 +24,46 @@ PATCH_VERSION = "0.1.0"
 
 RID_PREFIX = "hsd-"
 _KEY_CHARS = r"A-Za-z0-9_.\-"
-RID_RE = re.compile(rf"^hsd-(?P<key>[{_KEY_CHARS}]+)-a(?P<attempt>\d+)-n(?P<n>\d+)$")
+RUN_ID_LEN = 16
+# The run a request belongs to leads the rid, at a fixed width, so a rid always parses the
+# one way (a sample key may itself hold hex digits and dashes), and every dump file name says
+# whose it is: two runs sharing a dump dir never take, collect or delete each other's dumps.
+RID_RE = re.compile(rf"^hsd-(?P<run>[0-9a-f]{{{RUN_ID_LEN}}})-(?P<key>[{_KEY_CHARS}]+)"
+                    r"-a(?P<attempt>\d+)-n(?P<n>\d+)$")
+RUN_ID_RE = re.compile(rf"^[0-9a-f]{{{RUN_ID_LEN}}}$")
 MAX_KEY_LEN = 96
+# The run of requests that belong to no run (the probe ``sglang_patch verify`` sends)
+NO_RUN = "0" * RUN_ID_LEN
 
 
 @dataclass(frozen=True)
 class Rid:
-    """A parsed request id: which sample, which attempt, how many tokens were sent."""
+    """A parsed request id: which run, which sample, which attempt, how many tokens were sent."""
 
     sample_key: str
     attempt: int
     token_count: int
+    run: str = NO_RUN
 
     def __str__(self) -> str:
-        return f"{RID_PREFIX}{self.sample_key}-a{self.attempt}-n{self.token_count}"
+        return (f"{RID_PREFIX}{self.run}-{self.sample_key}-a{self.attempt}"
+                f"-n{self.token_count}")
 
 
-def make_rid(sample_key: str, attempt: int, token_count: int) -> str:
-    """Build the rid for one extraction request.
+def make_rid(sample_key: str, attempt: int, token_count: int, run: str = NO_RUN) -> str:
+    """Build the rid for one extraction request of run ``run``.
 
     Raises:
-        ValueError: the key is not a sanitised sample key, or the numbers are out of range.
+        ValueError: the key is not a sanitised sample key, the run is not a run id, or the
+            numbers are out of range.
     """
     if not is_valid_sample_key(sample_key):
         raise ValueError(f"not a sanitised sample key: {sample_key!r}")
+    if not RUN_ID_RE.match(run):
+        raise ValueError(f"not a run id ({RUN_ID_LEN} hex digits): {run!r}")
     if attempt < 0 or token_count < 1:
         raise ValueError(f"bad attempt/token_count: {attempt}/{token_count}")
-    return str(Rid(sample_key, attempt, token_count))
+    return str(Rid(sample_key, attempt, token_count, run))
 
 
 def parse_rid(rid: object) -> Rid | None:
@@ -60,7 +73,18 @@ def parse_rid(rid: object) -> Rid | None:
     m = RID_RE.match(rid)
     if m is None:
         return None
-    return Rid(m["key"], int(m["attempt"]), int(m["n"]))
+    return Rid(m["key"], int(m["attempt"]), int(m["n"]), m["run"])
+
+
+def rid_of_file(name: str) -> Rid | None:
+    """The rid a dump dir entry belongs to: ``<rid>.safetensors``, ``<rid>.err`` or the
+    hook's temp file ``.<rid>.tmp.<pid>``; None for any other name."""
+    if name.startswith(".") and TMP_MARK in name:
+        return parse_rid(name[1:].split(TMP_MARK, 1)[0])
+    for suffix in (DUMP_SUFFIX, ERR_SUFFIX):
+        if name.endswith(suffix):
+            return parse_rid(name[: -len(suffix)])
+    return None
 
 
 # --- sample keys -----------------------------------------------------------------------------

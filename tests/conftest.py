@@ -76,7 +76,7 @@ def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:
     from worker import keys
 
     r = farm.redis()
-    queue = farm.settings().queue
+    queue = farm.queue()
 
     def finished() -> bool:
         runs = [k.decode().rsplit(":", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.META}")]
@@ -109,7 +109,7 @@ def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str],
     assert sorted(names) == sorted(f"{k}{c.DUMP_SUFFIX}" for k in keys_expected), (
         "not exactly one final file per sample"
     )
-    assert broker_depth(farm.redis(), farm.settings().queue) == (0, 0)
+    assert broker_depth(farm.redis(), farm.queue()) == (0, 0)
     res = farm.cli("audit")
     assert res.returncode == (1 if failed else 0), res.stdout + res.stderr
     assert f"whole: {len(keys_expected)} " in res.stdout

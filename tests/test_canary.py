@@ -258,7 +258,7 @@ def test_server_on_other_weights_pauses_the_farm_and_loses_nothing(
         assert len(reasons) >= 2 and all("canary mismatch" in r for r in reasons), reasons
         assert not any(c.final_path(farm.output_dir, k).exists() for k in more)
         assert not failed(farm)
-        waiting, unacked = broker_depth(farm.redis(), farm.settings().queue)
+        waiting, unacked = broker_depth(farm.redis(), farm.queue())
         assert waiting + unacked == 6
         # When the run's model is served again (restarted, now unchunked)
         _swap_server(farm, None, chunk=-1)
@@ -292,7 +292,7 @@ def test_other_checkpoint_is_refused_by_its_identity_before_any_request(
         info = json.loads(urllib.request.urlopen(
             farm.env()["FARM_SERVER_URL"] + "/server_info", timeout=10).read())
         assert info["forward_passes"] == 0  # not even the hook probe ran
-        assert broker_depth(farm.redis(), farm.settings().queue) == (4, 0)
+        assert broker_depth(farm.redis(), farm.queue()) == (4, 0)
         # And audit calls a file written under another identity incompatible
         path = c.final_path(farm.output_dir, keys_[0])
         tf = tensorfile.read(path)

@@ -97,7 +97,7 @@ def _finish(farm: LocalFarm, data: Path) -> int:
     was taking (kombu's BRPOP-to-unacked window, celery#4354): once the broker has been empty
     for longer than the reaper needs, re-running enqueue, the documented reconciliation,
     republishes exactly the missing samples. Returns how many it republished."""
-    r, queue = farm.redis(), farm.settings().queue
+    r, queue = farm.redis(), farm.queue()
     settle_s = 30.0
     idle_since: float | None = None
     deadline = time.monotonic() + 300
@@ -136,7 +136,7 @@ def test_chaos_run(tmp_path: Path, tiny_model: Path) -> None:
         main_kills: list[MainKill] = []
         while stats["pool_kills"] + stats["main_kills"] < N_KILLS:
             if not _one_kill(farm, rng, stats, main_kills):
-                assert status.llen(farm.settings().queue) > 0, f"run ended first: {stats}"
+                assert status.llen(farm.queue()) > 0, f"run ended first: {stats}"
                 time.sleep(0.05)
                 continue
             kills = stats["pool_kills"] + stats["main_kills"]

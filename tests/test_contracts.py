@@ -6,21 +6,48 @@ import pytest
 
 from sglang_patch import contracts as c
 
+RUN = "0123456789abcdef"
+
 
 def test_rid_round_trip() -> None:
-    rid = c.make_rid("ex-0001", 3, 1500)
-    assert rid == "hsd-ex-0001-a3-n1500"
-    assert c.parse_rid(rid) == c.Rid("ex-0001", 3, 1500)
+    rid = c.make_rid("ex-0001", 3, 1500, run=RUN)
+    assert rid == f"hsd-{RUN}-ex-0001-a3-n1500"
+    assert c.parse_rid(rid) == c.Rid("ex-0001", 3, 1500, RUN)
+    assert c.parse_rid(c.make_rid("ex-0001", 3, 1500)) == c.Rid("ex-0001", 3, 1500, c.NO_RUN)
 
 
 def test_rid_with_key_that_looks_like_a_suffix() -> None:
-    rid = c.make_rid("x-a1-n2", 4, 9)
-    assert c.parse_rid(rid) == c.Rid("x-a1-n2", 4, 9)
+    rid = c.make_rid("x-a1-n2", 4, 9, run=RUN)
+    assert c.parse_rid(rid) == c.Rid("x-a1-n2", 4, 9, RUN)
+
+
+def test_rid_with_key_that_looks_like_a_run() -> None:
+    # a key of hex digits and dashes parses the one way: the run has a fixed width
+    key = f"{'f' * 16}-{RUN}"
+    rid = c.make_rid(key, 1, 5, run=RUN)
+    assert c.parse_rid(rid) == c.Rid(key, 1, 5, RUN)
+
+
+def test_dump_dir_names_say_whose_they_are() -> None:
+    rid = c.make_rid("k", 2, 7, run=RUN)
+    want = c.Rid("k", 2, 7, RUN)
+    assert c.rid_of_file(f"{rid}.safetensors") == want
+    assert c.rid_of_file(f"{rid}.err") == want
+    assert c.rid_of_file(f".{rid}{c.TMP_MARK}123") == want
+    assert c.rid_of_file(f"{c.READY_PREFIX}host.1") is None
+    assert c.rid_of_file("hsd-k-a1-n3.safetensors") is None  # a rid without a run
+
+
+def test_make_rid_refuses_a_run_that_is_no_run_id() -> None:
+    for run in ("", "abc", RUN.upper(), RUN + "0", "../../../../etc0"):
+        with pytest.raises(ValueError):
+            c.make_rid("k", 1, 3, run=run)
 
 
 @pytest.mark.parametrize("rid", [
     "HEALTH_CHECK_abc", "warmup", "hsd-", "hsd-key-a1", "hsd-key-a1-nX", "hsd-k/x-a1-n3",
-    "hsd-key-a1-n3 ", None, 42,
+    "hsd-key-a1-n3 ", None, 42, "hsd-key-a1-n3", f"hsd-{RUN}-a1-n3", f"hsd-{RUN[:15]}-k-a1-n3",
+    f"hsd-{RUN}-k/x-a1-n3",
 ])
 def test_foreign_rids_are_not_ours(rid: object) -> None:
     assert c.parse_rid(rid) is None

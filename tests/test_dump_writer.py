@@ -119,9 +119,9 @@ def test_gap_prefix_hit_and_overrun_write_err(rig) -> None:
     err = {p.name: p.read_text() for p in d.glob("*.err")}
     assert "gap: chunk starts at 5, earlier chunks end at 2" in err[f"{gap}.err"]
     assert "gap: chunk starts at 4, no earlier chunk" in err[f"{hit}.err"]
-    assert "overrun: 4 tokens seen, rid declares 3" in err["hsd-o2-a1-n3.err"]
+    assert "overrun: 4 tokens seen, rid declares 3" in err[f"{c.make_rid('o2', 1, 3)}.err"]
     assert c.dump_path(d, over).exists()  # 6 + 2 == 8 is exactly whole
-    assert not list(d.glob("hsd-gap*.safetensors"))
+    assert not list(d.glob(f"{c.RID_PREFIX}*gap*.safetensors"))
 
 
 def test_decode_rows_of_mixed_batches_are_not_prompt_rows(rig) -> None:

@@ -66,12 +66,12 @@ def test_keys_are_unique_across_the_data_files_of_a_run(tmp_path: Path, tiny_mod
         assert _count(farm.cli("enqueue", str(ided), "--no-progress").stdout, "published") == 4
         wait_finished(farm, 16)
         clash = _jsonl(tmp_path / "part4.jsonl", [_record(i, "d") for i in range(4)])
-        depth = broker_depth(farm.redis(), farm.settings().queue)
+        depth = broker_depth(farm.redis(), farm.queue())
         res = farm.cli("enqueue", str(clash), "--no-progress")
         # Then the whole file is refused with the reason, before anything is published
         assert res.returncode == 2, res.stdout + res.stderr
         assert "Keys must be unique within a run" in res.stderr and "'s-0000'" in res.stderr
-        assert broker_depth(farm.redis(), farm.settings().queue) == depth
+        assert broker_depth(farm.redis(), farm.queue()) == depth
         # And also after Redis lost the run index: the files on disk say whose keys they are
         farm.redis().flushall()
         again = farm.cli("enqueue", str(clash), "--no-progress")
@@ -116,7 +116,7 @@ def test_two_producers_at_once_queue_each_sample_once(tmp_path: Path, tiny_model
         outs = [p.communicate(timeout=240)[0] for p in procs]
         # Then one published everything and the other found it all queued
         assert sorted(_count(o, "published") for o in outs) == [0, 3000], outs
-        assert broker_depth(farm.redis(), farm.settings().queue) == (3000, 0)
+        assert broker_depth(farm.redis(), farm.queue()) == (3000, 0)
     finally:
         farm.close(kill=True)
 
@@ -165,7 +165,7 @@ def test_volatile_redis_is_refused_unless_allowed(tmp_path: Path, tiny_model: Pa
         # Then it refuses, says why and how to fix it, and publishes nothing
         assert res.returncode == 2 and "keeps nothing on disk (appendonly no)" in res.stderr
         assert "FARM_ALLOW_VOLATILE_REDIS=1" in res.stderr
-        assert broker_depth(farm.redis(), farm.settings().queue) == (0, 0)
+        assert broker_depth(farm.redis(), farm.queue()) == (0, 0)
         # And so does a worker, before it takes anything
         worker = subprocess.run(
             [sys.executable, "-m", "celery", "-A", "worker", "worker", "-c", "1",

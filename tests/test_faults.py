@@ -46,8 +46,8 @@ def test_sigterm_is_a_warm_shutdown(tmp_path: Path, tiny_model: Path) -> None:
         # acknowledged and what it did not is back in the queue at once: nothing is left
         # unacknowledged to wait for the visibility timeout
         assert exit_s < 3 + 10
-        assert broker_depth(farm.redis(), farm.settings().queue)[1] == 0
-        queued = broker_task_ids(farm.redis(), farm.settings().queue)
+        assert broker_depth(farm.redis(), farm.queue())[1] == 0
+        queued = broker_task_ids(farm.redis(), farm.queue())
         done = set(run_hash(farm, keys_mod.BYTES))
         assert all(k in done or any(t.endswith(f"-{k}") for t in queued) for k in in_flight)
         farm.start_worker("w2", concurrency=2)
@@ -232,15 +232,23 @@ def test_startup_cleans_stale_files_but_not_outputs(tmp_path: Path, tiny_model: 
         shard.mkdir(parents=True, exist_ok=True)
         stale = shard / f".zz.safetensors{c.TMP_MARK}{liveness.temp_tag('ab12', dead.pid)}"
         stale.write_bytes(b"half a file")
-        old_dump = farm.dump_dir / f"{c.make_rid('gone', 1, 5)}.safetensors"
-        old_dump.write_bytes(b"x")
-        os.utime(old_dump, (time.time() - 3600, time.time() - 3600))
+        old_dump = farm.dump_dir / f"{c.make_rid('gone', 1, 5, run=farm.run_id())}.safetensors"
+        # another run's dumps in a shared dump dir (a second server of the host): an old one,
+        # and one of a sample this run has finished
+        theirs = [farm.dump_dir / f"{c.make_rid(k, 1, 5, run='f' * 16)}.safetensors"
+                  for k in ("gone", keys[0])]
+        for dump in (old_dump, *theirs):
+            dump.write_bytes(b"x")
+            os.utime(dump, (time.time() - 3600, time.time() - 3600))
         finals = {p: p.stat().st_mtime
                   for p in (farm.output_dir / "samples").rglob("*.safetensors")}
         # When a worker starts
         farm.start_worker("w2", concurrency=1)
         # Then the leftovers are gone and every finished output is untouched
         assert not stale.exists() and not old_dump.exists()
+        assert all(dump.exists() for dump in theirs)  # never another run's
+        for dump in theirs:
+            dump.unlink()
         assert {p: p.stat().st_mtime for p in finals} == finals
         assert_farm_invariants(farm, keys)
         assert attempts(farm) == dict.fromkeys(keys, 1)

@@ -55,7 +55,7 @@ def test_duplicate_deliveries_never_run_at_once(tmp_path: Path, tiny_model: Path
 
     with running_farm(tmp_path, ["--forward-delay-s", "0.05"]) as farm:
         keys = enqueue(farm, tmp_path, 16)
-        r, queue = farm.redis(), farm.settings().queue
+        r, queue = farm.redis(), farm.queue()
         originals = r.lrange(queue, 0, -1)[::-1]  # in the order they are consumed
         r.delete(queue)
         for raw in originals:  # each message, then its twin right behind it

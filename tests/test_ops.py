@@ -97,14 +97,14 @@ def test_preflight_before_anything_is_done_changes_nothing_and_says_it_cannot_si
                for line in lines)
     assert any(re.match(r"OK    run \w{16} \(from model .*\): 0 of 3 samples done, 3 without "
                         r"an outcome$", line) for line in lines), res.stdout
-    assert any(line.startswith(f"WARN  output disk {out} (not created yet; free space of ")
+    assert any(line.startswith(f"WARN  output disk {out}: ")  # enqueue began the run there
                and "not sized to the run: no sample is done yet" in line
                and "each token takes 528 bytes" in line for line in lines), res.stdout
     assert any(line.startswith(f"OK    dump dir {dumps} (not created yet: the server makes "
                                "it; /dev/shm)") for line in lines), res.stdout
     assert f"FAIL  ready marker: no dump dir {dumps}" in res.stdout
-    # And it created nothing
-    assert not out.parent.exists() and not dumps.parent.exists()
+    # And it created nothing (the output dir and its manifest are enqueue's)
+    assert not dumps.parent.exists()
 
 
 def test_preflight_says_when_the_plugin_checks_did_not_run_and_runs_them_with_sglang_python(

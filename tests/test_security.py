@@ -32,7 +32,7 @@ def test_pickle_message_is_refused_and_never_executed(tmp_path: Path, tiny_model
     with running_farm(tmp_path) as farm:
         farm.start_worker("w1", concurrency=1)
         # Given a message serialized with pickle, addressed to our task on our queue
-        queue = farm.settings().queue
+        queue = farm.queue()
         with Connection(farm.env()["REDIS_URL"]) as conn:
             producer = Producer(conn, exchange=Exchange(queue), routing_key=queue)
             producer.publish(
@@ -87,7 +87,7 @@ def test_crafted_task_messages_are_refused_and_delete_nothing(tmp_path: Path,
         # Then each is refused with its reason (bounded in size), acknowledged, and nothing
         # was deleted
         assert max(len(x) for x in refused()) < 2000
-        wait_until(lambda: broker_depth(r, farm.settings().queue) == (0, 0), 30, "the acks")
+        wait_until(lambda: broker_depth(r, farm.queue()) == (0, 0), 30, "the acks")
         assert victim.read_bytes() == b"model weights, say"
         log = farm.procs["w1"].log.read_text()
         assert "refusing a task message" in log and "is not a sample key" in log

@@ -21,7 +21,7 @@ def test_misconfigured_worker_stops_before_taking_anything(tmp_path: Path,
         wait_finished(farm, 3)
         farm.procs["w1"].stop()
         more = enqueue(farm, tmp_path, 12, start=3)
-        queue = farm.settings().queue
+        queue = farm.queue()
         assert broker_depth(farm.redis(), queue) == (12, 0)
         # When a worker starts with a setting that changes the run (another fingerprint)
         farm.extra_env["FARM_MAX_TOKENS"] = "4096"
@@ -52,7 +52,7 @@ def test_worker_started_before_the_server_waits_for_it(tmp_path: Path, tiny_mode
         # Then it waits, taking nothing, and says what it waits for
         assert w.alive() and " ready." not in w.log.read_text()
         assert "waiting" in w.log.read_text() and "for the server" in w.log.read_text()
-        assert broker_depth(farm.redis(), farm.settings().queue) == (20, 0)
+        assert broker_depth(farm.redis(), farm.queue()) == (20, 0)
         # And once the server is up, it runs every sample, and none fails
         farm.start_server()
         wait_finished(farm, 20)
@@ -73,4 +73,4 @@ def test_worker_whose_dump_dir_the_hook_does_not_write_takes_nothing(tmp_path: P
         assert "no dump of it appeared" in w.log.read_text()
         time.sleep(2)
         assert w.alive() and " ready." not in w.log.read_text()
-        assert broker_depth(farm.redis(), farm.settings().queue) == (5, 0)
+        assert broker_depth(farm.redis(), farm.queue()) == (5, 0)

@@ -35,14 +35,15 @@ def test_status_without_server_cleans_stale_entries_and_explains(tmp_path: Path,
     try:
         farm.start_redis()
         fp = compute_fingerprint(farm.settings(), tiny_model)
-        OutputStore(farm.output_dir, fp).open()  # the manifest, as the first worker writes it
+        # the manifest, as the first worker writes it: it names the run
+        run = OutputStore(farm.output_dir, fp).open().run_id
         r, dead, me = farm.redis(), _gone_identity(), liveness.identity()
-        index = RunIndex(r, fp.id)
+        index = RunIndex(r, run)
         index.register({k: Registered(1, i * 10, 10, "0" * 64, i) for i, k in enumerate("abcd")})
         # Given three samples marked running: "a" whose attempt ended without a trace (its
         # lease is free), "b" whose lease holder exited, "c" held by a live process
-        r.set(lease_name(fp.id, "b"), f"{dead}#t1")
-        r.set(lease_name(fp.id, "c"), f"{me}#t2")
+        r.set(lease_name(run, "b"), f"{dead}#t1")
+        r.set(lease_name(run, "c"), f"{me}#t2")
         for key in ("a", "b", "c"):
             index.mark_running(key, f"{liveness.HOST}:1", 1)
         # and a live process paused for low disk, a gone one paused for the server
@@ -54,7 +55,7 @@ def test_status_without_server_cleans_stale_entries_and_explains(tmp_path: Path,
         # Then it reads the run from the manifest and explains what is going on
         assert res.returncode == 0, res.stdout + res.stderr
         out = res.stdout
-        assert f"run {fp.id} (from {farm.output_dir}/manifest.json)" in out
+        assert f"run {run} (from {farm.output_dir}/manifest.json)" in out
         assert "running 1, retrying 1 (2 stale running entries removed)" in out, out
         assert "paused    1 process: output disk /nvme/out low: 1.0 MB free" in out
         assert "does not answer" not in out

@@ -73,4 +73,4 @@ def test_the_worker_alone_extracts_and_a_missing_library_stops_it(
         assert "jinja2" in worker.log.read_text(errors="replace")
         # And no sample was recorded as rejected for any of it: all three wait in the queue
         assert run_hash(farm, keys.REJECTED) == {}
-        assert broker_depth(farm.redis(), farm.settings().queue) == (3, 0)
+        assert broker_depth(farm.redis(), farm.queue()) == (3, 0)

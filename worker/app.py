@@ -32,7 +32,9 @@ def celery_config(s: Settings) -> dict[str, object]:
         "result_serializer": "json",
         "result_accept_content": ["json"],
         "task_ignore_result": True,  # the output disk is the source of truth
-        "task_default_queue": s.queue,
+        # Only Celery's name for a queue nobody named: every process that publishes or
+        # consumes uses the run's queue (worker/run.py; a worker selects it at start-up)
+        "task_default_queue": s.queue or "hsfarm",
         "task_acks_late": True,  # acknowledge only after the verified write
         "task_reject_on_worker_lost": True,  # a killed pool process → message requeued
         # Only recorded outcomes end in FAILURE (tasks.py); anything else hands the message

@@ -104,9 +104,10 @@ def read_rows(path: Path, ids: list[int], rows: np.ndarray) -> tuple[np.ndarray,
 
 async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]],
                   rows: list[np.ndarray], timeout_s: float, *, tries: int = PROMPT_TRIES,
-                  backoff_s: float = 2.0, backoff_max_s: float = 60.0,
+                  backoff_s: float = 2.0, backoff_max_s: float = 60.0, run: str = c.NO_RUN,
                   ) -> list[tuple[np.ndarray, dict[str, str]]]:
-    """Send every canary prompt at once (batched, as samples are) and read their dumps.
+    """Send every canary prompt at once (batched, as samples are) and read their dumps
+    (requests of run ``run``: its janitor leaves them alone, another run's never sees them).
 
     A prompt whose request or dump fails is sent again after ``backoff_s`` (doubling, at most
     ``backoff_max_s``), up to ``tries`` times, under a new rid. When one prompt fails for good
@@ -118,7 +119,7 @@ async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]]
     """
     async def once(i: int) -> tuple[np.ndarray, dict[str, str]]:
         key = f"_hsfarm_canary{i}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        rid = c.make_rid(key, 1, len(prompts[i]))
+        rid = c.make_rid(key, 1, len(prompts[i]), run=run)
         try:
             await client.generate(rid, prompts[i])
             path = await wait_for_dump(dump_dir, rid, timeout_s)
@@ -178,6 +179,7 @@ class CanaryCheck:
     fingerprint: c.Fingerprint
     weights_id: str
     encode: Encode
+    run_id: str = c.NO_RUN  # the run whose verdicts and requests these are (worker/run.py)
     last_ok: float = -math.inf
     forced_at: float = 0.0  # wall clock: shared passes older than this are not taken
     epoch: tuple[tuple[str, int], ...] | None = None
@@ -187,8 +189,8 @@ class CanaryCheck:
         where = hashlib.sha256(json.dumps([liveness.HOST, liveness.MACHINE,
                                            str(self.settings.dump_dir), epoch]).encode()
                                ).hexdigest()[:16]
-        return (keys.run_key(self.fingerprint.id, f"{keys.CANARY}:{where}"),
-                keys.run_key(self.fingerprint.id, f"{keys.CANARY_LOCK}:{where}"))
+        return (keys.run_key(self.run_id, f"{keys.CANARY}:{where}"),
+                keys.run_key(self.run_id, f"{keys.CANARY_LOCK}:{where}"))
 
     def force(self) -> None:
         """Check again before the next sample (the server was seen down).
@@ -230,7 +232,7 @@ class CanaryCheck:
         rows = [cn.sample_rows(len(p), chunk) for p in prompts]
         got = await extract(client, self.settings.dump_dir, prompts, rows,
                             self.settings.dump_timeout_s, backoff_s=self.settings.retry_backoff_s,
-                            backoff_max_s=self.settings.retry_backoff_max_s)
+                            backoff_max_s=self.settings.retry_backoff_max_s, run=self.run_id)
         canaries = [cn.Canary(np.asarray(p, dtype=np.int64), r, s)
                     for p, r, (s, _) in zip(prompts, rows, got, strict=True)]
         meta = cn.recording_meta(self.fingerprint, self.weights_id,
@@ -248,7 +250,7 @@ class CanaryCheck:
         got = await extract(client, self.settings.dump_dir, prompts,
                             [r.rows for r in recorded], self.settings.dump_timeout_s,
                             backoff_s=self.settings.retry_backoff_s,
-                            backoff_max_s=self.settings.retry_backoff_max_s)
+                            backoff_max_s=self.settings.retry_backoff_max_s, run=self.run_id)
         problems = []
         served = json.loads(got[0][1].get(c.M_LAYERS, "[]"))
         wanted = json.loads(meta.get(c.M_LAYERS, "[]"))

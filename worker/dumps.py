@@ -26,12 +26,13 @@ from worker.finalfile import Part
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
-def discard_dumps(dump_dir: Path, sample_key: str) -> int:
-    """Delete every dump/err of this sample (earlier attempts that died before collecting)."""
+def discard_dumps(dump_dir: Path, run: str, sample_key: str) -> int:
+    """Delete every dump/err of this sample of run ``run`` (earlier attempts that died before
+    collecting); another run's dumps of a sample with the same key are never touched."""
     removed = 0
-    for p in dump_dir.glob(f"{c.RID_PREFIX}{sample_key}-a*"):
-        rid = c.parse_rid(p.name.rsplit(".", 1)[0])
-        if rid is not None and rid.sample_key == sample_key:
+    for p in dump_dir.glob(f"{c.RID_PREFIX}{run}-{sample_key}-a*"):
+        rid = c.rid_of_file(p.name)
+        if rid is not None and rid.run == run and rid.sample_key == sample_key:
             p.unlink(missing_ok=True)
             removed += 1
     return removed

@@ -76,7 +76,7 @@ def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
     except Corrupt as e:
         log.warning("%s existing final file is damaged; this attempt replaces it: %s", ref.key, e)
         return None
-    discard_dumps(rt.settings.dump_dir, ref.key)
+    discard_dumps(rt.settings.dump_dir, rt.run_id, ref.key)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
     return Result("already-done", v.tokens, v.size_bytes)
 
@@ -98,8 +98,8 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
     sample, ref = read_sample(ref)
     tok = rt.chat.encode(sample)
     n = len(tok.input_ids)
-    rid = c.make_rid(ref.key, try_no, n)
-    discard_dumps(rt.settings.dump_dir, ref.key)
+    rid = c.make_rid(ref.key, try_no, n, run=rt.run_id)
+    discard_dumps(rt.settings.dump_dir, rt.run_id, ref.key)
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
     with rt.admission.admit(n) as ticket:  # a request place, and tmpfs room for the dump

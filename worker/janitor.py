@@ -6,7 +6,9 @@ and the server finished the request afterwards. Orphans of samples whose final f
 removed at once; any other dump of ours is removed once it is older than the longest a task can
 wait for it (request timeout + dump timeout). Runs at worker start and then every
 ``FARM_JANITOR_INTERVAL_S`` in the worker's main process; never touches finished outputs or
-files that are not ours.
+files that are not this run's: another run sharing the dump dir (a second server on the host)
+keeps every dump of its own, whatever its sample keys. Probe dumps (no run) left by a dead
+probe go once they are that old.
 """
 
 from __future__ import annotations
@@ -24,21 +26,21 @@ from worker.settings import Settings
 log = logging.getLogger("hsfarm.janitor")
 
 
-def sweep_dumps(settings: Settings, now: float | None = None) -> int:
-    """Remove orphaned dumps, ``.err`` files and hook temp files. Returns how many."""
+def sweep_dumps(settings: Settings, run: str, now: float | None = None) -> int:
+    """Remove run ``run``'s orphaned dumps, ``.err`` files and hook temp files, and stale
+    probe dumps. Returns how many."""
     now = time.time() if now is None else now
     max_age_s = settings.request_timeout_s + settings.dump_timeout_s
     removed = 0
     for p in Path(settings.dump_dir).glob("*"):
         try:
-            if not p.is_file():
+            rid = c.rid_of_file(p.name)
+            if rid is None or rid.run not in (run, c.NO_RUN) or not p.is_file():
                 continue
-            age_s = now - p.stat().st_mtime
-            rid = c.parse_rid(p.name.rsplit(".", 1)[0])
-            finished = rid is not None and c.final_path(settings.output_dir,
-                                                        rid.sample_key).exists()
-            ours = rid is not None or (c.is_temp_name(p.name) and p.name.startswith("."))
-            if ours and (finished or age_s > max_age_s) and not p.name.startswith(c.READY_PREFIX):
+            old = now - p.stat().st_mtime > max_age_s
+            finished = rid.run == run and c.final_path(settings.output_dir,
+                                                       rid.sample_key).exists()
+            if finished or old:
                 p.unlink()
                 removed += 1
         except OSError:
@@ -58,11 +60,15 @@ class Janitor(bootsteps.StartStopStep):
         self.tref: Any = None
 
     def start(self, worker: Any) -> None:
+        from worker import startup
         from worker.app import settings
 
-        sweep_dumps(settings)
+        if startup.CONTEXT is None:  # worker_init did not build the run: nothing is ours
+            return
+        run = startup.CONTEXT.store.run_id
+        sweep_dumps(settings, run)
         self.tref = worker.timer.call_repeatedly(settings.janitor_interval_s, sweep_dumps,
-                                                 (settings,), priority=10)
+                                                 (settings, run), priority=10)
 
     def stop(self, worker: Any) -> None:
         if self.tref is not None:

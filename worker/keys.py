@@ -1,4 +1,5 @@
-"""Redis key names, in one place. Everything of one run lives under ``hsfarm:<fingerprint id>:``.
+"""Redis key names, in one place. Everything of one run lives under ``hsfarm:<run id>:``
+(``worker.run``: one output dir of one model and checkpoint).
 
 Redis is the queue and an index for ``status``; the output disk is the source of truth.
 """
@@ -36,8 +37,16 @@ OWNERS = f"{PREFIX}:owners"  # hash delivery tag -> owner id (liveness.identity(
 HEARTBEAT = f"{PREFIX}:heartbeat"  # HEARTBEAT:<owner id> -> "1", with a TTL: the owner lives
 
 
-def run_key(fingerprint_id: str, name: str) -> str:
-    return f"{PREFIX}:{fingerprint_id}:{name}"
+# hash run id -> unix time last seen: the runs that use one queue (more than one: shared)
+QUEUE_RUNS = f"{PREFIX}:queue-runs"
+
+
+def run_key(run_id: str, name: str) -> str:
+    return f"{PREFIX}:{run_id}:{name}"
+
+
+def queue_runs(queue: str) -> str:
+    return f"{QUEUE_RUNS}:{queue}"
 
 
 # kombu's Redis transport: where unacknowledged (reserved, running, waiting-for-ETA) messages

@@ -23,6 +23,7 @@ from worker.chat import ChatTokenizer
 from worker.client import ServerClient
 from worker.fingerprint import load_run
 from worker.index import RunIndex
+from worker.run import queue_for as run_queue
 from worker.settings import Settings
 from worker.store import OutputStore
 
@@ -52,7 +53,7 @@ class RunContext:
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
                             encode=lambda text: list(chat.tok(text, add_special_tokens=False)
-                                                     ["input_ids"]))
+                                                     ["input_ids"]), run_id=store.run_id)
         return cls(settings, model_path, chat, fp, store, limits, check)
 
 
@@ -69,6 +70,15 @@ class Runtime:
     admission: Admission
     canary: CanaryCheck
 
+    @property
+    def run_id(self) -> str:
+        """The run this worker serves (worker/run.py): its keys, queue, rids and dumps."""
+        return self.store.run_id
+
+    @property
+    def queue(self) -> str:
+        return run_queue(self.settings, self.store.run_id)
+
     @classmethod
     def for_process(cls, ctx: RunContext) -> Runtime:
         """This process's loop, HTTP client and Redis connection over the shared context."""
@@ -77,7 +87,7 @@ class Runtime:
         s = ctx.settings
         return cls(settings=s, loop=loop, client=ServerClient(s.server_url, s.request_timeout_s),
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
-                   index=RunIndex(broker.client(s), ctx.fingerprint.id),
+                   index=RunIndex(broker.client(s), ctx.store.run_id),
                    hostname=liveness.HOST,
                    admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2),
                    canary=ctx.canary)

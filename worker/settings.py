@@ -31,7 +31,9 @@ class Settings:
     layers_to_capture: tuple[int, ...] = ()  # empty: SGLang's default for the model
     max_tokens: int = 8192
     overlong: str = "reject"  # or "truncate"
-    queue: str = "hsfarm"
+    # Empty: the run's own queue, hsfarm.<run id> (worker/run.py). Set it only to name one
+    # yourself: two runs given the same name share it (each hands the other's messages back)
+    queue: str = ""
     max_attempts: int = 5
     request_timeout_s: float = 600.0
     dump_timeout_s: float = 120.0

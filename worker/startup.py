@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker import broker, liveness, reaper
+from worker import broker, liveness, reaper, run
 from worker.app import settings
 from worker.canary_check import Outcome
 from worker.client import ServerClient
@@ -94,7 +94,7 @@ def _wait_for_hook() -> None:
 def _wait_for_canary(r: redis.Redis) -> None:
     """Until the canary is recorded for this run, or the server's states match the recording."""
     assert CONTEXT is not None
-    check, index = CONTEXT.canary, RunIndex(r, CONTEXT.fingerprint.id)
+    check, index = CONTEXT.canary, RunIndex(r, CONTEXT.store.run_id)
     said = -math.inf
 
     async def once() -> Outcome:
@@ -136,6 +136,7 @@ def _on_worker_init(**_: Any) -> None:
         broker.check_persistence(r, settings)
         CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
         CONTEXT.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
+        _consume_the_runs_queue(r, CONTEXT.store.run_id)
         _wait_for_hook()
         _wait_for_canary(r)
         reaper.beat(r, settings)  # alive before the first message is ours
@@ -148,8 +149,21 @@ def _on_worker_init(**_: Any) -> None:
         # with its checks half done; stop instead (systemd restarts it: exit code 1)
         log.critical("cannot start: unexpected %s: %s", type(e).__name__, e, exc_info=True)
         raise SystemExit(1) from e
-    log.info("run %s: model %s, output %s", CONTEXT.fingerprint.id, CONTEXT.model_path,
-             settings.output_dir)
+    log.info("run %s: model %s, output %s, queue %s", CONTEXT.store.run_id,
+             CONTEXT.model_path, settings.output_dir, run.queue_for(settings, CONTEXT.store.run_id))
+
+
+def _consume_the_runs_queue(r: redis.Redis, run_id: str) -> None:
+    """Consume the run's own queue and no other (``-Q`` included): the consumer is built
+    after ``worker_init``, from the queues selected here."""
+    from worker.app import app
+
+    queue = run.queue_for(settings, run_id)
+    app.amqp.queues.select([queue])
+    app.conf.task_default_queue = queue
+    others = run.note_queue(r, queue, run_id)
+    if others:
+        log.warning("%s", run.sharing_warning(queue, run_id, others))
 
 
 @worker_process_init.connect

@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import checksums, diskio, final_norm, liveness, tensorfile, weights
+from worker import checksums, diskio, final_norm, liveness, run, tensorfile, weights
 from worker.errors import ConfigError, Corrupt, NoSpace, Transient
 from worker.finalfile import Part, read_back, write_parts
 from worker.semantics import tensor_semantics
 
 log = logging.getLogger("hsfarm.store")
 
-MANIFEST = "manifest.json"
+MANIFEST = run.MANIFEST
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
 M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
@@ -97,6 +97,7 @@ class OutputStore:
         self.versions = versions or {}
         self.debug_write_delay_s = debug_write_delay_s
         self.weights_id = ""  # the checkpoint's identity (weights.py), once opened with a model
+        self.run_id = ""  # the run this output dir holds (worker/run.py), once opened
 
     def open(self) -> OutputStore:
         """Create the dir and manifest, or check that the existing manifest matches.
@@ -114,6 +115,7 @@ class OutputStore:
         if not path.exists():
             body = {"fingerprint_id": self.fingerprint.id,
                     "fingerprint": self.fingerprint.to_json(),
+                    run.M_RUN_NONCE: uuid.uuid4().hex,
                     "versions": self.versions, "created_at": time.time(),
                     "tensors": tensor_semantics(self.fingerprint),
                     "final_norm": self._write_final_norm()}
@@ -133,6 +135,7 @@ class OutputStore:
         manifest = self._check_manifest(path)
         if identity is not None:
             self._check_weights(manifest, identity)
+        self.run_id = run.run_id(manifest)
         return self
 
     def _check_weights(self, manifest: dict[str, object], identity: dict[str, object]) -> None:

@@ -17,6 +17,9 @@ acknowledgement without an outcome:
 - ``ConfigError``: hands the message back and stops the worker.
 
 Two deliveries of one sample never run at once: each attempt holds the sample's lease.
+
+A message of another run (its task id names another run: two runs given one ``FARM_QUEUE``)
+is handed back untouched before anything else: never acknowledged, nothing recorded.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from worker.errors import (
     StaleRecord,
     Transient,
 )
+from worker.run import run_of_task, sharing_warning
 from worker.runtime import Runtime
 from worker.samples import SampleRef
 from worker.startup import runtime, stop_worker
@@ -94,7 +98,9 @@ def extract(self: Task, ref_json: Any) -> dict[str, Any]:
     """Extract one sample's hidden states into a verified final file."""
     deadline = _deadline()
     try:
-        return _run(runtime(), ref_json, deadline)
+        rt = runtime()
+        _hand_back_foreign(rt, self.request.id)
+        return _run(rt, ref_json, deadline)
     except (SampleNotDone, Reject):
         raise
     except ConfigError as e:
@@ -105,9 +111,25 @@ def extract(self: Task, ref_json: Any) -> dict[str, Any]:
         raise Reject(f"{type(e).__name__}: {e}", requeue=True) from e
 
 
+def _hand_back_foreign(rt: Runtime, task_id: object) -> None:
+    """Raises Reject (requeue, untouched) for a message of another run: its owner takes it.
+
+    A pause first, so a worker left with only another run's messages on a shared queue
+    does not spin on them. A message whose id is no task id of ours at all is this queue's,
+    refused as malformed if its body is not a sample of this run.
+    """
+    other = run_of_task(task_id)
+    if other is None or other == rt.run_id:
+        return
+    log.warning("handing back untouched a message of run %s: %s", other,
+                sharing_warning(rt.queue, rt.run_id, [other]))
+    time.sleep(min(1.0, settings.pause_poll_s))
+    raise Reject(f"a message of run {other}, not of this run {rt.run_id}", requeue=True)
+
+
 def _run(rt: Runtime, ref_json: Any, deadline: float) -> dict[str, Any]:
     ref = _checked_ref(rt, ref_json)
-    name = leases.lease_name(rt.fingerprint.id, ref.key)
+    name = leases.lease_name(rt.run_id, ref.key)
     with leases.held(rt.index.r, name, settings.lease_ttl_s, deadline) as lease:
         if lease is None:
             raise Reject(f"{ref.key}: another attempt still holds it", requeue=True)

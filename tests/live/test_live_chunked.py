@@ -155,7 +155,7 @@ def test_verify_probe_fails_with_a_wrong_dump_dir(server: LiveServer, tmp_path: 
     strays: list[Path] = []
 
     def stray() -> bool:
-        strays[:] = server.dumps.glob(f"{c.RID_PREFIX}_hsfarm_verify_*")
+        strays[:] = server.dumps.glob(f"{c.RID_PREFIX}{c.NO_RUN}-_hsfarm_verify_*")
         return bool(strays)
 
     wait_until(stray, 60, "the probe's dump in the server's own dump dir")
