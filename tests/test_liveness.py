@@ -96,3 +96,32 @@ def test_two_workers_of_one_hostname_in_two_pid_namespaces_take_nothing_from_eac
         wait_finished(farm, 22, timeout_s=90)
         assert "returned message" in b.log.read_text()
         assert_farm_invariants(farm, keys + more)
+
+
+def test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only(tmp_path: Path) -> None:
+    from sglang_patch import contracts as c
+    from worker.canary_check import canary_key
+    from worker.janitor import sweep_dumps
+    from worker.settings import Settings
+
+    # Given a dump dir holding canary dumps of this run from a process that is gone, of this
+    # live process, of another machine, and a gone process's dump of another run
+    settings = Settings.from_env({"FARM_DUMP_DIR": str(tmp_path / "d"),
+                                  "FARM_OUTPUT_DIR": str(tmp_path / "o")})
+    settings.dump_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    gone = canary_key(0).replace(f"_{os.getpid()}_", f"_{proc.pid}_")
+    other_machine = gone.replace(f"_m{liveness.MACHINE}_", "_m0123456789abcdef-1_")
+    names = {k: c.dump_path(settings.dump_dir, c.make_rid(k, 1, 8, run=run)).name
+             for k, run in ((gone, "0123456789abcdef"), (canary_key(1), "0123456789abcdef"), (other_machine, "0123456789abcdef"))}
+    foreign = c.dump_path(settings.dump_dir, c.make_rid(gone, 1, 8, run="fedcba9876543210")).name
+    for name in [*names.values(), foreign]:
+        (settings.dump_dir / name).write_bytes(b"x")
+    # When run a's janitor sweeps (every file is young)
+    removed = sweep_dumps(settings, "0123456789abcdef")
+    # Then only the gone checker's dump of run a is removed
+    assert removed == 1
+    left = sorted(p.name for p in settings.dump_dir.iterdir())
+    assert left == sorted([n for k, n in names.items()
+                           if k != gone] + [foreign])

@@ -47,6 +47,25 @@ from worker.settings import Settings
 log = logging.getLogger("hsfarm.canary")
 Encode = Callable[[str], list[int]]
 PROMPT_TRIES = 5  # requests per canary prompt within one check, with backoff between
+CANARY_KEY_PREFIX = "_hsfarm_canary"
+
+
+def canary_key(i: int) -> str:
+    """The sample key of canary prompt ``i``'s request: it names the sending process and its
+    machine, so the janitor can sweep the dumps of a checker that was killed mid-check."""
+    return (f"{CANARY_KEY_PREFIX}{i}_m{liveness.MACHINE or 'unknown'}_{os.getpid()}_"
+            f"{uuid.uuid4().hex[:8]}")
+
+
+def canary_writer_gone(key: str) -> bool:
+    """True when ``key`` is a canary request of a process of this machine that is gone."""
+    if not key.startswith(CANARY_KEY_PREFIX):
+        return False
+    try:
+        _, machine, pid, _ = key.rsplit("_", 3)
+    except ValueError:
+        return False
+    return liveness.pid_gone_here(machine.removeprefix("m"), pid)
 # stored as b"<kind>:<time the check began>:<what a person reads>"
 VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"
 
@@ -118,8 +137,7 @@ async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]]
         Transient, Corrupt, NoSpace: a prompt failed ``tries`` times.
     """
     async def once(i: int) -> tuple[np.ndarray, dict[str, str]]:
-        key = f"_hsfarm_canary{i}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        rid = c.make_rid(key, 1, len(prompts[i]), run=run)
+        rid = c.make_rid(canary_key(i), 1, len(prompts[i]), run=run)
         try:
             await client.generate(rid, prompts[i])
             path = await wait_for_dump(dump_dir, rid, timeout_s)

@@ -7,7 +7,8 @@ removed at once; any other dump of ours is removed once it is older than the lon
 wait for it (request timeout + dump timeout). Runs at worker start and then every
 ``FARM_JANITOR_INTERVAL_S`` in the worker's main process; never touches finished outputs or
 files that are not this run's: another run sharing the dump dir (a second server on the host)
-keeps every dump of its own, whatever its sample keys. Probe dumps (no run) left by a dead
+keeps every dump of its own, whatever its sample keys. The dumps of a canary check whose
+process was killed on this machine go at once. Probe dumps (no run) left by a dead
 probe go once they are that old.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 from celery import bootsteps
 
 from sglang_patch import contracts as c
+from worker.canary_check import canary_writer_gone
 from worker.settings import Settings
 
 log = logging.getLogger("hsfarm.janitor")
@@ -40,7 +42,7 @@ def sweep_dumps(settings: Settings, run: str, now: float | None = None) -> int:
             old = now - p.stat().st_mtime > max_age_s
             finished = rid.run == run and c.final_path(settings.output_dir,
                                                        rid.sample_key).exists()
-            if finished or old:
+            if finished or old or (rid.run == run and canary_writer_gone(rid.sample_key)):
                 p.unlink()
                 removed += 1
         except OSError:

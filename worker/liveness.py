@@ -89,6 +89,13 @@ def temp_tag(nonce: str, pid: int | None = None) -> str:
     return f"{HOST}.m{MACHINE or 'unknown'}.{os.getpid() if pid is None else pid}.{nonce}"
 
 
+def pid_gone_here(machine: str, pid: str) -> bool:
+    """True when ``pid`` of ``machine`` (``MACHINE``'s form) is a process of this machine that
+    no longer runs; False for another machine's, or where the kernel does not tell."""
+    return (bool(MACHINE) and machine == MACHINE and pid.isdigit()
+            and pi.start_ticks(int(pid)) is None)
+
+
 def temp_writer_gone(tag: str) -> bool:
     """True when a temp file's ``temp_tag`` names a process of this machine that is gone.
 
@@ -96,7 +103,6 @@ def temp_writer_gone(tag: str) -> bool:
     gone here (their age decides)."""
     try:
         host, machine, pid, _ = tag.rsplit(".", 3)
-        return (host == HOST and bool(MACHINE) and machine == f"m{MACHINE}"
-                and pi.start_ticks(int(pid)) is None)
+        return host == HOST and pid_gone_here(machine.removeprefix("m"), pid)
     except ValueError:
         return False
