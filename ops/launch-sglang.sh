@@ -11,8 +11,9 @@
 # default python3).
 # Checks first, one line each (OK, WARN or FAIL): the model dir, the install (python -m
 # sglang_patch verify: SGLang, its plugin loader, hook targets, flags), the GPUs (refuses while
-# another process holds them, naming it and its systemd unit), the port, the dump dir (tmpfs,
-# ready markers of dead servers: removed). Then starts SGLang with SGLANG_HS_DUMP_DIR and the
+# another process holds them, naming it and its systemd unit), the port, the dump dir (tmpfs;
+# its owner and mode: refused when another user owns it or others can write to it; ready
+# markers of dead servers: removed; created 0700 when missing). Then starts SGLang with SGLANG_HS_DUMP_DIR and the
 # flags extraction needs, waits for a fresh ready marker of the new server and one probe
 # request of ours to come back as a correct dump (python -m sglang_patch verify --live-only),
 # and prints "ready". --dry-run: all the checks, then the exact command, starting nothing
@@ -150,6 +151,12 @@ check_dump_dir() {
     *) warn "dump dir $DUMP_DIR is on $kind, not tmpfs: every dump would hit a disk twice" \
             "(use a directory under /dev/shm)" ;;
   esac
+  local owner
+  if owner=$("$PY" -m sglang_patch dumpdir --dump-dir "$DUMP_DIR" 2>&1); then
+    ok "${owner#OK    }"
+  else
+    bad "${owner#FAIL  }"; return 0
+  fi
   [ -d "$DUMP_DIR" ] || return 0
   local mode=() dead
   [ "$dry_run" = 1 ] || mode=(--remove-dead)
@@ -179,7 +186,10 @@ if [ "$dry_run" = 1 ]; then
 fi
 if [ "$failed" != 0 ]; then echo "not starting SGLang: fix the FAIL lines above"; exit 1; fi
 
-mkdir -p "$DUMP_DIR"
+# created 0700 (the server's alone), or refused when another user made it first
+if ! out=$("$PY" -m sglang_patch dumpdir --create --dump-dir "$DUMP_DIR"); then
+  echo "$out"; echo "not starting SGLang: fix the dump dir"; exit 1
+fi
 started=$(date +%s)
 SGLANG_HS_DUMP_DIR="$DUMP_DIR" "${cmd[@]}" &
 server=$!

@@ -23,8 +23,10 @@ from typing import Any
 import redis
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
+from sglang_patch import markers as mk
 from sglang_patch.verify import check_marker, sglang_missing
-from worker import broker, weights
+from worker import broker, canary, weights
 from worker import run as runs
 from worker.client import ServerClient
 from worker.errors import ConfigError, FarmError
@@ -184,7 +186,19 @@ def check_dump_dir(settings: Settings, run: Run | None) -> list[Line]:
     tmpfs = (ok(f"dump dir is on {kind} (RAM)") if kind in TMPFS_TYPES else
              fail(f"dump dir {d} is on {kind}, not tmpfs: every dump would hit a disk twice; "
                   "use a directory under /dev/shm"))
-    return [space, tmpfs]
+    return [space, tmpfs, check_dump_dir_owner(d)]
+
+
+def check_dump_dir_owner(d: Path) -> Line:
+    """The dump dir is this user's (or root's) and no one else can write to it (``dumpdir``)."""
+    if not os.path.lexists(d):
+        return ok(f"dump dir {d} does not exist yet: the server creates it 0700")
+    why = dumpdir.problem(d)
+    if why:
+        return fail(why)
+    st = d.stat()
+    return ok(f"dump dir {d}: owner uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}, no one "
+              "else can write to it")
 
 
 # --- services ----------------------------------------------------------------------------------
@@ -370,6 +384,43 @@ def check_weights(settings: Settings) -> Line:
               f"{recorded.get('id')}, {len(current['shards'])} shards)")
 
 
+def check_served_weights(settings: Settings) -> Line:
+    """The weights the server says it serves (its live ready marker) against the run's and
+    FARM_MODEL_PATH's: the check a worker makes at start-up, before it takes anything."""
+    found = [m for m in mk.markers(settings.dump_dir) if m.state != mk.DEAD]
+    if not found:
+        return warn(f"served weights: no live ready marker in {settings.dump_dir}: start the "
+                    "server, then preflight again")
+    served = found[-1].info.get("weights")
+    if not isinstance(served, dict):
+        return warn("served weights: the server's hook does not say which weights it serves "
+                    "(an older hsfarm in the server's python); only the canary guards them")
+    summary = {"scheme": served.get("scheme"), "id": served.get("id"),
+               "shards": len(served.get("shards") or []), "model_path":
+               found[-1].info.get("model_path")}
+    try:
+        local = (weights.weights_identity(Path(settings.model_path)) if settings.model_path
+                 else None)
+        recorded = json.loads((settings.output_dir / MANIFEST).read_text()).get("weights")
+    except FileNotFoundError:
+        recorded = None
+    except (ConfigError, OSError, ValueError, AttributeError) as e:
+        return fail(f"served weights: {e}")
+    why = weights.served_mismatch(
+        summary, recorded if isinstance(recorded, dict) else None, local,
+        server_url=settings.server_url, model_path=Path(settings.model_path or "?"),
+        manifest=settings.output_dir / MANIFEST,
+        started=canary.path_in(settings.output_dir).exists())
+    if why:
+        return fail(f"served weights: {why}")
+    if not summary["shards"]:
+        return warn(f"served weights: the server's identity has no shards "
+                    f"({served.get('error') or 'no *.safetensors files'}); only the canary "
+                    "guards them")
+    return ok(f"served weights: {summary['id']} ({summary['shards']} shards, from "
+              f"{summary['model_path']}), the run's and FARM_MODEL_PATH's where they are known")
+
+
 def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
     lines: list[Line] = []
     env_loaded = any(k == "REDIS_URL" or k.startswith("FARM_") for k in env)
@@ -387,6 +438,7 @@ def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
             why, run = f"the run index cannot be read ({e})", None
     lines.append(check_run(run, why))
     lines.append(check_weights(settings))
+    lines.append(check_served_weights(settings))
     lines.append(check_output_disk(settings, run))
     lines += check_dump_dir(settings, run)
     lines.append(check_hook(settings))

@@ -1,10 +1,11 @@
 import sys
 
-from sglang_patch import markers, verify
+from sglang_patch import dumpdir, markers, verify
 
 USAGE = ("usage: python -m sglang_patch verify [--dump-dir DIR [--server URL]] [--live-only]\n"
-         "       python -m sglang_patch markers --dump-dir DIR [--remove-dead]")
-COMMANDS = {"verify": verify.main, "markers": markers.main}
+         "       python -m sglang_patch markers --dump-dir DIR [--remove-dead]\n"
+         "       python -m sglang_patch dumpdir --dump-dir DIR [--create]")
+COMMANDS = {"verify": verify.main, "markers": markers.main, "dumpdir": dumpdir.main}
 
 if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
     asked = sys.argv[1:2] in (["-h"], ["--help"])

@@ -10,6 +10,12 @@ ids are known. The writer thread and the ready marker come up at the first point
 are known; the marker records them and that point. Before that nothing is written, and a request
 of ours that finishes while the ids are still unknown gets a ``<rid>.err`` naming the fix: never
 a crashed server, never a silent nothing.
+
+The weights identity (``contracts.weights_identity``) of the files SGLang loaded is computed
+once, right after ``load_model`` (a header and a few small reads per shard: seconds for a
+600 GB checkpoint), and published in the ready marker (whole) and in every dump's metadata
+(``contracts.M_WEIGHTS``), so that a worker can refuse a server that serves other weights than
+its run's.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
 from sglang_patch.dump_writer import remove_stale_files, write_err
 from sglang_patch.layout import LayoutError, sglang_version
 from sglang_patch.markers import write_ready_marker
@@ -64,6 +71,7 @@ class Activation:
     def __init__(self, runner: Any, dump_dir: Path) -> None:
         self.runner = runner
         self.dump_dir = dump_dir
+        self.weights = loaded_weights(runner.server_args)
         self.hook: DumpHook | None = None
         self._lock = threading.Lock()
 
@@ -91,8 +99,10 @@ class Activation:
             c.M_CONFIG_SHA: str(info["model_config_sha256"]),
             c.M_PATCH_VERSION: c.PATCH_VERSION,
             c.M_SERVER_VERSION: str(info["server_version"]),
+            c.M_WEIGHTS: c.served_weights(self.weights, str(info["model_path"])),
         }
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        info["weights"] = self.weights
+        dumpdir.ensure(self.dump_dir)
         stale = remove_stale_files(self.dump_dir)
         hook = DumpHook(self.dump_dir, meta,
                         max_queue=int(os.environ.get(ENV_QUEUE, "4")),
@@ -132,3 +142,28 @@ def marker_info(runner: Any, layers: list[int], where: str) -> dict[str, object]
         "hidden_size": int(getattr(runner.model_config, "hidden_size", 0)),
         "tp_size": int(getattr(args, "tp_size", 1)),
     }
+
+
+def loaded_weights(server_args: Any) -> dict[str, Any]:
+    """The weights identity of the checkpoint SGLang loaded: its local model dir, or the
+    Hugging Face cache snapshot of a hub id (present once ``load_model`` has returned).
+
+    Never raises: an identity that cannot be computed has no shards (nothing can be compared
+    with it; the farm's canary still guards the model) and says why under ``error``.
+    """
+    path = str(server_args.model_path)
+    try:
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, revision=getattr(server_args, "revision", None),
+                                     cache_dir=getattr(server_args, "download_dir", None),
+                                     local_files_only=True)
+        identity = c.weights_identity(Path(path))
+    except Exception as e:  # a serving process never dies for its identity
+        log.warning("hsfarm: the weights identity of %s cannot be computed: %s", path, e)
+        empty = c.weights_identity(Path("/nonexistent"))
+        return {**empty, "error": f"{type(e).__name__}: {e}"}
+    log.info("hsfarm: weights identity %s (%d shards in %s)", identity["id"],
+             len(identity["shards"]), path)
+    return identity

@@ -7,6 +7,8 @@ plugin can load it without the farm and the worker can load it without torch.
 - dump file (tmpfs): ``<dump_dir>/<rid>.safetensors`` or ``<dump_dir>/<rid>.err``
 - final file (disk): ``<out>/samples/<shard>/<sample_key>.safetensors``
 - run fingerprint: the fields that make two hidden-state files comparable
+- weights identity: which checkpoint a model dir holds, cheap to compute (the server publishes
+  the identity of the files it loaded; the farm computes it from ``FARM_MODEL_PATH``)
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 PATCH_VERSION = "0.1.0"
 
@@ -150,6 +154,7 @@ M_CONFIG_SHA = "model_config_sha256"
 M_PATCH_VERSION = "patch_version"
 M_SERVER_VERSION = "server_version"
 M_RID = "rid"
+M_WEIGHTS = "weights_identity"  # JSON: ``served_weights`` of the weights the server loaded
 
 
 def dump_path(dump_dir: Path, rid: str) -> Path:
@@ -224,3 +229,99 @@ def default_layers_to_capture(num_layers: int) -> tuple[int, ...]:
     """
     return (2, num_layers // 2, num_layers - 3)
 
+
+
+# --- weights identity ------------------------------------------------------------------------
+#
+# Hashing 600 GB of weights would take longer than many runs, and the config and tokenizer (the
+# fingerprint) are the same for a fine-tune of the same model. So each weight shard
+# (``*.safetensors`` in the model dir) is identified by its name, its size, the sha256 of its
+# safetensors header (tensor names, dtypes, shapes and offsets) and the sha256 of a few byte
+# ranges sampled at fixed places in its data (``WEIGHTS_SAMPLES`` ranges of
+# ``WEIGHTS_SAMPLE_BYTES``: the start, evenly spread middles and the end). A retrained or swapped
+# checkpoint changes the sampled bytes of every shard; a truncated shard changes its size and
+# fails the header's own length check. One shard costs a header and a few small reads,
+# whatever its size. What it cannot see: a change confined to bytes between the samples (a
+# single flipped bit in one tensor); the farm's canary compares what the server computes.
+
+WEIGHTS_SCHEME = "shards-v1"  # bump when what is hashed changes: two schemes never match
+WEIGHTS_SAMPLES = 8
+WEIGHTS_SAMPLE_BYTES = 64 << 10
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+class WeightsUnreadable(ValueError):
+    """A weight shard is not a whole safetensors file (truncated, damaged, not safetensors)."""
+
+
+def shard_identity(path: Path) -> dict[str, Any]:
+    """One shard's entry: name, size, header hash, sampled-ranges hash.
+
+    Raises:
+        WeightsUnreadable: the file is not a whole safetensors file.
+        OSError: it cannot be read.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise WeightsUnreadable(f"weight shard {path} is truncated: {size} bytes, no header")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise WeightsUnreadable(f"weight shard {path} is truncated or not safetensors: "
+                                    f"header of {header_len} bytes in a {size}-byte file")
+        header = f.read(header_len)
+        data_end = 8 + header_len + _data_bytes(path, header)
+        if data_end != size:
+            raise WeightsUnreadable(f"weight shard {path} is truncated or damaged: its header "
+                                    f"describes {data_end} bytes, the file has {size}")
+        sampled = hashlib.sha256()
+        for offset in sample_offsets(8 + header_len, size):
+            f.seek(offset)
+            sampled.update(f.read(WEIGHTS_SAMPLE_BYTES))
+    return {"name": path.name, "size": size,
+            "header_sha256": hashlib.sha256(head + header).hexdigest(),
+            "sampled_sha256": sampled.hexdigest()}
+
+
+def _data_bytes(path: Path, header: bytes) -> int:
+    try:
+        entries = json.loads(header)
+        ends = [int(t["data_offsets"][1]) for name, t in entries.items()
+                if name != "__metadata__"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightsUnreadable(f"weight shard {path}: unreadable safetensors header ({e})") from e
+    return max(ends, default=0)
+
+
+def sample_offsets(start: int, size: int) -> list[int]:
+    """Where the sampled ranges begin: ``WEIGHTS_SAMPLES`` evenly spaced over [start, size)."""
+    if size - start <= WEIGHTS_SAMPLES * WEIGHTS_SAMPLE_BYTES:
+        return [start]  # a small shard: its whole data is one range (read up to the end)
+    last = size - WEIGHTS_SAMPLE_BYTES
+    return [start + (last - start) * i // (WEIGHTS_SAMPLES - 1) for i in range(WEIGHTS_SAMPLES)]
+
+
+def weights_identity(model_path: Path) -> dict[str, Any]:
+    """The identity of the checkpoint in ``model_path``: ``{"scheme", "shards", "id"}``.
+
+    A dir without ``*.safetensors`` shards (a synthetic model, weights in another format) has
+    an empty list of shards: an identity that nothing can be compared with.
+
+    Raises:
+        WeightsUnreadable: a shard is not whole.
+        OSError: a shard cannot be read.
+    """
+    shards = sorted(p for p in model_path.glob("*.safetensors") if p.is_file())
+    body: dict[str, Any] = {"scheme": WEIGHTS_SCHEME,
+                            "shards": [shard_identity(p) for p in shards]}
+    blob = json.dumps(body, sort_keys=True).encode()
+    return {**body, "id": hashlib.sha256(blob).hexdigest()[:16]}
+
+
+def served_weights(identity: dict[str, Any], model_path: str) -> str:
+    """What a server says about the weights it serves, in every dump's metadata (``M_WEIGHTS``):
+    the identity's scheme, id and shard count, and the model path it loaded them from."""
+    return json.dumps({"scheme": identity.get("scheme"), "id": identity.get("id"),
+                       "shards": len(identity.get("shards") or []),
+                       "model_path": model_path}, sort_keys=True)

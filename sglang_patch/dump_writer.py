@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_patch import contracts as c
-from sglang_patch import markers
+from sglang_patch import dumpdir, markers
 
 log = logging.getLogger("hsfarm.dump")
 
@@ -99,7 +99,7 @@ class DumpWriter:
         self.errors = 0
         self.blocked_s = 0.0  # time callers spent waiting on a full queue (backpressure)
         self.max_depth = 0
-        dump_dir.mkdir(parents=True, exist_ok=True)
+        dumpdir.ensure(dump_dir)  # refuses a dir another user owns or can write to
         self._thread.start()
 
     def submit(self, job: DumpJob) -> None:
@@ -158,6 +158,7 @@ class DumpWriter:
         tmp = self.dump_dir / f".{job.rid}{c.TMP_MARK}{os.getpid()}"
         try:
             self._save(job.rid, tensors, tmp, meta)
+            dumpdir.seal(tmp)  # 0600 (0640 in a group dir) whatever the umask
             os.replace(tmp, final)
         except Exception as e:  # safetensors raises SafetensorError, not OSError, on ENOSPC
             if not _no_space(e):
@@ -309,7 +310,7 @@ def write_err(dump_dir: Path, rid: str, message: str) -> None:
     log.warning("dump error %s: %s", rid, message)
     tmp = dump_dir / f".{rid}{c.TMP_MARK}{os.getpid()}.err"
     try:
-        tmp.write_text(message + "\n")
+        dumpdir.write_private(tmp, (message + "\n").encode())
         os.replace(tmp, c.err_path(dump_dir, rid))
     except OSError:
         log.exception("cannot even write the .err file for %s", rid)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
 from sglang_patch.process_identity import boot_id, pid_namespace, start_ticks
 
 DEAD, ALIVE, UNKNOWN = "dead", "alive", "unknown"
@@ -39,13 +40,18 @@ def process_identity() -> dict[str, object]:
 
 
 def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
-    """Write ``.ready.<pid>`` (JSON, atomically): proof that the hook runs in this process."""
-    dump_dir.mkdir(parents=True, exist_ok=True)
+    """Write ``.ready.<pid>`` (JSON, atomically, 0600/0640): proof that the hook runs in this
+    process.
+
+    Raises:
+        dumpdir.DumpDirUnsafe: another user owns the dump dir or can write to it.
+    """
+    dumpdir.ensure(dump_dir)
     body = {**info, **process_identity(), "time": time.time(),
             "patch_version": c.PATCH_VERSION}
     path = dump_dir / f"{c.READY_PREFIX}{os.getpid()}"
     tmp = dump_dir / f"{c.READY_PREFIX}{os.getpid()}{c.TMP_MARK}"
-    tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+    dumpdir.write_private(tmp, json.dumps(body, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
     return path
 

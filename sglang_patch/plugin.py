@@ -5,10 +5,11 @@ monkeypatch in the launcher would never reach them). When ``SGLANG_HS_DUMP_DIR``
 ``load`` registers three AROUND hooks through SGLang's own ``HookRegistry``; without it, it
 returns at once and nothing is patched.
 
-- ``ModelRunner.load_model``: refuses layouts the hook cannot handle (``layout.py``) before any
-  weight is loaded; then, on the attention-TP rank 0 only, remembers the runner and brings the
-  hook up if the capture ids are already known (``activation.py``). Other ranks build nothing:
-  no copy, no synchronisation.
+- ``ModelRunner.load_model``: refuses layouts the hook cannot handle (``layout.py``) and a dump
+  dir that another user owns or can write to (``dumpdir.py``; created 0700 when missing)
+  before any weight is loaded; then, on the attention-TP rank 0 only, remembers the runner and
+  brings the hook up if the capture ids are already known (``activation.py``). Other ranks
+  build nothing: no copy, no synchronisation.
 - ``ModelRunner.init_attention_backends``: where SGLang 0.5.23 sets the capture ids; the hook
   comes up right after it.
 - ``LogitsProcessor.forward``: before the LM head, hands the batch's rows (final post-norm
@@ -59,12 +60,15 @@ def load() -> None:
 
 
 def around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """Check the layout before loading weights; remember the writing rank's runner after."""
+    """Check the layout and the dump dir before loading weights; remember the writing rank's
+    runner after."""
+    from sglang_patch import dumpdir
     from sglang_patch.layout import layout_problems
 
     problems = layout_problems(runner.server_args)
     if problems:
         raise LayoutError("hsfarm dump hook cannot run with this launch: " + "; ".join(problems))
+    dumpdir.ensure(Path(os.environ[ENV_DUMP_DIR]))  # DumpDirUnsafe stops the server, with the fix
     result = original(runner, *args, **kwargs)
     if getattr(runner, "is_draft_worker", False) or attn_tp_rank() != 0:
         return result

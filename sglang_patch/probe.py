@@ -3,8 +3,9 @@
 ``python -m sglang_patch verify --server URL --dump-dir D`` sends a short prefill-only request
 with a valid rid (``contracts.make_rid``) to the server, as a worker would, waits for the hook's
 ``<rid>.safetensors`` in ``D``, checks it (token ids, shapes, dtypes, the three layers, finite
-values), removes it and says what it found. It needs neither torch nor SGLang here: only the
-HTTP API, the dump dir and safetensors' own parser, so it runs with any python on the host.
+values), removes it and says what it found, with the weights the server says it serves (the
+dump's ``contracts.M_WEIGHTS``). It needs neither torch nor SGLang here: only the HTTP API, the
+dump dir and safetensors' own parser, so it runs with any python on the host.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import struct
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
 ANSWER_TIMEOUT_S = 120.0  # for the server's answer (a busy server queues the probe)
@@ -31,12 +34,38 @@ class ProbeFailed(Exception):
     """The probe found a problem; the message says what and what to do."""
 
 
+@dataclass(frozen=True)
+class Probe:
+    summary: str  # one line: what came back
+    metadata: dict[str, str]  # the dump's metadata (versions, layers, the weights served)
+
+    @property
+    def weights(self) -> dict[str, Any] | None:
+        """What the server says about the weights it serves; None from an older hook."""
+        return served_weights(self.metadata)
+
+
+def served_weights(meta: dict[str, str]) -> dict[str, Any] | None:
+    """A dump's ``contracts.M_WEIGHTS`` (``contracts.served_weights``); None when absent."""
+    try:
+        served = json.loads(meta.get(c.M_WEIGHTS, "null"))
+    except ValueError:
+        return None
+    return served if isinstance(served, dict) else None
+
+
 def run_probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
-    """Probe the server; returns a one-line summary. ``timeout_s``: how long to wait for the
-    dump once the server has answered (and at least that long for the answer).
+    """``probe``'s one-line summary."""
+    return probe(server_url, dump_dir, timeout_s).summary
+
+
+def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> Probe:
+    """Probe the server. ``timeout_s``: how long to wait for the dump once the server has
+    answered (and at least that long for the answer).
 
     Raises:
         ProbeFailed: the server or the hook did not do its part; the message has the fix.
+        dumpdir.DumpDirUnsafe: the dump is a link or another user's file.
     """
     url = server_url.rstrip("/")
     hidden = expected_hidden_size(_get(url, "/model_info"))
@@ -48,12 +77,17 @@ def run_probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
                                  "sampling_params": {"max_new_tokens": 0}},
               max(timeout_s, ANSWER_TIMEOUT_S))
         path = _wait_for_dump(dump_dir, rid, time.monotonic() + timeout_s)
-        layers, shapes = check_dump(path, hidden)
+        tensors, meta = read_safetensors(path)
+        layers, shapes = check_dump(tensors, meta, hidden)
     finally:
         for p in (c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)):
             p.unlink(missing_ok=True)
-    return (f"a {len(PROBE_IDS)}-token request of ours through {url}: dump in {dump_dir} after "
-            f"{time.monotonic() - t0:.1f}s, ids equal, {shapes}, layers {layers}, all finite")
+    served = served_weights(meta) or {}
+    weights = (f", weights {served.get('id')} ({served.get('shards')} shards)" if served
+               else ", weights not said (an older hook)")
+    return Probe(f"a {len(PROBE_IDS)}-token request of ours through {url}: dump in {dump_dir} "
+                 f"after {time.monotonic() - t0:.1f}s, ids equal, {shapes}, layers {layers}, "
+                 f"all finite{weights}", meta)
 
 
 def expected_hidden_size(model_info: dict[str, Any]) -> int | None:
@@ -84,13 +118,13 @@ def _wait_for_dump(dump_dir: Path, rid: str, deadline: float) -> Path:
         "server's python), or it writes elsewhere (SGLANG_HS_DUMP_DIR must be this directory)")
 
 
-def check_dump(path: Path, hidden: int | None) -> tuple[list[int], str]:
-    """Check one probe dump; returns its layer ids and a shape summary.
+def check_dump(tensors: dict[str, tuple[str, np.ndarray]], meta: dict[str, str],
+               hidden: int | None) -> tuple[list[int], str]:
+    """Check one probe dump (``read_safetensors``); returns its layer ids and a shape summary.
 
     Raises:
         ProbeFailed: with every problem found.
     """
-    tensors, meta = read_safetensors(path)
     n = len(PROBE_IDS)
     problems = []
     ids = tensors.get(c.T_INPUT_IDS)
@@ -117,10 +151,12 @@ def check_dump(path: Path, hidden: int | None) -> tuple[list[int], str]:
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
-    """name → (dtype tag, raw array; bf16 as uint16), and the metadata. No torch needed."""
+    """name → (dtype tag, raw array; bf16 as uint16), and the metadata. No torch needed.
+    Opened as a worker opens a dump: no link, the dump dir's owner's file (``dumpdir``)."""
     from safetensors import deserialize
 
-    data = path.read_bytes()
+    with open(dumpdir.open_trusted(path), "rb") as f:
+        data = f.read()
     (header_len,) = struct.unpack("<Q", data[:8])
     meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
     raw = {"BF16": "<u2", "I64": "<i8", "F32": "<f4", "I32": "<i4"}

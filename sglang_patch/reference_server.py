@@ -35,6 +35,7 @@ import torch
 from aiohttp import web
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
 from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
 from sglang_patch.faults import Fault, FaultyWriter
 from sglang_patch.markers import write_ready_marker
@@ -255,6 +256,8 @@ class ReferenceServer:
         from transformers import AutoTokenizer
 
         self.args = args
+        self.dump_dir = Path(args.dump_dir)
+        dumpdir.ensure(self.dump_dir)  # before the model loads: DumpDirUnsafe, with the fix
         self.model_path = _resolve_model(args, Path(args.cache_dir))
         layers = tuple(args.layers_to_capture) if args.layers_to_capture else None
         self.model: ReferenceModel | SyntheticModel
@@ -266,12 +269,13 @@ class ReferenceServer:
             self.model = ReferenceModel(self.model_path, layers_to_capture=layers,
                                         dtype=getattr(torch, args.dtype), threads=args.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.dump_dir = Path(args.dump_dir)
+        self.weights = c.weights_identity(self.model_path)  # what a worker checks its run by
         meta = {
             c.M_LAYERS: json.dumps(list(self.model.layers_to_capture)),
             c.M_CONFIG_SHA: self.model.config_sha256,
             c.M_PATCH_VERSION: c.PATCH_VERSION,
             c.M_SERVER_VERSION: SERVER_VERSION,
+            c.M_WEIGHTS: c.served_weights(self.weights, str(self.model_path)),
         }
         faults = [Fault.parse(spec) for spec in args.inject_fault]
         if faults:
@@ -292,6 +296,7 @@ class ReferenceServer:
             "model_config_sha256": self.model.config_sha256,
             "hidden_size": self.model.hidden_size,
             "tp_size": 1,
+            "weights": self.weights,
         }
 
     def app(self) -> web.Application:
@@ -313,7 +318,6 @@ class ReferenceServer:
                                    forward_delay_s=self.args.forward_delay_s,
                                    tokens_per_s=self.args.tokens_per_s)
         app["scheduler_task"] = asyncio.create_task(self.scheduler.run())
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
         stale = remove_stale_files(self.dump_dir)  # as the SGLang hook does at start-up
         write_ready_marker(self.dump_dir, self.ready_info())
         log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s; %d stale files of dead "
@@ -439,7 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = ReferenceServer(args)
+    try:
+        server = ReferenceServer(args)
+    except dumpdir.DumpDirUnsafe as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     try:  # run_app turns SIGTERM/SIGINT into a graceful exit; then flush pending dumps
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the
         # request in the scheduler, as SGLang aborts requests whose client went away

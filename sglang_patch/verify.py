@@ -145,15 +145,27 @@ def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0) -> Check:
                  f"pid {info.get('pid')} ({where}), "
                  f"{info.get('server_version')}, patch {info.get('patch_version')}, layers "
                  f"{info.get('layers_to_capture')}, model {info.get('model_path')} "
-                 f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}")
+                 f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}, "
+                 f"weights {_weights(info)}")
+
+
+def _weights(info: dict[str, object]) -> str:
+    w = info.get("weights")
+    if not isinstance(w, dict):
+        return "not said (an older hook)"
+    shards = w.get("shards")
+    n = len(shards) if isinstance(shards, list) else 0
+    why = f": {w['error']}" if w.get("error") else ""
+    return f"{w.get('id')} ({n} shards{why})"
 
 
 def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> Check:
+    from sglang_patch.dumpdir import DumpDirUnsafe
     from sglang_patch.probe import ProbeFailed, run_probe
 
     try:
         return Check("probe request", True, run_probe(server_url, dump_dir, timeout_s))
-    except ProbeFailed as e:
+    except (ProbeFailed, DumpDirUnsafe) as e:
         return Check("probe request", False, str(e))
 
 

@@ -105,7 +105,7 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A real size-limited tmpfs (root only): writes past it fail with ENOSPC."""
     path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                    check=True, capture_output=True)
     try:
         yield path

@@ -245,26 +245,27 @@ def test_server_on_other_weights_pauses_the_farm_and_loses_nothing(
         more = enqueue(farm, tmp_path, 6, start=3)
         # Then w1's tasks hold their messages and wait, printing per layer what differs
         wait_until(lambda: "CANARY MISMATCH" in w1.log.read_text(), 90, "w1 to see it")
-        # and a worker starting now takes nothing either
-        farm.extra_env["FARM_MODEL_PATH"] = str(tiny_model)
-        w2 = farm.start_worker("w2", concurrency=1, wait=False)
-        wait_until(lambda: "CANARY MISMATCH" in w2.log.read_text(), 90, "w2 to see it")
-        log = w2.log.read_text()
+        log = w1.log.read_text()
         assert "max rel err" in log and "aux layer 2" in log and "final" in log
         assert "restore the server's model" in log and "new output directory" in log
-        assert " ready." not in log
+        # and a worker starting now refuses the server: it says it serves other weights
+        farm.extra_env["FARM_MODEL_PATH"] = str(tiny_model)
+        w2 = farm.start_worker("w2", concurrency=1, wait=False)
+        wait_until(lambda: not w2.alive(), 90, "w2 to refuse the server")
+        log = w2.log.read_text()
+        assert w2.popen is not None and w2.popen.returncode == 2, log[-2000:]
+        assert "but the run's weights are" in log and " ready." not in log
         reasons = _paused(farm)
         # (every paused process says the mismatch: also those waiting while one re-checks)
-        assert len(reasons) >= 2 and all("canary mismatch" in r for r in reasons), reasons
+        assert reasons and all("canary mismatch" in r for r in reasons), reasons
         assert not any(c.final_path(farm.output_dir, k).exists() for k in more)
         assert not failed(farm)
         waiting, unacked = broker_depth(farm.redis(), farm.queue())
         assert waiting + unacked == 6
         # When the run's model is served again (restarted, now unchunked)
         _swap_server(farm, None, chunk=-1)
-        # Then both workers pass the canary and finish the run, nothing failed
-        farm.procs["w2"] = w2
-        wait_until(lambda: " ready." in w2.log.read_text(), 90, "w2 to start consuming")
+        # Then w1 passes the canary, a new worker starts, and they finish the run, nothing failed
+        w2 = farm.start_worker("w2", concurrency=1)
         wait_finished(farm, 9)
         assert "canary passed" in w2.log.read_text()
         assert_farm_invariants(farm, first + more)

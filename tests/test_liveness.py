@@ -113,13 +113,14 @@ def test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only(tmp_path: Path) 
     proc.wait(30)
     gone = canary_key(0).replace(f"_{os.getpid()}_", f"_{proc.pid}_")
     other_machine = gone.replace(f"_m{liveness.MACHINE}_", "_m0123456789abcdef-1_")
-    names = {k: c.dump_path(settings.dump_dir, c.make_rid(k, 1, 8, run=run)).name
-             for k, run in ((gone, "0123456789abcdef"), (canary_key(1), "0123456789abcdef"), (other_machine, "0123456789abcdef"))}
-    foreign = c.dump_path(settings.dump_dir, c.make_rid(gone, 1, 8, run="fedcba9876543210")).name
+    run_a, run_b = "0123456789abcdef", "fedcba9876543210"
+    names = {k: c.dump_path(settings.dump_dir, c.make_rid(k, 1, 8, run=run_a)).name
+             for k in (gone, canary_key(1), other_machine)}
+    foreign = c.dump_path(settings.dump_dir, c.make_rid(gone, 1, 8, run=run_b)).name
     for name in [*names.values(), foreign]:
         (settings.dump_dir / name).write_bytes(b"x")
     # When run a's janitor sweeps (every file is young)
-    removed = sweep_dumps(settings, "0123456789abcdef")
+    removed = sweep_dumps(settings, run_a)
     # Then only the gone checker's dump of run a is removed
     assert removed == 1
     left = sorted(p.name for p in settings.dump_dir.iterdir())

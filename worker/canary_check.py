@@ -40,7 +40,7 @@ from worker import canary as cn
 from worker import keys, liveness, tensorfile
 from worker import lease as leases
 from worker.client import ServerClient
-from worker.dumps import wait_for_dump
+from worker.dumps import open_file, wait_for_dump
 from worker.errors import ConfigError, Corrupt, ServerUnavailable, Transient
 from worker.settings import Settings
 
@@ -96,17 +96,19 @@ def read_rows(path: Path, ids: list[int], rows: np.ndarray) -> tuple[np.ndarray,
 
     Raises:
         Corrupt: not the ids sent, or not the layout of contract 2.
+        ConfigError: it is a link or another user's file (``dumps.open_file``).
     """
-    header = tensorfile.read_header(path)
-    t = header.tensors
-    n = len(ids)
-    if c.T_HIDDEN not in t or c.T_AUX not in t or c.T_INPUT_IDS not in t:
-        raise Corrupt(f"{path.name}: canary dump lacks tensors (has {sorted(t)})")
-    h = t[c.T_HIDDEN].shape[-1]
-    if (t[c.T_HIDDEN].dtype, t[c.T_HIDDEN].shape, t[c.T_AUX].dtype, t[c.T_AUX].shape) != (
-            "BF16", (n, h), "BF16", (n, c.AUX_LAYERS * h)):
-        raise Corrupt(f"{path.name}: canary dump has shapes {header.shapes}")
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with open_file(path) as f:
+        header = tensorfile.read_header_fd(f.fileno(), path.name)
+        t = header.tensors
+        n = len(ids)
+        if c.T_HIDDEN not in t or c.T_AUX not in t or c.T_INPUT_IDS not in t:
+            raise Corrupt(f"{path.name}: canary dump lacks tensors (has {sorted(t)})")
+        h = t[c.T_HIDDEN].shape[-1]
+        if (t[c.T_HIDDEN].dtype, t[c.T_HIDDEN].shape, t[c.T_AUX].dtype, t[c.T_AUX].shape) != (
+                "BF16", (n, h), "BF16", (n, c.AUX_LAYERS * h)):
+            raise Corrupt(f"{path.name}: canary dump has shapes {header.shapes}")
+        mm = np.memmap(f, dtype=np.uint8, mode="r")  # the mapping outlives the descriptor
 
     def take(name: str, dtype: str) -> np.ndarray:
         e = t[name]

@@ -3,7 +3,9 @@
 The server's HTTP answer can arrive before the writer thread renames the dump into place, so
 the worker polls for ``<rid>.safetensors`` or ``<rid>.err`` with a deadline. ``open_dump``
 checks its layout, ids and metadata and keeps it open for the store to copy; its values are
-checked in the same pass as the copy (``Dump.part``, ``Dump.verdict``).
+checked in the same pass as the copy (``Dump.part``, ``Dump.verdict``). Every file of the dump
+dir is opened without following links and checked on the descriptor to be the dump dir's
+owner's regular file (``open_file``) before a byte of it is read.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
 from worker import tensorfile
-from worker.errors import Corrupt, NoSpace, ServerMisconfigured, Transient
+from worker.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.finalfile import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -38,6 +41,21 @@ def discard_dumps(dump_dir: Path, run: str, sample_key: str) -> int:
     return removed
 
 
+def open_file(path: Path) -> io.FileIO:
+    """Open a file of the dump dir for reading: never through a link, only the dump dir's
+    owner's regular file that no one else can write (``dumpdir.open_trusted``).
+
+    Raises:
+        ConfigError: someone else writes into the dump dir (the worker stops; a person looks).
+        OSError: it cannot be opened (FileNotFoundError: it is not there).
+    """
+    try:
+        fd = dumpdir.open_trusted(path)
+    except dumpdir.DumpDirUnsafe as e:
+        raise ConfigError(str(e)) from e
+    return io.FileIO(fd, "rb", closefd=True)
+
+
 async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     """Return the dump's path once it exists.
 
@@ -52,7 +70,8 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
         if dump.exists():
             return dump
         if err.exists():
-            message = err.read_text(errors="replace").strip()
+            with open_file(err) as f:
+                message = f.read().decode(errors="replace").strip()
             err.unlink(missing_ok=True)
             if message.startswith(c.ERR_DUMP_DIR_FULL):
                 raise NoSpace(f"server-side dump failed: {message}", on_server=True)
@@ -124,9 +143,10 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
         Transient: the dump could not be read.
+        ConfigError: it is a link or another user's file (``open_file``).
     """
     try:
-        f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by Dump, or below on error)
+        f = open_file(path)  # closed by Dump, or below on error
     except OSError as e:
         raise Transient(f"cannot open dump {path.name}: {e}") from e
     try:

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
 from worker import broker, liveness
 from worker.admission import Admission, Limits, limits_for_host
 from worker.canary_check import CanaryCheck
 from worker.chat import ChatTokenizer
 from worker.client import ServerClient
+from worker.errors import ConfigError
 from worker.fingerprint import load_run
 from worker.index import RunIndex
 from worker.run import queue_for as run_queue
@@ -48,7 +50,10 @@ class RunContext:
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,
                             model_path=model_path).open()
-        settings.dump_dir.mkdir(parents=True, exist_ok=True)
+        try:  # the server's and the workers' alone: refused if another user owns it
+            dumpdir.ensure(settings.dump_dir)
+        except dumpdir.DumpDirUnsafe as e:
+            raise ConfigError(str(e)) from e
         limits = limits_for_host(settings, fp.hidden_size)
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,

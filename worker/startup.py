@@ -5,7 +5,9 @@ Redis answers and keeps its data (``broker.check_persistence``); the run context
 (waiting for the server while it loads the model, when the model path must be asked from
 it); the output directory's manifest matches the run; temp files of dead writers go; and one
 probe request of ours comes back as a dump in this worker's dump dir (``sglang_patch.probe``:
-while the server runs without the hook, or writes elsewhere, the worker waits and says why);
+while the server runs without the hook, or writes elsewhere, the worker waits and says why),
+saying which weights the server serves: the run's and FARM_MODEL_PATH's, or the worker stops
+(``weights.served_mismatch``);
 and the canary (``canary_check``) is recorded, or matches the run's recording (while it does
 not, the worker waits, says per layer what differs, and shows the pause in ``status``).
 Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
@@ -28,13 +30,14 @@ from typing import Any
 import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker import broker, liveness, reaper, run
+from worker import broker, canary, liveness, reaper, run, weights
 from worker.app import settings
 from worker.canary_check import Outcome
 from worker.client import ServerClient
 from worker.errors import ConfigError, Transient
 from worker.index import RunIndex
 from worker.runtime import RunContext, Runtime
+from worker.store import MANIFEST
 
 log = logging.getLogger("hsfarm.worker")
 
@@ -73,16 +76,21 @@ def _wait_for_redis() -> redis.Redis:
             time.sleep(1.0)
 
 
-def _wait_for_hook() -> None:
-    """Until a probe request of ours comes back as a dump in this worker's dump dir."""
-    from sglang_patch.probe import ProbeFailed, run_probe
+def _wait_for_hook() -> dict[str, Any] | None:
+    """Until a probe request of ours comes back as a dump in this worker's dump dir; what the
+    server says about the weights it serves (None: its hook does not say)."""
+    from sglang_patch.dumpdir import DumpDirUnsafe
+    from sglang_patch.probe import ProbeFailed, probe
 
     said = -math.inf
     while True:
         try:
-            log.info("probe: %s", run_probe(settings.server_url, settings.dump_dir,
-                                            timeout_s=min(60.0, settings.dump_timeout_s)))
-            return
+            result = probe(settings.server_url, settings.dump_dir,
+                           timeout_s=min(60.0, settings.dump_timeout_s))
+            log.info("probe: %s", result.summary)
+            return result.weights
+        except DumpDirUnsafe as e:
+            raise ConfigError(str(e)) from e
         except ProbeFailed as e:
             if time.monotonic() - said > 30:
                 said = time.monotonic()
@@ -125,6 +133,19 @@ def _wait_for_canary(r: redis.Redis) -> None:
         time.sleep(settings.pause_poll_s)
 
 
+def _check_served_weights(served: dict[str, Any] | None) -> None:
+    """Raises ConfigError when the server serves other weights than the run's or than
+    FARM_MODEL_PATH's, naming the side to change."""
+    assert CONTEXT is not None
+    store = CONTEXT.store
+    why = weights.served_mismatch(
+        served, store.weights_recorded, store.weights_local, server_url=settings.server_url,
+        model_path=CONTEXT.model_path, manifest=settings.output_dir / MANIFEST,
+        started=canary.path_in(settings.output_dir).exists())
+    if why:
+        raise ConfigError(why)
+
+
 @worker_init.connect
 def _on_worker_init(**_: Any) -> None:
     global CONTEXT, MAIN_PID
@@ -137,7 +158,7 @@ def _on_worker_init(**_: Any) -> None:
         CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
         CONTEXT.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
         _consume_the_runs_queue(r, CONTEXT.store.run_id)
-        _wait_for_hook()
+        _check_served_weights(_wait_for_hook())
         _wait_for_canary(r)
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:

@@ -98,6 +98,8 @@ class OutputStore:
         self.debug_write_delay_s = debug_write_delay_s
         self.weights_id = ""  # the checkpoint's identity (weights.py), once opened with a model
         self.run_id = ""  # the run this output dir holds (worker/run.py), once opened
+        self.weights_local: dict[str, object] | None = None  # FARM_MODEL_PATH's identity
+        self.weights_recorded: dict[str, object] | None = None  # the manifest's
 
     def open(self) -> OutputStore:
         """Create the dir and manifest, or check that the existing manifest matches.
@@ -140,6 +142,8 @@ class OutputStore:
 
     def _check_weights(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
         recorded = manifest.get("weights")
+        self.weights_local = identity
+        self.weights_recorded = recorded if isinstance(recorded, dict) else None
         if isinstance(recorded, dict):
             unknown = weights.incomparable(recorded, identity)
             if unknown:  # nothing to compare here: the canary alone guards the served model

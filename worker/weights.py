@@ -1,84 +1,41 @@
-"""The weights identity: which checkpoint a run's hidden states came from, cheap to compute.
+"""The weights identity on the farm's side: computed from ``FARM_MODEL_PATH``, compared with the
+run's recording and with what the server says it serves.
 
-Hashing 600 GB of weights would take longer than many runs, and the config and tokenizer
-(the fingerprint) are the same for a fine-tune of the same model. So each weight shard
-(``*.safetensors`` in the model dir) is identified by its name, its size, the sha256 of its
-safetensors header (tensor names, dtypes, shapes and offsets) and the sha256 of a few byte
-ranges sampled at fixed places in its data (``SAMPLES`` ranges of ``SAMPLE_BYTES``: the
-start, evenly spread middles and the end). A retrained or swapped checkpoint changes the
-sampled bytes of every shard; a truncated shard changes its size and fails the header's own
-length check. Reading one shard costs a header and ``SAMPLES`` small reads, whatever its size.
-
-What it cannot see: a change confined to bytes between the samples (a single flipped bit in
-one tensor). The canary (``canary.py``) compares what the server computes.
+The algorithm (name, size, header hash and a few sampled byte ranges per ``*.safetensors``
+shard: cheap for a 600 GB checkpoint) lives in ``sglang_patch.contracts``, because the SGLang
+plugin and the reference server compute the same identity from the files they loaded and
+publish it in their ready marker and in every dump (``contracts.M_WEIGHTS_ID``). What it cannot
+see (a change confined to bytes between the samples) the canary (``canary.py``) compares.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import struct
 from pathlib import Path
 from typing import Any
 
+from sglang_patch import contracts as c
 from worker.errors import ConfigError
 
 log = logging.getLogger("hsfarm.weights")
 
-SCHEME = "shards-v1"  # bump when what is hashed changes: identities of two schemes never match
-SAMPLES = 8
-SAMPLE_BYTES = 64 << 10
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+SCHEME = c.WEIGHTS_SCHEME
+SAMPLES = c.WEIGHTS_SAMPLES
+SAMPLE_BYTES = c.WEIGHTS_SAMPLE_BYTES
 M_WEIGHTS_ID = "weights_id"  # final-file metadata key: the identity it was written under
+sample_offsets = c.sample_offsets
 
 
 def shard_identity(path: Path) -> dict[str, Any]:
-    """One shard's entry: name, size, header hash, sampled-ranges hash.
+    """One shard's entry (``contracts.shard_identity``).
 
     Raises:
         ConfigError: the file is not a whole safetensors file (truncated, not safetensors).
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ConfigError(f"weight shard {path} is truncated: {size} bytes, no header")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise ConfigError(f"weight shard {path} is truncated or not safetensors: header "
-                              f"of {header_len} bytes in a {size}-byte file")
-        header = f.read(header_len)
-        data_end = 8 + header_len + _data_bytes(path, header)
-        if data_end != size:
-            raise ConfigError(f"weight shard {path} is truncated or damaged: its header "
-                              f"describes {data_end} bytes, the file has {size}")
-        sampled = hashlib.sha256()
-        for offset in sample_offsets(8 + header_len, size):
-            f.seek(offset)
-            sampled.update(f.read(SAMPLE_BYTES))
-    return {"name": path.name, "size": size,
-            "header_sha256": hashlib.sha256(head + header).hexdigest(),
-            "sampled_sha256": sampled.hexdigest()}
-
-
-def _data_bytes(path: Path, header: bytes) -> int:
     try:
-        entries = json.loads(header)
-        ends = [int(t["data_offsets"][1]) for name, t in entries.items()
-                if name != "__metadata__"]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"weight shard {path}: unreadable safetensors header ({e})") from e
-    return max(ends, default=0)
-
-
-def sample_offsets(start: int, size: int) -> list[int]:
-    """Where the sampled ranges begin: ``SAMPLES`` evenly spaced over [start, size)."""
-    span = size - start
-    if span <= SAMPLES * SAMPLE_BYTES:
-        return [start]  # a small shard: its whole data is one range (read up to the end)
-    last = size - SAMPLE_BYTES
-    return [start + (last - start) * i // (SAMPLES - 1) for i in range(SAMPLES)]
+        return c.shard_identity(path)
+    except c.WeightsUnreadable as e:
+        raise ConfigError(str(e)) from e
 
 
 def weights_identity(model_path: Path) -> dict[str, Any]:
@@ -90,17 +47,14 @@ def weights_identity(model_path: Path) -> dict[str, Any]:
     Raises:
         ConfigError: a shard is not whole.
     """
-    shards = sorted(p for p in model_path.glob("*.safetensors") if p.is_file())
-    if not shards:
+    try:
+        identity = c.weights_identity(model_path)
+    except c.WeightsUnreadable as e:
+        raise ConfigError(str(e)) from e
+    if not identity["shards"]:
         log.warning("no *.safetensors weight files in %s: the weights cannot be identified "
                     "(only the canary guards them)", model_path)
-    entries = [shard_identity(p) for p in shards]
-    body = {"scheme": SCHEME, "shards": entries}
-    return {**body, "id": _digest(body)}
-
-
-def _digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    return identity
 
 
 def incomparable(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
@@ -150,3 +104,51 @@ def mismatch(recorded: dict[str, Any], current: dict[str, Any], model_path: Path
             f"from (weights identity {current.get('id')} != recorded {recorded.get('id')}): "
             f"{shown}. Restore the original checkpoint (and serve it), or start a new "
             "FARM_OUTPUT_DIR for the new one.")
+
+
+def served_mismatch(served: dict[str, Any] | None, recorded: dict[str, Any] | None,
+                    local: dict[str, Any] | None, *, server_url: str, model_path: Path,
+                    manifest: Path, started: bool) -> str | None:
+    """Why the server must be refused: the weights it serves (``served``: what its dumps and
+    ready marker say, ``contracts.served_weights``) are not the run's (``recorded``) or those in
+    FARM_MODEL_PATH (``local``); None when they are, or when nothing can be compared (logged).
+
+    ``started``: hidden states of the run exist (its canary is recorded). Before that, either
+    side may be the wrong one; after, the run's checkpoint is the right one.
+    """
+    if not served or not served.get("id"):
+        log.warning("the server at %s does not say which weights it serves (its hsfarm hook is "
+                    "older than this worker): only the canary guards the served model", server_url)
+        return None
+    if served.get("scheme") != SCHEME or not served.get("shards"):
+        log.warning("the weights the server at %s serves cannot be compared here (identity "
+                    "scheme %s, %s shards, from %s): only the canary guards them", server_url,
+                    served.get("scheme"), served.get("shards"), served.get("model_path"))
+        return None
+    run = recorded if recorded and recorded.get("shards") and recorded.get("scheme") == SCHEME \
+        else None
+    mine = local if local and local.get("shards") and local.get("scheme") == SCHEME else None
+    sid = served["id"]
+    if (run is None or run["id"] == sid) and (mine is None or mine["id"] == sid):
+        if run is not None or mine is not None:
+            log.info("the server at %s serves weights %s: the run's", server_url, sid)
+        return None
+    head = (f"the server at {server_url} serves weights {sid} (loaded from "
+            f"{served.get('model_path')} on its host), ")
+    if run is not None and run["id"] != sid and started:
+        holds = f", as FARM_MODEL_PATH={model_path} holds" if mine is not None else ""
+        return (head + f"but the run's weights are {run['id']}{holds}: its hidden states must "
+                "not be mixed with another checkpoint's. This worker takes no work. Fix the "
+                "server: restart the server with the run's checkpoint (the same revision as "
+                f"FARM_MODEL_PATH); or, to keep the server's checkpoint, start a new run for it "
+                "(a new FARM_OUTPUT_DIR, with FARM_MODEL_PATH holding that checkpoint on every "
+                "worker host).")
+    ours = mine or run
+    assert ours is not None
+    fix = (f"copy the server's checkpoint into FARM_MODEL_PATH and remove {manifest} (it records "
+           "the other weights; no hidden states were written under it yet)" if not started
+           else "point FARM_MODEL_PATH at the server's checkpoint")
+    return (head + f"FARM_MODEL_PATH={model_path} holds {ours['id']}: the server and the "
+            "workers must have one checkpoint (the same revision on both hosts). This worker "
+            "takes no work. Change the side that is wrong: serve the checkpoint of "
+            f"FARM_MODEL_PATH (restart the server with it), or {fix}.")

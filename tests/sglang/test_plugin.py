@@ -307,3 +307,63 @@ def test_verify_ready_marker_missing_stale_and_fresh(tmp_path: Path) -> None:
     fresh = _verify("--dump-dir", str(tmp_path))
     assert fresh.returncode == 0, fresh.stdout
     assert "layers [2, 30, 58]" in fresh.stdout
+
+
+def test_the_hook_refuses_a_dump_dir_another_user_made_before_the_weights_load(
+        plugins_loaded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from sglang_patch import dumpdir
+
+    # Given a dump dir another local user (nobody) made first, open to all
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)
+    os.chmod(foreign, 0o777)
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(foreign))
+    # When SGLang loads the model through the real, patched ModelRunner.load_model
+    runner = SimpleNamespace(server_args=_server_args())
+    # Then the server is refused before the original runs (it would need a GPU), with the fix
+    with pytest.raises(dumpdir.DumpDirUnsafe, match=f"owned by uid 65534.*rm -rf {foreign}"):
+        ModelRunner.load_model(runner)
+
+
+def test_the_hook_publishes_the_weights_it_loaded(sglang_ctx: Any, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from sglang_patch.tiny_model import ensure_tiny_model
+
+    # Given SGLang serving a local model dir (its --model-path), and a dump dir not made yet
+    model_dir = ensure_tiny_model(Path.home() / ".cache" / "hsfarm")
+    dumps = tmp_path / "dumps"
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(dumps))
+    monkeypatch.setenv("SGLANG_HS_DUMP_RESERVE_BYTES", "0")
+    args = _server_args(tp_size=8)
+    args.model_path = str(model_dir)
+    inner = torch.nn.Module()
+    inner.layers_to_capture = [2, 4, 5]
+    runner = SimpleNamespace(server_args=args, model=inner,
+                             model_config=SimpleNamespace(hidden_size=H))
+    try:
+        # When the model loads and the hook comes up, and a request of ours is dumped
+        plugin.around_load_model(lambda r: None, runner)
+        rid = c.make_rid("w", 1, 3)
+        _forward(_processor(), [(rid, 0, 3, _request(3, 7))])
+        plugin._hook.writer.flush()
+        # Then the dump dir was made 0700, and the marker (whole) and the dump (its id) carry
+        # the weights identity of the files in --model-path: the one the farm computes
+        want = c.weights_identity(model_dir)
+        assert (dumps.stat().st_mode & 0o7777) == 0o700
+        info = json.loads(next(dumps.glob(".ready.*")).read_text())
+        assert info["weights"] == want and len(want["shards"]) == 1
+        from safetensors import safe_open
+
+        with safe_open(str(c.dump_path(dumps, rid)), "pt") as f:
+            served = json.loads(f.metadata()[c.M_WEIGHTS])
+        assert served == {"scheme": want["scheme"], "id": want["id"], "shards": 1,
+                          "model_path": str(model_dir)}
+    finally:
+        if plugin._hook is not None:
+            plugin._hook.writer.close()
+        plugin._hook = plugin._activation = None

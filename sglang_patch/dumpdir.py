@@ -1,0 +1,215 @@
+"""The dump dir belongs to the server and the workers alone: who may own it, and its files.
+
+Whoever can write into the dump dir can put forged hidden states where a worker reads them,
+and whoever can read it reads another model's hidden states. ``/dev/shm`` is world-writable,
+so another local user can create the dump dir first. So every side (the SGLang plugin, the
+reference server, the workers, preflight, ``ops/launch-sglang.sh``) refuses at start-up a dump
+dir that:
+
+- is owned by another user than this process's (root's is accepted: root can do anything);
+- others can write to (``o+w``), or its group can write to without the setgid bit: group
+  write is for a deliberately shared group only (see below);
+- sits in a directory that others can write to without the sticky bit (``/dev/shm`` and
+  ``/tmp`` have it): someone could rename it away and put another in its place;
+- is a symbolic link owned by another user.
+
+Layouts: the server and the workers run as one user → the first of them creates the dir 0700.
+They run as different users → root creates it for a group that holds both (setgid, so every
+file inherits that group): ``install -d -o root -g hsfarm -m 2770 /dev/shm/hsfarm-dumps``
+(a ``tmpfiles.d`` line makes it survive reboots). Dumps, error files and ready markers are 0600,
+0640 in such a group dir. A worker opens a dump without following links and checks, on the
+opened descriptor, that it is a regular file of the dump dir's owner (or of its group, in a
+group dir) that no one else can write, before reading a byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pwd
+import stat
+from pathlib import Path
+
+DIR_MODE = 0o700
+GROUP_DIR_MODE = 0o2770
+
+
+class DumpDirUnsafe(RuntimeError):
+    """The dump dir (or a file in it) is not the server's and the workers' alone; the message
+    has the fix."""
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"
+
+
+def problem(path: Path, euid: int | None = None) -> str | None:
+    """Why ``path`` (an existing directory) must not be a dump dir; None when it is fine."""
+    euid = os.geteuid() if euid is None else euid
+    me = f"{_user(euid)} (uid {euid})"
+    try:
+        link = os.lstat(path)
+        st = os.stat(path)
+        parent = os.stat(path.absolute().parent)
+    except OSError as e:
+        return f"dump dir {path} cannot be examined ({e})"
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
+        return (f"dump dir {path} is a symbolic link owned by uid {link.st_uid} "
+                f"({_user(link.st_uid)}): another user can point it anywhere; remove it "
+                f"(as root): rm {path}")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"dump dir {path} is not a directory: remove it (rm {path}) or set another"
+    if st.st_uid not in (euid, 0):
+        return (f"dump dir {path} is owned by uid {st.st_uid} ({_user(st.st_uid)}), not by "
+                f"this process's user {me}: that user can put forged hidden states in it. "
+                f"Remove it (as root; it may hold forged files): rm -rf {path}, and let the "
+                f"server create it (or: chown {euid} {path} && chmod 0700 {path}, if you know "
+                "what is in it)")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        return (f"dump dir {path} is mode {mode:04o}: others can write to it (forged hidden "
+                f"states): chmod 0700 {path}")
+    if mode & stat.S_IWGRP and not mode & stat.S_ISGID:
+        return (f"dump dir {path} is mode {mode:04o}: its group can write to it, and it is no "
+                f"shared group dir (setgid): chmod 0700 {path} (or, for a group that holds "
+                f"the server's and the workers' users: chmod 2770 {path})")
+    pmode = stat.S_IMODE(parent.st_mode)
+    if pmode & stat.S_IWOTH and not pmode & stat.S_ISVTX:
+        return (f"dump dir {path} is in {path.absolute().parent}, which others can write to "
+                f"(mode {pmode:04o}, no sticky bit): they can replace the dump dir; use a dir "
+                "under /dev/shm")
+    return None
+
+
+def ensure(path: Path) -> os.stat_result:
+    """Create the dump dir (0700) if it does not exist; refuse it if it is not safe.
+
+    Raises:
+        DumpDirUnsafe: another user owns it, others can write to it, ...; the fix is named.
+        OSError: it cannot be created.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, DIR_MODE)  # the umask cannot add bits; the check below sees the result
+    why = problem(path)
+    if why:
+        raise DumpDirUnsafe(why)
+    return os.stat(path)
+
+
+def check(path: Path) -> os.stat_result:
+    """``ensure`` without creating: for a reader (a worker, preflight) of an existing dir.
+
+    Raises:
+        DumpDirUnsafe: as ``ensure``.
+        FileNotFoundError: it does not exist.
+    """
+    st = os.stat(path)
+    why = problem(path)
+    if why:
+        raise DumpDirUnsafe(why)
+    return st
+
+
+def file_mode(dir_st: os.stat_result) -> int:
+    """The mode of a file of ours in the dump dir: 0640 in a shared group dir, else 0600."""
+    return 0o640 if dir_st.st_mode & stat.S_ISGID else 0o600
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (a new temp name of ours) with the dump dir's file mode,
+    whatever the umask; the caller renames it into place."""
+    mode = file_mode(os.stat(path.parent))
+    path.unlink(missing_ok=True)  # our own temp name, left by a process that had this pid
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def seal(path: Path) -> None:
+    """Give a file of ours (a temp file another library wrote) the dump dir's file mode,
+    whatever the umask or that library chose, before it is renamed into place."""
+    mode = file_mode(os.stat(path.parent))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def open_trusted(path: Path, dir_st: os.stat_result | None = None) -> int:
+    """Open a file of the dump dir for reading without following a link, and check it on the
+    opened descriptor: a regular file, one link, owned by the dump dir's owner or this user
+    (or, in a shared group dir, of its group), writable by no one else. Returns the fd.
+
+    Raises:
+        DumpDirUnsafe: it is a link, or another user's file, or others can write to it.
+        OSError: it cannot be opened (FileNotFoundError: it is not there).
+    """
+    if dir_st is None:
+        dir_st = os.stat(path.parent)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if os.path.islink(path):
+            raise DumpDirUnsafe(_foreign(path, "is a symbolic link")) from e
+        raise
+    try:
+        st = os.fstat(fd)
+        why = _file_problem(st, dir_st)
+        if why:
+            raise DumpDirUnsafe(_foreign(path, why))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_problem(st: os.stat_result, dir_st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    group_dir = bool(dir_st.st_mode & stat.S_ISGID)
+    ours = st.st_uid in (dir_st.st_uid, os.geteuid()) or (group_dir
+                                                           and st.st_gid == dir_st.st_gid)
+    if not ours:
+        return (f"is owned by uid {st.st_uid} ({_user(st.st_uid)}), not by the dump dir's owner "
+                f"(uid {dir_st.st_uid})")
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} hard links (a file of ours has one)"
+    if stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is mode {stat.S_IMODE(st.st_mode):04o}: others can write to it"
+    return None
+
+
+def _foreign(path: Path, why: str) -> str:
+    return (f"{path} {why}: someone else writes into the dump dir {path.parent}, so its hidden "
+            f"states cannot be trusted. Find out who (ls -la {path.parent}); then remove the "
+            f"dir (rm -rf {path.parent}) and restart the server, which creates it 0700")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sglang_patch dumpdir --dump-dir D [--create]``: OK/FAIL and the fix."""
+    p = argparse.ArgumentParser(prog="python -m sglang_patch dumpdir",
+                                description="Is the dump dir the server's and the workers' "
+                                "alone? (--create: create it 0700 first, as the server does)")
+    p.add_argument("--dump-dir", type=Path, required=True)
+    p.add_argument("--create", action="store_true")
+    args = p.parse_args(argv)
+    d: Path = args.dump_dir
+    if not args.create and not os.path.lexists(d):
+        print(f"OK    dump dir {d} does not exist yet: the server creates it 0700")
+        return 0
+    try:
+        st = ensure(d) if args.create else check(d)
+    except (DumpDirUnsafe, OSError) as e:
+        print(f"FAIL  {e}")
+        return 1
+    print(f"OK    dump dir {d}: owner {_user(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}")
+    return 0

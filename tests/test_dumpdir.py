@@ -1,0 +1,167 @@
+"""The dump dir is the server's and the workers' alone: one that another user made (or can
+write to) is refused by the server, the workers, preflight and the launcher; dumps, errors and
+markers are private; a dump that is a link or another user's file is never read."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from producer.localfarm import LocalFarm, wait_until
+from sglang_patch import contracts as c
+from sglang_patch import dumpdir
+from sglang_patch.dump_writer import DumpJob, DumpWriter, _Done
+from sglang_patch.markers import write_ready_marker
+from tests.conftest import CACHE, FAST_ENV
+from worker import dumps as worker_dumps
+from worker.errors import ConfigError
+from worker.fingerprint import compute_fingerprint
+from worker.settings import Settings
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parent.parent
+NOBODY = 65534
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A path under /dev/shm (world-writable, as in production) that nothing holds yet."""
+    path = Path(f"/dev/shm/hsfarm-test-dumpdir-{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_dump_dir_another_user_made_first_is_refused_by_every_side(
+        tmp_path: Path, shm_dir: Path, tiny_model: Path) -> None:
+    # Given the dump dir created first by another local user (nobody), open to all
+    subprocess.run([*AS_NOBODY, "mkdir", "-m", "0777", str(shm_dir)], check=True)
+    assert shm_dir.stat().st_uid == NOBODY
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, dumps=shm_dir,
+                     extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model)})
+    try:
+        farm.start_redis()
+        fix = f"rm -rf {shm_dir}"
+        # When the reference server starts: it refuses, with the fix
+        with pytest.raises(RuntimeError, match="exited"):
+            farm.start_server()
+        log = farm.procs["server"].log.read_text()
+        assert f"dump dir {shm_dir} is owned by uid {NOBODY} (nobody)" in log, log[-2000:]
+        assert fix in log
+        assert not list(shm_dir.iterdir())
+        # And a worker exits 2 before consuming, with the fix
+        w = farm.start_worker("w1", concurrency=1, wait=False)
+        wait_until(lambda: not w.alive(), 60, "the worker to exit")
+        log = w.log.read_text()
+        assert w.popen is not None and w.popen.returncode == 2, log[-3000:]
+        assert f"owned by uid {NOBODY} (nobody)" in log and fix in log
+        # And preflight says FAIL with the fix
+        pre = subprocess.run([sys.executable, "-m", "producer.preflight"], env=farm._farm_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert pre.returncode == 1
+        assert f"FAIL  dump dir {shm_dir} is owned by uid {NOBODY} (nobody)" in pre.stdout, \
+            pre.stdout
+        # And the launcher's dry run too
+        launch = subprocess.run(["bash", "ops/launch-sglang.sh", "--dry-run"], cwd=ROOT,
+                                env={**farm.env(), "PYTHON": sys.executable, "TP": "1"},
+                                capture_output=True, text=True, timeout=120)
+        assert f"FAIL  dump dir {shm_dir} is owned by uid {NOBODY} (nobody)" in launch.stdout, \
+            launch.stdout
+        # When its owner makes it group- or world-writable only: refused as well
+        os.chown(shm_dir, 0, 0)
+        assert "others can write to it" in str(_refusal(shm_dir))
+        os.chmod(shm_dir, 0o770)
+        assert f"chmod 0700 {shm_dir}" in str(_refusal(shm_dir))
+        # And after the fix it names, the server creates it 0700 and starts
+        shutil.rmtree(shm_dir)
+        farm.start_server()
+        assert stat.S_IMODE(shm_dir.stat().st_mode) == 0o700
+        marker = next(shm_dir.glob(f"{c.READY_PREFIX}*"))
+        assert stat.S_IMODE(marker.stat().st_mode) == 0o600
+    finally:
+        farm.close(kill=True)
+
+
+def _refusal(path: Path) -> dumpdir.DumpDirUnsafe:
+    with pytest.raises(dumpdir.DumpDirUnsafe) as e:
+        dumpdir.ensure(path)
+    return e.value
+
+
+def _write_dump(d: Path, rid: str, n: int = 4, h: int = 8, config_sha256: str = "") -> Path:
+    writer = DumpWriter(d, {c.M_LAYERS: "[2, 4, 5]", c.M_CONFIG_SHA: config_sha256},
+                        min_free_bytes=0)
+    try:
+        ids = torch.arange(n)
+        writer.submit(DumpJob(rid, parts=[_Done([ids, torch.randn(n, h), torch.randn(n, 3 * h)])]))
+        writer.submit(DumpJob(rid + "x", error="a test error"))
+        writer.flush()
+    finally:
+        writer.close()
+    return c.dump_path(d, rid)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_dumps_errors_and_markers_are_readable_by_the_dump_dirs_users_only(
+        shm_dir: Path, shared: bool) -> None:
+    # Given a dump dir made by the server (0700), or a group dir shared with the workers (2770)
+    if shared:
+        shm_dir.mkdir(mode=0o700)
+        os.chmod(shm_dir, 0o2770)
+    dumpdir.ensure(shm_dir)
+    # When the hook writes a dump, an error file and its ready marker (under a lax umask)
+    old = os.umask(0)
+    try:
+        dump = _write_dump(shm_dir, "hsd-k-a1-n4")
+        marker = write_ready_marker(shm_dir, {})
+    finally:
+        os.umask(old)
+    # Then each is 0600 (0640 in a shared group dir): no other user reads the hidden states
+    want = 0o640 if shared else 0o600
+    err = c.err_path(shm_dir, "hsd-k-a1-n4x")
+    for p in (dump, err, marker):
+        assert stat.S_IMODE(p.stat().st_mode) == want, p
+    if not shared:
+        os.chmod(shm_dir, 0o755)  # even with the dir itself open to all
+    read = subprocess.run([*AS_NOBODY, "cat", str(dump)], capture_output=True)
+    assert read.returncode != 0 and b"Permission denied" in read.stderr
+
+
+def test_a_dump_that_is_a_link_or_another_users_file_is_never_read(tmp_path: Path,
+                                                                   tiny_model: Path) -> None:
+    # Given a valid dump of a 4-token request in a private dump dir
+    fp = compute_fingerprint(Settings(), tiny_model)
+    d = tmp_path / "dumps"
+    dumpdir.ensure(d)
+    real = _write_dump(d, "hsd-real-a1-n4", h=fp.hidden_size, config_sha256=fp.config_sha256)
+    fp4 = type(fp).from_json({**fp.to_json(), "layers_to_capture": [2, 4, 5]})
+    with worker_dumps.open_dump(real, [0, 1, 2, 3], fp4):
+        pass  # the genuine one opens
+    # When the path a worker reads is a link to it
+    link = c.dump_path(d, "hsd-link-a1-n4")
+    link.symlink_to(real)
+    # Then it is refused, naming the fix, without reading it
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        worker_dumps.open_dump(link, [0, 1, 2, 3], fp4)
+    # And a dump owned by another user is refused too
+    os.chown(real, NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match=f"owned by uid {NOBODY}"):
+        worker_dumps.open_dump(real, [0, 1, 2, 3], fp4)
+    # And an error file that is a link is not read into a message either
+    secret = tmp_path / "secret"
+    secret.write_text("not for the log")
+    c.err_path(d, "hsd-e-a1-n4").symlink_to(secret)
+    import asyncio
+
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        asyncio.run(worker_dumps.wait_for_dump(d, "hsd-e-a1-n4", 2.0))
