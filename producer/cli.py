@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             from producer.demo import main_demo
 
-            broker.check_auth(settings)
+            _check_redis_url(settings)
             return main_demo(args.work_dir, args.data, settings)
         if args.cmd in ("index", "export"):  # the training side: no server, no Redis
             return training_cli.main(args, settings.output_dir)
-        broker.check_auth(settings)  # every other command connects to Redis
+        _check_redis_url(settings)  # every other command connects to Redis
         if args.cmd == "audit":  # the only command that renders chat templates
             _, chat, fingerprint = load_run(settings, wait_s=5)
             return _audit(settings, fingerprint, chat, args)
@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: Redis at {broker.where(settings)} did not answer ({e}); is it running? "
               "is REDIS_URL right?", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _check_redis_url(settings: Settings) -> None:
+    """Refuse an open-door ``REDIS_URL`` (``ConfigError``), or say that it was allowed."""
+    allowed = broker.check_auth(settings)
+    if allowed:
+        print(f"warning: {allowed}", file=sys.stderr)
 
 
 def _enqueue(settings: Settings, fingerprint: Fingerprint, args: argparse.Namespace) -> int:

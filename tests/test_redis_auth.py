@@ -53,12 +53,12 @@ def test_which_urls_need_a_password() -> None:
     assert not any("s3cr3t" in line for line in s.describe())
 
 
-def _isolated(argv: list[str], timeout_s: float) -> tuple[int | None, str]:
+def _isolated(argv: list[str], timeout_s: float, **extra: str) -> tuple[int | None, str]:
     """Run ``argv`` in a network namespace of its own with the open-door URL; rc None: still
     running after ``timeout_s`` (killed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FARM_") and k != "REDIS_URL"}
     env.update(REDIS_URL=OPEN_DOOR, FARM_MODEL_PATH="/nonexistent", FARM_DUMP_DIR="/tmp/x",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **extra)
     try:
         res = subprocess.run(["unshare", "--net", *argv], env=env, capture_output=True,
                              text=True, timeout=timeout_s)
@@ -89,6 +89,10 @@ def test_open_door_url_is_refused_by_worker_enqueue_and_preflight(tmp_path: Path
     assert rc == 1, out
     assert any(line.startswith("FAIL") and "redis" in line and fix in line
                for line in out.splitlines()), out
+    # When the opt-out is set: then preflight goes on to connect (unreachable in here)
+    rc, out = _isolated([sys.executable, "-m", "producer.preflight"], timeout_s=120,
+                        FARM_ALLOW_UNAUTHENTICATED_REDIS="1")
+    assert "FAIL  redis at redis://alice@192.0.2.1:6379/0: Error 101" in out, out
 
 
 def _tls_files(d: Path) -> tuple[Path, Path, Path]:
