@@ -209,6 +209,9 @@ def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, redis.Redis
                     f"REDIS_URL{hint}"), None
     want = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
     wrong = {k: cfg.get(k) for k, v in want.items() if cfg.get(k) != v}
+    loss = broker.replay_loss(r)
+    if loss:
+        return fail(f"redis at {where} {loss}"), r
     if allowed and not wrong:
         return warn(f"redis at {where}: AOF always, noeviction; {allowed}"), r
     if not wrong:

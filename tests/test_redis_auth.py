@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from producer.localfarm import free_port
+from producer.preflight import check_redis
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.faults import enqueue, running_farm
 from worker import broker
@@ -22,7 +23,10 @@ from worker.errors import ConfigError
 from worker.settings import Settings
 
 OPEN_DOOR = "redis://alice@192.0.2.1:6379/0"  # TEST-NET-1; a user, no password
-ACL = ["--user", "default", "off", "--user", "alice", "on", ">secret", "~*", "&*", "+@all"]
+# The default user stays on, with a password of its own: with it off, Redis 7.0 drops every
+# MULTI/EXEC from its AOF on restart (broker.replay_loss)
+ACL = ["--user", "default", "on", ">admin-pw", "~*", "&*", "+@all",
+       "--user", "alice", "on", ">secret", "~*", "&*", "+@all"]
 
 
 def _check(url: str, **env: str) -> str | None:
@@ -139,6 +143,13 @@ def test_acl_user_then_tls_run_end_to_end(tmp_path: Path, tiny_model: Path) -> N
         assert "secret" not in shown and "alice" in farm.cli("settings").stdout
         assert "secret" not in farm.procs["w1"].log.read_text()
         farm.procs["w1"].stop()
+        # And with the default user off, workers and preflight refuse that Redis
+        r = farm.redis()
+        r.acl_setuser("default", enabled=False)
+        with pytest.raises(ConfigError, match="default user off"):
+            broker.check_persistence(r, farm.settings())
+        line, _ = check_redis(farm.settings(), env_loaded=True)
+        assert line.level == "FAIL" and "default user off" in str(line), line
         farm.procs.pop("redis").stop()
         shutil.rmtree(farm.work_dir / "redis")  # a new Redis: TLS alone carries what follows
 

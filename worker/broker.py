@@ -86,7 +86,8 @@ def where(settings: Settings) -> str:
 
 
 def check_persistence(r: redis.Redis, settings: Settings) -> None:
-    """Refuse a Redis that keeps nothing on disk, unless ``FARM_ALLOW_VOLATILE_REDIS`` is set.
+    """Refuse a Redis that keeps nothing on disk, or that drops transactions when it replays
+    its AOF (``replay_loss``), unless ``FARM_ALLOW_VOLATILE_REDIS`` is set.
 
     Raises:
         ConfigError: appendonly is off and volatility was not allowed.
@@ -98,12 +99,35 @@ def check_persistence(r: redis.Redis, settings: Settings) -> None:
         log.warning("cannot read the persistence settings of Redis at %s (%s); make sure it "
                     "runs with appendonly yes, or a restart loses the queue", where(settings), e)
         return
-    if aof == "yes":
+    loss = replay_loss(r)
+    if aof == "yes" and loss is None:
         return
     message = (f"Redis at {where(settings)} keeps nothing on disk (appendonly {aof or '?'}): "
                "a restart of it loses every queued sample and the run index. Start it with "
                "ops/start-redis.sh (AOF, appendfsync always), or set "
                "FARM_ALLOW_VOLATILE_REDIS=1 to accept that risk")
+    if aof == "yes":
+        message = (f"Redis at {where(settings)} {loss}, or set FARM_ALLOW_VOLATILE_REDIS=1 to "
+                   "accept that risk")
     if not settings.allow_volatile_redis:
         raise ConfigError(message)
     log.warning("%s (allowed by FARM_ALLOW_VOLATILE_REDIS)", message.split(": a restart")[0])
+
+
+def replay_loss(r: redis.Redis) -> str | None:
+    """Why a restart of this Redis would lose writes its AOF holds, or None.
+
+    With its ``default`` user off, Redis (7.0.15 measured) replays every MULTI/EXEC of its AOF
+    as that user and refuses it (``NOPERM ... AOF-loading-client``): every transaction of the
+    broker and the run index is gone after a restart, and Redis starts anyway.
+    """
+    try:
+        user = r.acl_getuser("default") or {}
+    except redis.ResponseError:  # ACL GETUSER not allowed to this user: nothing to tell
+        return None
+    flags = user.get("flags")
+    if not isinstance(flags, list) or "off" not in flags:
+        return None
+    return ("has its default user off: a restart of it drops every transaction in its AOF "
+            "(the queue and the run index). Keep the default user on with a password "
+            "(requirepass) next to any ACL user (ops/RUNBOOK.md, 'Redis for several hosts')")
