@@ -26,6 +26,7 @@ from producer.status import (
 from producer.status_text import render
 from sglang_patch.contracts import Fingerprint
 from training import cli as training_cli
+from worker import broker
 from worker import run as runs
 from worker.chat import ChatTokenizer
 from worker.datafile import DataFileError
@@ -92,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             from producer.demo import main_demo
 
-            return main_demo(args.work_dir, args.data, settings.redis_url)
+            _check_redis_url(settings)
+            return main_demo(args.work_dir, args.data, settings)
         if args.cmd in ("index", "export"):  # the training side: no server, no Redis
             return training_cli.main(args, settings.output_dir)
+        _check_redis_url(settings)  # every other command connects to Redis
         if args.cmd == "audit":  # the only command that renders chat templates
             _, chat, fingerprint = load_run(settings, wait_s=5)
             return _audit(settings, fingerprint, chat, args)
@@ -111,10 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except (redis.RedisError, Transient) as e:
-        where = settings.redis_url.rsplit("@", 1)[-1]
-        print(f"error: Redis at {where} did not answer ({e}); is it running? is REDIS_URL "
-              "right?", file=sys.stderr)
+        print(f"error: Redis at {broker.where(settings)} did not answer ({e}); is it running? "
+              "is REDIS_URL right?", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _check_redis_url(settings: Settings) -> None:
+    """Refuse an open-door ``REDIS_URL`` (``ConfigError``), or say that it was allowed."""
+    allowed = broker.check_auth(settings)
+    if allowed:
+        print(f"warning: {allowed}", file=sys.stderr)
 
 
 def _enqueue(settings: Settings, fingerprint: Fingerprint, model_path: Path,
@@ -165,8 +174,7 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
     if args.data is not None:
         files = [args.data]
     else:
-        index = RunIndex(redis.Redis.from_url(settings.redis_url),
-                         runs.run_id_of(settings.output_dir))
+        index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
         files = [Path(f) for f in sorted(index.data_files())]
         if not files:
             raise ConfigError("no data file recorded for this run: pass --data FILE")

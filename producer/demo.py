@@ -1,10 +1,10 @@
 """``python -m producer demo``: the whole farm end to end on this machine, then shut down.
 
-Uses ``REDIS_URL`` when that Redis answers (on its own queue name) and otherwise starts a
-private ``redis-server``; starts the reference server with the tiny model and two Celery
-workers; runs ``python -m producer enqueue`` on the example data exactly as a user would;
-shows progress until every sample has an outcome; audits every output file; prints a summary;
-and stops every process it started.
+Uses ``REDIS_URL`` (and its TLS settings) when that Redis answers (on its own queue name) and
+otherwise starts a private ``redis-server``; starts the reference server with the tiny model
+and two Celery workers; runs ``python -m producer enqueue`` on the example data exactly as a
+user would; shows progress until every sample has an outcome; audits every output file; prints
+a summary; and stops every process it started.
 """
 
 from __future__ import annotations
@@ -21,28 +21,38 @@ from tqdm import tqdm
 from producer.localfarm import LocalFarm, wait_until
 from producer.status import Status, read_status
 from sglang_patch.contracts import Fingerprint
+from worker import broker
 from worker.fingerprint import run_fingerprint
 from worker.settings import Settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data.json"
 
 
-def _redis_answers(url: str | None) -> bool:
-    if not url:
+def _redis_answers(settings: Settings | None) -> bool:
+    if settings is None:
         return False
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+        return bool(broker.client(settings, socket_timeout_s=5, connect_timeout_s=1).ping())
     except (redis.RedisError, ValueError):
         return False
 
 
-def _keeps_nothing(url: str) -> bool:
+def _keeps_nothing(settings: Settings) -> bool:
     """A Redis without AOF (or whose CONFIG is disabled: assume the worst)."""
     try:
-        aof = redis.Redis.from_url(url).config_get("appendonly").get("appendonly")
+        aof = broker.client(settings).config_get("appendonly").get("appendonly")
     except redis.RedisError:
         return True
     return str(aof) != "yes"
+
+
+def _redis_env(settings: Settings) -> dict[str, str]:
+    """The variables that reach that Redis, for the demo's processes (which get no FARM_*)."""
+    env = {"FARM_REDIS_CA_FILE": settings.redis_ca_file,
+           "FARM_REDIS_CERT_FILE": settings.redis_cert_file,
+           "FARM_REDIS_KEY_FILE": settings.redis_key_file,
+           "FARM_ALLOW_UNAUTHENTICATED_REDIS": "1" if settings.allow_unauthenticated_redis else ""}
+    return {k: v for k, v in env.items() if v}
 
 
 def _step(msg: str) -> None:
@@ -50,19 +60,20 @@ def _step(msg: str) -> None:
 
 
 def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
-             redis_url: str | None = None) -> int:
+             redis: Settings | None = None) -> int:
     """Returns 0 when every sample is done or rejected and every file audits whole."""
     shutil.rmtree(work_dir / "out", ignore_errors=True)
     shutil.rmtree(work_dir / "dumps", ignore_errors=True)
-    shared = _redis_answers(redis_url)
-    volatile = shared and _keeps_nothing(str(redis_url))
-    env = {"FARM_ALLOW_VOLATILE_REDIS": "1"} if volatile else {}
-    farm = LocalFarm(work_dir, redis_url=redis_url if shared else None, extra_env=env)
+    shared = redis if redis is not None and _redis_answers(redis) else None
+    volatile = shared is not None and _keeps_nothing(shared)
+    env = {**({"FARM_ALLOW_VOLATILE_REDIS": "1"} if volatile else {}),
+           **(_redis_env(shared) if shared else {})}
+    farm = LocalFarm(work_dir, redis_url=shared.redis_url if shared else None, extra_env=env)
     t_start = time.monotonic()
     try:
         if shared:
-            _step(f"using the Redis at {redis_url} (the demo's run has keys and a queue of "
-                  "its own)")
+            _step(f"using the Redis at {broker.where(shared)} (the demo's run has keys and a "
+                  "queue of its own)")
             if volatile:
                 _step("that Redis keeps nothing on disk: fine for a demo (allowed with "
                       "FARM_ALLOW_VOLATILE_REDIS=1); a real run refuses it, use "
@@ -129,6 +140,6 @@ def _summary(st: Status, extract_s: float, wall_s: float) -> None:
           f"demo wall time:   {wall_s:.1f}s", flush=True)
 
 
-def main_demo(work_dir: Path | None, data: Path | None, redis_url: str | None) -> int:
+def main_demo(work_dir: Path | None, data: Path | None, settings: Settings) -> int:
     work = work_dir or Path(os.getcwd()) / "demo-out"
-    return run_demo(work, data or EXAMPLES, redis_url=redis_url)
+    return run_demo(work, data or EXAMPLES, redis=settings)

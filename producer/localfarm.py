@@ -21,6 +21,7 @@ from pathlib import Path
 
 import redis
 
+from worker import broker
 from worker.run import queue_for, run_id_of
 from worker.settings import Settings
 
@@ -178,11 +179,12 @@ class LocalFarm:
         return queue_for(self.settings(), self.run_id())
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.env()["REDIS_URL"])
+        return broker.client(self.settings())
 
-    def start_redis(self, appendonly: bool = True) -> Proc:
+    def start_redis(self, appendonly: bool = True, extra_args: list[str] | None = None) -> Proc:
         """A private redis-server with AOF (``appendfsync always``), as ops/redis.conf sets
-        it for the broker; ``appendonly=False``: one that keeps nothing (tests of refusal)."""
+        it for the broker; ``appendonly=False``: one that keeps nothing (tests of refusal);
+        ``extra_args``: more of redis-server's options (ACL users, TLS), set ``redis_url``."""
         if not self.redis_port:
             self.redis_port = free_port()
         data = self.work_dir / "redis"
@@ -190,7 +192,7 @@ class LocalFarm:
         argv = [shutil.which("redis-server") or "redis-server", "--port", str(self.redis_port),
                 "--bind", "127.0.0.1", "--dir", str(data), "--save", "",
                 "--appendonly", "yes" if appendonly else "no", "--appendfsync", "always",
-                "--maxmemory-policy", "noeviction", "--daemonize", "no"]
+                "--maxmemory-policy", "noeviction", "--daemonize", "no", *(extra_args or [])]
         proc = self._start("redis", argv)
         wait_until(self._redis_up, 20, "redis-server")
         return proc

@@ -205,7 +205,11 @@ def check_dump_dir_owner(d: Path) -> Line:
 
 def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, redis.Redis | None]:
     where = broker.where(settings)
-    r = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=5)
+    try:
+        allowed = broker.check_auth(settings)
+        r = broker.client(settings, socket_timeout_s=5, connect_timeout_s=3)
+    except ConfigError as e:
+        return fail(f"redis: {e}"), None
     try:
         r.ping()
         cfg: dict[Any, Any] = {}
@@ -220,6 +224,11 @@ def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, redis.Redis
                     f"REDIS_URL{hint}"), None
     want = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
     wrong = {k: cfg.get(k) for k, v in want.items() if cfg.get(k) != v}
+    loss = broker.replay_loss(r)
+    if loss:
+        return fail(f"redis at {where} {loss}"), r
+    if allowed and not wrong:
+        return warn(f"redis at {where}: AOF always, noeviction; {allowed}"), r
     if not wrong:
         return ok(f"redis at {where}: AOF always, noeviction"), r
     text = f"redis at {where}: {wrong}, wanted {want}: start it with ops/start-redis.sh"

@@ -39,11 +39,11 @@ def _count(out: str, what: str) -> int:
     return int(m.group(1))
 
 
-def _redis_farm(tmp_path: Path, tiny_model: Path, **redis_kw: bool) -> LocalFarm:
+def _redis_farm(tmp_path: Path, tiny_model: Path, appendonly: bool = True) -> LocalFarm:
     """Only Redis: the producer knows the model from FARM_MODEL_PATH, no server needed."""
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
                      extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model)})
-    farm.start_redis(**redis_kw)
+    farm.start_redis(appendonly=appendonly)
     return farm
 
 

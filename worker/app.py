@@ -11,6 +11,7 @@ import orjson
 from celery import Celery
 from kombu.serialization import register
 
+from worker.broker import tls_options
 from worker.errors import ConfigError
 from worker.settings import Settings
 
@@ -25,8 +26,10 @@ register(SERIALIZER, orjson.dumps, orjson.loads,
 
 def celery_config(s: Settings) -> dict[str, object]:
     """The whole Celery configuration, derived from the settings."""
+    tls = tls_options(s)
     return {
         "broker_url": s.redis_url,
+        **({"broker_use_ssl": tls} if tls else {}),
         "task_serializer": SERIALIZER,
         "accept_content": [SERIALIZER, "json"],
         "result_serializer": "json",

@@ -36,7 +36,7 @@ from celery import Celery, bootsteps
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
-from worker import keys, liveness
+from worker import broker, keys, liveness
 from worker.settings import Settings
 
 log = logging.getLogger("hsfarm.reaper")
@@ -140,7 +140,7 @@ def _text(x: bytes | str) -> str:
 
 
 def _client(settings: Settings) -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    return broker.client(settings, socket_timeout_s=10)
 
 
 def forget(r: redis.Redis, tag: str, owner: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.errors import ConfigError
+from worker.redis_url import is_tls, masked
 
 _GiB = 1 << 30
 
@@ -50,6 +51,14 @@ class Settings:
     max_record_bytes: int = 4 << 20  # a record larger than this is rejected at enqueue
     # A Redis that keeps nothing on disk loses the queue on restart: refused unless allowed
     allow_volatile_redis: bool = False
+    # A REDIS_URL off this machine needs a password (worker/broker.py): or this, on a private
+    # network that you trust
+    allow_unauthenticated_redis: bool = False
+    # TLS for a rediss:// REDIS_URL: the CA that signed Redis's certificate (empty: the
+    # system's CAs), and this client's certificate and key when Redis checks clients
+    redis_ca_file: str = ""
+    redis_cert_file: str = ""
+    redis_key_file: str = ""
     lease_ttl_s: float = 30.0  # a sample's lease outlives a dead attempt by at most this
     heartbeat_ttl_s: float = 20.0  # a worker whose heartbeat is this old is dead
     reaper_interval_s: float = 5.0  # how often a worker returns dead workers' messages
@@ -110,6 +119,12 @@ class Settings:
             out.append("FARM_CANARY_MEAN_REL_ERR must be > 0 and at most FARM_CANARY_MAX_REL_ERR")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
             out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
+        tls_files = [f for f in ("redis_ca_file", "redis_cert_file", "redis_key_file")
+                     if getattr(self, f)]
+        if tls_files and not is_tls(self.redis_url):
+            out.append(f"{', '.join(_env_name(f) for f in tls_files)} need a rediss:// REDIS_URL")
+        if bool(self.redis_cert_file) != bool(self.redis_key_file):
+            out.append("FARM_REDIS_CERT_FILE and FARM_REDIS_KEY_FILE go together")
         return out
 
     @classmethod
@@ -135,7 +150,10 @@ class Settings:
         return cls(**values)
 
     def describe(self) -> list[str]:
-        return [f"{_env_name(f.name)}={getattr(self, f.name)}" for f in fields(self)]
+        """``NAME=value`` per setting, the Redis password masked."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["redis_url"] = masked(self.redis_url)
+        return [f"{_env_name(name)}={value}" for name, value in shown.items()]
 
 
 def _env_name(field_name: str) -> str:

@@ -1,15 +1,15 @@
 """A worker's start and stop: everything that can go wrong is checked before it consumes.
 
 In the main process, before Celery starts the pool and the consumer (``worker_init``):
-Redis answers and keeps its data (``broker.check_persistence``); the run context is built
-(waiting for the server while it loads the model, when the model path must be asked from
-it); the output directory's manifest matches the run; temp files of dead writers go; and one
-probe request of ours comes back as a dump in this worker's dump dir (``sglang_patch.probe``:
-while the server runs without the hook, or writes elsewhere, the worker waits and says why),
-saying which weights the server serves: the run's and FARM_MODEL_PATH's, or the worker stops
-(``weights.served_mismatch``);
-and the canary (``canary_check``) is recorded, or matches the run's recording (while it does
-not, the worker waits, says per layer what differs, and shows the pause in ``status``).
+``REDIS_URL`` is no open door (``broker.check_auth``); Redis answers and keeps its data
+(``broker.check_persistence``); the run context is built (waiting for the server while it loads
+the model, when the model path must be asked from it); the output directory's manifest matches
+the run; temp files of dead writers go; and one probe request of ours comes back as a dump in
+this worker's dump dir (``sglang_patch.probe``: while the server runs without the hook, or
+writes elsewhere, the worker waits and says why), saying which weights the server serves: the
+run's and FARM_MODEL_PATH's, or the worker stops (``weights.served_mismatch``); and the canary
+(``canary_check``) is recorded, or matches the run's recording (while it does not, the worker
+waits, says per layer what differs, and shows the pause in ``status``).
 Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
 message is taken. Pool processes inherit the context when they fork and only open their own
 connections.
@@ -63,6 +63,9 @@ def stop_worker(reason: str) -> None:
 
 
 def _wait_for_redis() -> redis.Redis:
+    allowed = broker.check_auth(settings)  # an open door stops the worker here (exit 2)
+    if allowed:
+        log.warning("%s", allowed)
     r = broker.client(settings)
     said = -math.inf
     while True:
