@@ -146,7 +146,7 @@ def test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_lat
     with running_farm(tmp_path, server_args=["--model", str(tuned)],
                       env={"FARM_MODEL_PATH": str(tiny_model)}) as farm:
         keys = enqueue(farm, tmp_path, 4)
-        queue, out = farm.settings().queue, farm.output_dir
+        queue, out = farm.queue(), farm.output_dir
 
         def refused(name: str, files: int) -> str:
             w = farm.start_worker(name, concurrency=1, wait=False)
