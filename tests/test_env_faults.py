@@ -77,7 +77,7 @@ def test_gateway_refusals_spend_no_attempts(tmp_path: Path,
     # attempt spent, every sample done, and status --check says so
     wait_finished(farm, 30, timeout_s=180)
     assert gw.refused > 0
-    assert not rejected(farm), rejected(farm)
+    assert not rejected(farm), f"{len(rejected(farm))} rejected: {rejected(farm)}"
     assert_farm_invariants(farm, keys)
     assert set(attempts(farm).values()) == {1}, attempts(farm)
     log = farm.procs["w1"].log.read_text()
@@ -98,15 +98,15 @@ def test_read_only_output_disk_pauses_then_resumes(tmp_path: Path, tiny_model: P
         wait_until(lambda: done(farm) >= 2, 60, "the first samples")
         # When the file system turns read-only for 6 s (ext4 errors=remount-ro, an NFS flip)
         with read_only(out):
-            wait_until(lambda: "paused (no attempt spent): OutputUnavailable"
-                       in farm.procs["w1"].log.read_text(), 30, "a pause")
-            time.sleep(4)
-            assert not failed(farm)
+            time.sleep(6)
+            assert not failed(farm), failed(farm)
         # Then the writes that hit it paused without spending an attempt, and once it is
         # writable again the run finishes by itself
         wait_finished(farm, 30, timeout_s=180)
-        assert_farm_invariants(farm, keys)
         assert set(attempts(farm).values()) == {1}, attempts(farm)
+        assert_farm_invariants(farm, keys)
+        log = farm.procs["w1"].log.read_text()
+        assert "paused (no attempt spent): OutputUnavailable" in log
 
 
 def test_read_only_output_dir_at_start_exits_2(tmp_path: Path, tiny_model: Path,
