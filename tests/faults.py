@@ -165,15 +165,17 @@ class Gateway:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self._stop = asyncio.Event()
             self._ready.set()
-            await asyncio.Event().wait()
+            await self._stop.wait()
+            await runner.cleanup()
 
         asyncio.set_event_loop(self._loop)
-        with suppress(RuntimeError):  # the loop stopped by close()
-            self._loop.run_until_complete(main())
+        self._loop.run_until_complete(main())
+        self._loop.close()
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
 

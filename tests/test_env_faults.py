@@ -49,7 +49,7 @@ def mountable(tmp_path: Path) -> None:
 
 @pytest.fixture
 def gateway_farm(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[LocalFarm, Gateway]]:
-    with running_farm(tmp_path, ["--forward-delay-s", "0.1"]) as farm:
+    with running_farm(tmp_path, ["--forward-delay-s", "0.2"], chunk=512) as farm:
         gw = Gateway(f"http://127.0.0.1:{farm.server_port}")
         farm.extra_env["FARM_SERVER_URL"] = gw.url
         try:
@@ -65,7 +65,7 @@ def test_gateway_refusals_spend_no_attempts(tmp_path: Path,
     farm, gw = gateway_farm
     farm.extra_env["FARM_MAX_ATTEMPTS"] = "2"
     farm.start_worker("w1", concurrency=2)
-    keys = enqueue(farm, tmp_path, 30)
+    keys = enqueue(farm, tmp_path, 40)
     wait_until(lambda: done(farm) >= 2, 60, "the first samples")
     # When the gateway answers 429 (its rate limiter), then 413 with its HTML error page,
     # then 502 (the server behind it restarting), each for 3 s, instead of the server
@@ -75,7 +75,7 @@ def test_gateway_refusals_spend_no_attempts(tmp_path: Path,
     gw.forward()
     # Then the requests it refused were the environment's: nothing rejected or failed, no
     # attempt spent, every sample done, and status --check says so
-    wait_finished(farm, 30, timeout_s=180)
+    wait_finished(farm, 40, timeout_s=180)
     assert gw.refused > 0
     assert not rejected(farm), f"{len(rejected(farm))} rejected: {rejected(farm)}"
     assert_farm_invariants(farm, keys)
@@ -91,8 +91,8 @@ def test_read_only_output_disk_pauses_then_resumes(tmp_path: Path, tiny_model: P
     # Given an output disk (a tmpfs) and two attempts per sample
     out = tmp_path / "farm" / "out"
     env = {"FARM_MAX_ATTEMPTS": "2"}
-    with small_tmpfs(out, "200M"), running_farm(tmp_path, ["--forward-delay-s", "0.1"],
-                                                env=env) as farm:
+    with small_tmpfs(out, "200M"), running_farm(tmp_path, ["--forward-delay-s", "0.2"],
+                                                env=env, chunk=512) as farm:
         farm.start_worker("w1", concurrency=2)
         keys = enqueue(farm, tmp_path, 30)
         wait_until(lambda: done(farm) >= 2, 60, "the first samples")
@@ -118,7 +118,7 @@ def test_read_only_output_dir_at_start_exits_2(tmp_path: Path, tiny_model: Path,
         proc = farm.start_worker("w1", concurrency=1, wait=False)
         wait_until(lambda: not proc.alive(), 90, "the worker to exit")
         # Then it exits with code 2 (systemd does not restart it) and says what to fix
-        assert proc.popen.returncode == 2, proc.log.read_text()[-3000:]
+        assert proc.popen is not None and proc.popen.returncode == 2, proc.log.read_text()[-3000:]
         assert "cannot be written" in proc.log.read_text()
 
 
@@ -130,13 +130,14 @@ def test_server_context_shorter_than_max_tokens(tmp_path: Path, tiny_model: Path
         wait_until(lambda: not proc.alive(), 90, "the worker to exit")
         # Then it refuses before it consumes anything, with the fix
         log = proc.log.read_text()
-        assert proc.popen.returncode == 2, log[-3000:]
+        assert proc.popen is not None and proc.popen.returncode == 2, log[-3000:]
         assert "FARM_MAX_TOKENS" in log and "--context-length" in log
         # When one starts with FARM_OVERLONG=truncate (a run of its own: another fingerprint)
         farm.extra_env["FARM_OVERLONG"] = "truncate"
         farm.start_worker("w2", concurrency=2)
-        keys = enqueue(farm, tmp_path, 12)
-        wait_finished(farm, 12, timeout_s=180)
+        # (samples whose first assistant token lies within what the server takes)
+        keys = enqueue(farm, tmp_path, 5, start=6) + enqueue(farm, tmp_path, 4, start=12)
+        wait_finished(farm, 9, timeout_s=180)
         # Then the samples longer than the server takes are cut to what it takes, none is
         # rejected, and audit finds every file whole
         assert not rejected(farm), rejected(farm)
