@@ -116,6 +116,9 @@ def can_mount_tmpfs(tmp_path: Path) -> bool:
         return False
 
 
+RESET = 0  # Gateway.answer's status for "reset the connection"
+
+
 class Gateway:
     """A small real HTTP proxy in front of the server (a rate limiter, a load balancer):
     it forwards every request, or answers them all itself while ``refuse`` is in force."""
@@ -128,6 +131,7 @@ class Gateway:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.answer: tuple[int, str, str] | None = None  # status, content type, body
+        self.only: str | None = None  # the path refused; None: every path
         self.refused = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -137,10 +141,15 @@ class Gateway:
             raise RuntimeError("the gateway did not start")
 
     def refuse(self, status: int, body: str, content_type: str = "text/html") -> None:
-        self.answer = (status, content_type, body)
+        self.answer, self.only = (status, content_type, body), None
+
+    def reset(self, only: str | None = None) -> None:
+        """Reset connections instead of answering (a load balancer dropping them), of every
+        request or of those for the path ``only``."""
+        self.answer, self.only = (RESET, "", ""), only
 
     def forward(self) -> None:
-        self.answer = None
+        self.answer, self.only = None, None
 
     def _serve(self) -> None:
         import asyncio
@@ -148,7 +157,14 @@ class Gateway:
         from aiohttp import ClientSession, ClientTimeout, web
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            if self.answer is not None:
+            if self.only is not None and request.path != self.only:
+                pass  # forwarded
+            elif self.answer is not None and self.answer[0] == RESET:
+                self.refused += 1
+                assert request.transport is not None
+                request.transport.abort()  # the connection reset, no answer
+                return web.Response()
+            elif self.answer is not None:
                 self.refused += 1
                 status, kind, body = self.answer
                 return web.Response(status=status, text=body, content_type=kind)

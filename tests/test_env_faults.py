@@ -18,6 +18,7 @@ from tests.faults import (
     NGINX_413,
     NGINX_429,
     NGINX_502,
+    RESET,
     Gateway,
     attempts,
     can_mount_tmpfs,
@@ -68,9 +69,13 @@ def test_gateway_refusals_spend_no_attempts(tmp_path: Path,
     keys = enqueue(farm, tmp_path, 40)
     wait_until(lambda: done(farm) >= 2, 60, "the first samples")
     # When the gateway answers 429 (its rate limiter), then 413 with its HTML error page,
-    # then 502 (the server behind it restarting), each for 3 s, instead of the server
-    for status, page in ((429, NGINX_429), (413, NGINX_413), (502, NGINX_502)):
-        gw.refuse(status, page)
+    # each for 3 s, instead of the server, then resets the connections of /generate requests
+    # (the server stays healthy), then answers 502 (the server behind it restarting)
+    for status, page in ((429, NGINX_429), (413, NGINX_413), (RESET, ""), (502, NGINX_502)):
+        if status == RESET:
+            gw.reset(only="/generate")
+        else:
+            gw.refuse(status, page)
         time.sleep(3)
     gw.forward()
     # Then the requests it refused were the environment's: nothing rejected or failed, no
@@ -81,7 +86,8 @@ def test_gateway_refusals_spend_no_attempts(tmp_path: Path,
     assert_farm_invariants(farm, keys)
     assert set(attempts(farm).values()) == {1}, attempts(farm)
     log = farm.procs["w1"].log.read_text()
-    assert "paused (no attempt spent): ServerBusy" in log
+    assert "paused (no attempt spent): ServerBusy: server answered /generate with 429" in log
+    assert "the server itself is healthy: the network or a gateway" in log
     res = farm.cli("status", "--check")
     assert res.returncode == 0, res.stdout + res.stderr
 

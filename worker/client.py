@@ -4,8 +4,10 @@ Translates aiohttp's exceptions and the server's answers at this boundary: what 
 means is ``answers.error_for`` (only SGLang's own 400 is the sample's fault, ``BadInput``; a
 gateway's or rate limiter's refusal is ``ServerBusy``: wait, no attempt spent); a refused
 connection, or a request that failed (timeout, dropped connection) while the server then also
-fails a health check, is ``ServerUnavailable``; a failed request while the server is healthy
-is ``Transient``.
+fails a health check, is ``ServerUnavailable``; a connection reset or dropped while the server
+is healthy is ``ServerBusy`` (the network or a gateway); a request that timed out while the
+server is healthy is ``Transient`` (a counted attempt: the request timeout is sized for one
+sample).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class ServerClient:
         Raises:
             ServerUnavailable: the request failed and the server fails its health check too
                 (down, or hung: a SIGSTOPped server accepts connections and answers nothing).
-            ServerBusy: the server or a gateway in front of it refused the request for now.
+            ServerBusy: the server or a gateway in front of it refused the request for now,
+                or the connection was reset or dropped while the server stays healthy.
             BadInput: SGLang refused the request for its content.
         """
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}}
@@ -80,7 +83,10 @@ class ServerClient:
                 raise  # the server answered (a 5xx, or not JSON): it is up
             if not await self.healthy():
                 raise ServerUnavailable(f"{e}; and the server fails its health check") from e
-            raise
+            if not isinstance(e.__cause__, TimeoutError):  # a reset, a dropped connection
+                raise ServerBusy(f"{e}; the server itself is healthy: the network or a "
+                                 "gateway in front of it dropped the request") from e
+            raise  # a timeout while the server is healthy: a counted attempt
         if not isinstance(result, dict):
             raise Transient(f"unexpected /generate answer: {result!r:.200}")
         return result

@@ -15,7 +15,8 @@ acknowledgement without an outcome:
   disk full, read-only or failing, data file unreadable, a canary that no longer matches:
   the server serves another model): the task waits,
   holding its message, and the attempt is refunded; at the time limit it hands it back, and
-  so it does when the wait left less than half a delivery's time for the next attempt;
+  an attempt starts only with half a delivery's time or more left (else handed back), so a
+  pause never makes the time limit cut an attempt short;
 - ``ConfigError``: hands the message back and stops the worker.
 
 Two deliveries of one sample never run at once: each attempt holds the sample's lease.
@@ -154,6 +155,7 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
         _wait(rt, key, lambda: waits.space_problem(rt), deadline)
         _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
               deadline)
+        _enough_time_left(key, deadline)
         attempt = rt.index.next_attempt(key)
         if attempt > settings.max_attempts:
             _give_up(rt, key, f"gave up after {settings.max_attempts} attempts (crashes or "
@@ -210,17 +212,16 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
         _wait(rt, ref.key, lambda: waits.output_problem(rt), deadline)
     else:
         _wait(rt, ref.key, lambda: waits.data_file_problem(ref.file), deadline)
-    _enough_time_left(ref.key, deadline)
 
 
 def _enough_time_left(key: str, deadline: float) -> None:
-    """After a pause, the next attempt starts only with half a delivery's time or more left:
-    the time limit must never cut an attempt short because the environment used its time
-    (that would count against the sample); else the message goes back for a fresh delivery."""
+    """An attempt starts only with half a delivery's time or more left: the time limit must
+    never cut an attempt short because a pause (the environment) used its time, which would
+    count against the sample; else the message goes back for a fresh delivery."""
     left_s = deadline - time.monotonic()
     if left_s < _budget_s() / 2:
-        raise Reject(f"{key}: resumed with {left_s:.0f}s of this delivery left; handed back "
-                     "for a whole one (no attempt spent)", requeue=True)
+        raise Reject(f"{key}: {left_s:.0f}s of this delivery left, under half of it; handed "
+                     "back for a whole one (no attempt spent)", requeue=True)
 
 
 def _hold(rt: Runtime, key: str, reason: str, deadline: float) -> None:
