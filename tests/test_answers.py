@@ -39,6 +39,7 @@ def older_sglang(message: str) -> bytes:
     (403, sglang("forbidden"), ServerBusy),
     # SGLang's own: an internal error (counted), a rid still running (retried)
     (500, sglang("CUDA error"), Transient),
+    (500, b"Internal Server Error", Transient),  # starlette's, for an unhandled exception
     (400, sglang("Duplicate request ID hsd-a-a1-n9"), Transient),
     # the server's context is shorter than the worker was sized for: a configuration
     (400, sglang("The input (2101 tokens) is longer than the model's context length "

@@ -40,19 +40,24 @@ def error_for(what: str, status: int, body: bytes) -> FarmError | None:
         BadInput: SGLang's 400 with its JSON error body, about the request's content.
         ConfigError: SGLang refuses the input's length (its context is shorter than the run
             was sized for: restart the worker, which re-reads it, or fix the server).
-        ServerBusy: anything not from SGLang (another body), and every status that means
-            "not now" or "not here" (429, 408, 413, 502-504, 401/403/404 ...).
-        Transient: a 5xx of SGLang's own (a counted attempt), or a duplicate rid.
+        ServerBusy: every status that means "not now" (429, 408, 502-504), and every 4xx
+            but SGLang's own 400 (a gateway's page, 413, 401/403/404 ...).
+        Transient: another 5xx (500: the server failed on this request, a counted attempt,
+            bounded), or a duplicate rid.
     """
     if 200 <= status < 300:
         return None
     message = sglang_error(body)
     where = f"server answered {what} with {status}"
     if message is None:  # not SGLang's body: a proxy, a gateway, a load balancer
-        return ServerBusy(f"{where} and a body that is not the server's ({_excerpt(body)}): "
-                          "a gateway or proxy in front of it refuses for now", status)
+        message = f"a body that is not the server's ({_excerpt(body)})"
     if status in BUSY_STATUSES:
         return ServerBusy(f"{where}: {message}", status)
+    if status >= 500:  # the server failed on this request (maybe for it): bounded attempts
+        return Transient(f"server error on {what} ({status}): {message}")
+    if sglang_error(body) is None:
+        return ServerBusy(f"{where}: {message}: a gateway or proxy in front of it refuses "
+                          "for now", status)
     if status == 400 and _DUPLICATE_RID in message:
         return Transient(f"{where}: {message}")
     if status == 400 and any(m in message for m in _LENGTH_REFUSALS):
@@ -62,8 +67,6 @@ def error_for(what: str, status: int, body: bytes) -> FarmError | None:
                            "against FARM_MAX_TOKENS and says what to do")
     if status == 400:
         return BadInput(f"server rejected the sample ({status}): {message}")
-    if status >= 500:
-        return Transient(f"server error on {what} ({status}): {message}")
     return ServerBusy(f"{where}: {message}", status)  # 401, 403, 404, 413...: not the sample
 
 
