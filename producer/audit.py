@@ -17,10 +17,10 @@ import numpy as np
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
 from worker import tensorfile
-from worker.chat import ChatTokenizer
+from worker.chat import ChatTokenizer, Tokenized
 from worker.errors import BadInput, Corrupt, StaleRecord
 from worker.samples import SampleRef, read_sample
-from worker.store import M_FINGERPRINT, OutputStore
+from worker.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
 from worker.weights import M_WEIGHTS_ID
 
 
@@ -85,11 +85,22 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
     except (Corrupt, OSError) as e:
         return "corrupt", str(e), 0, 0
     ids, mask = v.file.tensors[c.T_INPUT_IDS].array, v.file.tensors[c.T_LOSS_MASK].array
-    if not np.array_equal(ids, np.asarray(tok.input_ids)):
+    n = _cut_to_server(v.file.metadata, tok, len(ids))
+    if not np.array_equal(ids, np.asarray(tok.input_ids[:n])):
         return "corrupt", "input_ids differ from a fresh tokenization of the record", 0, 0
-    if not np.array_equal(mask, np.asarray(tok.loss_mask)):
+    if not np.array_equal(mask, np.asarray(tok.loss_mask[:n])):
         return "corrupt", "loss_mask differs from a fresh tokenization of the record", 0, 0
     return "whole", "", v.tokens, v.size_bytes
+
+
+def _cut_to_server(meta: dict[str, str], tok: Tokenized, n: int) -> int:
+    """How many tokens of the fresh tokenization the file should hold: all of them, or
+    ``n`` when the worker cut the sample shorter, to what its server took (FARM_OVERLONG=
+    truncate with a server context under FARM_MAX_TOKENS), and the file says from what."""
+    whole = tok.truncated_from or len(tok.input_ids)
+    if n < len(tok.input_ids) and meta.get(M_TRUNCATED) == str(whole):
+        return n
+    return len(tok.input_ids)
 
 
 def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_bytes: int,

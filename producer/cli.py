@@ -17,6 +17,7 @@ import redis
 from producer.audit import AuditReport, audit
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import (
+    environmental_rejections,
     failure_entries,
     failures,
     missing_done_files,
@@ -164,7 +165,15 @@ def _status(settings: Settings, fingerprint: Fingerprint, source: str,
         if gone:
             print(f"{len(gone)} samples marked done have no file any more (first: {gone[0]}); "
                   "run 'python -m producer audit --requeue'", file=sys.stderr)
-        ok = st.finished and st.failed == 0 and st.stale == 0 and not gone
+        not_theirs = environmental_rejections(settings, fingerprint)
+        if not_theirs:
+            key, why = not_theirs[0]
+            print(f"{len(not_theirs)} samples are marked rejected for an answer of the server "
+                  f"or a gateway, not for their content (first: {key}: {why[:160]!r}); run "
+                  "'python -m producer enqueue <data file>' again to retry them",
+                  file=sys.stderr)
+        ok = (st.finished and st.failed == 0 and st.stale == 0 and not gone
+              and not not_theirs)
         return EXIT_OK if ok else EXIT_PARTIAL
     return EXIT_OK
 

@@ -10,7 +10,8 @@ wait for its lock). Two passes over the file:
 2. **publish**: each sample is registered in the run index and published, unless its final
    file already verifies by its header (then the index learns it is done: this is how the
    index is rebuilt after Redis lost it), its task is already queued, unacknowledged or
-   leased by a running attempt, or the run already rejected this content or gave up on it.
+   leased by a running attempt, or the run already rejected this content or gave up on it
+   (a rejection for an answer of the server or a gateway, not for the content, is retried).
 
 Samples this file registered before but no longer holds (the file was edited or replaced),
 and that have no output yet, leave the run's index: nothing could ever run them, and the run
@@ -39,6 +40,7 @@ from worker import broker, keys, tensorfile
 from worker import lease as leases
 from worker import run as runs
 from worker import store as st
+from worker.answers import environmental_rejection
 from worker.app import TASK_NAME, app
 from worker.datafile import DataFileError, FileProblem, Oversized, scan
 from worker.errors import BadInput, Corrupt
@@ -326,6 +328,13 @@ def _refs(settings: Settings, path: Path, limit: int | None, progress: bool, des
                                progress=lambda at: bar.update(at - bar.n), notes=summary.notes)
 
 
+def _rejected_for_content(body: dict[str, Any] | None, sha256: str) -> bool:
+    """This content was rejected for itself (a rejection for an answer of the server or a
+    gateway, recorded by older versions, is published again)."""
+    return (body is not None and body.get("sha") == sha256
+            and not environmental_rejection(str(body.get("reason", ""))))
+
+
 def _publish(settings: Settings, queue: str, index: RunIndex,
              store: st.OutputStore, path: Path, plan: _Plan, summary: Summary, *,
              dry_run: bool, limit: int | None, retry_failed: bool, progress: bool) -> None:
@@ -352,7 +361,7 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
                     summary.already_done += 1
                 elif busy or ref.key in in_broker:
                     summary.already_queued += 1
-                elif rejected_before.get(ref.key, {}).get("sha") == ref.sha256:
+                elif _rejected_for_content(rejected_before.get(ref.key), ref.sha256):
                     summary.previously_rejected += 1
                 elif ref.key in failed_before and not retry_failed:
                     summary.previously_failed += 1

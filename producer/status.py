@@ -19,6 +19,7 @@ from sglang_patch import contracts as c
 from worker import broker, keys, liveness
 from worker import run as runs
 from worker.admission import Admission, limits_for_host
+from worker.answers import environmental_rejection
 from worker.errors import ConfigError
 from worker.fingerprint import run_fingerprint
 from worker.index import RunIndex
@@ -167,6 +168,17 @@ def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[s
     index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
     out = Path(settings.output_dir)
     return sorted(k for k in index.done_keys() if not c.final_path(out, k).exists())
+
+
+def environmental_rejections(settings: Settings,
+                             fingerprint: c.Fingerprint) -> list[tuple[str, str]]:
+    """Rejected samples whose reason was an answer of the server or a gateway, not their
+    content (recorded by older versions, or cut to a short server context): (key, reason).
+    ``enqueue`` publishes them again."""
+    index = RunIndex(broker.client(settings), fingerprint.id)
+    return sorted((key, str(body.get("reason", "")))
+                  for key, body in index.outcomes(keys.REJECTED).items()
+                  if environmental_rejection(str(body.get("reason", ""))))
 
 
 def failure_entries(settings: Settings, fingerprint: c.Fingerprint) -> list[dict[str, Any]]:

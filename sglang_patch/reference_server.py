@@ -214,6 +214,7 @@ class Scheduler:
 
 def _parse_generate(body: Any, vocab_size: int, context_len: int,
                     tokenizer: Any) -> tuple[str, list[int], int]:
+    """SGLang's checks of a request, with its messages (400s with its JSON error body)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     rid = body.get("rid") or uuid.uuid4().hex
@@ -231,10 +232,16 @@ def _parse_generate(body: Any, vocab_size: int, context_len: int,
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise BadRequest(f"The input_ids {bad} is out of vocabulary range [0, {vocab_size}).")
-    if len(ids) > context_len:
+    if len(ids) >= context_len:  # TokenizerManager._validate_one_request
         raise BadRequest(
             f"The input ({len(ids)} tokens) is longer than the model's context length "
             f"({context_len} tokens)."
+        )
+    max_input = max_req_input_len(context_len)
+    if len(ids) >= max_input:  # the scheduler's validate_input_length
+        raise BadRequest(
+            f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+            f"({max_input} tokens). Use a shorter input or enable --allow-auto-truncate."
         )
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
@@ -243,6 +250,11 @@ def _parse_generate(body: Any, vocab_size: int, context_len: int,
     if type(mnt) is not int or mnt not in (0, 1):
         raise BadRequest("the reference server supports sampling_params.max_new_tokens 0 or 1")
     return rid, ids, mnt
+
+
+def max_req_input_len(context_len: int) -> int:
+    """SGLang's scheduler: ``min(context_len - 1, pool size - 1) - 5`` (the pool is large)."""
+    return context_len - 1 - 5
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -270,6 +282,7 @@ class ReferenceServer:
                                         dtype=getattr(torch, args.dtype), threads=args.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.weights = c.weights_identity(self.model_path)  # what a worker checks its run by
+        self.context_len = args.context_length or self.model.context_len
         meta = {
             c.M_LAYERS: json.dumps(list(self.model.layers_to_capture)),
             c.M_CONFIG_SHA: self.model.config_sha256,
@@ -340,7 +353,7 @@ class ReferenceServer:
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"invalid JSON body: {e}")
         try:
-            rid, ids, mnt = _parse_generate(body, self.model.vocab_size, self.model.context_len,
+            rid, ids, mnt = _parse_generate(body, self.model.vocab_size, self.context_len,
                                             self.tokenizer)
             result = await self._run(rid, ids, mnt)
         except BadRequest as e:
@@ -372,8 +385,8 @@ class ReferenceServer:
             "version": SERVER_VERSION,
             "model_path": str(self.model_path),
             "chunked_prefill_size": self.args.chunked_prefill_size,
-            "context_length": self.model.context_len,
-            "max_req_input_len": self.model.context_len,
+            "context_length": self.args.context_length,  # the flag, as SGLang's (or None)
+            "max_req_input_len": max_req_input_len(self.context_len),
             "hsfarm_dump_dir": str(self.dump_dir),
             "hsfarm": self.ready_info(),
             "forward_passes": self.scheduler.forward_passes if self.scheduler else 0,
@@ -426,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max tokens per forward pass; -1 disables chunking (SGLang semantics)")
     p.add_argument("--layers-to-capture", type=int, nargs=3, default=None,
                    help="SGLang capture ids (input of layer i); default [2, L//2, L-3]")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the longest sequence served, as SGLang's flag (default: the model's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--dump-ttl-s", type=float, default=600.0)

@@ -189,3 +189,114 @@ class FlakyProxy:
             data = await resp.read()
             return web.Response(body=data, status=resp.status,
                                 content_type=resp.content_type)
+
+
+RESET = 0  # Gateway.answer's status for "reset the connection"
+
+
+class Gateway:
+    """A small real HTTP proxy in front of the server (a rate limiter, a load balancer):
+    it forwards every request, or answers them all itself while ``refuse`` is in force."""
+
+    def __init__(self, upstream: str) -> None:
+        import asyncio
+        import threading
+
+        self.upstream = upstream.rstrip("/")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.answer: tuple[int, str, str] | None = None  # status, content type, body
+        self.only: str | None = None  # the path refused; None: every path
+        self.refused = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the gateway did not start")
+
+    def refuse(self, status: int, body: str, content_type: str = "text/html") -> None:
+        self.answer, self.only = (status, content_type, body), None
+
+    def reset(self, only: str | None = None) -> None:
+        """Reset connections instead of answering (a load balancer dropping them), of every
+        request or of those for the path ``only``."""
+        self.answer, self.only = (RESET, "", ""), only
+
+    def forward(self) -> None:
+        self.answer, self.only = None, None
+
+    def _serve(self) -> None:
+        import asyncio
+
+        from aiohttp import ClientSession, ClientTimeout, web
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if self.only is not None and request.path != self.only:
+                pass  # forwarded
+            elif self.answer is not None and self.answer[0] == RESET:
+                self.refused += 1
+                assert request.transport is not None
+                request.transport.abort()  # the connection reset, no answer
+                return web.Response()
+            elif self.answer is not None:
+                self.refused += 1
+                status, kind, body = self.answer
+                return web.Response(status=status, text=body, content_type=kind)
+            async with ClientSession(timeout=ClientTimeout(total=120)) as s, s.request(
+                    request.method, self.upstream + request.path_qs,
+                    data=await request.read(),
+                    headers={"Content-Type": request.content_type}) as resp:
+                return web.Response(status=resp.status, body=await resp.read(),
+                                    content_type=resp.content_type)
+
+        async def main() -> None:
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_route("*", "/{tail:.*}", handle)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self._stop = asyncio.Event()
+            self._ready.set()
+            await self._stop.wait()
+            await runner.cleanup()
+
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(main())
+        self._loop.close()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+NGINX_429 = ("<html>\r\n<head><title>429 Too Many Requests</title></head>\r\n<body>\r\n"
+             "<center><h1>429 Too Many Requests</h1></center>\r\n<hr><center>nginx</center>\r\n"
+             "</body>\r\n</html>\r\n")
+NGINX_413 = ("<html>\r\n<head><title>413 Request Entity Too Large</title></head>\r\n<body>\r\n"
+             "<center><h1>413 Request Entity Too Large</h1></center>\r\n<hr><center>nginx"
+             "</center>\r\n</body>\r\n</html>\r\n")
+NGINX_502 = ("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+             "<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n"
+             "</body>\r\n</html>\r\n")
+
+
+@contextmanager
+def read_only(path: Path, timeout_s: float = 30) -> Iterator[None]:
+    """Remount the tmpfs at ``path`` read-only (as ext4's errors=remount-ro does), then back.
+
+    A remount to read-only fails with EBUSY while a file is open for writing: retried."""
+    import time
+
+    t0 = time.monotonic()
+    while True:
+        res = subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True)
+        if res.returncode == 0:
+            break
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"cannot remount {path} read-only: {res.stderr!r}")
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(path)], check=True)

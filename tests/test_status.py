@@ -103,3 +103,40 @@ def test_failures_group_by_reason_whatever_the_sample_keys() -> None:
                "NaN/Inf values" for n, key in enumerate(["ex-0001", "rec-3fa9c01b2e7d",
                                                           "2024-01-x", "a_b.c"], 1)]
     assert len({reason_class(r) for r in reasons}) == 1, {reason_class(r) for r in reasons}
+
+
+def test_check_fails_while_samples_are_rejected_for_the_environment(tmp_path: Path,
+                                                                    tiny_model: Path) -> None:
+    from tests.conftest import write_samples
+
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
+                     extra_env={"FARM_MODEL_PATH": str(tiny_model)})  # Redis only, no server
+    try:
+        farm.start_redis()
+        data = tmp_path / "data.json"
+        ids = [str(s["id"]) for s in write_samples(data, 3)]
+        assert farm.cli("enqueue", str(data), "--no-progress").returncode == 0
+        fp = compute_fingerprint(farm.settings(), tiny_model)
+        r, index = farm.redis(), RunIndex(farm.redis(), fp.id)
+        r.delete(farm.settings().queue)  # as if a worker had taken every message
+        sha = {k: reg.sha256 for k, reg in index.all_registered().items()}
+        # Given a run an older version finished: one sample rejected for a gateway's 429,
+        # two for their content (SGLang's own 400, over FARM_MAX_TOKENS)
+        index.mark_rejected(ids[0], "server rejected /generate (429): <html>\r\n<head><title>"
+                                    "429 Too Many Requests</title></head>", sha=sha[ids[0]])
+        index.mark_rejected(ids[1], "server rejected the sample (400): The input_ids 99999 is "
+                                    "out of vocabulary range [0, 1000).", sha=sha[ids[1]])
+        index.mark_rejected(ids[2], "sample has 9000 tokens, over the maximum of 8192",
+                            sha=sha[ids[2]])
+        # When status --check runs
+        res = farm.cli("status", "--check")
+        # Then it does not call that run a success, and says what to do
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "1 samples are marked rejected for an answer of the server or a gateway" in (
+            res.stderr)
+        # and enqueue publishes that one again (and only that one)
+        res = farm.cli("enqueue", str(data), "--no-progress")
+        assert "published: 1\n" in res.stdout, res.stdout
+        assert ids[0] not in index.outcomes(keys.REJECTED)
+    finally:
+        farm.close(kill=True)

@@ -26,6 +26,10 @@ from typing import Any
 from worker.errors import BadInput, ConfigError
 from worker.samples import Sample
 
+# In the reason of a rejection that only the server's short context caused: not the sample's
+# content (answers.environmental_rejection), so enqueue publishes it again.
+SERVER_CONTEXT = "what the server's context takes"
+
 # Rendered once at start-up: any chat template must accept a plain two-turn conversation.
 PROBE_CONVERSATION = ({"role": "user", "content": "Hello"},
                       {"role": "assistant", "content": "Hi there."})
@@ -59,6 +63,8 @@ class ChatTokenizer:
         self.offsets = bool(getattr(tokenizer, "is_fast", False)) if offsets is None else offsets
         self.max_tokens = max_tokens
         self.overlong = overlong
+        # The server's own limit when it takes fewer (truncate only: server_limits.py)
+        self.server_max_tokens: int | None = None
         self.vocab_size = len(tokenizer)
         self._check_template()
 
@@ -169,14 +175,19 @@ class ChatTokenizer:
 
     def _fit(self, ids: list[int], mask: list[int]) -> Tokenized:
         n = len(ids)
-        if n <= self.max_tokens:
+        limit = min(self.max_tokens, self.server_max_tokens or self.max_tokens)
+        if n <= limit:
             return _at_least_two(Tokenized(ids, mask))
-        if self.overlong == "reject":
+        if self.overlong == "reject" and n > self.max_tokens:
             raise BadInput(f"sample has {n} tokens, over the maximum of {self.max_tokens} "
                            "(FARM_MAX_TOKENS; FARM_OVERLONG=truncate keeps the first part)")
-        ids, mask = ids[: self.max_tokens], mask[: self.max_tokens]
+        whole_mask, ids, mask = mask, ids[:limit], mask[:limit]
         if not any(mask):
-            raise BadInput(f"sample has {n} tokens; truncated to {self.max_tokens} it has no "
+            if limit < self.max_tokens and any(whole_mask[: self.max_tokens]):
+                raise BadInput(f"sample has {n} tokens; truncated to {limit}, {SERVER_CONTEXT} "
+                               f"(under FARM_MAX_TOKENS={self.max_tokens}), it has no "
+                               "assistant tokens left")
+            raise BadInput(f"sample has {n} tokens; truncated to {limit} it has no "
                            "assistant tokens left")
         return _at_least_two(Tokenized(ids, mask, truncated_from=n))
 

@@ -1,9 +1,13 @@
 """The HTTP client for the (patched SGLang or reference) server. One session per process.
 
-Translates aiohttp's exceptions at this boundary: a 4xx is the sample's fault (``BadInput``);
-a refused connection, or a request that failed (timeout, dropped connection) while the server
-then also fails a health check, is ``ServerUnavailable`` (the environment: wait, no attempt
-spent); a 5xx, or a failed request while the server is healthy, is ``Transient``.
+Translates aiohttp's exceptions and the server's answers at this boundary: what an answer
+means is ``answers.error_for`` (only SGLang's own 400 is the sample's fault, ``BadInput``; a
+gateway's or rate limiter's refusal is ``ServerBusy``: wait, no attempt spent); a refused
+connection, or a request that failed (timeout, dropped connection) while the server then also
+fails a health check, is ``ServerUnavailable``; a connection reset or dropped while the server
+is healthy is ``ServerBusy`` (the network or a gateway); a request that timed out while the
+server is healthy is ``Transient`` (a counted attempt: the request timeout is sized for one
+sample).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from worker.errors import BadInput, ServerUnavailable, Transient
+from worker import answers
+from worker.errors import FarmError, ServerBusy, ServerUnavailable, Transient
 
 
 class ServerClient:
@@ -49,17 +54,19 @@ class ServerClient:
         try:
             async with self.session.request(method, url, json=body, timeout=timeout) as resp:
                 data = await resp.read()
-                if 400 <= resp.status < 500 and not _server_state(data):
-                    raise BadInput(f"server rejected {path} ({resp.status}): {_message(data)}")
-                if resp.status >= 300:
-                    raise Transient(f"server error on {path} ({resp.status}): {_message(data)}")
-                return orjson.loads(data) if data else None
+                status = resp.status
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
             raise ServerUnavailable(f"{method} {url}: {type(e).__name__}: {e}") from e
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise Transient(f"{method} {url}: {type(e).__name__}: {e}") from e
-        except orjson.JSONDecodeError as e:
-            raise Transient(f"{method} {url}: response is not JSON: {e}") from e
+        error = answers.error_for(path, status, data)
+        if error is not None:
+            raise error
+        try:
+            return orjson.loads(data) if data else None
+        except orjson.JSONDecodeError as e:  # a success that is not the server's (a portal)
+            raise ServerBusy(f"{method} {url}: a {status} answer that is not JSON: "
+                             f"{data[:120]!r}", status) from e
 
     async def generate(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
         """Prefill-only request (max_new_tokens=0): the hook dumps it, nothing is decoded.
@@ -67,6 +74,9 @@ class ServerClient:
         Raises:
             ServerUnavailable: the request failed and the server fails its health check too
                 (down, or hung: a SIGSTOPped server accepts connections and answers nothing).
+            ServerBusy: the server or a gateway in front of it refused the request for now,
+                or the connection was reset or dropped while the server stays healthy.
+            BadInput: SGLang refused the request for its content.
         """
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}}
         try:
@@ -78,7 +88,10 @@ class ServerClient:
                 raise  # the server answered (a 5xx, or not JSON): it is up
             if not await self.healthy():
                 raise ServerUnavailable(f"{e}; and the server fails its health check") from e
-            raise
+            if not isinstance(e.__cause__, TimeoutError):  # a reset, a dropped connection
+                raise ServerBusy(f"{e}; the server itself is healthy: the network or a "
+                                 "gateway in front of it dropped the request") from e
+            raise  # a timeout while the server is healthy: a counted attempt
         if not isinstance(result, dict):
             raise Transient(f"unexpected /generate answer: {result!r:.200}")
         return result
@@ -100,7 +113,7 @@ class ServerClient:
         """A cheap liveness probe (``/model_info``: no forward pass, unlike SGLang's /health)."""
         try:
             await self._request("GET", "/model_info", timeout_s=timeout_s)
-        except (Transient, BadInput):
+        except FarmError:  # any answer but a success: not reachable, not healthy
             return False
         return True
 
@@ -110,25 +123,6 @@ class ServerClient:
         try:
             await self._request("GET", "/health_generate",
                                 timeout_s=min(60.0, self.timeout.total or 60.0))
-        except (Transient, BadInput):
+        except FarmError:  # any answer but a success: not reachable, not healthy
             return False
         return True
-
-
-def _server_state(data: bytes) -> bool:
-    """A 4xx that is about the server's state, not the request: the rid is still running."""
-    return "Duplicate request ID" in _message(data)
-
-
-def _message(data: bytes) -> str:
-    try:
-        body = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return data[:300].decode("utf-8", "replace")
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "detail" in body:
-            return str(body["detail"])
-    return str(body)[:300]

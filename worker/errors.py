@@ -9,12 +9,14 @@
     ├── KeyTaken           the sample's file holds another record; recorded as failed at once
     ├── Transient          timeout, server error, Redis away; retried with backoff, bounded
     │   ├── ServerUnavailable    the server does not answer: wait for it, attempt refunded
-    │   ├── ServerMisconfigured  the server answers but its dump hook is not active: wait
+    │   │   ├── ServerMisconfigured  it answers but its dump hook is not active: wait
+    │   │   └── ServerBusy           it (or a gateway) refuses for now: 429, 502-504...
     │   ├── NoSpace              ENOSPC/EDQUOT or a full dump dir: wait for space, refunded
+    │   ├── OutputUnavailable    the output disk refuses writes (EROFS, EIO...): wait, refunded
     │   └── DataFileUnavailable  the data file cannot be read: wait for it, refunded
     └── Corrupt            a dump or file failed a check; retried, then recorded as failed
 
-The environment's faults (ConfigError and the three waits) never count against a sample.
+The environment's faults (ConfigError and the waits) never count against a sample.
 """
 
 from __future__ import annotations
@@ -57,6 +59,24 @@ class ServerUnavailable(Transient):
 
 class ServerMisconfigured(ServerUnavailable):
     """The server answers, but its dump hook cannot dump (not loaded, no capture ids)."""
+
+
+class ServerBusy(ServerUnavailable):
+    """The server, or a gateway in front of it, refuses the request for now (a rate limiter's
+    429, a load balancer's 502-504, a proxy's error page): nothing about the sample.
+
+    Args:
+        status: the HTTP status of the answer.
+    """
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class OutputUnavailable(Transient):
+    """The output disk refuses I/O (read-only, I/O error, stale NFS handle, permissions):
+    nothing about the sample. Nothing partial remains."""
 
 
 class NoSpace(Transient):

@@ -19,7 +19,7 @@ from sglang_patch import contracts as c
 from worker import store as st
 from worker import tensorfile
 from worker.dumps import discard_dumps, open_dump, wait_for_dump
-from worker.errors import Corrupt, KeyTaken
+from worker.errors import Corrupt, KeyTaken, OutputUnavailable
 from worker.lease import Lease
 from worker.runtime import Runtime
 from worker.samples import SampleRef, read_sample
@@ -132,7 +132,8 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
     ``meta`` is completed with the content hash and the dump's patch and server versions.
     ``before_write`` runs once the dump's layout, ids and metadata passed, just before the
     final file is written (the lease check). A file that fails verification is left for the
-    next attempt to replace atomically. Raises Corrupt, NoSpace or Transient.
+    next attempt to replace atomically. Raises Corrupt, NoSpace, OutputUnavailable or
+    Transient.
     """
     with open_dump(dump, input_ids, store.fingerprint) as d:
         parts = {
@@ -147,7 +148,12 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
         if before_write is not None:
             before_write()
         store.write(key, parts, meta, validate=d.verdict)
-    return store.verify(key, content_sha256)
+    try:
+        return store.verify(key, content_sha256)
+    except FileNotFoundError:
+        raise  # removed under us: a counted attempt
+    except OSError as e:  # the disk fails to read back what it just took: the disk's fault
+        raise OutputUnavailable(f"reading back {store.final_path(key)}: {e}") from e
 
 
 async def _request(rt: Runtime, rid: str, ids: list[int]) -> Path:

@@ -26,6 +26,7 @@ from worker.errors import ConfigError
 from worker.fingerprint import load_run
 from worker.index import RunIndex
 from worker.run import queue_for as run_queue
+from worker.server_limits import server_info, server_max_tokens
 from worker.settings import Settings
 from worker.store import OutputStore
 
@@ -44,8 +45,12 @@ class RunContext:
 
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
-        """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer)."""
+        """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer, a server
+        context shorter than FARM_MAX_TOKENS with FARM_OVERLONG=reject)."""
         model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
+        # before the manifest is written: a server that takes fewer tokens than the run allows
+        info = server_info(settings, wait_s=server_wait_s)
+        chat.server_max_tokens = server_max_tokens(settings, info)
         store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,

@@ -3,11 +3,12 @@
 In the main process, before Celery starts the pool and the consumer (``worker_init``):
 ``REDIS_URL`` is no open door (``broker.check_auth``); Redis answers and keeps its data
 (``broker.check_persistence``); the run context is built (waiting for the server while it loads
-the model, when the model path must be asked from it); the output directory's manifest matches
-the run; temp files of dead writers go; and one probe request of ours comes back as a dump in
-this worker's dump dir (``sglang_patch.probe``: while the server runs without the hook, or
-writes elsewhere, the worker waits and says why), saying which weights the server serves: the
-run's and FARM_MODEL_PATH's, or the worker stops (``weights.served_mismatch``); and the canary
+the model; the longest input it takes is checked against ``FARM_MAX_TOKENS``,
+``server_limits``, before anything is written); the output directory's manifest matches the
+run; temp files of dead writers go; and one probe request of ours comes back as a dump in this
+worker's dump dir (``sglang_patch.probe``: while the server runs without the hook, or writes
+elsewhere, the worker waits and says why), saying which weights the server serves: the run's
+and FARM_MODEL_PATH's, or the worker stops (``weights.served_mismatch``); and the canary
 (``canary_check``) is recorded, or matches the run's recording (while it does not, the worker
 waits, says per layer what differs, and shows the pause in ``status``).
 Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single

@@ -12,6 +12,7 @@ memory. ``Part`` is re-exported here for callers of ``write``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -27,7 +28,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import checksums, diskio, final_norm, liveness, run, tensorfile, weights
-from worker.errors import ConfigError, Corrupt, NoSpace, Transient
+from worker.errors import ConfigError, Corrupt, NoSpace, OutputUnavailable, Transient
 from worker.finalfile import Part, read_back, write_parts
 from worker.semantics import tensor_semantics
 
@@ -109,8 +110,20 @@ class OutputStore:
 
         Raises:
             ConfigError: the directory belongs to a run with a different fingerprint, or to
-                other weights; or a weight shard is truncated.
+                other weights; or a weight shard is truncated; or it cannot be written.
         """
+        try:
+            self._open()
+        except OSError as e:
+            raise ConfigError(f"the output dir {self.out_dir} cannot be written ({e}); "
+                              "make it writable (a read-only or failing file system? "
+                              "permissions?), or set FARM_OUTPUT_DIR") from e
+        problem = writable_problem(self.out_dir)
+        if problem:
+            raise ConfigError(f"{problem}; make it writable, or set FARM_OUTPUT_DIR")
+        return self
+
+    def _open(self) -> None:
         (self.out_dir / "samples").mkdir(parents=True, exist_ok=True)
         path = self.out_dir / MANIFEST
         identity = None if self.model_path is None else weights.weights_identity(self.model_path)
@@ -138,7 +151,6 @@ class OutputStore:
         if identity is not None:
             self._check_weights(manifest, identity)
         self.run_id = run.run_id(manifest)
-        return self
 
     def _check_weights(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
         recorded = manifest.get("weights")
@@ -224,21 +236,22 @@ class OutputStore:
 
         Raises:
             NoSpace: ENOSPC/EDQUOT, whichever call hit it.
-            Transient: any other I/O error.
+            OutputUnavailable: any other I/O error (read-only, EIO, a stale NFS handle...).
             Corrupt: from ``validate`` (nothing is left on disk then).
         """
         final = self.final_path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
-        self._remove_dead_temps(final)
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
-        try:
-            with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
+        with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._remove_dead_temps(final)
+            try:
                 self._write_tmp(tmp, parts, meta, validate)
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
-        finally:
-            tmp.unlink(missing_ok=True)
+            finally:
+                with contextlib.suppress(OSError):  # gone, or the disk refuses: a dead
+                    tmp.unlink()                    # writer's temp, removed later
         return final
 
     def _write_tmp(self, tmp: Path, parts: dict[str, Part], meta: dict[str, str],
@@ -324,13 +337,34 @@ def _writer_dead(name: str) -> bool:
 
 @contextmanager
 def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
-    """The store's one boundary for I/O errors: no space → NoSpace, the rest → Transient."""
+    """The store's one boundary for I/O errors: no space → NoSpace, the rest (read-only,
+    EIO, a stale NFS handle, permissions) → OutputUnavailable: the disk's fault, never the
+    sample's, so neither spends an attempt."""
     try:
         yield
     except OSError as e:
         if is_no_space(e):
             raise NoSpace(f"{what}: {e.strerror}", need_bytes=need_bytes) from e
-        raise Transient(f"{what}: {e}") from e
+        raise OutputUnavailable(f"{what}: {e}") from e
+
+
+def writable_problem(out_dir: Path) -> str | None:
+    """None when a file can be created, written, synced and removed under ``out_dir``."""
+    probe = out_dir / "samples" / f".probe{c.TMP_MARK}{_tmp_tag()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"\0")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                probe.unlink()
+    except OSError as e:
+        if is_no_space(e):
+            return None  # writable; the space checks wait for room
+        return f"the output dir {out_dir} cannot be written ({e.strerror or e})"
+    return None
 
 
 def _checksum_problems(meta: dict[str, str], got: dict[str, str]) -> list[str]:

@@ -11,9 +11,12 @@ acknowledgement without an outcome:
 - ``Transient``, ``Corrupt``, anything unexpected: a counted attempt, retried with backoff
   within this delivery while its time limit allows (so failures show at once), else handed
   back; after ``FARM_MAX_ATTEMPTS`` started attempts the sample is recorded as failed;
-- the environment (server down or hung, disk full, data file unreadable, a canary that no
-  longer matches: the server serves another model): the task waits,
-  holding its message, and the attempt is refunded; at the time limit it hands it back;
+- the environment (server down or hung, a gateway or the server refusing requests for now,
+  disk full, read-only or failing, data file unreadable, a canary that no longer matches:
+  the server serves another model): the task waits,
+  holding its message, and the attempt is refunded; at the time limit it hands it back, and
+  an attempt starts only with half a delivery's time or more left (else handed back), so a
+  pause never makes the time limit cut an attempt short;
 - ``ConfigError``: hands the message back and stops the worker.
 
 Two deliveries of one sample never run at once: each attempt holds the sample's lease.
@@ -45,6 +48,8 @@ from worker.errors import (
     KeyTaken,
     MalformedMessage,
     NoSpace,
+    OutputUnavailable,
+    ServerBusy,
     ServerMisconfigured,
     ServerUnavailable,
     StaleRecord,
@@ -85,10 +90,14 @@ def _backoff_s(attempt: int) -> float:
     return min(base, settings.retry_backoff_max_s) * random.uniform(0.8, 1.2)
 
 
+def _budget_s() -> float:
+    """How long one delivery may work: until shortly before Celery's soft time limit."""
+    return float(app.conf.task_soft_time_limit or settings.task_time_limit_s) - 2.0
+
+
 def _deadline() -> float:
-    """When this delivery must hand its message back: before Celery's soft time limit."""
-    soft_s = float(app.conf.task_soft_time_limit or settings.task_time_limit_s)
-    return time.monotonic() + soft_s - 2.0
+    """When this delivery must hand its message back."""
+    return time.monotonic() + _budget_s()
 
 
 @app.task(bind=True, name=TASK_NAME, max_retries=None, acks_late=True,
@@ -168,6 +177,7 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
         _wait(rt, key, lambda: waits.space_problem(rt), deadline)
         _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
               deadline)
+        _enough_time_left(key, deadline)
         attempt = rt.index.next_attempt(key)
         if attempt > settings.max_attempts:
             _give_up(rt, key, f"gave up after {settings.max_attempts} attempts (crashes or "
@@ -190,7 +200,8 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
             rt.index.refund_attempt(key)
             rt.index.clear_running(key)
             raise
-        except (ServerUnavailable, NoSpace, DataFileUnavailable, leases.LeaseLost) as e:
+        except (ServerUnavailable, NoSpace, OutputUnavailable, DataFileUnavailable,
+                leases.LeaseLost) as e:
             rt.index.refund_attempt(key)
             rt.index.clear_running(key)
             _environment(rt, ref, e, deadline)
@@ -205,6 +216,10 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
         raise Reject(str(e), requeue=True)
     if isinstance(e, ServerMisconfigured):  # it answers at once: hold a while, then try again
         _hold(rt, ref.key, str(e), deadline)
+    elif isinstance(e, ServerBusy):  # a refusal for now, maybe of /generate alone: hold
+        if e.status >= 500:  # the server behind a gateway may be restarting: check its model
+            rt.canary.force()
+        _hold(rt, ref.key, str(e), deadline)
     elif isinstance(e, ServerUnavailable):
         rt.canary.force()  # the server may come back with another model: check before work
         _wait(rt, ref.key, lambda: waits.server_problem(rt), deadline)
@@ -215,8 +230,20 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
         if e.on_server:
             _hold(rt, ref.key, str(e), deadline)
         _wait(rt, ref.key, lambda: waits.space_problem(rt, e.need_bytes), deadline)
+    elif isinstance(e, OutputUnavailable):
+        _wait(rt, ref.key, lambda: waits.output_problem(rt), deadline)
     else:
         _wait(rt, ref.key, lambda: waits.data_file_problem(ref.file), deadline)
+
+
+def _enough_time_left(key: str, deadline: float) -> None:
+    """An attempt starts only with half a delivery's time or more left: the time limit must
+    never cut an attempt short because a pause (the environment) used its time, which would
+    count against the sample; else the message goes back for a fresh delivery."""
+    left_s = deadline - time.monotonic()
+    if left_s < _budget_s() / 2:
+        raise Reject(f"{key}: {left_s:.0f}s of this delivery left, under half of it; handed "
+                     "back for a whole one (no attempt spent)", requeue=True)
 
 
 def _hold(rt: Runtime, key: str, reason: str, deadline: float) -> None:

@@ -73,6 +73,11 @@ def space_problem(rt: Runtime, need_bytes: int = 0) -> str | None:
     return None
 
 
+def output_problem(rt: Runtime) -> str | None:
+    """None when a file can be created, written, synced and removed in the output dir."""
+    return st.writable_problem(rt.settings.output_dir)
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
