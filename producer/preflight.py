@@ -102,6 +102,7 @@ class Run:
     done: int = 0
     remaining: int = 0
     done_bytes: int = 0
+    run_id: str = c.NO_RUN  # from the output dir's manifest (worker/run.py)
 
 
 def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
@@ -110,13 +111,14 @@ def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
     if settings.model_path or server_up:
         try:
             path = resolve_model_path(settings, wait_s=0)
-            return Run(compute_fingerprint(settings, path), f"model {path}"), ""
+            return Run(compute_fingerprint(settings, path), f"model {path}",
+                       run_id=runs.run_id_of(settings.output_dir)), ""
         except FarmError as e:
             return None, str(e)
     manifest = settings.output_dir / MANIFEST
     try:
         fp = c.Fingerprint.from_json(json.loads(manifest.read_text())["fingerprint"])
-        return Run(fp, f"the manifest {manifest}"), ""
+        return Run(fp, f"the manifest {manifest}", run_id=runs.run_id_of(settings.output_dir)), ""
     except FileNotFoundError:
         return None, ("FARM_MODEL_PATH is not set, the server does not answer and "
                       f"{manifest} does not exist yet")
@@ -125,9 +127,10 @@ def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
 
 
 def with_counts(run: Run, r: redis.Redis, settings: Settings) -> Run:
-    n = RunIndex(r, runs.run_id_of(settings.output_dir)).counts()
+    run_id = runs.run_id_of(settings.output_dir)
+    n = RunIndex(r, run_id).counts()
     remaining = max(n.total - n.done - n.failed - n.rejected, 0)
-    return Run(run.fingerprint, run.source, n.total, n.done, remaining, n.bytes)
+    return Run(run.fingerprint, run.source, n.total, n.done, remaining, n.bytes, run_id)
 
 
 def check_run(run: Run | None, why: str) -> Line:
@@ -135,9 +138,9 @@ def check_run(run: Run | None, why: str) -> Line:
         return warn(f"run: unknown ({why}); the output disk is checked against its reserve "
                     "only")
     if run.total == 0:
-        return warn(f"run {run.fingerprint.id} (from {run.source}): nothing enqueued yet; "
+        return warn(f"run {run.run_id} (from {run.source}): nothing enqueued yet; "
                     "run python -m producer enqueue FILE, then preflight again to size it")
-    return ok(f"run {run.fingerprint.id} (from {run.source}): {run.done} of {run.total} "
+    return ok(f"run {run.run_id} (from {run.source}): {run.done} of {run.total} "
               f"samples done, {run.remaining} without an outcome")
 
 

@@ -22,13 +22,14 @@ import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import redis
+from typing import TYPE_CHECKING, Any
 
 from sglang_patch import contracts as c
 from worker import keys
 from worker.settings import Settings
+
+if TYPE_CHECKING:  # the training side reads run ids through the store, without Redis
+    import redis
 
 MANIFEST = "manifest.json"
 M_RUN_NONCE = "run_nonce"  # manifest key: random, written once with the manifest
