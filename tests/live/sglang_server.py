@@ -58,6 +58,7 @@ class LiveServer:
     tp: int = 1
     flags: list[str] = field(default_factory=lambda: list(HOOK_FLAGS))
     extra: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     via_script: bool = False  # launched by ops/launch-sglang.sh (ready = its probe passed)
     proc: Proc | None = None
@@ -89,7 +90,8 @@ class LiveServer:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if k not in ("SGLANG_HS_DUMP_DIR", "PYTHONPATH", "VIRTUAL_ENV")}
-        env.update({"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_KERNEL),
+        # the stand-ins, then this tree's hsfarm (the plugin under test, whatever the venv has)
+        env.update({"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": f"{CPU_KERNEL}{os.pathsep}{ROOT}",
                     "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"})
         if self.dump_dir is not None:
             env["SGLANG_HS_DUMP_DIR"] = str(self.dump_dir)
@@ -104,6 +106,7 @@ class LiveServer:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
                                                           for i in range(self.tp))
             env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so"
+        env.update(self.extra_env)
         return env
 
     def launch(self) -> Proc:
