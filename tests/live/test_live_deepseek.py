@@ -33,7 +33,12 @@ from tests.conftest import CACHE
 from tests.live.conftest import measured, running
 from tests.live.reference import _model, check_dump, layer_errors, relative_error
 from tests.live.sglang_server import LiveServer, get_json
-from tests.live.tiny_deepseek import ensure_tiny_deepseek, routing_margin, sublayer_shares
+from tests.live.tiny_deepseek import (
+    ensure_tiny_deepseek,
+    ensure_tiny_kimi,
+    routing_margin,
+    sublayer_shares,
+)
 from tests.live.traffic import PREFILL_LINE, Req, log_lines_since, ours, send, wait_dump
 
 LAYERS = [2, 4, 5]  # SGLang's default for 8 layers: [2, L//2, L-3]
@@ -189,3 +194,46 @@ class TestChunked:
         for path, r in zip(dumps, reqs, strict=True):
             check_dump(path, model, r.ids, LAYERS)
         record(f"chunk {CHUNK}, prompts of 150/101/9/3 tokens sent at once", model, dumps)
+
+
+class TestKimiK25:
+    """One server with Kimi-K2.5's class, ``KimiK25ForConditionalGeneration`` (text only): its
+    ``language_model`` is the tiny DeepSeek-V3, reached through Kimi's wrapper (which passes
+    ``input_ids=None`` and embeddings to it), so transformers' DeepSeek-V3 of the same weights
+    is the reference. Kimi's own processor is remote code that a local checkpoint lacks; the
+    test-only text-only processor of ``hsfarm_cpu_standins.mm_processors`` takes its place."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def server(cls, module_dir: Path, tiny_model: Path) -> Iterator[LiveServer]:
+        kimi = ensure_tiny_kimi(CACHE, tiny_model)
+        env = {**SERVER_ENV,
+               "SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE": "hsfarm_cpu_standins.mm_processors"}
+        server = LiveServer(kimi, module_dir / "kimi", module_dir / "kimi" / "dumps",
+                            extra=list(SERVER_FLAGS), extra_env=env)
+        with running(server, "Kimi-K2.5 tiny (KimiK25ForConditionalGeneration), TP=1"):
+            yield server
+
+    def test_requests_through_kimis_wrapper_equal_transformers(self, server: LiveServer,
+                                                              model: Path) -> None:
+        # Given SGLang serving Kimi-K2.5's class, the hook up with the language model's ids
+        assert get_json(server.url, "/model_info")["architectures"] == [
+            "KimiK25ForConditionalGeneration"]
+        [marker] = server.markers()
+        assert json.loads(marker.read_text())["layers_to_capture"] == LAYERS
+        # When a 120-token prompt of ours and, while it runs, three short ones are sent
+        lead = clear(model, "kimi-lead", 120, 700)
+        short = [clear(model, f"kimi-{i}", 4 + 9 * i, 800 + 50 * i) for i in range(3)]
+        offset = server.log.stat().st_size
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            answers = send(server, [lead], pool) + send(server, short, pool)
+            for answer in answers:
+                answer.result()
+        batches = log_lines_since(server, offset, PREFILL_LINE)
+        assert max(int(b["seqs"]) for b in batches) >= 2, [b.group(0) for b in batches]
+        # Then each dump holds transformers' DeepSeek-V3 states for its ids
+        dumps = [wait_dump(server.dumps, r.rid) for r in [lead, *short]]
+        for path, r in zip(dumps, [lead, *short], strict=True):
+            check_dump(path, model, r.ids, LAYERS)
+        record("through KimiK25ForConditionalGeneration, 4 requests sharing batches", model,
+               dumps)

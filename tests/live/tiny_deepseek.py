@@ -50,6 +50,59 @@ def ensure_tiny_deepseek(cache_dir: Path, tokenizer_dir: Path) -> Path:
     return target
 
 
+def ensure_tiny_kimi(cache_dir: Path, tokenizer_dir: Path) -> Path:
+    """Kimi-K2.5's wrapper (``KimiK25ForConditionalGeneration``) around the tiny DeepSeek-V3:
+    the same language-model weights under ``language_model.``, so transformers' DeepSeek-V3
+    forward of ``ensure_tiny_deepseek``'s checkpoint is its reference. Built once, atomically."""
+    deepseek = ensure_tiny_deepseek(cache_dir, tokenizer_dir)
+    target = cache_dir / f"tiny-kimi-k25-{VERSION}"
+    if (target / "config.json").exists():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-kimi-build.", dir=cache_dir))
+    try:
+        _build_kimi(tmp, deepseek)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# A vision tower SGLang builds and never runs here (text only): the fields its 0.5.23 classes
+# read. ``vt_hidden_size`` is read by ``K2VLMultiModalProjector`` and not set by SGLang's
+# ``KimiK25VisionConfig``; Kimi-K2.5's own config.json carries it.
+_KIMI_VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4,
+                "init_pos_emb_time": 1, "num_attention_heads": 2, "num_hidden_layers": 1,
+                "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2],
+                "mm_hidden_size": 32, "vt_hidden_size": 32, "text_hidden_size": 64}
+
+
+def _build_kimi(out: Path, deepseek: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for p in deepseek.iterdir():
+        if p.name not in ("config.json", "model.safetensors"):
+            shutil.copy(p, out / p.name)
+    text = json.loads((deepseek / "config.json").read_text())
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "text_config": text, "vision_config": dict(_KIMI_VISION),
+              "media_placeholder_token_id": text["pad_token_id"],
+              **{k: text[k] for k in ("vocab_size", "pad_token_id", "bos_token_id",
+                                      "eos_token_id")}}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    # transformers' Kimi_K25Processor, which SGLang's tokenizer manager loads, needs these
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "Kimi_K25ImageProcessor"}))
+    (out / "video_preprocessor_config.json").write_text(
+        json.dumps({"video_processor_type": "Kimi_K25VideoProcessor"}))
+    weights = load_file(str(deepseek / "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in weights.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _build(out: Path, tokenizer_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM

@@ -127,3 +127,28 @@ def test_the_plugin_entry_point_registers_the_backend(standins: ModuleType) -> N
         assert ATTENTION_BACKENDS["torch_native"].__name__ == "TorchNativeMLAPrefillBackend"
     finally:
         ATTENTION_BACKENDS["torch_native"] = before
+
+
+def test_the_kimi_text_only_processor_registers_and_refuses_media(standins: ModuleType) -> None:
+    import asyncio
+
+    from sglang.srt.managers import multimodal_processor as mp
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    saved = dict(mp.PROCESSOR_MAPPING)
+    try:
+        # When SGLang's tokenizer manager imports the package named by
+        # SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE (overwriting its own processors)
+        mp.import_processors("sglang.srt.multimodal.processors")
+        mp.import_processors("hsfarm_cpu_standins.mm_processors", overwrite=True)
+        # Then Kimi-K2.5's architecture gets the text-only stand-in
+        [cls] = [p for m, p in mp.PROCESSOR_MAPPING.items()
+                 if m.__name__ == KimiK25ForConditionalGeneration.__name__]
+        assert cls.__name__ == "KimiK25TextOnlyProcessor"
+        # And a request with media is refused, never silently dropped
+        processor = cls.__new__(cls)
+        with pytest.raises(NotImplementedError, match="text requests only"):
+            asyncio.run(processor.process_mm_data_async([b"image"], "text", None))
+    finally:
+        mp.PROCESSOR_MAPPING.clear()
+        mp.PROCESSOR_MAPPING.update(saved)

@@ -9,6 +9,9 @@ a straightforward torch implementation in ``tests/sglang/test_cpu_standins.py``:
 
 - ``mla_attention``: the ``torch_native`` attention backend, with DeepSeek's prefix-free MHA
   prefill added (0.5.23's backend reads K/V from the pool, which for MLA holds the latent).
+- ``mm_processors.kimi_k25_text``: Kimi-K2.5's multimodal processor, text only (SGLang's needs
+  Kimi's remote-code processor). Not a plugin hook: the tokenizer manager imports it when the
+  Kimi server is started with ``SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE`` naming it.
 
 SGLang's model code, its capture, ``LogitsProcessor`` and hsfarm's plugin run unchanged.
 """
