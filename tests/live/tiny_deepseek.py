@@ -90,7 +90,7 @@ def _build_kimi(out: Path, deepseek: Path) -> None:
     config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
               "text_config": text, "vision_config": dict(_KIMI_VISION),
               "media_placeholder_token_id": text["pad_token_id"],
-              **{k: text[k] for k in ("vocab_size", "pad_token_id", "bos_token_id",
+              **{k: text[k] for k in ("pad_token_id", "bos_token_id",
                                       "eos_token_id")}}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     # transformers' Kimi_K25Processor, which SGLang's tokenizer manager loads, needs these
