@@ -167,13 +167,16 @@ class LiveServer:
             return "(no log)"
 
     def generate(self, rid: str, ids: list[int], max_new_tokens: int = 0,
-                 timeout_s: float = 300) -> dict[str, Any]:
+                 timeout_s: float = 300, dp_rank: int | None = None) -> dict[str, Any]:
         """``POST /generate`` as the worker sends it (``max_new_tokens`` 0: prefill only);
-        with ``max_new_tokens`` > 0 the request decodes that many tokens, EOS or not."""
+        with ``max_new_tokens`` > 0 the request decodes that many tokens, EOS or not;
+        ``dp_rank`` pins it to that DP group (SGLang's ``routed_dp_rank``)."""
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
         if max_new_tokens:
             params.update({"temperature": 0.0, "ignore_eos": True})
-        body = {"rid": rid, "input_ids": ids, "sampling_params": params}
+        body: dict[str, Any] = {"rid": rid, "input_ids": ids, "sampling_params": params}
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
         return post_json(self.url, "/generate", body, timeout_s)
 
     def health(self, timeout_s: float = 120) -> int:

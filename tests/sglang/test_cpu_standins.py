@@ -101,6 +101,8 @@ def test_the_backend_uses_the_given_kv_only_for_the_models_own_cache(
     # And every other call is torch_native's own (it writes and reads the pool)
     backend.forward_extend(q.reshape(7, -1), k, v, _layer(), batch, save_kv_cache=True)
     assert pool_reads == [True]
+    # And DP attention's padding finds the seq_lens fill value of SGLang's CPU backend
+    assert backend.get_cpu_graph_seq_len_fill_value() == 1
     # And a batch with a cached prefix is refused rather than attended without its prefix
     batch.extend_prefix_lens_cpu = [0, 2]
     with pytest.raises(NotImplementedError, match="cached prefixes"):

@@ -8,7 +8,9 @@ Each stand-in replaces one kernel path, touches nothing else, and is checked on 
 a straightforward torch implementation in ``tests/sglang/test_cpu_standins.py``:
 
 - ``mla_attention``: the ``torch_native`` attention backend, with DeepSeek's prefix-free MHA
-  prefill added (0.5.23's backend reads K/V from the pool, which for MLA holds the latent).
+  prefill added (0.5.23's backend reads K/V from the pool, which for MLA holds the latent),
+  and ``get_cpu_graph_seq_len_fill_value`` (DP attention's batch padding calls it; 0.5.23's
+  torch_native backend lacks it).
 - ``mm_processors.kimi_k25_text``: Kimi-K2.5's multimodal processor, text only (SGLang's needs
   Kimi's remote-code processor). Not a plugin hook: the tokenizer manager imports it when the
   Kimi server is started with ``SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE`` naming it.

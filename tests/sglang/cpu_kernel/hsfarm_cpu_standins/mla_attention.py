@@ -50,6 +50,12 @@ def backend_class() -> type:
     class TorchNativeMLAPrefillBackend(TorchNativeAttnBackend):
         used = False  # logged once per process, when SGLang's logging is set up
 
+        def get_cpu_graph_seq_len_fill_value(self) -> int:
+            """What DP attention pads ``seq_lens`` with on CPU
+            (``ForwardBatch._pad_inputs_to_size``); 0.5.23's torch_native lacks it. The value
+            of SGLang's CPU backend, ``intel_amx_backend.py``."""
+            return 1
+
         def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
                            save_kv_cache: bool = True, **kwargs: Any) -> Any:
             if save_kv_cache or k is None or v is None or kwargs:
