@@ -81,6 +81,9 @@ def test_each_group_dumps_its_own_requests_once_and_an_idle_group_nothing(
     markers = {m.name: json.loads(m.read_text()) for m in server.markers()}
     assert sorted(markers) == sorted(f".ready.{pid}" for pid in pids.values())
     assert all(m["layers_to_capture"] == LAYERS for m in markers.values())
+    assert {markers[f".ready.{pid}"]["attn_dp_rank"]: g for g, pid in pids.items()} == {0: 0,
+                                                                                      1: 1}
+    assert all(m["dp_groups"] == 2 and m["tp_size"] == 2 for m in markers.values())
     trace = {g: tmp_path / f"dp{g}.strace" for g in pids}
     # When three requests of ours go to group 1 only (group 0 runs idle passes beside them)
     idle_phase = [(clear(model, f"dp1-only-{i}", n, 900 + 40 * i), 1)
