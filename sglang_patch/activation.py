@@ -141,6 +141,10 @@ def marker_info(runner: Any, layers: list[int], where: str) -> dict[str, object]
         "model_config_sha256": config_sha,
         "hidden_size": int(getattr(runner.model_config, "hidden_size", 0)),
         "tp_size": int(getattr(args, "tp_size", 1)),
+        # under DP attention one writer per DP group: which group this marker's process writes
+        "dp_groups": int(getattr(args, "dp_size", 1) or 1)
+        if getattr(args, "enable_dp_attention", False) else 1,
+        "attn_dp_rank": attn_dp_rank(),
     }
 
 
@@ -167,3 +171,14 @@ def loaded_weights(server_args: Any) -> dict[str, Any]:
     log.info("hsfarm: weights identity %s (%d shards in %s)", identity["id"],
              len(identity["shards"]), path)
     return identity
+
+
+def attn_dp_rank() -> int | None:
+    """This process's DP group; None where SGLang has not published it (the marker is for
+    people and ``verify``: it never keeps the hook from coming up)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_dp_rank)
+    except (AttributeError, RuntimeError):
+        return None

@@ -1,7 +1,9 @@
 """Which SGLang launch layouts the dump hook handles, and what to change when it does not.
 
 The hook reads per-token rows at ``LogitsProcessor.forward``. That is only correct when every
-rank there holds all rows of its batch in order (plain tensor parallelism, pipeline size 1),
+rank there holds all rows of its batch in order (tensor parallelism, pipeline size 1; under DP
+attention each DP group has its own scheduler and batch, and its attention-TP rank 0 holds
+that batch's rows there: one writer per group, each request in exactly one group),
 when every prefill runs eagerly through Python (no prefill CUDA graph replays), and when no
 request's prompt is partly served from the prefix cache (its rows would never be computed).
 Anything else is refused at model load, with the flag that fixes it.
@@ -50,9 +52,6 @@ def layout_problems(args: Any) -> list[str]:
     if (_get(args, "pp_size", 1) or 1) > 1:
         out.append("pipeline parallelism (--pp-size > 1): aux states exist only on the last "
                    "stage; use --pp-size 1")
-    if (_get(args, "attn_dp_size", 1) or 1) > 1 or _get(args, "enable_dp_attention", False):
-        out.append("DP attention changes the row layout at the LM head; drop "
-                   "--enable-dp-attention / --attn-dp-size")
     if _get(args, "enable_two_batch_overlap", False):
         out.append("two-batch overlap skips aux capture past the dense layers; drop "
                    "--enable-two-batch-overlap")

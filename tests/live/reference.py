@@ -37,10 +37,15 @@ def reference(model_dir: Path, ids: list[int],
     return out.last_hidden_state[0], aux
 
 
+def token_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Each token's ``max |got - want| / max |want|``."""
+    scale = want.abs().amax(dim=-1).clamp_min(1e-6)
+    return (got.float() - want).abs().amax(dim=-1) / scale
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """The worst token's ``max |got - want| / max |want|``."""
-    scale = want.abs().amax(dim=-1).clamp_min(1e-6)
-    return float(((got.float() - want).abs().amax(dim=-1) / scale).max())
+    return float(token_errors(got, want).max())
 
 
 def check_dump(path: Path, model_dir: Path, ids: list[int],
@@ -59,3 +64,23 @@ def check_dump(path: Path, model_dir: Path, ids: list[int],
     err = max(relative_error(dump[c.T_HIDDEN], hidden), relative_error(dump[c.T_AUX], aux))
     assert err < BF16_TOLERANCE, f"{path.name}: {err:.4f} off transformers"
     return err
+
+
+def layer_errors(path: Path, model_dir: Path) -> dict[str, tuple[float, float]]:
+    """Per captured layer and the final state: (worst, mean) per-token relative error of a
+    dump against transformers, for the report."""
+    dump = load_file(str(path))
+    ids = dump[c.T_INPUT_IDS].tolist()
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    layers = json.loads(header["__metadata__"][c.M_LAYERS])
+    hidden, aux = reference(model_dir, ids, layers)
+    width = hidden.shape[-1]
+    out = {}
+    for j, layer in enumerate(layers):
+        cols = slice(j * width, (j + 1) * width)
+        e = token_errors(dump[c.T_AUX][:, cols], aux[:, cols])
+        out[f"layer {layer} input"] = (float(e.max()), float(e.mean()))
+    e = token_errors(dump[c.T_HIDDEN], hidden)
+    out["final (post-norm)"] = (float(e.max()), float(e.mean()))
+    return out

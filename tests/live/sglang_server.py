@@ -58,6 +58,7 @@ class LiveServer:
     tp: int = 1
     flags: list[str] = field(default_factory=lambda: list(HOOK_FLAGS))
     extra: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     via_script: bool = False  # launched by ops/launch-sglang.sh (ready = its probe passed)
     proc: Proc | None = None
@@ -89,7 +90,8 @@ class LiveServer:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if k not in ("SGLANG_HS_DUMP_DIR", "PYTHONPATH", "VIRTUAL_ENV")}
-        env.update({"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_KERNEL),
+        # the stand-ins, then this tree's hsfarm (the plugin under test, whatever the venv has)
+        env.update({"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": f"{CPU_KERNEL}{os.pathsep}{ROOT}",
                     "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"})
         if self.dump_dir is not None:
             env["SGLANG_HS_DUMP_DIR"] = str(self.dump_dir)
@@ -104,6 +106,7 @@ class LiveServer:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
                                                           for i in range(self.tp))
             env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so"
+        env.update(self.extra_env)
         return env
 
     def launch(self) -> Proc:
@@ -164,13 +167,16 @@ class LiveServer:
             return "(no log)"
 
     def generate(self, rid: str, ids: list[int], max_new_tokens: int = 0,
-                 timeout_s: float = 300) -> dict[str, Any]:
+                 timeout_s: float = 300, dp_rank: int | None = None) -> dict[str, Any]:
         """``POST /generate`` as the worker sends it (``max_new_tokens`` 0: prefill only);
-        with ``max_new_tokens`` > 0 the request decodes that many tokens, EOS or not."""
+        with ``max_new_tokens`` > 0 the request decodes that many tokens, EOS or not;
+        ``dp_rank`` pins it to that DP group (SGLang's ``routed_dp_rank``)."""
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
         if max_new_tokens:
             params.update({"temperature": 0.0, "ignore_eos": True})
-        body = {"rid": rid, "input_ids": ids, "sampling_params": params}
+        body: dict[str, Any] = {"rid": rid, "input_ids": ids, "sampling_params": params}
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
         return post_json(self.url, "/generate", body, timeout_s)
 
     def health(self, timeout_s: float = 120) -> int:

@@ -72,7 +72,6 @@ def _server_args(**overrides: Any) -> Any:
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"pp_size": 2}, "--pp-size 1"),
-    ({"enable_dp_attention": True}, "DP attention"),
     ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
     ({"disable_prefill_cuda_graph": False}, "--disable-prefill-cuda-graph"),
     ({"disable_radix_cache": False}, "--disable-radix-cache"),
