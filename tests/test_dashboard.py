@@ -11,6 +11,7 @@ Set HSFARM_SCREENSHOT_DIR to keep the screenshots (``docs/img`` holds the README
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -278,8 +279,19 @@ def test_server_down_then_requeued_samples_show_their_new_attempt(run: Run,
     farm.start_server(["--forward-delay-s", "0.05"])
     wait_until(lambda: len(run.index(keys.DONE)) == N_SAMPLES - 1, 120, "the requeued samples")
     # Then Flower shows each requeued sample's new task (its own id) as a success, and the
-    # old task's failure is kept as it was
-    tasks = json.loads(run.get(run.flower_port, "/api/tasks")[1]).values()
+    # old task's failure is kept as it was (the index records a sample done just before its
+    # task returns, so Flower's task-succeeded event may come a moment later)
+    def flower_tasks() -> list[dict[str, Any]]:
+        return list(json.loads(run.get(run.flower_port, "/api/tasks")[1]).values())
+
+    def states(key: str) -> list[str]:
+        mine = sorted((t for t in flower_tasks() if t["args"] == key), key=lambda t: t["received"])
+        return [t["state"] for t in mine]
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: all(states(k)[-1:] == ["SUCCESS"] for k in FAILED), 30,
+                   "Flower to see the requeued tasks succeed", poll_s=0.5)
+    tasks = flower_tasks()
     for key in FAILED:
         mine = sorted((t for t in tasks if t["args"] == key), key=lambda t: t["received"])
         assert [t["state"] for t in mine] == ["FAILURE", "SUCCESS"], (key, mine)

@@ -47,6 +47,12 @@ class RunContext:
     def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
         """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer, a server
         context shorter than FARM_MAX_TOKENS with FARM_OVERLONG=reject)."""
+        # The dump dir is the server's and the workers' alone. Checked first: a server that
+        # refuses it never comes up, and the checks below would wait for it forever.
+        try:
+            dumpdir.ensure(settings.dump_dir)
+        except dumpdir.DumpDirUnsafe as e:
+            raise ConfigError(str(e)) from e
         model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
         # before the manifest is written: a server that takes fewer tokens than the run allows
         info = server_info(settings, wait_s=server_wait_s)
@@ -55,10 +61,6 @@ class RunContext:
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,
                             model_path=model_path).open()
-        try:  # the server's and the workers' alone: refused if another user owns it
-            dumpdir.ensure(settings.dump_dir)
-        except dumpdir.DumpDirUnsafe as e:
-            raise ConfigError(str(e)) from e
         limits = limits_for_host(settings, fp.hidden_size)
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
