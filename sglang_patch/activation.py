@@ -31,7 +31,7 @@ from typing import Any
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from sglang_patch.dump_writer import remove_stale_files, write_err
-from sglang_patch.layout import LayoutError, sglang_version
+from sglang_patch.layout import LayoutError, dp_groups, sglang_version
 from sglang_patch.markers import write_ready_marker
 from sglang_patch.sglang_hook import DumpHook
 
@@ -142,8 +142,7 @@ def marker_info(runner: Any, layers: list[int], where: str) -> dict[str, object]
         "hidden_size": int(getattr(runner.model_config, "hidden_size", 0)),
         "tp_size": int(getattr(args, "tp_size", 1)),
         # under DP attention one writer per DP group: which group this marker's process writes
-        "dp_groups": int(getattr(args, "dp_size", 1) or 1)
-        if getattr(args, "enable_dp_attention", False) else 1,
+        "dp_groups": dp_groups(args),
         "attn_dp_rank": attn_dp_rank(),
     }
 

@@ -36,7 +36,9 @@ def process_identity() -> dict[str, object]:
     pid = os.getpid()
     return {"pid": pid, "start_ticks": start_ticks(pid) or "",
             "boot_id": boot_id(), "pid_ns": pid_namespace(),
-            "host": socket.gethostname()}
+            "host": socket.gethostname(),
+            # SGLang's schedulers are children of its launcher: the server they belong to
+            "ppid": os.getppid()}
 
 
 def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
@@ -69,6 +71,12 @@ class Marker:
             return float(self.info.get("time", 0))  # type: ignore[arg-type]
         except (TypeError, ValueError):
             return 0.0
+
+    @property
+    def server(self) -> tuple[object, ...]:
+        """Which server start wrote it: its launcher process (``ppid``) on this host and boot.
+        Markers of an older hook have no ``ppid``: all of them count as one server."""
+        return tuple(self.info.get(k) for k in ("host", "boot_id", "pid_ns", "ppid"))
 
     def line(self) -> str:
         return f"{self.path.name}: {self.state} ({self.why})"

@@ -7,7 +7,8 @@ the exit code is 0 only when every check passes.
 2. SGLang's own plugin loader, from this interpreter, finds and applies our plugin;
 3. every hook target exists with the parameters we expect;
 4. the launch flags extraction needs parse with this SGLang's own argument parser;
-5. (``--dump-dir``) a running server wrote a fresh ready marker: versions, layers, model;
+5. (``--dump-dir``) a running server wrote a fresh ready marker: versions, layers, model; under
+   DP attention one per DP group, every group of the newest server start (``_check_groups``);
 6. (``--server`` with ``--dump-dir``) one request of ours through that server leaves a dump in
    the dump dir with the ids sent, the right shapes and layers, and finite values (``probe``).
 
@@ -140,13 +141,48 @@ def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0) -> Check:
                      f"{newest.path.name} is {age:.0f}s old and its process {info.get('pid')} "
                      f"is gone: stale, from an earlier server ({newest.why}); restart the "
                      "server with the variable")
-    where = "alive" if newest.state == mk.ALIVE else newest.why
-    return Check("ready marker", True,
-                 f"pid {info.get('pid')} ({where}), "
-                 f"{info.get('server_version')}, patch {info.get('patch_version')}, layers "
-                 f"{info.get('layers_to_capture')}, model {info.get('model_path')} "
-                 f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}, "
-                 f"weights {_weights(info)}")
+    groups = info.get("dp_groups")
+    if isinstance(groups, int) and groups > 1:
+        return _check_groups(newest, found, groups)
+    return Check("ready marker", True, f"pid {info.get('pid')} ({_where(newest)}), "
+                 + _served(info))
+
+
+def _where(m: mk.Marker) -> str:
+    return "alive" if m.state == mk.ALIVE else m.why
+
+
+def _check_groups(newest: mk.Marker, found: list[mk.Marker], groups: int) -> Check:
+    """Under DP attention each group's writer leaves its own marker: every group 0..groups-1
+    of ``newest``'s server start must have one whose process is not dead."""
+    by_rank: dict[object, mk.Marker] = {}
+    for m in found:  # oldest first: the newest of a group's markers wins
+        if m.server == newest.server and m.info.get("dp_groups") == groups:
+            by_rank[m.info.get("attn_dp_rank")] = m
+    server = f"server process {newest.info.get('ppid')}"
+    seen = ", ".join(f"group {r} pid {by_rank[r].info.get('pid')} ({_where(by_rank[r])})"
+                     for r in range(groups) if r in by_rank)
+    for rank in range(groups):
+        m = by_rank.get(rank)
+        if m is None:
+            return Check("ready marker", False,
+                         f"DP group {rank} of {groups} ({server}): no ready marker; {seen}: "
+                         "its scheduler has not loaded the model yet, or failed (see the "
+                         "server's log); wait, or restart the server")
+        if m.state == mk.DEAD:
+            return Check("ready marker", False,
+                         f"DP group {rank} of {groups} ({server}): its writer pid "
+                         f"{m.info.get('pid')} is dead ({m.why}); the server cannot dump that "
+                         "group's requests: restart it")
+    return Check("ready marker", True, f"{groups} DP groups of {server}: {seen}; "
+                 + _served(newest.info))
+
+
+def _served(info: dict[str, object]) -> str:
+    return (f"{info.get('server_version')}, patch {info.get('patch_version')}, layers "
+            f"{info.get('layers_to_capture')}, model {info.get('model_path')} "
+            f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}, "
+            f"weights {_weights(info)}")
 
 
 def _weights(info: dict[str, object]) -> str:

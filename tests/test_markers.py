@@ -143,3 +143,53 @@ def test_verify_says_sglang_is_not_installed_even_with_a_sglang_dir_on_the_path(
                                      f"({sys.executable})"), res.stdout
         assert "changed the code" not in res.stdout
         assert len(res.stdout.splitlines()) == 1
+
+
+GROUP = ("import os, sys, time; from pathlib import Path; "
+         "from sglang_patch.markers import write_ready_marker; "
+         "write_ready_marker(Path(sys.argv[1]), {'layers_to_capture': [2, 30, 58], "
+         "'dp_groups': int(sys.argv[3]), 'attn_dp_rank': int(sys.argv[2]), 'tp_size': 4}); "
+         "print(os.getpid(), flush=True); time.sleep(float(sys.argv[4]))")
+
+
+def _group_writer(dump_dir: Path, rank: int, groups: int,
+                  live_s: float = 30) -> tuple[subprocess.Popen[str], int]:
+    """One DP group's writer of a server: a scheduler process, child of the test (as SGLang's
+    schedulers are children of its launcher), that writes its marker and lives ``live_s``."""
+    proc = subprocess.Popen([sys.executable, "-c", GROUP, str(dump_dir), str(rank), str(groups),
+                             str(live_s)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def test_verify_under_dp_attention_needs_a_live_marker_of_every_group_of_the_server(
+        tmp_path: Path) -> None:
+    # Given a server with two DP groups whose writers both came up
+    procs = [_group_writer(tmp_path, rank, 2) for rank in (0, 1)]
+    try:
+        (_, pid0), (p1, pid1) = procs
+        # When verify checks the dump dir, Then it PASSes, naming each group's writer
+        res = _sglang("verify", "--live-only", "--dump-dir", str(tmp_path))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.startswith(f"PASS  ready marker: 2 DP groups of server process "
+                                     f"{os.getpid()}: group 0 pid {pid0} (alive), group 1 pid "
+                                     f"{pid1} (alive); "), res.stdout
+        # When group 1's scheduler dies
+        p1.kill()
+        p1.wait()
+        # Then verify FAILs naming group 1 and its dead writer
+        res = _sglang("verify", "--live-only", "--dump-dir", str(tmp_path))
+        assert res.returncode == 1
+        assert res.stdout.startswith(f"FAIL  ready marker: DP group 1 of 2 (server process "
+                                     f"{os.getpid()}): its writer pid {pid1} is dead (process "
+                                     f"{pid1} is gone)"), res.stdout
+        # When that marker is gone too (removed as dead): group 1 never came up
+        (tmp_path / f"{c.READY_PREFIX}{pid1}").unlink()
+        check = check_marker(tmp_path, max_age_s=3600)
+        assert not check.ok
+        assert check.detail.startswith(f"DP group 1 of 2 (server process {os.getpid()}): no "
+                                       f"ready marker; group 0 pid {pid0} (alive)"), check.detail
+    finally:
+        for p, _ in procs:
+            p.kill()
+            p.wait()
