@@ -6,8 +6,12 @@
 #   FARM_DUMP_DIR           the hook's dump dir, the workers' too (default /dev/shm/hsfarm-dumps)
 #   FARM_SERVER_URL         the port to listen on is taken from it (default http://127.0.0.1:30000)
 #   FARM_LAYERS_TO_CAPTURE  three aux layer ids, e.g. "2 30 58" (default: SGLang's own)
-# and, for the launcher only: TP (tensor parallel size, default 8), SGLANG_HOST (address to
-# bind, default 127.0.0.1; 0.0.0.0 only inside a container network), PYTHON (SGLang's python,
+# and, for the launcher only: TP (tensor parallel size, default 8), DP (attention data-parallel
+# groups, default 1: with DP > 1, --attn-dp-size DP, SGLang 0.5.23's spelling of --dp-size DP
+# --enable-dp-attention; it must divide TP: each group's attention runs on TP/DP GPUs, with its
+# own scheduler and its own dump writer), EP (expert parallel size, default unset: --ep-size
+# EP; other MoE flags such as --moe-a2a-backend go after --), SGLANG_HOST (address to bind,
+# default 127.0.0.1; 0.0.0.0 only inside a container network), PYTHON (SGLang's python,
 # default python3).
 # Checks first, one line each (OK, WARN or FAIL): the model dir, the install (python -m
 # sglang_patch verify: SGLang, its plugin loader, hook targets, flags), the GPUs (refuses while
@@ -57,6 +61,8 @@ if [[ ! "$URL" =~ ^https?://[^/:]+:([0-9]+)/?$ ]]; then
 fi
 PORT=${BASH_REMATCH[1]}
 TP=${TP:-8}
+DP=${DP:-1}
+EP=${EP:-}
 HOST=${SGLANG_HOST:-127.0.0.1}
 PY=${PYTHON:-python3}
 LAYERS_RAW=${FARM_LAYERS_TO_CAPTURE:-}
@@ -75,7 +81,25 @@ check_model() {
        || ! [[ "${layers[*]}" =~ ^[0-9]+\ [0-9]+\ [0-9]+$ ]]; }; then
     bad "FARM_LAYERS_TO_CAPTURE=$LAYERS_RAW must hold 3 layer ids"
   fi
-  if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "TP=$TP must be a positive integer"; fi
+  if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "TP=$TP must be a positive integer"; return; fi
+  if ! [[ "$DP" =~ ^[1-9][0-9]*$ ]]; then bad "DP=$DP must be a positive integer"; return; fi
+  if [ -n "$EP" ] && ! [[ "$EP" =~ ^[1-9][0-9]*$ ]]; then
+    bad "EP=$EP must be a positive integer (or unset)"; return
+  fi
+  if [ $((TP % DP)) -ne 0 ]; then
+    local d fits=()
+    for ((d = 1; d <= TP; d++)); do [ $((TP % d)) -ne 0 ] || fits+=("$d"); done
+    local last=${fits[-1]}
+    unset 'fits[-1]'
+    local list="${fits[*]}"
+    bad "DP=$DP does not divide TP=$TP: each attention-DP group takes TP/DP GPUs; use" \
+        "DP=${list// /, }${list:+ or }$last"
+    return
+  fi
+  local layout="TP $TP (no DP attention)"
+  [ "$DP" -eq 1 ] || layout="TP $TP, $DP attention-DP groups of $((TP / DP)) GPU$(
+    [ $((TP / DP)) -eq 1 ] || echo s) each"
+  ok "layout: $layout${EP:+, EP $EP}"
 }
 
 check_install() {
@@ -174,7 +198,10 @@ check_dump_dir
 
 layer_args=()
 [ "${#layers[@]}" -eq 0 ] || layer_args=(--return-aux-hidden-state-layer-ids "${layers[@]}")
-cmd=("$PY" -m sglang.launch_server --model-path "$MODEL" --tp-size "$TP" --port "$PORT"
+parallel=(--tp-size "$TP")
+[ "$DP" = 1 ] || parallel+=(--attn-dp-size "$DP")
+[ -z "$EP" ] || parallel+=(--ep-size "$EP")
+cmd=("$PY" -m sglang.launch_server --model-path "$MODEL" "${parallel[@]}" --port "$PORT"
      --host "$HOST" --disable-radix-cache --disable-prefill-cuda-graph --skip-server-warmup
      --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "${layer_args[@]}"
      --trust-remote-code "$@")

@@ -264,6 +264,52 @@ def test_launcher_takes_verifys_verdict_not_its_stderr(tmp_path: Path, tiny_mode
         assert f"FAIL  verify: {fake} -m sglang_patch verify exited with 1" in out, out
 
 
+def _verify_passes(tmp_path: Path) -> Path:
+    """SGLang's python, stood in (SGLang is not in this venv): its install checks PASS, and
+    everything else goes to this python."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    'if [ "$*" = "-m sglang_patch verify" ]; then\n'
+                    '  echo "PASS  sglang version: 0.5.23"; exit 0\n'
+                    "fi\n"
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_launcher_dry_run_with_dp_attention_and_expert_parallelism(tmp_path: Path,
+                                                                   tiny_model: Path) -> None:
+    # Given Kimi-K2.5's layout on 8 GPUs: DP attention over 8 groups, and EP where asked
+    fake = _verify_passes(tmp_path)
+    env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
+                    FARM_SERVER_URL="http://127.0.0.1:9", TP="8", DP="8", EP="8",
+                    PYTHON=str(fake))
+    # When the launcher's dry run looks, with an extra SGLang flag for the MoE all-to-all
+    res = sh("ops/launch-sglang.sh", "--dry-run", "--", "--moe-a2a-backend", "deepep", env=env)
+    # Then the command runs 8 attention-DP groups (SGLang 0.5.23's --attn-dp-size, what
+    # --dp-size 8 --enable-dp-attention resolves to) and EP 8, beside the hook's flags
+    cmd = res.stdout.splitlines()[-1]
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OK    layout: TP 8, 8 attention-DP groups of 1 GPU each, EP 8" in res.stdout
+    assert (f"--model-path {tiny_model} --tp-size 8 --attn-dp-size 8 --ep-size 8 --port 9 "
+            in cmd), cmd
+    assert cmd.endswith("--trust-remote-code --moe-a2a-backend deepep"), cmd
+    assert "--disable-radix-cache --disable-prefill-cuda-graph" in cmd
+    # And without DP and EP, neither flag appears
+    plain = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "DP": "1", "EP": ""})
+    assert plain.returncode == 0, plain.stdout
+    assert "OK    layout: TP 8 (no DP attention)" in plain.stdout
+    assert "--attn-dp-size" not in plain.stdout and "--ep-size" not in plain.stdout
+    # And a DP that does not divide TP is refused, with the sizes that do
+    bad = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "DP": "3"})
+    assert bad.returncode == 1
+    assert ("FAIL  DP=3 does not divide TP=8: each attention-DP group takes TP/DP GPUs; use "
+            "DP=1, 2, 4 or 8") in bad.stdout, bad.stdout
+    # And --help says so
+    text = " ".join(sh("ops/launch-sglang.sh", "--help", env=clean_env()).stdout.split())
+    assert "DP (attention data-parallel groups" in text and "EP (expert parallel size" in text
+
+
 def test_launcher_dry_run_without_a_model_dir_or_a_port(tmp_path: Path) -> None:
     env = clean_env(FARM_MODEL_PATH=str(tmp_path / "none"), PYTHON=sys.executable,
                     FARM_SERVER_URL="http://127.0.0.1")
@@ -293,7 +339,7 @@ def test_every_farm_variable_named_is_a_setting(name: str) -> None:
 
 def test_env_example_sets_settings_and_the_launchers_few_own_names() -> None:
     # launcher, unit and Flower variables that are not settings, each said so in the file
-    own = {"REDIS_PASSWORD", "TP", "WORKER_CONCURRENCY", "FLOWER_BASIC_AUTH"}
+    own = {"REDIS_PASSWORD", "TP", "DP", "WORKER_CONCURRENCY", "FLOWER_BASIC_AUTH"}
     text = (OPS / "systemd" / "env.example").read_text()
     names = set(re.findall(r"^([A-Z_][A-Z0-9_]*)=", text, re.M))
     assert "FARM_MODEL_PATH" in names and "MODEL_PATH" not in names
