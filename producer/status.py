@@ -127,7 +127,7 @@ def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, 
     limits = limits_for_host(settings, fingerprint.hidden_size, timeout_s=1.0)
     out: dict[str, object] = {"max_in_flight": limits.max_in_flight,
                               "dump_budget_bytes": limits.dump_budget_bytes,
-                              "limits_from": limits.source}
+                              "limits_from": limits.source, "dp_groups": limits.dp_groups}
     if settings.dump_dir.is_dir():
         held = Admission(settings.dump_dir, limits, wait_s=0).usage()
         out.update(in_flight=held.requests, dump_bytes_held=held.dump_bytes)

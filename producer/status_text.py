@@ -96,4 +96,6 @@ def _admission_text(a: dict[str, object]) -> str:
     held = f"{a['in_flight']}/" if "in_flight" in a else "max "
     gb = f"{int(str(a['dump_bytes_held'])) / 1e9:.2f}/" if "dump_bytes_held" in a else ""
     budget_gb = int(str(a["dump_budget_bytes"])) / 1e9
-    return f"in flight {held}{a['max_in_flight']}, dumps {gb}{budget_gb:.2f} GB"
+    groups = int(str(a.get("dp_groups", 1)))
+    layout = f" ({groups} DP groups; one tmpfs budget)" if groups > 1 else ""
+    return f"in flight {held}{a['max_in_flight']}, dumps {gb}{budget_gb:.2f} GB{layout}"

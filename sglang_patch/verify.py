@@ -163,16 +163,16 @@ def _check_groups(newest: mk.Marker, found: list[mk.Marker], groups: int) -> Che
     seen = ", ".join(f"group {r} pid {by_rank[r].info.get('pid')} ({_where(by_rank[r])})"
                      for r in range(groups) if r in by_rank)
     for rank in range(groups):
-        m = by_rank.get(rank)
-        if m is None:
+        group = by_rank.get(rank)
+        if group is None:
             return Check("ready marker", False,
                          f"DP group {rank} of {groups} ({server}): no ready marker; {seen}: "
                          "its scheduler has not loaded the model yet, or failed (see the "
                          "server's log); wait, or restart the server")
-        if m.state == mk.DEAD:
+        if group.state == mk.DEAD:
             return Check("ready marker", False,
                          f"DP group {rank} of {groups} ({server}): its writer pid "
-                         f"{m.info.get('pid')} is dead ({m.why}); the server cannot dump that "
+                         f"{group.info.get('pid')} is dead ({group.why}); the server cannot dump that "
                          "group's requests: restart it")
     return Check("ready marker", True, f"{groups} DP groups of {server}: {seen}; "
                  + _served(newest.info))

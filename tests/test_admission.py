@@ -124,3 +124,44 @@ def test_limits_come_from_settings_else_the_server_and_tmpfs() -> None:
     explicit = resolve_limits(Settings(max_in_flight=3, dump_budget_bytes=123), 7168,
                               {"chunked_prefill_size": 8192}, 1 << 40)
     assert (explicit.max_in_flight, explicit.dump_budget_bytes) == (3, 123)
+
+
+def test_under_dp_attention_the_in_flight_default_is_per_group_and_the_budget_per_host() -> None:
+    s = Settings(max_tokens=8192)
+    # Given Kimi-K2.5 at --tp 8 --dp 8 --enable-dp-attention, as SGLang 0.5.23's /server_info
+    # says it: resolved to attn_dp_size 8, dp_size 1, and chunked prefill divided per group
+    # (16384 / 8); each group's scheduler takes its own prefill batches
+    kimi = {"attn_dp_size": 8, "dp_size": 1, "enable_dp_attention": True,
+            "chunked_prefill_size": 2048, "tp_size": 8}
+    lim = resolve_limits(s, 7168, kimi, dump_fs_bytes=1 << 40)
+    # Then each group gets what one server gets (at least 8), and the host the sum
+    assert (lim.max_in_flight, lim.dp_groups) == (64, 8)
+    # And the tmpfs budget is one, for the host's one tmpfs: all of them, at most half of it
+    assert lim.dump_budget_bytes == 64 * 8192 * 57_352
+    assert resolve_limits(s, 7168, kimi, dump_fs_bytes=16 << 30).dump_budget_bytes == 8 << 30
+    # And a larger per-group chunk scales each group, the server's request cap still caps all
+    assert resolve_limits(s, 7168, {**kimi, "chunked_prefill_size": 16384},
+                          None).max_in_flight == 8 * 16
+    assert resolve_limits(s, 7168, {**kimi, "max_running_requests": 48},
+                          None).max_in_flight == 48
+    # And the deprecated spelling, unresolved, counts the same; plain --dp-size (replicas of
+    # a whole server, each its own /server_info) does not
+    assert resolve_limits(s, 7168, {"dp_size": 4, "enable_dp_attention": True,
+                                    "chunked_prefill_size": 2048}, None).max_in_flight == 32
+    assert resolve_limits(s, 7168, {"dp_size": 4, "chunked_prefill_size": 2048},
+                          None).max_in_flight == 8
+    # And describe() says the layout
+    assert lim.describe().startswith("in-flight max 64 (8 per DP group × 8 DP groups), dump "
+                                     "budget 30.07 GB for the host")
+    assert resolve_limits(s, 7168, None, None).describe().startswith(
+        "in-flight max 8, dump budget")
+
+
+def test_status_says_the_dp_groups_beside_the_hosts_limits() -> None:
+    from producer.status_text import _admission_text
+
+    a = {"max_in_flight": 64, "dump_budget_bytes": 30_071_062_528, "in_flight": 3,
+         "dump_bytes_held": 0}
+    assert _admission_text({**a, "dp_groups": 8}) == (
+        "in flight 3/64, dumps 0.00/30.07 GB (8 DP groups; one tmpfs budget)")
+    assert _admission_text({**a, "dp_groups": 1}) == "in flight 3/64, dumps 0.00/30.07 GB"

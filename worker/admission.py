@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
+from sglang_patch.layout import dp_groups
 from worker.client import ServerClient
 from worker.errors import BadInput, Transient
 from worker.settings import Settings
@@ -44,8 +45,14 @@ class Limits:
     dump_budget_bytes: int
     bytes_per_token: int
     source: str  # where the values came from, for status and logs
+    dp_groups: int = 1  # the server's attention-DP groups, each with its own scheduler
 
     def describe(self) -> str:
+        if self.dp_groups > 1:
+            per = self.max_in_flight / self.dp_groups
+            return (f"in-flight max {self.max_in_flight} ({per:g} per DP group × "
+                    f"{self.dp_groups} DP groups), dump budget "
+                    f"{self.dump_budget_bytes / 1e9:.2f} GB for the host ({self.source})")
         return (f"in-flight max {self.max_in_flight}, dump budget "
                 f"{self.dump_budget_bytes / 1e9:.2f} GB ({self.source})")
 
@@ -59,25 +66,29 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
                    dump_fs_bytes: int | None) -> Limits:
     """The effective limits: the settings where set, else sized from the server and tmpfs.
 
-    - in flight: enough queued tokens for two forward passes, 2 × chunked prefill size /
-      2048-token samples, and at least 8 (SGLang's default chunk of 8192 gives 8; 16384 gives
-      16), capped by the server's ``max_running_requests``.
+    - in flight: per scheduler, enough queued tokens for two forward passes, 2 × chunked
+      prefill size / 2048-token samples, and at least 8 (SGLang's default chunk of 8192 gives
+      8; 16384 gives 16). Under DP attention each DP group is a scheduler of its own, taking
+      its own prefill batches (``/server_info``'s chunk is already the group's): times the
+      groups. Capped by the server's ``max_running_requests`` (the whole server's).
     - dump budget: every in-flight request at the longest allowed length, but at most half
-      of the dump dir's file system.
+      of the dump dir's file system: one for the host, whatever the groups (one tmpfs).
     """
     per_token = dump_bytes_per_token(hidden_size)
     info = server_info or {}
+    groups = dp_groups(info)
     sources = []
     in_flight = settings.max_in_flight
     if in_flight <= 0:
         chunk = info.get("chunked_prefill_size")
         if isinstance(chunk, int) and chunk > 0:
-            in_flight = max(DEFAULT_MAX_IN_FLIGHT, math.ceil(2 * chunk / TYPICAL_SAMPLE_TOKENS))
+            in_flight = groups * max(DEFAULT_MAX_IN_FLIGHT,
+                                     math.ceil(2 * chunk / TYPICAL_SAMPLE_TOKENS))
             cap = info.get("max_running_requests")
             in_flight = min(in_flight, cap) if isinstance(cap, int) and cap > 0 else in_flight
             sources.append("in-flight from /server_info")
         else:
-            in_flight = DEFAULT_MAX_IN_FLIGHT
+            in_flight = groups * DEFAULT_MAX_IN_FLIGHT
             sources.append("in-flight default")
     budget = settings.dump_budget_bytes
     if budget <= 0:
@@ -85,7 +96,7 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
         if dump_fs_bytes:
             budget = min(budget, dump_fs_bytes // 2)
         sources.append("budget from max tokens and tmpfs size")
-    return Limits(in_flight, budget, per_token, "; ".join(sources) or "settings")
+    return Limits(in_flight, budget, per_token, "; ".join(sources) or "settings", groups)
 
 
 def limits_for_host(settings: Settings, hidden_size: int, timeout_s: float = 10.0) -> Limits:
