@@ -172,8 +172,8 @@ def _check_groups(newest: mk.Marker, found: list[mk.Marker], groups: int) -> Che
         if group.state == mk.DEAD:
             return Check("ready marker", False,
                          f"DP group {rank} of {groups} ({server}): its writer pid "
-                         f"{group.info.get('pid')} is dead ({group.why}); the server cannot dump that "
-                         "group's requests: restart it")
+                         f"{group.info.get('pid')} is dead ({group.why}); the server cannot "
+                         "dump that group's requests: restart it")
     return Check("ready marker", True, f"{groups} DP groups of {server}: {seen}; "
                  + _served(newest.info))
 
