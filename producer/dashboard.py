@@ -34,6 +34,7 @@ from producer.dashboard_data import Sampler
 from producer.status import status_fingerprint
 from sglang_patch import contracts as c
 from worker import broker
+from worker import run as runs
 from worker.errors import ConfigError, Transient
 from worker.settings import Settings
 
@@ -203,7 +204,7 @@ def main_dashboard(settings: Settings, args: argparse.Namespace) -> int:
                           "another dashboard running? pick another --port") from e
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     who = f"basic auth as {auth[0]}" if auth else "NO password (loopback only)"
-    print(f"dashboard of run {fingerprint.id} (from {source}) on "
+    print(f"dashboard of run {runs.run_id_of(settings.output_dir)} (from {source}) on "
           f"http://{args.address}:{args.port}/ ({who}); metrics at /metrics", flush=True)
     web.run_app(app, sock=sock, print=None, handle_signals=True)
     return 0

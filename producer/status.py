@@ -175,7 +175,7 @@ def environmental_rejections(settings: Settings,
     """Rejected samples whose reason was an answer of the server or a gateway, not their
     content (recorded by older versions, or cut to a short server context): (key, reason).
     ``enqueue`` publishes them again."""
-    index = RunIndex(broker.client(settings), fingerprint.id)
+    index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
     return sorted((key, str(body.get("reason", "")))
                   for key, body in index.outcomes(keys.REJECTED).items()
                   if environmental_rejection(str(body.get("reason", ""))))

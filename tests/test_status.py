@@ -116,9 +116,8 @@ def test_check_fails_while_samples_are_rejected_for_the_environment(tmp_path: Pa
         data = tmp_path / "data.json"
         ids = [str(s["id"]) for s in write_samples(data, 3)]
         assert farm.cli("enqueue", str(data), "--no-progress").returncode == 0
-        fp = compute_fingerprint(farm.settings(), tiny_model)
-        r, index = farm.redis(), RunIndex(farm.redis(), fp.id)
-        r.delete(farm.settings().queue)  # as if a worker had taken every message
+        r, index = farm.redis(), RunIndex(farm.redis(), farm.run_id())
+        r.delete(farm.queue())  # as if a worker had taken every message
         sha = {k: reg.sha256 for k, reg in index.all_registered().items()}
         # Given a run an older version finished: one sample rejected for a gateway's 429,
         # two for their content (SGLang's own 400, over FARM_MAX_TOKENS)
