@@ -149,7 +149,7 @@ def _status(settings: Settings, fingerprint: Fingerprint, source: str,
             body: dict[str, object] = {"run": run_id, "fingerprint_from": source,
                                        **st.to_json()}
             if args.failures:
-                body["failures"] = failure_entries(settings, fingerprint)
+                body["failures"] = failure_entries(settings)
             print(json.dumps(body), flush=True)
         else:
             print("\n".join(render(st, run_id, source)), flush=True)
@@ -159,13 +159,13 @@ def _status(settings: Settings, fingerprint: Fingerprint, source: str,
         if not args.json:
             print()
     if args.failures and not args.json:
-        print("\n".join(failures(settings, fingerprint)))
+        print("\n".join(failures(settings)))
     if args.check:
         gone = missing_done_files(settings, fingerprint)
         if gone:
             print(f"{len(gone)} samples marked done have no file any more (first: {gone[0]}); "
                   "run 'python -m producer audit --requeue'", file=sys.stderr)
-        not_theirs = environmental_rejections(settings, fingerprint)
+        not_theirs = environmental_rejections(settings)
         if not_theirs:
             key, why = not_theirs[0]
             print(f"{len(not_theirs)} samples are marked rejected for an answer of the server "

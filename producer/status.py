@@ -170,8 +170,7 @@ def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[s
     return sorted(k for k in index.done_keys() if not c.final_path(out, k).exists())
 
 
-def environmental_rejections(settings: Settings,
-                             fingerprint: c.Fingerprint) -> list[tuple[str, str]]:
+def environmental_rejections(settings: Settings) -> list[tuple[str, str]]:
     """Rejected samples whose reason was an answer of the server or a gateway, not their
     content (recorded by older versions, or cut to a short server context): (key, reason).
     ``enqueue`` publishes them again."""
@@ -181,7 +180,7 @@ def environmental_rejections(settings: Settings,
                   if environmental_rejection(str(body.get("reason", ""))))
 
 
-def failure_entries(settings: Settings, fingerprint: c.Fingerprint) -> list[dict[str, Any]]:
+def failure_entries(settings: Settings) -> list[dict[str, Any]]:
     """Every failed, rejected, stale and retrying sample: kind, key and body (reason, at…)."""
     index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
     return [{"kind": kind, "key": key, **body}
@@ -189,10 +188,10 @@ def failure_entries(settings: Settings, fingerprint: c.Fingerprint) -> list[dict
             for key, body in sorted(index.outcomes(kind).items())]
 
 
-def failures(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
+def failures(settings: Settings) -> list[str]:
     """One line per failed, rejected, stale or retrying sample: kind, key, reason."""
     return [f"{e['kind']:8} {e['key']}: {e.get('reason')}"
-            for e in failure_entries(settings, fingerprint)]
+            for e in failure_entries(settings)]
 
 
 def worker_heartbeats(r: redis.Redis) -> list[str]:

@@ -199,9 +199,6 @@ class Gateway:
     it forwards every request, or answers them all itself while ``refuse`` is in force."""
 
     def __init__(self, upstream: str) -> None:
-        import asyncio
-        import threading
-
         self.upstream = upstream.rstrip("/")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -227,9 +224,7 @@ class Gateway:
         self.answer, self.only = None, None
 
     def _serve(self) -> None:
-        import asyncio
-
-        from aiohttp import ClientSession, ClientTimeout, web
+        from aiohttp import ClientSession, ClientTimeout
 
         async def handle(request: web.Request) -> web.StreamResponse:
             if self.only is not None and request.path != self.only:
