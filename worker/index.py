@@ -85,6 +85,8 @@ class Counts:
     running: int
     bytes: int
     tokens: int
+    parked: int = 0  # waiting for their data file to be readable
+    removed: int = 0  # left the run: their records left the corpus
 
 
 class RunIndex:
@@ -240,7 +242,8 @@ class RunIndex:
     def forget_outcome(self, key: str) -> None:
         """Before a deliberate requeue: clear failed/rejected/stale marks and the attempts."""
         p = self.r.pipeline()
-        for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS, keys.STALE, keys.RETRYING):
+        for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS, keys.STALE, keys.RETRYING,
+                     keys.PARKED):
             p.hdel(self.k(name), key)
         p.execute()
 
@@ -298,23 +301,41 @@ class RunIndex:
 
     @_redis_errors
     def register(self, entries: dict[str, Registered]) -> None:
+        """Record where each sample's record is now (a record back in the corpus is no
+        longer ``removed``)."""
         if entries:
-            self.r.hset(self.k(keys.SAMPLES),
-                        mapping={k: v.encode() for k, v in entries.items()})
+            p = self.r.pipeline()
+            p.hset(self.k(keys.SAMPLES), mapping={k: v.encode() for k, v in entries.items()})
+            p.hdel(self.k(keys.REMOVED), *entries)
+            p.execute()
 
     @_redis_errors
-    def unregister(self, sample_keys: Iterable[str]) -> None:
-        """Drop samples whose records are gone from their file (superseded by an edit)."""
+    def unregister(self, sample_keys: Iterable[str], reason: str = "", file: str = "") -> None:
+        """Take samples out of the run: their records left the corpus. Each is recorded
+        under ``removed`` with ``reason`` and the data file it was in."""
         names = list(sample_keys)
         if not names:
             return
+        body = orjson.dumps({"reason": bounded(reason), "file": bounded(file, 1000),
+                             "at": time.time()})
         p = self.r.pipeline()
         p.hdel(self.k(keys.SAMPLES), *names)
         p.zrem(self.k(keys.DONE), *names)
         for name in (keys.BYTES, keys.TOKENS, keys.FAILED, keys.REJECTED, keys.ATTEMPTS,
-                     keys.TRIES, keys.STALE, keys.RETRYING):
+                     keys.TRIES, keys.STALE, keys.RETRYING, keys.PARKED):
             p.hdel(self.k(name), *names)
+        p.hset(self.k(keys.REMOVED), mapping=dict.fromkeys(names, body))
         p.execute()
+
+    @_redis_errors
+    def unmark_done(self, sample_keys: list[str]) -> None:
+        """Samples whose file was set aside (their record was corrected): not done now."""
+        if sample_keys:
+            p = self.r.pipeline()
+            p.zrem(self.k(keys.DONE), *sample_keys)
+            p.hdel(self.k(keys.BYTES), *sample_keys)
+            p.hdel(self.k(keys.TOKENS), *sample_keys)
+            p.execute()
 
     @_redis_errors
     def done_keys(self) -> set[str]:
@@ -377,9 +398,13 @@ class RunIndex:
         p.hlen(self.k(keys.RUNNING))
         p.hvals(self.k(keys.BYTES))
         p.hvals(self.k(keys.TOKENS))
-        samples, done, failed, rejected, stale, retrying, running, sizes, tokens = p.execute()
+        p.hlen(self.k(keys.PARKED))
+        p.hlen(self.k(keys.REMOVED))
+        (samples, done, failed, rejected, stale, retrying, running, sizes, tokens, parked,
+         removed) = p.execute()
         invalid = sum(1 for k in self.r.hkeys(self.k(keys.REJECTED))
                       if _text(k).startswith("@"))
         return Counts(total=samples + invalid, done=done, failed=failed, rejected=rejected,
                       stale=stale, retrying=retrying, running=running,
-                      bytes=sum(int(x) for x in sizes), tokens=sum(int(x) for x in tokens))
+                      bytes=sum(int(x) for x in sizes), tokens=sum(int(x) for x in tokens),
+                      parked=parked, removed=removed)
