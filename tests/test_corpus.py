@@ -14,7 +14,7 @@ from pathlib import Path
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished
-from tests.faults import running_farm
+from tests.faults import running_farm, text
 from worker import keys, setaside
 
 
@@ -51,8 +51,8 @@ def _status(farm: LocalFarm) -> dict[str, object]:
 
 def _done_keys(farm: LocalFarm) -> set[str]:
     r = farm.redis()
-    return {k.decode() for z in r.scan_iter(f"{keys.PREFIX}:*:{keys.DONE}")
-            for k in r.zrange(z, 0, -1)}
+    done = [z for z in r.scan_iter(f"{keys.PREFIX}:*:{keys.DONE}")]
+    return {text(k) for z in done for k in r.zrange(z, 0, -1)}  # type: ignore[arg-type]
 
 
 def test_a_data_file_moved_mid_run_parks_its_samples_and_is_found_again(
