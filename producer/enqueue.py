@@ -15,7 +15,9 @@ wait for its lock). Two passes over the file:
 
 A data file is known by its content as well as its path (worker/corpus.py): a file enqueued
 from a new path with the content of one the run recorded is that file moved or renamed; its
-id is re-pointed to the new path, so its queued and parked samples read from there.
+id is re-pointed to the new path, so its queued and parked samples read from there. So is a
+file whose first records are mostly one recorded file's, when that file's path is gone
+(moved and edited).
 
 Samples this file registered before but no longer holds (records removed from it, or, for
 records without ids, corrected: their key is their content) leave the run: unregistered,
@@ -49,7 +51,7 @@ from worker import run as runs
 from worker import store as st
 from worker.answers import environmental_rejection
 from worker.app import TASK_NAME, app
-from worker.corpus import Corpus
+from worker.corpus import Corpus, Identified
 from worker.datafile import DataFileError, FileProblem, Oversized, file_sha256, scan
 from worker.errors import BadInput, Corrupt
 from worker.index import Registered, RunIndex
@@ -328,8 +330,12 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
         t0 = time.monotonic()
         corpus = Corpus(index)
         sha, size = file_sha256(path), _file_version(path)[0]
-        found = (corpus.lookup(abs_path, sha) if dry_run
-                 else corpus.identify(abs_path, sha, size))
+        found = corpus.lookup(abs_path, sha)
+        moved_and_edited = 0 if found.fid else corpus.predecessor(_first_keys(settings, path))
+        if moved_and_edited:
+            found = Identified(moved_and_edited, corpus.files()[moved_and_edited].path)
+        if not dry_run:
+            found = corpus.identify(abs_path, sha, size, moved_and_edited)
         summary.fid, summary.moved_from = found.fid, found.moved_from
         refs = _refs(settings, path, limit, progress, "check", Summary())
         plan = _check(index, store, path, found.fid, refs,
@@ -349,6 +355,11 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
             summary.problems.append(("the file", "changed while it was enqueued; run enqueue "
                                                  "again once it is complete"))
     return summary
+
+
+def _first_keys(settings: Settings, path: Path, n: int = 64) -> list[str]:
+    """The sample keys of the first ``n`` valid records of ``path``."""
+    return [ref.key for ref in sample_refs(path, settings.max_record_bytes, [], [], limit=n)]
 
 
 def _refs(settings: Settings, path: Path, limit: int | None, progress: bool, desc: str,

@@ -12,10 +12,15 @@ import sys
 from pathlib import Path
 
 from producer.localfarm import LocalFarm, wait_until
+from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
-from tests.conftest import assert_farm_invariants, wait_finished
+from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.faults import running_farm, text
 from worker import keys, setaside
+from worker import run as runs
+from worker.corpus import Corpus
+from worker.index import RunIndex
+from worker.samples import SampleRef
 
 
 def _record(i: int, tag: str = "", with_id: bool = True) -> dict[str, object]:
@@ -88,6 +93,15 @@ def test_a_data_file_moved_mid_run_parks_its_samples_and_is_found_again(
         assert farm.cli("status", "--check").returncode == 0
         assert "parked" not in farm.cli("status").stdout
         assert_farm_invariants(farm, [f"a{i:03d}" for i in range(8)] + sorted(b_keys))
+        # And a file moved again and edited (a record deleted) is found by its records
+        lines = moved.read_text().splitlines(keepends=True)
+        again = tmp_path / "again.jsonl"
+        again.write_text("".join(lines[:-1]))
+        moved.unlink()
+        out = _enqueue(farm, again)
+        assert f"moved: data file #1 was {moved}" in out, out
+        assert "removed from the corpus: 1 samples" in out and "set aside: 1 output" in out
+        assert (_status(farm)["total"], _status(farm)["done"]) == (15, 15)
 
 
 def _edit(records: list[dict[str, object]], tag: str, with_id: bool) -> list[dict[str, object]]:
@@ -150,3 +164,39 @@ def test_records_removed_from_the_corpus_leave_the_run_and_their_files_are_kept_
         kept = {p.name.split(".")[0] for p in aside}
         assert {f"i{i:03d}" for i in (0, 1, 2, 3, 4)} <= kept
         assert {f"{k}.safetensors" for k in kept} <= before
+
+
+def test_parked_samples_are_published_again_once_their_file_reads(tmp_path: Path,
+                                                                  tiny_model: Path) -> None:
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
+                     extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model)})
+    farm.start_redis()
+    try:
+        # Given 3 samples parked by a worker that could not read their file (their
+        # messages acknowledged), the file gone
+        data = _jsonl(tmp_path / "d.jsonl", [_record(i, "d") for i in range(3)])
+        _enqueue(farm, data)
+        r = farm.redis()
+        r.delete(farm.queue())
+        index = RunIndex(r, runs.run_id_of(farm.output_dir))
+        corpus = Corpus(index)
+        for key, reg in index.all_registered().items():
+            corpus.park(SampleRef(key, str(data), reg.offset, reg.length, reg.sha256,
+                                  reg.index, reg.fid), "cannot read data file", "host-a")
+        data.rename(tmp_path / "away.jsonl")
+
+        # When janitor rounds run while the file is away, then after it is put back
+        script = ("import os, sys; from worker.app import settings; "
+                  "from worker.parking import resume_parked; "
+                  "run, away, back = sys.argv[1:]; n = [resume_parked(settings, run)]; "
+                  "os.rename(away, back); "
+                  "n += [resume_parked(settings, run), resume_parked(settings, run)]; print(n)")
+        res = subprocess.run([sys.executable, "-c", script, index.fp,
+                              str(tmp_path / "away.jsonl"), str(data)],
+                             env=farm.env(), capture_output=True, text=True, timeout=60)
+        # Then none is published while it is away; after, exactly those samples, once
+        assert res.stdout.split("\n")[-2] == "[0, 3, 0]", res.stdout + res.stderr
+        assert broker_depth(r, farm.queue()) == (3, 0)
+        assert corpus.parked() == {} and corpus.unreadable() == {}
+    finally:
+        farm.close(kill=True)

@@ -110,11 +110,14 @@ class Corpus:
         return Identified(0)
 
     @_redis_errors
-    def identify(self, path: str, sha256: str, size: int) -> Identified:
+    def identify(self, path: str, sha256: str, size: int, moved_and_edited: int = 0) -> Identified:
         """``lookup``, recorded: a moved file's fid is re-pointed to ``path``, a new file gets
-        a fid, and the file's content is recorded. Called under the run's enqueue lock."""
+        a fid, and the file's content is recorded. ``moved_and_edited``: the fid this file
+        is when lookup finds none (``predecessor``). Called under the run's enqueue lock."""
         found = self.lookup(path, sha256)
         files = self.files()
+        if not found.fid and moved_and_edited in files:
+            found = Identified(moved_and_edited, moved_from=files[moved_and_edited].path)
         if found.moved_from is not None:
             self._repoint(files[found.fid], path)
         fid = found.fid or self.index.register_file(path)
@@ -123,6 +126,22 @@ class Corpus:
         former = tuple(dict.fromkeys(p for p in former if p != path))[-MAX_FORMER_PATHS:]
         self._record(FileInfo(fid, path, sha256, size, former))
         return Identified(fid, found.moved_from)
+
+    @_redis_errors
+    def predecessor(self, sample_keys: list[str]) -> int:
+        """The data file a file whose first records have ``sample_keys`` was moved from,
+        edited: the one that registered most of them, when its recorded path no longer
+        exists here; else 0."""
+        votes: dict[int, int] = {}
+        for reg in self.index.registered(sample_keys):
+            if reg is not None:
+                votes[reg.fid] = votes.get(reg.fid, 0) + 1
+        if not votes:
+            return 0
+        fid, n = max(votes.items(), key=lambda kv: kv[1])
+        info = self.files().get(fid)
+        gone = info is not None and not os.path.exists(info.path)
+        return fid if gone and 2 * n > len(sample_keys) else 0
 
     def paths_of(self, fid: int) -> set[str]:
         """Every path data file ``fid`` has or had."""
