@@ -87,12 +87,14 @@ class Corpus:
         infos = {int(k): FileInfo.decode(int(k), v) for k, v in raw.items()}
         return {fid: infos.get(fid, FileInfo(fid, path)) for fid, path in paths.items()}
 
-    def known_paths(self) -> dict[str, int]:
-        """Every path a data file of the run has or had -> its fid (a message may name any)."""
+    @staticmethod
+    def known_paths(files: dict[int, FileInfo]) -> dict[str, int]:
+        """Every path a data file of ``files`` has or had -> its fid (a message may name
+        any of them)."""
         out: dict[str, int] = {}
-        for info in self.files().values():
+        for info in files.values():
             out.update({p: info.fid for p in info.former})
-        out.update({info.path: info.fid for info in self.files().values()})
+        out.update({info.path: info.fid for info in files.values()})
         return out
 
     @_redis_errors
@@ -172,13 +174,11 @@ class Corpus:
             RecordRemoved: the sample is no longer in the run (its record left the corpus).
         """
         files = self.files()
-        sent.resolved(self.known_paths())  # the message's own reference must be the run's
-        raw = self.r.hget(self.k(keys.SAMPLES), sent.key)
-        if raw is None:
+        sent.resolved(self.known_paths(files))  # the message's own reference must be the run's
+        reg = self.index.registered([sent.key])[0]
+        if reg is None:
             raise RecordRemoved(f"{sent.key}: no longer in the run (its record was removed "
                                 "from its data file, or replaced by a corrected one)")
-        reg = self.index.registered([sent.key])[0]
-        assert reg is not None
         info = files.get(reg.fid)
         if info is None:
             raise MalformedMessage(f"{sent.key}: registered in data file #{reg.fid}, which the "
