@@ -1,8 +1,11 @@
 """The Redis index of one run: which samples it has, what is done, failed, rejected, running.
 
 An index, not the truth: the output disk decides what is done, and ``enqueue`` rebuilds the
-index from the verified files when Redis lost it. Every text stored here (reasons, records) is
-bounded: a hostile or broken record must not fill Redis.
+index from the verified files when Redis lost it. What the run holds is its ``samples``
+hash: each sample's data file (a fid, whose path, content and former paths are
+worker/corpus.py's) and record; ``enqueue`` takes out the samples whose records left the
+corpus (``removed``). Every text stored here (reasons, records) is bounded: a hostile or
+broken record must not fill Redis.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ from __future__ import annotations
 PREFIX = "hsfarm"
 
 # --- one run's index (hashes keyed by sample key unless said otherwise) -----------------------
-SAMPLES = "samples"  # sample_key -> where its record is: "fid|offset|length|sha|index"
+# sample_key -> where its record is: "fid|offset|length|sha|index". The run's record of what
+# it holds: a worker resolves every message through it (worker/corpus.py), a key not here is
+# not in the run (its message is acknowledged as removed), and the path of fid is in FILES
+SAMPLES = "samples"
 FILES = "files"  # data file path -> its small integer id (fid): the current path of each file
 # fid -> JSON {path, sha256 (of the whole file), size, former: [paths it had]}: a data file is
 # known by its content too; enqueue of a moved file re-points its fid (worker/corpus.py)
