@@ -49,6 +49,15 @@ def _enqueue(farm: LocalFarm, data: Path) -> str:
     return res.stdout
 
 
+def _export(farm: LocalFarm, dest: Path) -> str:
+    """``export --to modelopt`` with torch (``farm.cli`` runs without it, as workers do)."""
+    res = subprocess.run([sys.executable, "-m", "producer", "export", "--to", "modelopt",
+                          str(dest), "--no-progress"], env=farm.env(), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
 def _status(farm: LocalFarm) -> dict[str, object]:
     out: dict[str, object] = json.loads(farm.cli("status", "--json").stdout)
     return out
@@ -127,6 +136,7 @@ def test_records_removed_from_the_corpus_leave_the_run_and_their_files_are_kept_
         _enqueue(farm, b)
         wait_finished(farm, 20)
         before = {p.name for p in (farm.output_dir / "samples").rglob("*.safetensors")}
+        assert "exported: 20 samples" in _export(farm, tmp_path / "mo")
         # When each has 3 records corrected, 2 deleted and 5 appended, and is enqueued again
         _jsonl(a, _edit(ided, "i", True))
         _jsonl(b, _edit(plain, "p", False))
@@ -153,11 +163,14 @@ def test_records_removed_from_the_corpus_leave_the_run_and_their_files_are_kept_
         finals = sorted(p.name[: -len(c.DUMP_SUFFIX)]
                         for p in (farm.output_dir / "samples").rglob("*.safetensors"))
         assert sorted(json.loads(r)["key"] for r in rows) == finals and len(finals) == 26
-        export = subprocess.run(  # with torch (farm.cli runs without it, as workers do)
-            [sys.executable, "-m", "producer", "export", "--to", "modelopt",
-             str(tmp_path / "mo"), "--no-progress"], env=farm.env(), capture_output=True,
-            text=True, timeout=120)
-        assert "exported: 26 samples" in export.stdout, export.stdout + export.stderr
+        # (an export made before the edit loses the 7, takes the 3 corrected anew and the
+        # 13 new keys: 3 corrected without ids, 10 appended)
+        export = _export(farm, tmp_path / "mo")
+        assert "exported: 16 samples" in export, export
+        assert "skipped (already exported and verified): 10" in export
+        assert "withdrawn (removed from the corpus): 7" in export
+        exported = sorted(p.stem for p in (tmp_path / "mo").rglob("*.pt"))
+        assert exported == finals
         # And the removed and superseded files are kept aside, not deleted
         aside = setaside.kept_aside(farm.output_dir)
         assert len(aside) == 10

@@ -59,3 +59,10 @@ def kept_aside(out_dir: Path) -> list[Path]:
     root = out_dir / REMOVED_DIR
     return sorted(p for p in root.rglob(f"*{c.DUMP_SUFFIX}")) if root.is_dir() else []
 
+
+def removed_by_key(out_dir: Path) -> dict[str, list[Path]]:
+    """The files kept aside, by sample key (``<key>.<content hash>.safetensors``)."""
+    out: dict[str, list[Path]] = {}
+    for p in kept_aside(out_dir):
+        out.setdefault(p.name[: -len(c.DUMP_SUFFIX)].rsplit(".", 1)[0], []).append(p)
+    return out
