@@ -30,7 +30,7 @@ import orjson
 
 from worker import keys
 from worker.errors import MalformedMessage, RecordRemoved
-from worker.index import RunIndex, _redis_errors, _text, bounded
+from worker.index import RunIndex, as_text, bounded, redis_errors
 from worker.samples import SampleRef
 
 log = logging.getLogger("hsfarm.corpus")
@@ -78,7 +78,7 @@ class Corpus:
 
     # --- identity ------------------------------------------------------------------------
 
-    @_redis_errors
+    @redis_errors
     def files(self) -> dict[int, FileInfo]:
         """Every data file of the run by fid (files enqueued before contents were recorded
         have only their path)."""
@@ -97,7 +97,7 @@ class Corpus:
         out.update({info.path: info.fid for info in files.values()})
         return out
 
-    @_redis_errors
+    @redis_errors
     def lookup(self, path: str, sha256: str) -> Identified:
         """Which recorded file the file at ``path`` with this content is, without recording
         anything: the one at this path; else one with this content (moved or renamed);
@@ -111,7 +111,7 @@ class Corpus:
             return Identified(same.fid, moved_from=same.path)
         return Identified(0)
 
-    @_redis_errors
+    @redis_errors
     def identify(self, path: str, sha256: str, size: int, moved_and_edited: int = 0) -> Identified:
         """``lookup``, recorded: a moved file's fid is re-pointed to ``path``, a new file gets
         a fid, and the file's content is recorded. ``moved_and_edited``: the fid this file
@@ -129,7 +129,7 @@ class Corpus:
         self._record(FileInfo(fid, path, sha256, size, former))
         return Identified(fid, found.moved_from)
 
-    @_redis_errors
+    @redis_errors
     def predecessor(self, sample_keys: list[str]) -> int:
         """The data file a file whose first records have ``sample_keys`` was moved from,
         edited: the one that registered most of them, when its recorded path no longer
@@ -163,7 +163,7 @@ class Corpus:
 
     # --- resolving a message ------------------------------------------------------------------
 
-    @_redis_errors
+    @redis_errors
     def resolve(self, sent: SampleRef) -> SampleRef:
         """The sample a message names, as the run records it now: its data file's current
         path and the record's place and content (a corrected record of the same key is
@@ -188,7 +188,7 @@ class Corpus:
 
     # --- parking ------------------------------------------------------------------------------
 
-    @_redis_errors
+    @redis_errors
     def park(self, ref: SampleRef, reason: str, host: str) -> None:
         """``ref``'s data file cannot be read: the sample waits, without a message."""
         body = orjson.dumps({"path": ref.file, "reason": bounded(reason), "host": host,
@@ -200,19 +200,19 @@ class Corpus:
         p.hdel(self.k(keys.RETRYING), ref.key)
         p.execute()
 
-    @_redis_errors
+    @redis_errors
     def parked(self) -> dict[str, int]:
         """Parked samples: key -> fid."""
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.PARKED))  # type: ignore[assignment]
-        return {_text(k): int(v) for k, v in raw.items()}
+        return {as_text(k): int(v) for k, v in raw.items()}
 
-    @_redis_errors
+    @redis_errors
     def unreadable(self) -> dict[int, dict[str, Any]]:
         """Data files a worker could not read: fid -> {path, reason, host, at}."""
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.UNREADABLE))  # type: ignore[assignment]
         return {int(k): orjson.loads(v) for k, v in raw.items()}
 
-    @_redis_errors
+    @redis_errors
     def take_parked(self, fid: int) -> list[str]:
         """Unpark every sample of ``fid``; returns those this caller unparked (HDEL answers 1
         to one caller only, so two processes never both publish one sample)."""
@@ -224,7 +224,7 @@ class Corpus:
         self.r.hdel(self.k(keys.UNREADABLE), str(fid))
         return taken
 
-    @_redis_errors
+    @redis_errors
     def clear_unreadable(self, fid: int) -> None:
         self.r.hdel(self.k(keys.UNREADABLE), str(fid))
 
