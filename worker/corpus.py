@@ -220,9 +220,13 @@ class Corpus:
         p = self.r.pipeline()
         for key in mine:
             p.hdel(self.k(keys.PARKED), key)
-        taken = [k for k, n in zip(mine, p.execute(), strict=True) if n]
-        self.r.hdel(self.k(keys.UNREADABLE), str(fid))
-        return taken
+        return [k for k, n in zip(mine, p.execute(), strict=True) if n]
+
+    @redis_errors
+    def repark(self, sample_keys: list[str], fid: int) -> None:
+        """Park again samples ``take_parked`` gave a caller that could not publish them."""
+        if sample_keys:
+            self.r.hset(self.k(keys.PARKED), mapping=dict.fromkeys(sample_keys, fid))
 
     @redis_errors
     def clear_unreadable(self, fid: int) -> None:

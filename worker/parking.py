@@ -24,12 +24,15 @@ log = logging.getLogger("hsfarm.parking")
 
 def resume_parked(settings: Settings, run_id: str) -> int:
     """Publish the parked samples of every unreadable data file that reads here now.
-    Returns how many; a Redis that does not answer is tried again on the next round."""
+    Returns how many. A Redis that does not answer (or any other failure: this runs on the
+    worker's timer, which must go on) is tried again on the next round."""
     try:
         return _resume(settings, run_id)
     except Transient as e:
         log.warning("parked samples not checked: %s", e)
-        return 0
+    except Exception:
+        log.exception("parked samples not checked")
+    return 0
 
 
 def _resume(settings: Settings, run_id: str) -> int:
@@ -42,10 +45,14 @@ def _resume(settings: Settings, run_id: str) -> int:
         if info is None or readable(info.path) is not None:
             continue
         taken = corpus.take_parked(fid)
-        if taken:
-            sent += publish(settings, index, taken)
-            log.info("data file #%d %s reads again: %d parked samples published again", fid,
-                     info.path, len(taken))
+        try:
+            sent += publish(settings, index, taken) if taken else 0
+        except BaseException:
+            corpus.repark(taken, fid)  # none is left in no state
+            raise
+        corpus.clear_unreadable(fid)
+        log.info("data file #%d %s reads again: %d parked samples published again", fid,
+                 info.path, len(taken))
     return sent
 
 
