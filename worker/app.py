@@ -78,8 +78,9 @@ app.conf.imports = ("worker.tasks",)
 def _add_bootsteps() -> None:
     from worker.janitor import Janitor
     from worker.reaper import Reaper
+    from worker.reconciler import ReconcilerStep
 
-    app.steps["worker"].update({Janitor, Reaper})
+    app.steps["worker"].update({Janitor, Reaper, ReconcilerStep})
 
 
 _add_bootsteps()

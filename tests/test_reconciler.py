@@ -1,0 +1,120 @@
+"""The reconciler: a sample whose task message was lost is published again by the run itself,
+and nothing that runs, is queued or is about to be acknowledged ever is."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from celery import Celery
+
+from producer.localfarm import LocalFarm, wait_until
+from sglang_patch import contracts as c
+from tests.conftest import CACHE, assert_farm_invariants, wait_finished
+from tests.faults import enqueue, running_farm
+from worker import keys
+from worker import lease as leases
+from worker.app import celery_config
+from worker.index import Registered, RunIndex
+from worker.reconciler import Reconciler, republished
+from worker.run import task_id
+from worker.store import OutputStore
+
+HEAL_ENV = {"FARM_RECONCILE_INTERVAL_S": "2", "FARM_RECONCILE_CONFIRM_S": "2"}
+
+
+@pytest.mark.timeout(240)
+def test_lost_messages_are_published_again_by_the_run(tmp_path: Path, tiny_model: Path) -> None:
+    with running_farm(tmp_path, env=HEAL_ENV) as farm:
+        # Given 30 samples enqueued, and 3 of their messages removed from the queue by hand
+        sample_keys = enqueue(farm, tmp_path, 30)
+        r, queue = farm.redis(), farm.queue()
+        removed = []
+        for raw in r.lrange(queue, 0, 2):
+            removed.append(json.loads(raw)["headers"]["id"].rsplit(":", 1)[1])
+            assert r.lrem(queue, 1, raw) == 1  # type: ignore[arg-type]
+        lost_at = time.monotonic()
+        # When workers run, and nobody runs a command
+        farm.start_worker("w1", concurrency=2)
+        # Then the 3 are found in no state, published again once each, and done: all 30
+        # done exactly once, within the reconciler's bound
+        wait_until(lambda: all(r.zscore(f"{keys.PREFIX}:{farm.run_id()}:{keys.DONE}", k)
+                               for k in removed), 120, "the lost samples to be done", poll_s=0.2)
+        healed_s = time.monotonic() - lost_at
+        wait_finished(farm, 30, timeout_s=120)
+        assert_farm_invariants(farm, sample_keys)
+        index = RunIndex(r, farm.run_id())
+        assert republished(index) == dict.fromkeys(removed, 1)
+        logs = "".join(farm.procs[w].log.read_text() for w in ("w1",))
+        assert sorted(re.findall(r" (\S+) republished: ", logs)) == sorted(removed)
+        done_lines = re.findall(r" (\S+) a\d+ done n=", logs)
+        assert sorted(done_lines) == sorted(sample_keys), "a sample done twice, or not at all"
+        status = farm.cli("status")
+        assert "healed    3 lost task message(s)" in status.stdout, status.stdout
+        print(f"HEAL lost-to-done {healed_s:.1f}s (interval 2 s, confirm 2 s)")
+        assert healed_s < 60
+
+
+def _fingerprint() -> c.Fingerprint:
+    return c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+                         layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
+                         hidden_size=4, dtype="bfloat16", max_tokens=8192, overlong="reject")
+
+
+def _message(run_id: str, key: str) -> bytes:
+    """A task message as kombu keeps it, as far as the reconciler reads it."""
+    return orjson.dumps({"headers": {"id": task_id(run_id, 1, key)}, "body": ""})
+
+
+@pytest.mark.timeout(60)
+def test_nothing_queued_running_or_about_to_be_acked_is_republished(tmp_path: Path) -> None:
+    # Given a run on a real Redis whose samples are in every state at once
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, extra_env=HEAL_ENV)
+    try:
+        farm.start_redis()
+        settings = farm.settings()
+        store = OutputStore(settings.output_dir, _fingerprint()).open()
+        app = Celery("reconciler-test")
+        app.conf.update(celery_config(settings))
+        r, run = farm.redis(), store.run_id
+        index = RunIndex(r, run)
+        fid = index.register_file(str(tmp_path / "data.json"))
+        names = ["queued", "unacked", "running", "acking", "delivering", "starting", "lost"]
+        index.register({k: Registered(fid, i * 10, 10, "0" * 64, i) for i, k in enumerate(names)})
+        queue = farm.queue()
+        r.lpush(queue, _message(run, "queued"))
+        unacked = orjson.dumps([orjson.loads(_message(run, "unacked")), "", queue])
+        r.hset(keys.KOMBU_UNACKED, "tag-1", unacked)
+        r.set(leases.lease_name(run, "running"), "someone#1", px=30_000)  # an attempt runs
+        index.mark_done("acking", 100, 10)  # verified and marked done; its ack is on the way
+        rec, rival = Reconciler(app, settings, store), Reconciler(app, settings, store)
+        seen_rival: list[object] = []
+
+        def meanwhile(_: float) -> bool:
+            # between the two reads: a delivery's consumer writes its unacked entry, an attempt
+            # takes its lease, and a second reconciler tries a pass of its own
+            delivered = orjson.dumps([orjson.loads(_message(run, "delivering")), "", queue])
+            r.hset(keys.KOMBU_UNACKED, "tag-2", delivered)
+            r.set(leases.lease_name(run, "starting"), "someone#2", px=30_000)
+            seen_rival.append(rival.run_pass(sleep=lambda _: False))
+            return False
+
+        # When one reconciler pass runs
+        result = rec.run_pass(sleep=meanwhile)
+        # Then only the sample in no state both times is published again, once; the second
+        # reconciler did nothing while the first held the lease
+        assert result is not None and result.suspects == 3 and result.republished == 1
+        assert seen_rival == [None]
+        assert republished(index) == {"lost": 1}
+        queued = [json.loads(m)["headers"]["id"] for m in r.lrange(queue, 0, -1)]
+        assert sorted(q.rsplit(":", 1)[1] for q in queued) == ["lost", "queued"]
+        # and a second pass finds nothing left to heal
+        again = rec.run_pass(sleep=lambda _: False)
+        assert again is not None and again.suspects == 0
+        assert r.hget(index.k(keys.REPUBLISHED), "lost") == b"1"
+    finally:
+        farm.close(kill=True)
