@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from celery import Celery
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
-from tests.faults import enqueue, running_farm
+from tests.faults import attempts, busy_child, enqueue, running_farm
 from worker import keys
 from worker import lease as leases
 from worker.app import celery_config
@@ -24,6 +26,7 @@ from worker.reconciler import Reconciler, republished
 from worker.run import task_id
 from worker.store import OutputStore
 
+REDIS_AWAY_S = 15  # how long the test's Redis is unreachable (AOF always)
 HEAL_ENV = {"FARM_RECONCILE_INTERVAL_S": "2", "FARM_RECONCILE_CONFIRM_S": "2"}
 
 
@@ -57,6 +60,58 @@ def test_lost_messages_are_published_again_by_the_run(tmp_path: Path, tiny_model
         assert "healed    3 lost task message(s)" in status.stdout, status.stdout
         print(f"HEAL lost-to-done {healed_s:.1f}s (interval 2 s, confirm 2 s)")
         assert healed_s < 60
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fsync", ["always", "everysec"])
+def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fsync: str) -> None:
+    # Given a Redis with AOF appendfsync ``fsync`` and a run in full swing (``always``: Redis
+    # then stays unreachable for a while: the workers pause, spending no attempt, and resume)
+    redis_args = ["--appendfsync", fsync]
+    env = {**HEAL_ENV, "FARM_LEASE_TTL_S": "8"}  # leases the rewind brings back expire soon
+    with running_farm(tmp_path, env=env, chunk=256, start_redis=False) as farm:
+        farm.start_redis(extra_args=redis_args)
+        farm.start_worker("w1", concurrency=2)
+        aof = farm.work_dir / "redis" / "appendonlydir"
+        if fsync == "everysec":
+            # what a crash of the machine under everysec may keep: the AOF as it was before
+            # the writes of the last moments, here all of the enqueue's (its samples, its
+            # messages); a SIGKILL of redis-server alone loses nothing, its writes are in the
+            # kernel already
+            wait_until(lambda: any(aof.glob("*.incr.aof")), 10, "the AOF")
+            shutil.copytree(aof, tmp_path / "aof-before")
+        sample_keys = enqueue(farm, tmp_path, 30)
+        busy_child(farm, "w1")
+        time.sleep(1.0)
+        # When redis-server is SIGKILLed mid-run and started again, and nobody runs a command
+        farm.procs["redis"].kill(signal.SIGKILL)
+        if fsync == "everysec":
+            shutil.rmtree(aof)
+            shutil.copytree(tmp_path / "aof-before", aof)
+        time.sleep(1 if fsync == "everysec" else REDIS_AWAY_S)  # unreachable meanwhile
+        farm.start_redis(extra_args=redis_args)
+        # Then the run finishes: every sample done once, nothing lost or doubled
+        wait_finished(farm, 30, timeout_s=180)
+        assert_farm_invariants(farm, sample_keys)
+        logs = farm.procs["w1"].log.read_text()
+        done_lines = re.findall(r" (\S+) a\d+ done n=", logs)
+        duplicated = len(done_lines) - len(set(done_lines))
+        index = RunIndex(farm.redis(), farm.run_id())
+        assert len(index.done_keys()) == 30
+        figures = {"fsync": fsync, "samples": 30, "done": len(index.done_keys()),
+                   "extracted": len(done_lines),
+                   "redeliveries": len(re.findall(r" already done \(verified", logs))
+                   + sum(a - 1 for a in attempts(farm).values()),
+                   "republished": sum(republished(index).values()),
+                   "re_enqueued": logs.count("re-enqueued "),
+                   "duplicated": duplicated, "lost": 30 - len(index.done_keys())}
+        print("REDIS-KILL", json.dumps(figures))
+        assert duplicated == 0, figures
+        if fsync == "everysec":
+            assert figures["re_enqueued"] == 1, figures
+        else:  # the attempts Redis's absence cancelled were refunded: none spent
+            assert set(attempts(farm).values()) == {1}, attempts(farm)
+            assert "attempt refunded: cancelled when Redis went away" in logs
 
 
 def _fingerprint() -> c.Fingerprint:

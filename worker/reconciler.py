@@ -17,6 +17,9 @@ any number of hosts carry the thread) runs a pass every ``FARM_RECONCILE_INTERVA
    its ``done`` mark) is marked done; every other one is published again, logged
    (``<key> republished``) and counted (``REPUBLISHED``: ``status``, dashboard, /metrics).
 
+Before that, the pass restores the run's record of each data file whose record Redis lost
+(``ledger``: the output dir's record of complete enqueues) by running ``enqueue`` for it.
+
 Why this never publishes a sample twice at once, one that runs, or one about to be acked:
 
 - the queue list and the ``unacked`` hash are read in one MULTI, so at one instant. kombu
@@ -38,6 +41,8 @@ acknowledged without work (``extract.already_done``).
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -47,7 +52,7 @@ from typing import Any
 import redis
 from celery import Celery, bootsteps
 
-from worker import broker, keys
+from worker import broker, keys, ledger
 from worker import lease as leases
 from worker import run as runs
 from worker.errors import Corrupt, FarmError
@@ -134,9 +139,30 @@ class Reconciler:
         if not isinstance(got, leases.Lease):
             return None
         try:
+            self._restore_record()
             return self._pass(sleep)
         finally:
             got.release()
+
+    def _restore_record(self) -> None:
+        """``enqueue`` again each data file whose record Redis lost (``ledger``).
+
+        The farm's own command, run as a person would: it relearns what is done from the
+        final files' headers, registers the file's samples and publishes what is missing.
+        """
+        lost = ledger.not_in_redis(self.r, self.run_id, self.settings.output_dir)
+        if not lost or self.r.exists(self.index.k(keys.ENQUEUE_LOCK)):
+            return  # an enqueue running now writes its record when it is done
+        for path in lost:
+            log.warning("Redis no longer holds the run's record of %s: enqueueing it again",
+                        path)
+            res = subprocess.run([sys.executable, "-m", "producer", "enqueue", path,
+                                  "--no-progress"], capture_output=True, text=True, check=False)
+            out = " | ".join((res.stdout + res.stderr).strip().splitlines()[-8:])
+            if res.returncode == 0:
+                log.warning("re-enqueued %s: %s", path, out)
+            else:
+                log.error("could not re-enqueue %s (exit %d): %s", path, res.returncode, out)
 
     def _pass(self, sleep: Any) -> Pass:
         first = in_no_state(self.index, self.queue)
