@@ -26,7 +26,8 @@ from worker.reconciler import Reconciler, republished
 from worker.run import task_id
 from worker.store import OutputStore
 
-REDIS_AWAY_S = 15  # how long the test's Redis is unreachable (AOF always)
+N_KILL = 20  # samples of the Redis-kill runs
+REDIS_AWAY_S = 8  # how long the test's Redis is unreachable (AOF always)
 HEAL_ENV = {"FARM_RECONCILE_INTERVAL_S": "2", "FARM_RECONCILE_CONFIRM_S": "2"}
 
 
@@ -58,7 +59,11 @@ def test_lost_messages_are_published_again_by_the_run(tmp_path: Path, tiny_model
         assert sorted(done_lines) == sorted(sample_keys), "a sample done twice, or not at all"
         status = farm.cli("status")
         assert "healed    3 lost task message(s)" in status.stdout, status.stdout
-        print(f"HEAL lost-to-done {healed_s:.1f}s (interval 2 s, confirm 2 s)")
+        ready = _log_time(logs, r" w1@\S+ ready\.")
+        again = max(_log_time(logs, rf" {k} republished: ") for k in removed)
+        done = max(_log_time(logs, rf" {k} a\d+ done n=") for k in removed)
+        print(f"HEAL lost-to-done {healed_s:.1f}s; from the worker ready: republished after "
+              f"{again - ready:.1f}s, done after {done - ready:.1f}s (interval 2 s, confirm 2 s)")
         assert healed_s < 60
 
 
@@ -80,7 +85,7 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
             # kernel already
             wait_until(lambda: any(aof.glob("*.incr.aof")), 10, "the AOF")
             shutil.copytree(aof, tmp_path / "aof-before")
-        sample_keys = enqueue(farm, tmp_path, 30)
+        sample_keys = enqueue(farm, tmp_path, N_KILL)
         busy_child(farm, "w1")
         time.sleep(1.0)
         # When redis-server is SIGKILLed mid-run and started again, and nobody runs a command
@@ -91,20 +96,20 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
         time.sleep(1 if fsync == "everysec" else REDIS_AWAY_S)  # unreachable meanwhile
         farm.start_redis(extra_args=redis_args)
         # Then the run finishes: every sample done once, nothing lost or doubled
-        wait_finished(farm, 30, timeout_s=180)
+        wait_finished(farm, N_KILL, timeout_s=180)
         assert_farm_invariants(farm, sample_keys)
         logs = farm.procs["w1"].log.read_text()
         done_lines = re.findall(r" (\S+) a\d+ done n=", logs)
         duplicated = len(done_lines) - len(set(done_lines))
         index = RunIndex(farm.redis(), farm.run_id())
-        assert len(index.done_keys()) == 30
-        figures = {"fsync": fsync, "samples": 30, "done": len(index.done_keys()),
+        assert len(index.done_keys()) == N_KILL
+        figures = {"fsync": fsync, "samples": N_KILL, "done": len(index.done_keys()),
                    "extracted": len(done_lines),
                    "redeliveries": len(re.findall(r" already done \(verified", logs))
                    + sum(a - 1 for a in attempts(farm).values()),
                    "republished": sum(republished(index).values()),
                    "re_enqueued": logs.count("re-enqueued "),
-                   "duplicated": duplicated, "lost": 30 - len(index.done_keys())}
+                   "duplicated": duplicated, "lost": N_KILL - len(index.done_keys())}
         print("REDIS-KILL", json.dumps(figures))
         assert duplicated == 0, figures
         if fsync == "everysec":
@@ -112,6 +117,13 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
         else:  # the attempts Redis's absence cancelled were refunded: none spent
             assert set(attempts(farm).values()) == {1}, attempts(farm)
             assert "attempt refunded: cancelled when Redis went away" in logs
+
+
+def _log_time(logs: str, pattern: str) -> float:
+    """The time of the first log line matching ``pattern`` (seconds since the epoch)."""
+    m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*" + pattern, logs, re.M)
+    assert m, pattern
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
 
 
 def _fingerprint() -> c.Fingerprint:
