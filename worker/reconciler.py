@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,7 @@ from worker.store import OutputStore
 log = logging.getLogger("hsfarm.reconciler")
 
 _SETTLED = (keys.FAILED, keys.REJECTED, keys.STALE)
+Sleep = Callable[[float], object]
 
 
 def _text(x: bytes | str) -> str:
@@ -132,8 +133,9 @@ class Reconciler:
         self.index = RunIndex(self.r, self.run_id)
         self.queue = runs.queue_for(settings, self.run_id)
 
-    def run_pass(self, sleep: Any = time.sleep) -> Pass | None:
-        """One pass, if no other reconciler runs one now (None: another does)."""
+    def run_pass(self, sleep: Sleep = time.sleep) -> Pass | None:
+        """One pass, if no other reconciler runs one now (None: another does). ``sleep``
+        waits between the two reads; a true return ends the pass (the worker stops)."""
         got = leases.try_acquire(self.r, self.index.k(keys.RECONCILE_LOCK),
                                  self.settings.lease_ttl_s)
         if not isinstance(got, leases.Lease):
@@ -164,7 +166,7 @@ class Reconciler:
             else:
                 log.error("could not re-enqueue %s (exit %d): %s", path, res.returncode, out)
 
-    def _pass(self, sleep: Any) -> Pass:
+    def _pass(self, sleep: Sleep) -> Pass:
         first = in_no_state(self.index, self.queue)
         result = Pass(suspects=len(first))
         if not first:
