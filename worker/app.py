@@ -77,9 +77,11 @@ app.conf.imports = ("worker.tasks",)
 
 def _add_bootsteps() -> None:
     from worker.janitor import Janitor
+    from worker.outage import OutageStep
     from worker.reaper import Reaper
+    from worker.reconciler import ReconcilerStep
 
-    app.steps["worker"].update({Janitor, Reaper})
+    app.steps["worker"].update({Janitor, OutageStep, Reaper, ReconcilerStep})
 
 
 _add_bootsteps()
