@@ -75,7 +75,11 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
     # then stays unreachable for a while: the workers pause, spending no attempt, and resume)
     redis_args = ["--appendfsync", fsync]
     env = {**HEAL_ENV, "FARM_LEASE_TTL_S": "8"}  # leases the rewind brings back expire soon
-    with running_farm(tmp_path, env=env, chunk=256, start_redis=False) as farm:
+    # (``always``: each sample is one forward of 1.5 s, so attempts are surely in flight, and
+    # seen by the workers' outage watch, when Redis goes away)
+    slow = fsync == "always"
+    with running_farm(tmp_path, ["--forward-delay-s", "1.5"] if slow else None, env=env,
+                      chunk=4096 if slow else 256, start_redis=False) as farm:
         farm.start_redis(extra_args=redis_args)
         farm.start_worker("w1", concurrency=2)
         aof = farm.work_dir / "redis" / "appendonlydir"
@@ -88,7 +92,7 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
             shutil.copytree(aof, tmp_path / "aof-before")
         sample_keys = enqueue(farm, tmp_path, N_KILL)
         busy_child(farm, "w1")
-        time.sleep(1.0)
+        time.sleep(1.2)
         # When redis-server is SIGKILLed mid-run and started again, and nobody runs a command
         farm.procs["redis"].kill(signal.SIGKILL)
         if fsync == "everysec":
