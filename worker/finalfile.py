@@ -36,7 +36,7 @@ class Part:
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes | None = None
+    data: bytes | memoryview | None = None
     source: io.FileIO | None = None
     offset: int = 0
     check: Callable[[memoryview], None] | None = None
