@@ -34,6 +34,7 @@ from tqdm import tqdm
 from producer import adopt_check as ck
 from producer import adopt_match as am
 from producer.adopt_formats import detect, list_files, open_sample
+from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import _run_lock_name, open_run
 from sglang_patch import contracts as c
 from worker import broker, diskio, liveness, tensorfile
@@ -46,7 +47,7 @@ from worker.samples import SampleRef, read_sample
 from worker.settings import Settings
 from worker.weights import M_WEIGHTS_ID
 
-M_ADOPTED_FROM, M_ADOPTED_FORMAT = "adopted_from", "adopted_format"
+M_ADOPTED_FORMAT = "adopted_format"
 M_ADOPTED_DTYPE, M_ADOPTED_CHECK = "adopted_source_dtype", "adopted_check"
 MANIFEST_ADOPTIONS = "adoptions"
 
@@ -117,6 +118,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     store = st.OutputStore(s.output_dir, run.fingerprint)
     if not dry_run or (s.output_dir / st.MANIFEST).exists():
         store = open_run(s, run.fingerprint, run.model_path)
+        store.debug_write_delay_s = s.debug_write_delay_s
     run_id = store.run_id or c.NO_RUN
     r = broker.client(s)
     report = Report(dry_run=dry_run)

@@ -167,7 +167,7 @@ def diagnose(cmp: cn.Comparison, recorded: list[cn.Canary], new: list[np.ndarray
     bad = [i for i, e in enumerate(cmp.layers) if not ok((e.max_rel, e.mean_rel))]
     final = len(cmp.layers) - 1
     if final not in bad:
-        return _other_layers(bad, mine, new, fingerprint, ok, layer)
+        return _other_layers(bad, mine, new, fingerprint, ok, layer)[1]
     if not [i for i in bad if i != final]:
         if norm is not None and ok(_err([norm(s) for s in layer(mine, final)],
                                         layer(new, final))):
@@ -175,8 +175,8 @@ def diagnose(cmp: cn.Comparison, recorded: list[cn.Canary], new: list[np.ndarray
                     "(pre-norm); this run stores it after the norm (post-norm)")
         return ("the final state alone differs: another final norm or head, or another "
                 "checkpoint that shares the aux layers")
-    shifted = _other_layers(bad, mine, new, fingerprint, ok, layer)
-    if "off-by-one" in shifted:
+    proven, shifted = _other_layers(bad, mine, new, fingerprint, ok, layer)
+    if proven:
         return shifted
     return ("another model or checkpoint: every layer differs, the final state too (another "
             "fine-tune, another revision or quantisation of the weights; or the server now "
@@ -185,7 +185,10 @@ def diagnose(cmp: cn.Comparison, recorded: list[cn.Canary], new: list[np.ndarray
 
 def _other_layers(bad: list[int], mine: list[np.ndarray], new: list[np.ndarray],
                   fp: c.Fingerprint, ok: Callable[[tuple[float, float]], bool],
-                  layer: Callable[[list[np.ndarray], int], list[np.ndarray]]) -> str:
+                  layer: Callable[[list[np.ndarray], int], list[np.ndarray]]
+                  ) -> tuple[bool, str]:
+    """(proven, text): proven when a file's layer equals the server's capture of a layer
+    next to it."""
     ids = fp.layers_to_capture
     found = []
     for j in bad:
@@ -199,12 +202,12 @@ def _other_layers(bad: list[int], mine: list[np.ndarray], new: list[np.ndarray],
         side = ("the output of layer {i} (= the input of layer {n})" if ids[k] > ids[j]
                 else "the input of layer {p}")
         what = side.format(i=ids[j], n=ids[j] + 1, p=ids[j] - 1)
-        return (f"off-by-one layers: the files' aux layer {ids[j]} equals this run's capture "
+        return True, (f"off-by-one layers: the files' aux layer {ids[j]} equals this run's capture "
                 f"of layer {ids[k]}, so the files hold {what} where this run (SGLang's "
                 f"convention) takes the input of layer {ids[j]}; shift the source's layer ids "
                 f"by {ids[j] - ids[k]:+d} or extract again")
     names = ", ".join(f"aux layer {ids[j]}" for j in bad if j < len(ids))
-    return (f"other layers: {names} differ while the final state matches (same model). The "
+    return False, (f"other layers: {names} differ while the final state matches (same model). The "
             "common cause is the off-by-one between 'input of layer i' (SGLang, this run) "
             "and 'output of layer i' (HF hidden_states[i+1]); the run captures no adjacent "
             "layer to prove it")

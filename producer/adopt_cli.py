@@ -12,13 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from producer.adopt import Run, adopt
-from producer.adopt_formats import FORMATS, parse_keys
-from worker import run as runs
-from worker.errors import ConfigError, Corrupt, Transient
-from worker.fingerprint import load_run
-from worker.server_limits import server_info, server_max_tokens
 from worker.settings import Settings
+
+FORMATS = ("auto", "hsfarm", "specforge", "torch")
 
 EXIT_OK, EXIT_PARTIAL, EXIT_ERROR = 0, 1, 2
 
@@ -43,11 +39,21 @@ def add_adopt_parser(sub: Any) -> None:
 
 
 def main_adopt(settings: Settings, args: argparse.Namespace) -> int:
+    """Run ``adopt`` (imported here: the other commands start without its imports)."""
+    from producer.adopt import Run, adopt
+    from producer.adopt_formats import detect, parse_keys
+    from worker import run as runs
+    from worker.errors import ConfigError, Corrupt, Transient
+    from worker.fingerprint import load_run
+    from worker.server_limits import server_info, server_max_tokens
+
     if not args.source.is_dir():
         raise ConfigError(f"{args.source} is not a directory")
     if args.check is not None and args.check < 1:
         raise ConfigError("--check must be at least 1: adopted files are always checked")
     keys = parse_keys(args.key)
+    if args.format == "auto":
+        args.format = detect(args.source)  # an unknown format: refused before any work
     model_path, chat, fingerprint = load_run(settings, wait_s=5)
     chat.server_max_tokens = server_max_tokens(settings, server_info(settings, wait_s=5))
     t0 = time.monotonic()

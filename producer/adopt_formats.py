@@ -28,7 +28,6 @@ from sglang_patch import contracts as c
 from worker import checksums, tensorfile
 from worker.errors import ConfigError, Corrupt, SourceFileRefused
 
-FORMATS = ("auto", "hsfarm", "specforge", "torch")
 SPECFORGE_GLOB = "data_*.ckpt"
 HSFARM_MARK = "manifest.json"
 # torch format: which dict keys hold what (``--key role=name``; aux may name three keys)
