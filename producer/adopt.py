@@ -24,6 +24,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 from producer import adopt_check as ck
 from producer import adopt_match as am
-from producer.adopt_formats import detect, list_files, open_sample
+from producer.adopt_formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import _run_lock_name, open_run
 from sglang_patch import contracts as c
@@ -41,7 +42,7 @@ from worker import broker, diskio, liveness, tensorfile
 from worker import lease as leases
 from worker import store as st
 from worker.chat import ChatTokenizer
-from worker.errors import BadInput, Corrupt, SourceFileRefused, StaleRecord
+from worker.errors import BadInput, Corrupt, OutputUnavailable, SourceFileRefused, StaleRecord
 from worker.index import RunIndex
 from worker.samples import SampleRef, read_sample
 from worker.settings import Settings
@@ -232,38 +233,65 @@ def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: Sa
     s = open_sample(path, fmt, keys)
     if not np.array_equal(s.input_ids, np.asarray(tok.input_ids, dtype=np.int64)):
         raise SourceFileRefused(f"its record {ref.index} changed since it was matched")
-    if s.verify is not None:
-        s.verify()
-    bad = {n: tensorfile.bf16_nonfinite(a) for n, a in (("hidden_state", s.hidden),
-                                                        ("aux_hidden_state", s.aux))
-           if tensorfile.bf16_any_nonfinite(a)}
-    if bad:
-        raise SourceFileRefused("; ".join(f"{n} has {k} NaN/Inf values" for n, k in bad.items()))
     mask = np.asarray(tok.loss_mask, dtype=np.int64)
     differs = s.loss_mask is not None and not np.array_equal(s.loss_mask, mask)
-    parts = {c.T_INPUT_IDS: st.Part.from_array("I64", s.input_ids),
-             c.T_LOSS_MASK: st.Part.from_array("I64", mask),
-             c.T_HIDDEN: _part(s.hidden), c.T_AUX: _part(s.aux)}
     meta = {st.M_SOURCE_ID: json.dumps(sample.source_id), st.M_SOURCE_FILE: ref.file,
-            st.M_TRUNCATED: str(tok.truncated_from), st.M_CONTENT: ref.sha256,
+            st.M_TRUNCATED: str(tok.truncated_from),
             c.M_LAYERS: json.dumps(list(run.fingerprint.layers_to_capture)),
-            M_WEIGHTS_ID: store.weights_id, c.M_PATCH_VERSION: c.PATCH_VERSION,
-            M_ADOPTED_FROM: str(path.resolve()), M_ADOPTED_FORMAT: fmt,
-            M_ADOPTED_DTYPE: s.dtype, M_ADOPTED_CHECK: check}
-    lease.check()  # lost the lease (stalled past its TTL): write nothing
-    store.write(ref.key, parts, meta)
-    try:
-        v = store.verify(ref.key, ref.sha256)
-    except Corrupt as e:
-        raise SourceFileRefused(f"written, but it does not read back whole: {e}") from e
+            M_WEIGHTS_ID: store.weights_id, M_ADOPTED_FROM: str(path.resolve()),
+            M_ADOPTED_FORMAT: fmt, M_ADOPTED_CHECK: check}
+    v = write_adopted(store, ref.key, ref.sha256, s, mask, meta, before_write=lease.check)
     index.mark_done(ref.key, v.size_bytes, v.tokens)
     return "adopted", "mask differs" if differs else ""
 
 
-def _part(bits: np.ndarray) -> st.Part:
-    """A bf16 tensor's bytes, straight from the source's mapping (no copy when contiguous)."""
+def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: SourceSample,
+                  loss_mask: np.ndarray, meta: dict[str, str],
+                  before_write: Callable[[], None] | None = None) -> st.Verified:
+    """One adopted file's data path: the source's own checksums and its values checked
+    (NaN/Inf), written durably as a final file, read back from the device and verified.
+
+    Raises:
+        SourceFileRefused: bad values or checksums; or the file does not read back whole.
+        NoSpace, OutputUnavailable: the output disk failed.
+    """
+    if s.verify is not None:
+        s.verify()
+    nonfinite = {c.T_HIDDEN: 0, c.T_AUX: 0}
+    parts = {c.T_INPUT_IDS: st.Part.from_array("I64", s.input_ids),
+             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask),
+             c.T_HIDDEN: _part(s.hidden, nonfinite, c.T_HIDDEN),
+             c.T_AUX: _part(s.aux, nonfinite, c.T_AUX)}
+
+    def verdict() -> None:  # every byte was checked as it was copied (in cache)
+        bad = [f"{n} has {k} NaN/Inf values" for n, k in nonfinite.items() if k]
+        if bad:
+            raise SourceFileRefused("; ".join(bad))
+
+    meta = {**meta, st.M_CONTENT: content_sha256, c.M_PATCH_VERSION: c.PATCH_VERSION,
+            M_ADOPTED_DTYPE: s.dtype}
+    if before_write is not None:
+        before_write()  # lost the lease (stalled past its TTL): write nothing
+    store.write(key, parts, meta, validate=verdict)
+    try:
+        return store.verify(key, content_sha256)
+    except Corrupt as e:
+        raise SourceFileRefused(f"written, but it does not read back whole: {e}") from e
+    except OSError as e:  # the disk fails to read back what it just took: the disk's fault
+        raise OutputUnavailable(f"reading back {store.final_path(key)}: {e}") from e
+
+
+def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
+    """A bf16 tensor's bytes straight from the source's mapping (no copy when contiguous),
+    its NaN/Inf values counted into ``nonfinite[name]`` piece by piece as they are copied."""
     arr = np.ascontiguousarray(bits)
-    return st.Part("BF16", tuple(arr.shape), data=arr.data.cast("B"))
+
+    def check(piece: memoryview) -> None:
+        values = np.frombuffer(piece, dtype="<u2")
+        if tensorfile.bf16_any_nonfinite(values):
+            nonfinite[name] += tensorfile.bf16_nonfinite(values)
+
+    return st.Part("BF16", tuple(arr.shape), data=arr.data.cast("B"), check=check)
 
 
 def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -> None:
