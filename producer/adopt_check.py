@@ -204,8 +204,8 @@ def _other_layers(bad: list[int], mine: list[np.ndarray], new: list[np.ndarray],
         what = side.format(i=ids[j], n=ids[j] + 1, p=ids[j] - 1)
         return True, (f"off-by-one layers: the files' aux layer {ids[j]} equals this run's capture "
                 f"of layer {ids[k]}, so the files hold {what} where this run (SGLang's "
-                f"convention) takes the input of layer {ids[j]}; shift the source's layer ids "
-                f"by {ids[j] - ids[k]:+d} or extract again")
+                f"convention) takes the input of layer {ids[j]}: the source's layers are not "
+                "this run's; extract these samples again")
     names = ", ".join(f"aux layer {ids[j]}" for j in bad if j < len(ids))
     return False, (f"other layers: {names} differ while the final state matches (same model). The "
             "common cause is the off-by-one between 'input of layer i' (SGLang, this run) "

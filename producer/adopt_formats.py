@@ -157,17 +157,26 @@ def _load_torch(path: Path) -> dict[str, Any]:
         mmap = zipfile.is_zipfile(path)
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
         raise SourceFileRefused(
-            f"refused unloaded: its pickle would run code or build objects other than "
-            f"tensors (torch's weights_only loader: {first})") from e
+            f"refused unloaded: torch's safe loader (weights_only) will not unpickle it: "
+            f"{_why(e)}; a pickle that holds more than tensors may run code") from e
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError,
             IndexError, TypeError, AttributeError) as e:
         raise SourceFileRefused(f"unreadable (truncated or corrupt?): {type(e).__name__}: "
-                                f"{str(e).strip()[:200]}") from e
+                                f"{_why(e)}") from e
     if not isinstance(obj, dict):
         raise SourceFileRefused(f"holds a {type(obj).__name__}, not a dict of tensors")
     return obj
+
+
+def _why(e: BaseException) -> str:
+    """The telling part of a loader's error: the line naming what it refused, or the first
+    sentence."""
+    text = str(e).strip()
+    for line in text.splitlines():
+        if "unsupported" in line.lower() or "GLOBAL" in line:
+            return line.strip()[:200]
+    return text.split(". ")[0][:200] or type(e).__name__
 
 
 def _open_torch(path: Path, keys: dict[str, tuple[str, ...]]) -> SourceSample:

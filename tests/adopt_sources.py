@@ -114,6 +114,6 @@ def write_bad(src: Path, good: Extracted, marker: Path) -> dict[str, str]:
                 "aux_hidden_state": good.aux[None]}, src / "data_904.ckpt")
     torch.save({"input_ids": torch.tensor([1, 2, 3, 4]), "hidden_state": good.hidden[None, :4],
                 "aux_hidden_state": good.aux[None, :4]}, src / "data_905.ckpt")
-    return {"data_900.ckpt": "would run code", "data_901.ckpt": "would run code",
+    return {"data_900.ckpt": "GLOBAL posix.system", "data_901.ckpt": "weights_only",
             "data_902.ckpt": "unreadable", "data_903.ckpt": "NaN/Inf",
             "data_904.ckpt": "hidden size 32", "data_905.ckpt": "match no record"}
