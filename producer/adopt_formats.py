@@ -175,7 +175,7 @@ def _why(e: BaseException) -> str:
     text = str(e).strip()
     for line in text.splitlines():
         if "unsupported" in line.lower() or "GLOBAL" in line:
-            return line.strip()[:200]
+            return line.strip().rstrip(".")[:200]
     return text.split(". ")[0][:200] or type(e).__name__
 
 
