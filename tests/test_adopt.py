@@ -12,23 +12,29 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from producer import adopt_check as ck
 from producer import cli
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests import adopt_sources as srcs
 from tests.conftest import CACHE, EXAMPLES, FAST_ENV, wait_finished
+from training import index as training_index
+from worker import canary as cn
 from worker import tensorfile
 from worker.chat import ChatTokenizer
 
 N_DATA, N_SOURCE = 8, 6
+FP = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
+                   layers_to_capture=(2, 4, 5), layer_convention="x", hidden_size=64,
+                   dtype="bfloat16", max_tokens=8192, overlong="reject")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +159,42 @@ def test_specforge_source_adopted_bit_equal_then_the_run_finishes(
     assert f"whole: {N_DATA} " in res.stdout and f"adopted: {N_SOURCE}\n" in res.stdout
     status = farm.cli("status", "--json")
     assert json.loads(status.stdout.splitlines()[-1])["done"] == N_DATA
+    report = training_index.refresh(farm.output_dir)
+    assert report.rows == N_DATA and not report.rejected, report.lines()
+
+
+def test_dry_run_adopts_nothing_and_another_template_matches_nothing(
+        data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
+        tiny_model: Path, tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
+    srcs.write_specforge(tmp_path / "sf", extracted[:3])
+    res = adopt_here(tmp_path / "sf", data[0], tmp_path / "out", "--dry-run")
+    assert res.returncode == 0 and "would adopt: 3\n" in res.stdout, res.stdout + res.stderr
+    assert not (tmp_path / "out").exists() or not finals(tmp_path / "out")
+    # a source whose tool rendered the chat another way: its ids are no record's
+    other = ChatTokenizer.from_pretrained(str(tiny_model), 8192, "reject")
+    other.tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                               "{% endfor %}")
+    srcs.write_specforge(tmp_path / "tpl", srcs.extract(tiny_model, data[1][:2], other))
+    res = adopt_here(tmp_path / "tpl", data[0], tmp_path / "out")
+    assert res.returncode == 1 and "no file matches a record" in res.stdout, res.stdout
+    assert "adopted: 0\n" in res.stdout and "refused: 2\n" in res.stdout
+
+
+def test_pre_norm_final_state_diagnosed() -> None:
+    rng = np.random.default_rng(0)
+    h = 16
+    w = rng.uniform(0.5, 2.0, h)
+    pre = [rng.normal(size=(4, 5, h)) for _ in range(2)]
+    post = [np.concatenate([p[:3], (p[3] / np.sqrt((p[3] ** 2).mean(-1, keepdims=True)
+                                                   + 1e-6) * w)[None]]) for p in pre]
+    recorded = [cn.Canary(np.arange(5), np.arange(5), p) for p in pre]
+    names = cn.layer_names((2, 4, 5))
+    cmp = cn.compare(recorded, post, names, 0.01, 0.0025)
+    assert not cmp.passed
+    fp = replace(FP, layers_to_capture=(2, 4, 5), hidden_size=h)
+    assert "pre-norm" in ck.diagnose(cmp, recorded, post, fp, lambda x: x / np.sqrt(
+        (x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w)
+    assert "final state alone differs" in ck.diagnose(cmp, recorded, post, fp, None)
 
 
 def test_other_checkpoint_refused_as_a_whole(
