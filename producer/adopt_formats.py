@@ -32,6 +32,7 @@ SPECFORGE_GLOB = "data_*.ckpt"
 HSFARM_MARK = "manifest.json"
 # torch format: which dict keys hold what (``--key role=name``; aux may name three keys)
 ROLES = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+MAX_UNMAPPED_BYTES = 4 << 30  # a legacy torch file is read whole: at most this
 DEFAULT_KEYS: dict[str, tuple[str, ...]] = {r: (r,) for r in ROLES}
 
 
@@ -155,6 +156,11 @@ def _load_torch(path: Path) -> dict[str, Any]:
     torch = _torch()
     try:
         mmap = zipfile.is_zipfile(path)
+        size = path.stat().st_size
+        if not mmap and size > MAX_UNMAPPED_BYTES:
+            raise SourceFileRefused(
+                f"a legacy (non-zip) torch file of {size / 1e9:.1f} GB would be read whole into "
+                "memory; save it again with a torch.save of torch >= 1.6 (zip)")
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise SourceFileRefused(
