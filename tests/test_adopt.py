@@ -123,6 +123,7 @@ def assert_bit_equal(out: Path, items: list[srcs.Extracted]) -> None:
         assert tf.metadata["adopted_format"] in ("specforge", "hsfarm", "torch")
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the hostile legacy pickle
 def test_specforge_source_adopted_bit_equal_then_the_run_finishes(
         farm: LocalFarm, data: tuple[Path, list[dict[str, Any]]],
         extracted: list[srcs.Extracted], tmp_path: Path,
@@ -132,7 +133,7 @@ def test_specforge_source_adopted_bit_equal_then_the_run_finishes(
     marker = tmp_path / "pwned"
     expect = srcs.write_bad(src, extracted[N_SOURCE], marker)
     before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
-    res = adopt(farm, src, data[0], farm.output_dir)
+    res = adopt_here(src, data[0], farm.output_dir)
     out = res.stdout
     assert res.returncode == 1, out + res.stderr  # some refused, the rest adopted
     assert f"adopted: {N_SOURCE}\n" in out and f"refused: {len(expect)}\n" in out, out
