@@ -21,6 +21,7 @@ import pytest
 
 from producer import adopt_check as ck
 from producer import cli
+from producer.enqueue import sample_refs
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
@@ -28,8 +29,10 @@ from tests import adopt_sources as srcs
 from tests.conftest import CACHE, EXAMPLES, FAST_ENV, wait_finished
 from training import index as training_index
 from worker import canary as cn
+from worker import lease as leases
 from worker import tensorfile
 from worker.chat import ChatTokenizer
+from worker.run import run_id_of
 
 N_DATA, N_SOURCE = 8, 6
 FP = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
@@ -224,17 +227,28 @@ def test_off_by_one_layers_diagnosed(
     assert not finals(tmp_path / "out")
 
 
-def test_hsfarm_and_torch_sources_and_unknown_format(
-        data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
+def test_hsfarm_and_torch_sources_beside_a_worker_and_unknown_format(
+        farm: LocalFarm, data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
         tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
     srcs.write_hsfarm(tmp_path / "hs", extracted[:2])
     res = adopt_here(tmp_path / "hs", data[0], tmp_path / "out")
     assert res.returncode == 0 and "adopted: 2\n" in res.stdout, res.stdout + res.stderr
     srcs.write_torch(tmp_path / "pt", extracted[2:4])
-    res = adopt_here(tmp_path / "pt", data[0], tmp_path / "out", "--format", "torch",
-                "--key", "input_ids=ids", "--key", "hidden_state=final",
-                "--key", "aux_hidden_state=aux0,aux1,aux2")
-    assert res.returncode == 0 and "adopted: 2\n" in res.stdout, res.stdout + res.stderr
+    torch_args = ("--format", "torch", "--key", "input_ids=ids", "--key", "hidden_state=final",
+                  "--key", "aux_hidden_state=aux0,aux1,aux2")
+    # a worker holds sample 2's lease (it is extracting it): adopt leaves that one to it
+    key = list(sample_refs(data[0], 1 << 20, [], []))[2].key
+    lease = leases.try_acquire(farm.redis(), leases.lease_name(run_id_of(tmp_path / "out"), key),
+                               30)
+    assert isinstance(lease, leases.Lease)
+    try:
+        res = adopt_here(tmp_path / "pt", data[0], tmp_path / "out", *torch_args)
+    finally:
+        lease.release()
+    assert "adopted: 1\n" in res.stdout and "left to workers: 1\n" in res.stdout, res.stdout
+    assert f"{key}.safetensors" not in finals(tmp_path / "out")
+    res = adopt_here(tmp_path / "pt", data[0], tmp_path / "out", *torch_args)
+    assert res.returncode == 0 and "adopted: 1\n" in res.stdout, res.stdout + res.stderr
     assert_bit_equal(tmp_path / "out", extracted[:4])
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "x.npy").write_bytes(b"\0" * 8)
