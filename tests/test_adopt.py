@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ import pytest
 
 from producer import adopt_check as ck
 from producer import cli
+from producer.adopt import Report, Run
+from producer.adopt import adopt as run_adopt
 from producer.enqueue import sample_refs
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
@@ -32,7 +35,9 @@ from worker import canary as cn
 from worker import lease as leases
 from worker import tensorfile
 from worker.chat import ChatTokenizer
+from worker.fingerprint import load_run
 from worker.run import run_id_of
+from worker.settings import Settings
 
 N_DATA, N_SOURCE = 8, 6
 FP = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
@@ -107,6 +112,13 @@ def adopt_here(farm: LocalFarm, monkeypatch: pytest.MonkeyPatch,
         return Result(code, got.out, got.err)
 
     return run
+
+
+def adopt_direct(farm: LocalFarm, source: Path, data: Path, out: Path) -> Report:
+    """``producer.adopt.adopt`` called directly, with a run of its own (thread-safe)."""
+    settings = Settings.from_env({**farm.env(), "FARM_OUTPUT_DIR": str(out)})
+    model_path, chat, fp = load_run(settings)
+    return run_adopt(Run(settings, chat, fp, model_path), source, data, progress=False)
 
 
 def finals(out: Path) -> dict[str, Path]:
@@ -258,8 +270,7 @@ def test_hsfarm_and_torch_sources_beside_a_worker_and_unknown_format(
 
 def test_sigkill_mid_adopt_then_two_at_once(
         farm: LocalFarm, data: tuple[Path, list[dict[str, Any]]],
-        extracted: list[srcs.Extracted], tmp_path: Path,
-        adopt_here: Callable[..., Result]) -> None:
+        extracted: list[srcs.Extracted], tmp_path: Path) -> None:
     src, out = tmp_path / "src", tmp_path / "out"
     srcs.write_specforge(src, extracted[:N_SOURCE])
     slow = {**farm.env(), "FARM_OUTPUT_DIR": str(out), "FARM_DEBUG_WRITE_DELAY_S": "2"}
@@ -274,10 +285,11 @@ def test_sigkill_mid_adopt_then_two_at_once(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     n_before = len(finals(out))
-    other = adopt(farm, src, data[0], out, wait=False)  # and one here, at the same time
-    texts = [adopt_here(src, data[0], out).stdout, other.communicate(timeout=300)[0]]
-    adopted = [int(next(x for x in t.splitlines() if x.startswith("adopted: "))[9:])
-               for t in texts]
+    # two at once (threads of this process, each with its own tokenizer): the lock orders them
+    with ThreadPoolExecutor(2) as pool:
+        reports = list(pool.map(lambda _: adopt_direct(farm, src, data[0], out), range(2)))
+    adopted = [r.adopted for r in reports]
+    texts = ["\n".join(r.lines()) for r in reports]
     assert sum(adopted) == N_SOURCE - n_before, texts
     assert min(adopted) == 0  # the lock: one of them did it all, the other found it done
     assert_bit_equal(out, extracted[:N_SOURCE])
