@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from producer import adopt_check as ck
 from producer import adopt_match as am
+from producer.adopt_canary import canary_outcome
 from producer.adopt_formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import _run_lock_name, open_run
@@ -41,6 +42,7 @@ from sglang_patch import contracts as c
 from worker import broker, diskio, liveness, tensorfile
 from worker import lease as leases
 from worker import store as st
+from worker.canary_check import Outcome
 from worker.chat import ChatTokenizer
 from worker.errors import BadInput, Corrupt, OutputUnavailable, SourceFileRefused, StaleRecord
 from worker.index import RunIndex
@@ -74,17 +76,28 @@ class Report:
     unmatched: int = 0
     records: int = 0
     check: ck.CheckResult | None = None
+    canary: Outcome | None = None  # the run's canary, when one was recorded
     dry_run: bool = False
     would_adopt: int = 0
 
     @property
     def ok(self) -> bool:
-        return not self.refused and (self.check is None or self.check.passed)
+        return not self.refused and self.compatible
+
+    @property
+    def compatible(self) -> bool:
+        """Neither the canary nor the compatibility check failed."""
+        return ((self.canary is None or self.canary.passed)
+                and (self.check is None or self.check.passed))
 
     def lines(self) -> list[str]:
         out = [f"  {name}: {why}" for name, why in self.refused]
         out += [f"  {name}: being extracted by a worker ({who}); left to it"
                 for name, who in self.busy]
+        if self.canary is not None:
+            out.append(self.canary.text if self.canary.passed else
+                       "the server fails the run's canary, so it cannot judge the files; "
+                       f"nothing adopted:\n{self.canary.text}")
         if self.check is not None:
             out += self.check.lines()
         if self.unmatched and not self.done and self.check is None:
@@ -133,6 +146,9 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
         report.refused, report.done = list(found.refused), len(found.done)
         report.unmatched = found.unmatched
         if not found.matched:
+            return report
+        report.canary = canary_outcome(s, store, run.model_path, run.chat)
+        if report.canary is not None and not report.canary.passed:
             return report
         report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
         if not report.check.passed:

@@ -1,7 +1,8 @@
 """The ``adopt`` subcommand's arguments and output (the work is ``producer.adopt``).
 
 Exit codes: 0 every file adopted or already done; 1 some files refused (the rest adopted);
-2 the compatibility check failed (nothing adopted), or the command could not run.
+2 the run's canary or the compatibility check failed (nothing adopted), or the command
+could not run.
 """
 
 from __future__ import annotations
@@ -69,6 +70,6 @@ def main_adopt(settings: Settings, args: argparse.Namespace) -> int:
     print(f"run {runs.run_id_of(settings.output_dir)}{' (dry run)' if args.dry_run else ''}, "
           f"source {args.source}, {time.monotonic() - t0:.1f}s")
     print("\n".join(report.lines()))
-    if report.check is not None and not report.check.passed:
+    if not report.compatible:
         return EXIT_ERROR
     return EXIT_OK if report.ok else EXIT_PARTIAL

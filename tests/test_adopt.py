@@ -165,14 +165,21 @@ def test_specforge_source_adopted_bit_equal_then_the_run_finishes(
     again = adopt_here(src, data[0], farm.output_dir)
     assert "adopted: 0\n" in again.stdout and f"already done: {N_SOURCE}\n" in again.stdout
     # enqueue publishes only the rest; workers do them; audit finds the run whole
-    res = farm.cli("enqueue", str(data[0]), "--no-progress")
-    assert f"published: {N_DATA - N_SOURCE}\n" in res.stdout, res.stdout + res.stderr
-    assert f"already done: {N_SOURCE}\n" in res.stdout
+    enq = farm.cli("enqueue", str(data[0]), "--no-progress")
+    assert f"published: {N_DATA - N_SOURCE}\n" in enq.stdout, enq.stdout + enq.stderr
+    assert f"already done: {N_SOURCE}\n" in enq.stdout
     farm.start_worker("w1", concurrency=1)
     wait_finished(farm, N_DATA, timeout_s=120)
-    res = farm.cli("audit")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert f"whole: {N_DATA} " in res.stdout and f"adopted: {N_SOURCE}\n" in res.stdout
+    # an adopted file lost: adopted again, after the run's canary (the worker recorded it)
+    lost = next(p for p in finals(farm.output_dir).values()
+                if "adopted_from" in tensorfile.header_metadata(p))
+    lost.unlink()
+    again = adopt_here(src, data[0], farm.output_dir)
+    assert "canary passed: 3 prompts" in again.stdout, again.stdout + again.stderr
+    assert "adopted: 1\n" in again.stdout, again.stdout
+    audited = farm.cli("audit")
+    assert audited.returncode == 0, audited.stdout + audited.stderr
+    assert f"whole: {N_DATA} " in audited.stdout and f"adopted: {N_SOURCE}\n" in audited.stdout
     status = farm.cli("status", "--json")
     assert json.loads(status.stdout.splitlines()[-1])["done"] == N_DATA
     report = training_index.refresh(farm.output_dir)
