@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -53,6 +54,8 @@ from worker.weights import M_WEIGHTS_ID
 M_ADOPTED_FORMAT = "adopted_format"
 M_ADOPTED_DTYPE, M_ADOPTED_CHECK = "adopted_source_dtype", "adopted_check"
 MANIFEST_ADOPTIONS = "adoptions"
+# a Hugging Face fast tokenizer is not safe to call from two threads at once (--jobs)
+_ENCODE = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,8 @@ def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: Sa
            lease: leases.Lease) -> tuple[str, str]:
     try:
         sample, _ = read_sample(ref)
-        tok = run.chat.encode(sample)
+        with _ENCODE:
+            tok = run.chat.encode(sample)
     except (BadInput, StaleRecord) as e:
         raise SourceFileRefused(f"its record {ref.index} changed: {e}") from e
     s = open_sample(path, fmt, keys)
