@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,19 @@ def write_hsfarm(src: Path, items: list[Extracted]) -> None:
                 for k, t in tensors.items()}
         tensorfile.write(src / "samples" / "00" / f"s{i}.safetensors", tensors,
                          checksums.checksum_metadata(sums))
+
+
+def write_hsfarm_damaged(src: Path, flipped: Extracted, truncated: Extracted) -> None:
+    """Beside ``write_hsfarm``'s files: one with a bit of its hidden state flipped (its
+    checksum no longer matches), one cut short."""
+    tmp = src / "tmp"
+    write_hsfarm(tmp, [flipped, truncated])
+    raw = bytearray((tmp / "samples" / "00" / "s0.safetensors").read_bytes())
+    raw[-100] ^= 0x01  # inside the last tensor's data (hidden_state / aux: both bf16)
+    (src / "samples" / "00" / "flipped.safetensors").write_bytes(bytes(raw))
+    whole = (tmp / "samples" / "00" / "s1.safetensors").read_bytes()
+    (src / "samples" / "00" / "cut.safetensors").write_bytes(whole[: len(whole) - 4096])
+    shutil.rmtree(tmp)
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -250,8 +251,13 @@ def test_hsfarm_and_torch_sources_beside_a_worker_and_unknown_format(
         farm: LocalFarm, data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
         tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
     srcs.write_hsfarm(tmp_path / "hs", extracted[:2])
+    srcs.write_hsfarm_damaged(tmp_path / "hs", extracted[4], extracted[5])
     res = adopt_here(tmp_path / "hs", data[0], tmp_path / "out")
-    assert res.returncode == 0 and "adopted: 2\n" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 1 and "adopted: 2\n" in res.stdout, res.stdout + res.stderr
+    assert re.search(r"^  samples/00/flipped.safetensors: checksum of \w+ differs", res.stdout,
+                     re.M), res.stdout
+    assert re.search(r"^  samples/00/cut.safetensors: unreadable: .*truncated", res.stdout,
+                     re.M), res.stdout
     srcs.write_torch(tmp_path / "pt", extracted[2:4])
     torch_args = ("--format", "torch", "--key", "input_ids=ids", "--key", "hidden_state=final",
                   "--key", "aux_hidden_state=aux0,aux1,aux2")
