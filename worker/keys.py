@@ -9,8 +9,19 @@ from __future__ import annotations
 PREFIX = "hsfarm"
 
 # --- one run's index (hashes keyed by sample key unless said otherwise) -----------------------
-SAMPLES = "samples"  # sample_key -> where its record is: "fid|offset|length|sha|index"
-FILES = "files"  # data file path -> its small integer id (fid); every file enqueued for the run
+# sample_key -> where its record is: "fid|offset|length|sha|index". The run's record of what
+# it holds: a worker resolves every message through it (worker/corpus.py), a key not here is
+# not in the run (its message is acknowledged as removed), and the path of fid is in FILES
+SAMPLES = "samples"
+FILES = "files"  # data file path -> its small integer id (fid): the current path of each file
+# fid -> JSON {path, sha256 (of the whole file), size, former: [paths it had]}: a data file is
+# known by its content too; enqueue of a moved file re-points its fid (worker/corpus.py)
+FILE_INFO = "file-info"
+PARKED = "parked"  # sample_key -> fid: its data file could not be read; no message until it can
+UNREADABLE = "unreadable"  # fid -> JSON {path, reason, host, at}: the file a worker could not read
+# sample_key -> JSON {reason, file, at}: left the run (its record was removed from the corpus
+# or replaced by a corrected one); its output, if any, kept in <out>/removed/
+REMOVED = "removed"
 DONE = "done"  # zset sample_key -> unix time the verified file was written
 BYTES = "bytes"  # sample_key -> bytes of the final file
 TOKENS = "tokens"  # sample_key -> token count
