@@ -28,6 +28,9 @@ from worker.samples import SampleRef, read_sample
 from worker.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
 from worker.weights import M_WEIGHTS_ID
 
+M_ADOPTED_FROM = "adopted_from"  # set by producer.adopt on the files it writes
+ADOPTED = "adopted"
+
 
 @dataclass
 class AuditReport:
@@ -39,6 +42,7 @@ class AuditReport:
     corrupt: list[tuple[str, str]] = field(default_factory=list)
     incompatible: list[tuple[str, str]] = field(default_factory=list)
     invalid_records: int = 0  # records enqueue rejects too: not expected on disk
+    adopted: int = 0  # whole files taken from an earlier run by ``adopt`` (their metadata)
     to_requeue: list[SampleRef] = field(default_factory=list)
     keys: set[str] = field(default_factory=set)  # every sample key of the data files checked
     not_in_corpus: list[str] | None = None  # None: not looked for (one data file of several)
@@ -50,7 +54,7 @@ class AuditReport:
 
     def add(self, other: AuditReport) -> None:
         """Fold another data file's report into this one."""
-        for name in ("checked", "whole", "tokens", "bytes", "invalid_records"):
+        for name in ("checked", "whole", "tokens", "bytes", "invalid_records", "adopted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("missing", "corrupt", "incompatible", "to_requeue"):
             getattr(self, name).extend(getattr(other, name))
@@ -68,7 +72,8 @@ class AuditReport:
         out = [f"checked: {self.checked}", f"whole: {self.whole} ({self.tokens} tokens, "
                f"{self.bytes / 1e6:.1f} MB)", f"missing: {len(self.missing)}",
                f"corrupt: {len(self.corrupt)}", f"incompatible: {len(self.incompatible)}",
-               f"invalid records (not expected on disk): {self.invalid_records}"]
+               f"invalid records (not expected on disk): {self.invalid_records}",
+               f"adopted: {self.adopted}"]
         if self.not_in_corpus is not None:
             out += [f"not in the corpus: {len(self.not_in_corpus)} output files whose record "
                     "no data file holds (run enqueue on the edited data file to set them "
@@ -83,7 +88,8 @@ class AuditReport:
 
 def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
                weights_id: str | None) -> tuple[str, str, int, int]:
-    """(verdict, reason, tokens, bytes); verdict in whole/missing/corrupt/incompatible/invalid.
+    """(verdict, reason, tokens, bytes); verdict in whole/missing/corrupt/incompatible/invalid;
+    the reason of a whole file is ``ADOPTED`` when ``adopt`` wrote it, else empty.
 
     "invalid": the record is one the worker rejects (too long, no assistant tokens, ...), so
     no file is expected for it.
@@ -113,7 +119,7 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
         return "corrupt", "input_ids differ from a fresh tokenization of the record", 0, 0
     if not np.array_equal(mask, np.asarray(tok.loss_mask[:n])):
         return "corrupt", "loss_mask differs from a fresh tokenization of the record", 0, 0
-    return "whole", "", v.tokens, v.size_bytes
+    return "whole", ADOPTED if M_ADOPTED_FROM in v.file.metadata else "", v.tokens, v.size_bytes
 
 
 def _cut_to_server(meta: dict[str, str], tok: Tokenized, n: int) -> int:
@@ -142,6 +148,7 @@ def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_b
             report.checked += 1
             if verdict == "whole":
                 report.whole += 1
+                report.adopted += why == ADOPTED
                 report.tokens += tokens
                 report.bytes += size
                 continue

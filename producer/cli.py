@@ -14,6 +14,7 @@ from pathlib import Path
 
 import redis
 
+from producer.adopt_cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import (
@@ -31,7 +32,7 @@ from worker import broker
 from worker import run as runs
 from worker.chat import ChatTokenizer
 from worker.datafile import DataFileError
-from worker.errors import ConfigError, Transient
+from worker.errors import ConfigError, FarmError, Transient
 from worker.fingerprint import load_run, run_fingerprint
 from worker.index import RunIndex
 from worker.settings import Settings
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve without a password (refused unless --address is loopback)")
     w.add_argument("--sample-s", type=float, default=10.0, metavar="S",
                    help="how often disks, server, broker and workers are sampled")
+    add_adopt_parser(sub)
     sub.add_parser("settings", help="print the effective settings")
     training_cli.add_commands(sub)
     return p
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "status":  # from the manifest when there is one: no server needed
             fingerprint, source = status_fingerprint(settings)
             return _status(settings, fingerprint, source, args)
+        if args.cmd == "adopt":
+            return main_adopt(settings, args)
         if args.cmd == "dashboard":
             from producer.dashboard import main_dashboard
 
@@ -120,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except (redis.RedisError, Transient) as e:
         print(f"error: Redis at {broker.where(settings)} did not answer ({e}); is it running? "
               "is REDIS_URL right?", file=sys.stderr)
+        return EXIT_ERROR
+    except FarmError as e:  # adopt: the server or the output disk failed under it
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -35,6 +35,11 @@ class BadInput(FarmError):
     """The sample is invalid (format, length, template). Recorded as rejected, never retried."""
 
 
+class SourceFileRefused(FarmError):
+    """A file offered to ``adopt`` cannot be taken (unreadable, unsafe, wrong shapes, bad
+    values); it is reported with the reason and the other files go on."""
+
+
 class MalformedMessage(FarmError):
     """A task message that fails validation (crafted, corrupted, or for another run)."""
 

@@ -13,7 +13,7 @@ with the algorithm the file's metadata names (old files: sha256).
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +31,12 @@ class Part:
 
     Either ``data`` (small tensors, in memory) or ``nbytes`` of the open file ``source`` (a
     dump) from ``offset``. ``check`` sees every piece of the bytes as they are copied (the
-    dump's value check). A closed ``source`` raises on use, never reads a recycled descriptor.
+    value check). A closed ``source`` raises on use, never reads a recycled descriptor.
     """
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes | None = None
+    data: bytes | memoryview | None = None
     source: io.FileIO | None = None
     offset: int = 0
     check: Callable[[memoryview], None] | None = None
@@ -83,15 +83,16 @@ def _header(parts: dict[str, Part], meta: dict[str, str],
 
 
 def _copy(part: Part, fd: int, file_offset: int) -> str:
-    """Append one part at ``fd`` (at ``file_offset``); returns its checksum."""
+    """Append one part at ``fd`` (at ``file_offset``), a window at a time, each window's
+    writeback started at once; returns its checksum."""
     h = checksums.new_hasher()
     if part.data is not None:
-        h.update(part.data)
-        diskio.write_all(fd, part.data)
-        return h.hexdigest()
-    if part.source is None:
+        windows: Iterator[memoryview] = _windows(part.data)
+    elif part.source is not None:
+        windows = diskio.mapped_windows(part.source.fileno(), part.offset, part.nbytes)
+    else:
         raise ValueError("a Part needs data or a source")
-    for window in diskio.mapped_windows(part.source.fileno(), part.offset, part.nbytes):
+    for window in windows:
         with window:  # released on every path, so the map can close
             for lo in range(0, len(window), PIECE_BYTES):
                 with window[lo : lo + PIECE_BYTES] as piece:
@@ -102,6 +103,13 @@ def _copy(part: Part, fd: int, file_offset: int) -> str:
             diskio.start_writeback(fd, file_offset, len(window))
             file_offset += len(window)
     return h.hexdigest()
+
+
+def _windows(data: bytes | memoryview) -> Iterator[memoryview]:
+    """Byte views of ``data``, ``diskio.MAP_WINDOW_BYTES`` at a time."""
+    with memoryview(data) as whole, whole.cast("B") as view:
+        for lo in range(0, len(view), diskio.MAP_WINDOW_BYTES):
+            yield view[lo : lo + diskio.MAP_WINDOW_BYTES]
 
 
 def read_back(path: Path, small: set[str]) -> tuple[
