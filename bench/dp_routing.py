@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import sys
 import tempfile
@@ -38,25 +37,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from farm import VOCAB, done_count, server_info
+from farm import done_count, report, server_info, write_data
 
 from producer.localfarm import LocalFarm
 from producer.queue_scan import broker_depth
 
 BASELINE = "server"
-
-
-def write_data(path: Path, n: int, seed: int = 0) -> int:
-    """``n`` pre-tokenized samples of 1,000-8,000 tokens; returns the total token count."""
-    rng = random.Random(seed)
-    total = 0
-    with open(path, "w") as f:
-        for i in range(n):
-            t = rng.randint(1000, 8000)
-            total += t
-            ids = [rng.randrange(1, VOCAB) for _ in range(t)]
-            f.write(json.dumps({"id": f"s{i:05d}", "input_ids": ids}) + "\n")
-    return total
 
 
 def run_arm(args: argparse.Namespace, rule: str, data: Path, n: int) -> dict[str, Any]:
@@ -138,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     assert args.rules[0] == BASELINE, f"the first rule is the baseline, {BASELINE!r}"
     data = Path(tempfile.mkdtemp(prefix="hsfarm-bench-dp-data.")) / "data.jsonl"
-    total = write_data(data, args.samples)
+    total = write_data(data, args.samples, tokens=(1000, 8000))
     results: dict[str, Any] = {"date": date.today().isoformat(), "machine": platform.node(),
                                "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
                                "args": {k: str(v) for k, v in vars(args).items()},
@@ -155,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"].append(r)
             print(json.dumps(r), flush=True)
     results["load_avg_at_end"] = os.getloadavg()
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    shutil.rmtree(data.parent, ignore_errors=True)
-    return 0
+    return report(results, table(results), args.json, data.parent)
 
 
 def table(results: dict[str, Any]) -> str:

@@ -76,11 +76,16 @@ class _GroupLoad:
 
 
 class DPGroups:
-    """N groups behind one server: dispatch, then forward steps taken by all groups at once."""
+    """N groups behind one server: dispatch, then forward steps taken by all groups at once, in
+    one model thread. N = 1 is a server without groups: its scheduler's passes, paced so that
+    a pass of n tokens lasts at least n / ``tokens_per_s`` (a fast stand-in model serves at a
+    GPU host's rate); ``busy_s`` counts the time in passes (``1 - busy_s / uptime``: how idle
+    the clients left the server)."""
 
     def __init__(self, groups: list[Group], wake: asyncio.Event, tokens_per_s: float,
-                 dump_dir: Path) -> None:
+                 dump_dir: Path, forward_delay_s: float = 0.0) -> None:
         self.groups = groups
+        self.forward_delay_s = forward_delay_s
         self.wake = wake  # shared by the groups: any submit wakes the lockstep loop
         self.tokens_per_s = tokens_per_s
         self.dump_dir = dump_dir
@@ -165,9 +170,11 @@ class DPGroups:
         self.steps += 1
         self.step_tokens += sum(tokens)
         self.step_capacity += len(self.groups) * max(tokens)
-        if self.tokens_per_s > 0:
+        if self.tokens_per_s > 0:  # the step lasts as long as its busiest group at that rate
             busiest_s = len(self.groups) * max(tokens) / self.tokens_per_s
             time.sleep(max(0.0, t0 + busiest_s - time.monotonic()))
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)
 
     def load(self) -> dict[str, Any]:
         """Per group: tokens, requests, idle passes, bytes of its dumps in the dump dir now;

@@ -27,7 +27,6 @@ import os
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,32 +76,22 @@ class _Batch:
 
 
 class Scheduler:
-    """Continuous prefill batching with chunking, one model thread, like SGLang's scheduler.
-
-    ``tokens_per_s`` paces forward passes (a pass of n tokens lasts at least n / rate), so a
-    fast stand-in model serves at a GPU host's rate; ``busy_s`` counts the time spent in
-    passes, so ``1 - busy_s / uptime`` is how idle the clients left the server.
-    """
+    """Continuous prefill batching with chunking, like SGLang's scheduler: one per server, or
+    one per attention-DP group. ``DPGroups`` runs their forward passes in the model thread."""
 
     def __init__(self, model: ReferenceModel | SyntheticModel, collector: DumpCollector,
-                 chunk_size: int, max_batch_tokens: int = 16384, forward_delay_s: float = 0.0,
-                 tokens_per_s: float = 0.0, dp_rank: int | None = None,
-                 wake: asyncio.Event | None = None) -> None:
+                 chunk_size: int, wake: asyncio.Event, max_batch_tokens: int = 16384,
+                 dp_rank: int | None = None) -> None:
         self.model = model
         self.dp_rank = dp_rank  # the attention-DP group this scheduler is (None: no groups)
         self.collector = collector
         self.budget = chunk_size if chunk_size > 0 else max_batch_tokens
         self.chunked = chunk_size > 0
         self._waiting: list[_Req] = []
-        self._wake = wake or asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._wake = wake  # shared by the server's schedulers: a submit wakes the loop
         self.running: set[str] = set()
         self.forward_passes = 0
-        self.forward_delay_s = forward_delay_s
-        self.tokens_per_s = tokens_per_s
         self.tokens_done = 0
-        self.busy_s = 0.0
-        self.started_s = time.monotonic()
 
     def submit(self, req: _Req) -> None:
         if req.rid in self.running:
@@ -113,25 +102,6 @@ class Scheduler:
 
     def abort(self, req: _Req) -> None:
         req.aborted = True
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            batch = self.next_batch()
-            if not batch.items:
-                self._wake.clear()
-                continue
-            t0 = time.monotonic()
-            try:
-                await loop.run_in_executor(self._executor, self._forward_paced, batch)
-            except Exception as e:  # a broken batch fails its requests, not the server
-                log.exception("forward failed")
-                self.fail(batch, e)
-                continue
-            finally:
-                self.busy_s += time.monotonic() - t0
-            self.finish_done(batch)
 
     def next_batch(self) -> _Batch:
         """The next pass's batch, after failing what was aborted (empty: nothing to run)."""
@@ -185,17 +155,6 @@ class Scheduler:
         tokens = sum(take for _, _, take in batch.items)
         self.tokens_done += tokens
         return tokens
-
-    def _forward_paced(self, batch: _Batch) -> None:
-        t0 = time.monotonic()
-        self.pace(t0, self.forward(batch))
-
-    def pace(self, t0: float, tokens: int) -> None:
-        """Make a pass that began at ``t0`` last as long as ``tokens`` take at the set rate."""
-        if self.tokens_per_s > 0:
-            time.sleep(max(0.0, t0 + tokens / self.tokens_per_s - time.monotonic()))
-        if self.forward_delay_s:
-            time.sleep(self.forward_delay_s)
 
     def _forward_each(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                      list[int]]:
@@ -326,7 +285,7 @@ class ReferenceServer:
             self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes)
         stager = PooledStager(self.model.pool) if isinstance(self.model, SyntheticModel) else None
         self.collector = DumpCollector(self.writer, stager=stager, ttl_s=args.dump_ttl_s)
-        self.scheduler: Scheduler | DPGroups | None = None
+        self.scheduler: DPGroups | None = None
 
     def ready_info(self) -> dict[str, object]:
         return {
@@ -364,27 +323,22 @@ class ReferenceServer:
                  self.model.layers_to_capture, self.args.chunked_prefill_size,
                  self.args.attn_dp_size, stale)
 
-    def _scheduler(self) -> Scheduler | DPGroups:
-        """One scheduler, or one per attention-DP group in lockstep (``dp_groups``)."""
+    def _scheduler(self) -> DPGroups:
+        """One scheduler, or one per attention-DP group stepping together (``dp_groups``)."""
         a = self.args
-        if a.attn_dp_size <= 1:
-            return Scheduler(self.model, self.collector, a.chunked_prefill_size,
-                             forward_delay_s=a.forward_delay_s, tokens_per_s=a.tokens_per_s)
         wake = asyncio.Event()
-        groups = [Scheduler(self.model, self.collector, a.chunked_prefill_size,
-                            forward_delay_s=a.forward_delay_s, dp_rank=g, wake=wake)
-                  for g in range(a.attn_dp_size)]
-        return DPGroups(list(groups), wake, a.tokens_per_s, self.dump_dir)
+        n = max(1, a.attn_dp_size)
+        groups = [Scheduler(self.model, self.collector, a.chunked_prefill_size, wake,
+                            dp_rank=g if n > 1 else None) for g in range(n)]
+        return DPGroups(list(groups), wake, a.tokens_per_s, self.dump_dir,
+                        forward_delay_s=a.forward_delay_s)
 
     async def _run(self, rid: str, ids: list[int], max_new_tokens: int,
                    routed_dp_rank: int | None = None) -> dict[str, Any]:
         sch = self.scheduler
         assert sch is not None
         req = _Req(rid, ids, max_new_tokens, asyncio.get_running_loop().create_future())
-        if isinstance(sch, DPGroups):
-            sch.submit(req, sch.pick(rid, routed_dp_rank))
-        else:
-            sch.submit(req)
+        sch.submit(req, sch.pick(rid, routed_dp_rank))
         try:
             return await req.future
         except asyncio.CancelledError:
@@ -457,7 +411,7 @@ class ReferenceServer:
                 "uptime_s": round(time.monotonic() - sch.started_s, 4),
                 "dump_writer_blocked_s": round(self.writer.blocked_s, 4),
                 "waiting_requests": len(sch.running),
-                **(sch.load() if isinstance(sch, DPGroups) else {})}
+                **(sch.load() if len(sch.groups) > 1 else {})}
 
 
 def _resolve_model(args: argparse.Namespace, cache_dir: Path) -> Path:
