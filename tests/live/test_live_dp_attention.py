@@ -127,6 +127,6 @@ def test_verify_probes_each_group_with_a_request_pinned_to_it(
     # And each group's probe was written by that group's own writer, and removed
     for g in pids:
         probes = [ln for ln in dump_calls(trace[g], server.dumps)
-                  if "rename" in ln and "_hsfarm_verify_g" in ln]
+                  if "rename" in ln and "_hsfarm_verify_g" in ln and ".safetensors" in ln]
         assert len(probes) == 1 and f"_hsfarm_verify_g{g}_" in probes[0], probes
     assert not list(server.dumps.glob("*_hsfarm_verify_*"))
