@@ -4,9 +4,10 @@ attention-TP rank 0 of its own DP group, with its own scheduler, batch and dump 
 
 Requests are pinned to groups with SGLang's ``routed_dp_rank``; both schedulers are traced
 (strace) to see which process wrote what, for the farm's requests and for ``verify --server``'s
-probe of each group. One server for the module (its start costs minutes here). DP attention needs a tiny model whose layers are
-DP-aware (DeepSeek's); the tiny Llama's are not (SGLang's ``llama.py`` all-reduces its embedding
-over the whole TP group with each group's own token count: a gloo size mismatch).
+probe of each group. One server for the module (its start costs minutes here). DP attention
+needs a tiny model whose layers are DP-aware (DeepSeek's); the tiny Llama's are not (SGLang's
+``llama.py`` all-reduces its embedding over the whole TP group with each group's own token
+count: a gloo size mismatch).
 """
 
 from __future__ import annotations
