@@ -46,15 +46,15 @@ BYTES_PER_TOKEN = 8 + 2 * 4 * 7168
 VOCAB = 642
 
 
-def write_data(path: Path, n: int, seed: int = 0) -> int:
-    """``n`` pre-tokenized samples of 1,000–2,000 tokens; returns the total token count."""
+def write_data(path: Path, n: int, seed: int = 0, tokens: tuple[int, int] = (1000, 2000)) -> int:
+    """``n`` pre-tokenized samples of ``tokens`` (low, high) tokens; returns the total count."""
     import random
 
     rng = random.Random(seed)
     total = 0
     with open(path, "w") as f:
         for i in range(n):
-            t = rng.randint(1000, 2000)
+            t = rng.randint(*tokens)
             total += t
             ids = [rng.randrange(1, VOCAB) for _ in range(t)]
             f.write(json.dumps({"id": f"s{i:05d}", "input_ids": ids}) + "\n")
@@ -255,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline (b) after: {b_after / 1e9:.2f} GB/s", flush=True)
     for r in results["runs"]:
         r["farm_vs_b"] = r["gb_per_s"] / results["baseline_b_gb_per_s"]
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    shutil.rmtree(data.parent, ignore_errors=True)
+    return report(results, table(results), args.json, data.parent)
+
+
+def report(results: dict[str, Any], text: str, json_path: Path | None, data_dir: Path) -> int:
+    """Print the table, save the raw results (``--json``), remove the run's data."""
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=1))
+    shutil.rmtree(data_dir, ignore_errors=True)
     return 0
 
 

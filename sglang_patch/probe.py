@@ -6,6 +6,10 @@ with a valid rid (``contracts.make_rid``) to the server, as a worker would, wait
 values), removes it and says what it found, with the weights the server says it serves (the
 dump's ``contracts.M_WEIGHTS``). It needs neither torch nor SGLang here: only the HTTP API, the
 dump dir and safetensors' own parser, so it runs with any python on the host.
+
+Under DP attention (``/server_info``'s ``attn_dp_size``, ``layout.dp_groups``) each group has
+its own scheduler and dump writer, so ``probe_groups`` sends one request pinned to each group
+(SGLang's ``routed_dp_rank``), checks each group's dump and names every group that fails.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
+from sglang_patch.layout import dp_groups
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
 ANSWER_TIMEOUT_S = 120.0  # for the server's answer (a busy server queues the probe)
@@ -38,6 +43,7 @@ class ProbeFailed(Exception):
 class Probe:
     summary: str  # one line: what came back
     metadata: dict[str, str]  # the dump's metadata (versions, layers, the weights served)
+    dp_rank: int | None = None  # the DP group it was pinned to (None: not pinned)
 
     @property
     def weights(self) -> dict[str, Any] | None:
@@ -55,13 +61,39 @@ def served_weights(meta: dict[str, str]) -> dict[str, Any] | None:
 
 
 def run_probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
-    """``probe``'s one-line summary."""
-    return probe(server_url, dump_dir, timeout_s).summary
+    """``probe_groups``' one-line summary."""
+    return probe_groups(server_url, dump_dir, timeout_s)
 
 
-def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> Probe:
+def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
+    """One probe (``probe``) per attention-DP group of the server, each pinned to its group;
+    a server without groups gets one unpinned probe. Returns a one-line summary.
+
+    Raises:
+        ProbeFailed: naming every group whose probe failed, and why.
+        dumpdir.DumpDirUnsafe: a dump is a link or another user's file.
+    """
+    groups = dp_groups(_get(server_url.rstrip("/"), "/server_info"))
+    if groups <= 1:
+        return probe(server_url, dump_dir, timeout_s).summary
+    passed, failed = [], []
+    for group in range(groups):
+        try:
+            passed.append(probe(server_url, dump_dir, timeout_s, dp_rank=group))
+        except ProbeFailed as e:
+            failed.append(f"DP group {group} of {groups}: {e}")
+    if failed:
+        ok = f" (groups {', '.join(str(p.dp_rank) for p in passed)} passed)" if passed else ""
+        raise ProbeFailed("; ".join(failed) + ok)
+    return (f"{groups} DP groups, one request pinned to each (routed_dp_rank), each dumped by "
+            f"its own group: {passed[0].summary}")
+
+
+def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0,
+          dp_rank: int | None = None) -> Probe:
     """Probe the server. ``timeout_s``: how long to wait for the dump once the server has
-    answered (and at least that long for the answer).
+    answered (and at least that long for the answer). ``dp_rank``: pin the request to that
+    attention-DP group (SGLang's ``routed_dp_rank``).
 
     Raises:
         ProbeFailed: the server or the hook did not do its part; the message has the fix.
@@ -69,13 +101,17 @@ def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> Probe:
     """
     url = server_url.rstrip("/")
     hidden = expected_hidden_size(_get(url, "/model_info"))
-    rid = c.make_rid(f"_hsfarm_verify_{os.getpid()}_{int(time.time() * 1000)}", 1,
+    group = "" if dp_rank is None else f"g{dp_rank}_"
+    rid = c.make_rid(f"_hsfarm_verify_{group}{os.getpid()}_{int(time.time() * 1000)}", 1,
                      len(PROBE_IDS))
+    body: dict[str, Any] = {"rid": rid, "input_ids": PROBE_IDS,
+                            "sampling_params": {"max_new_tokens": 0}}
+    if dp_rank is not None:
+        body["routed_dp_rank"] = dp_rank
     t0 = time.monotonic()
     try:
-        _post(url, "/generate", {"rid": rid, "input_ids": PROBE_IDS,
-                                 "sampling_params": {"max_new_tokens": 0}},
-              max(timeout_s, ANSWER_TIMEOUT_S))
+        answer = _post(url, "/generate", body, max(timeout_s, ANSWER_TIMEOUT_S))
+        _check_group(answer, dp_rank)
         path = _wait_for_dump(dump_dir, rid, time.monotonic() + timeout_s)
         tensors, meta = read_safetensors(path)
         layers, shapes = check_dump(tensors, meta, hidden)
@@ -87,7 +123,16 @@ def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> Probe:
                else ", weights not said (an older hook)")
     return Probe(f"a {len(PROBE_IDS)}-token request of ours through {url}: dump in {dump_dir} "
                  f"after {time.monotonic() - t0:.1f}s, ids equal, {shapes}, layers {layers}, "
-                 f"all finite{weights}", meta)
+                 f"all finite{weights}", meta, dp_rank)
+
+
+def _check_group(answer: Any, dp_rank: int | None) -> None:
+    """SGLang's answer names the DP group that served it (``meta_info.dp_rank``)."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    served = meta.get("dp_rank") if isinstance(meta, dict) else None
+    if dp_rank is not None and isinstance(served, int) and served != dp_rank:
+        raise ProbeFailed(f"the request pinned to DP group {dp_rank} (routed_dp_rank) was "
+                          f"served by group {served}: this server ignores routed_dp_rank")
 
 
 def expected_hidden_size(model_info: dict[str, Any]) -> int | None:
@@ -180,14 +225,18 @@ def _get(url: str, path: str) -> dict[str, Any]:
     return body
 
 
-def _post(url: str, path: str, body: dict[str, Any], timeout_s: float) -> None:
+def _post(url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            resp.read()
+            raw = resp.read()
     except urllib.error.HTTPError as e:
         detail = e.read()[:300].decode("utf-8", "replace")
         raise ProbeFailed(f"the server refused the probe request ({e.code}): {detail}") from e
     except OSError as e:
         raise ProbeFailed(f"the probe request to {url}{path} failed: {e}") from e
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

@@ -3,6 +3,7 @@
     python -m sglang_patch.reference_server --port 30000 --dump-dir /dev/shm/hsd \
         [--model tiny|synthetic|PATH] [--chunked-prefill-size 8192] [--tokens-per-s N]
 
+``--attn-dp-size N`` serves N attention-DP groups as SGLang does (``dp_groups.py``).
 ``--model synthetic`` needs no model: deterministic Kimi-sized hidden states
 (``--hidden-size``, default 7168; see ``synthetic.py``) at ``--tokens-per-s``, for load tests.
 
@@ -26,7 +27,6 @@ import os
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from aiohttp import web
 
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
+from sglang_patch.dp_groups import DPGroups, routed_rank_error
 from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
 from sglang_patch.faults import Fault, FaultyWriter
 from sglang_patch.markers import write_ready_marker
@@ -75,30 +76,22 @@ class _Batch:
 
 
 class Scheduler:
-    """Continuous prefill batching with chunking, one model thread, like SGLang's scheduler.
-
-    ``tokens_per_s`` paces forward passes (a pass of n tokens lasts at least n / rate), so a
-    fast stand-in model serves at a GPU host's rate; ``busy_s`` counts the time spent in
-    passes, so ``1 - busy_s / uptime`` is how idle the clients left the server.
-    """
+    """Continuous prefill batching with chunking, like SGLang's scheduler: one per server, or
+    one per attention-DP group. ``DPGroups`` runs their forward passes in the model thread."""
 
     def __init__(self, model: ReferenceModel | SyntheticModel, collector: DumpCollector,
-                 chunk_size: int, max_batch_tokens: int = 16384, forward_delay_s: float = 0.0,
-                 tokens_per_s: float = 0.0) -> None:
+                 chunk_size: int, wake: asyncio.Event, max_batch_tokens: int = 16384,
+                 dp_rank: int | None = None) -> None:
         self.model = model
+        self.dp_rank = dp_rank  # the attention-DP group this scheduler is (None: no groups)
         self.collector = collector
         self.budget = chunk_size if chunk_size > 0 else max_batch_tokens
         self.chunked = chunk_size > 0
         self._waiting: list[_Req] = []
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._wake = wake  # shared by the server's schedulers: a submit wakes the loop
         self.running: set[str] = set()
         self.forward_passes = 0
-        self.forward_delay_s = forward_delay_s
-        self.tokens_per_s = tokens_per_s
         self.tokens_done = 0
-        self.busy_s = 0.0
-        self.started_s = time.monotonic()
 
     def submit(self, req: _Req) -> None:
         if req.rid in self.running:
@@ -110,30 +103,23 @@ class Scheduler:
     def abort(self, req: _Req) -> None:
         req.aborted = True
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            # _finish removes from _waiting: iterate over a copy, never the list itself
-            for req in [r for r in self._waiting if r.aborted]:
-                self._finish(req, error=asyncio.CancelledError())
-            batch = self._next_batch()
-            if not batch.items:
-                self._wake.clear()
-                continue
-            t0 = time.monotonic()
-            try:
-                await loop.run_in_executor(self._executor, self._forward, batch)
-            except Exception as e:  # a broken batch fails its requests, not the server
-                log.exception("forward failed")
-                for req, _, _ in batch.items:
-                    self._finish(req, error=e)
-                continue
-            finally:
-                self.busy_s += time.monotonic() - t0
-            for req, _, _ in batch.items:
-                if req.pos == len(req.ids):
-                    self._finish(req)
+    def next_batch(self) -> _Batch:
+        """The next pass's batch, after failing what was aborted (empty: nothing to run)."""
+        # _finish removes from _waiting: iterate over a copy, never the list itself
+        for req in [r for r in self._waiting if r.aborted]:
+            self._finish(req, error=asyncio.CancelledError())
+        return self._next_batch()
+
+    def fail(self, batch: _Batch, error: BaseException) -> None:
+        for req, _, _ in batch.items:
+            self._finish(req, error=error)
+
+    def finish_done(self, batch: _Batch) -> list[_Req]:
+        """Answer the requests whose last chunk ran in ``batch``; returns them."""
+        done = [req for req, _, _ in batch.items if req.pos == len(req.ids)]
+        for req in done:
+            self._finish(req)
+        return done
 
     def _next_batch(self) -> _Batch:
         batch, budget = _Batch(), self.budget
@@ -146,8 +132,8 @@ class Scheduler:
             budget -= take
         return batch
 
-    def _forward(self, batch: _Batch) -> None:
-        t0 = time.monotonic()
+    def forward(self, batch: _Batch) -> int:
+        """Run one pass (in the model thread); returns its token count."""
         if isinstance(self.model, SyntheticModel):  # one pass into pooled buffers, no cat
             out = self.model.forward_batch([(r.ids[p : p + t], p) for r, p, t in batch.items])
             ids, hidden, aux, next_tokens = out.ids, out.hidden, out.aux, out.next_tokens
@@ -168,10 +154,7 @@ class Scheduler:
         self.forward_passes += 1
         tokens = sum(take for _, _, take in batch.items)
         self.tokens_done += tokens
-        if self.tokens_per_s > 0:  # pace: the pass lasts as long as it would at that rate
-            time.sleep(max(0.0, t0 + tokens / self.tokens_per_s - time.monotonic()))
-        if self.forward_delay_s:
-            time.sleep(self.forward_delay_s)
+        return tokens
 
     def _forward_each(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                      list[int]]:
@@ -208,6 +191,7 @@ class Scheduler:
                 "completion_tokens": len(out_ids),
                 "cached_tokens": 0,
                 "finish_reason": {"type": "length", "length": req.max_new_tokens},
+                **({"dp_rank": self.dp_rank} if self.dp_rank is not None else {}),
             },
         })
 
@@ -277,6 +261,9 @@ class ReferenceServer:
             if args.threads:
                 torch.set_num_threads(args.threads)
             self.model = SyntheticModel(self.model_path, layers_to_capture=layers)
+            if args.chunked_prefill_size > 0:  # a pass never holds more rows than its budget
+                self.model.pool.min_rows = min(self.model.pool.min_rows,
+                                               args.chunked_prefill_size)
         else:
             self.model = ReferenceModel(self.model_path, layers_to_capture=layers,
                                         dtype=getattr(torch, args.dtype), threads=args.threads)
@@ -298,7 +285,7 @@ class ReferenceServer:
             self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes)
         stager = PooledStager(self.model.pool) if isinstance(self.model, SyntheticModel) else None
         self.collector = DumpCollector(self.writer, stager=stager, ttl_s=args.dump_ttl_s)
-        self.scheduler: Scheduler | None = None
+        self.scheduler: DPGroups | None = None
 
     def ready_info(self) -> dict[str, object]:
         return {
@@ -327,24 +314,35 @@ class ReferenceServer:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.scheduler = Scheduler(self.model, self.collector, self.args.chunked_prefill_size,
-                                   forward_delay_s=self.args.forward_delay_s,
-                                   tokens_per_s=self.args.tokens_per_s)
+        self.scheduler = self._scheduler()
         app["scheduler_task"] = asyncio.create_task(self.scheduler.run())
         stale = remove_stale_files(self.dump_dir)  # as the SGLang hook does at start-up
         write_ready_marker(self.dump_dir, self.ready_info())
-        log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s; %d stale files of dead "
-                 "processes removed", self.model_path, self.dump_dir,
-                 self.model.layers_to_capture, self.args.chunked_prefill_size, stale)
+        log.info("ready: model=%s dump_dir=%s layers=%s chunk=%s dp groups=%d; %d stale files "
+                 "of dead processes removed", self.model_path, self.dump_dir,
+                 self.model.layers_to_capture, self.args.chunked_prefill_size,
+                 self.args.attn_dp_size, stale)
 
-    async def _run(self, rid: str, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-        assert self.scheduler is not None
+    def _scheduler(self) -> DPGroups:
+        """One scheduler, or one per attention-DP group stepping together (``dp_groups``)."""
+        a = self.args
+        wake = asyncio.Event()
+        n = max(1, a.attn_dp_size)
+        groups = [Scheduler(self.model, self.collector, a.chunked_prefill_size, wake,
+                            dp_rank=g if n > 1 else None) for g in range(n)]
+        return DPGroups(list(groups), wake, a.tokens_per_s, self.dump_dir,
+                        forward_delay_s=a.forward_delay_s)
+
+    async def _run(self, rid: str, ids: list[int], max_new_tokens: int,
+                   routed_dp_rank: int | None = None) -> dict[str, Any]:
+        sch = self.scheduler
+        assert sch is not None
         req = _Req(rid, ids, max_new_tokens, asyncio.get_running_loop().create_future())
-        self.scheduler.submit(req)
+        sch.submit(req, sch.pick(rid, routed_dp_rank))
         try:
             return await req.future
         except asyncio.CancelledError:
-            self.scheduler.abort(req)  # client went away: SGLang aborts the request too
+            sch.abort(req)  # client went away: SGLang aborts the request too
             raise
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -355,7 +353,12 @@ class ReferenceServer:
         try:
             rid, ids, mnt = _parse_generate(body, self.model.vocab_size, self.context_len,
                                             self.tokenizer)
-            result = await self._run(rid, ids, mnt)
+            # SGLang's name, and its deprecated alias (managers/io_struct.py:419-429)
+            rank = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+            refusal = routed_rank_error(rank, self.args.attn_dp_size)
+            if refusal:
+                raise BadRequest(refusal)
+            result = await self._run(rid, ids, mnt, rank if self.args.attn_dp_size > 1 else None)
         except BadRequest as e:
             return _error(400, str(e))
         return web.json_response(result)
@@ -392,6 +395,9 @@ class ReferenceServer:
             "forward_passes": self.scheduler.forward_passes if self.scheduler else 0,
             "dumps_written": self.writer.written,
             "dump_errors": self.writer.errors,
+            # as SGLang 0.5.23 resolves --attn-dp-size N (or --dp-size N --enable-dp-attention)
+            "attn_dp_size": self.args.attn_dp_size, "dp_size": 1,
+            "load_balance_method": "round_robin",
             **self._load_info(),
         })
 
@@ -404,7 +410,8 @@ class ReferenceServer:
                 "busy_s": round(sch.busy_s, 4),
                 "uptime_s": round(time.monotonic() - sch.started_s, 4),
                 "dump_writer_blocked_s": round(self.writer.blocked_s, 4),
-                "waiting_requests": len(sch.running)}
+                "waiting_requests": len(sch.running),
+                **(sch.load() if len(sch.groups) > 1 else {})}
 
 
 def _resolve_model(args: argparse.Namespace, cache_dir: Path) -> Path:
@@ -435,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pace forward passes to this rate (0: as fast as the model runs)")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hsfarm"),
                    help="where the tiny model is built")
+    p.add_argument("--attn-dp-size", type=int, default=1, metavar="N",
+                   help="attention-DP groups, as SGLang's --attn-dp-size: one scheduler each, "
+                   "round robin or routed_dp_rank, stepping in lockstep (dp_groups.py)")
     p.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="max tokens per forward pass; -1 disables chunking (SGLang semantics)")
     p.add_argument("--layers-to-capture", type=int, nargs=3, default=None,

@@ -10,7 +10,9 @@ the exit code is 0 only when every check passes.
 5. (``--dump-dir``) a running server wrote a fresh ready marker: versions, layers, model; under
    DP attention one per DP group, every group of the newest server start (``_check_groups``);
 6. (``--server`` with ``--dump-dir``) one request of ours through that server leaves a dump in
-   the dump dir with the ids sent, the right shapes and layers, and finite values (``probe``).
+   the dump dir with the ids sent, the right shapes and layers, and finite values (``probe``);
+   under DP attention one request pinned to each group (``routed_dp_rank``), every group's dump
+   checked, and each group that fails named.
 
 ``--live-only`` skips 1-4 (the install, checked once before the launch): what
 ``ops/launch-sglang.sh`` polls while the server starts. 5 and 6 need no SGLang here.

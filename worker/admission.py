@@ -10,6 +10,9 @@ leaks its place.
 
 A request larger than the whole budget is still admitted when nothing else holds room, so
 one long sample never waits forever.
+
+Under DP attention a ticket may also name the group its request is pinned to
+(``dp_routing``): chosen under the same lock from what the slots hold per group.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from sglang_patch import contracts as c
 from sglang_patch.layout import dp_groups
 from worker.client import ServerClient
+from worker.dp_routing import NO_GROUP, SERVER, choose_group
 from worker.errors import BadInput, Transient
 from worker.settings import Settings
 
@@ -127,20 +131,22 @@ async def host_limits(settings: Settings, hidden_size: int, client: ServerClient
 
 @dataclass(frozen=True)
 class Holding:
-    """What one slot holds: a request place (0/1) and dump bytes."""
+    """What one slot holds: a request place (0/1), dump bytes, and the DP group its request
+    is pinned to (``NO_GROUP``: none)."""
 
     requests: int
     dump_bytes: int
+    group: int = NO_GROUP
 
     def encode(self) -> bytes:
-        return f"{self.requests} {self.dump_bytes}\n".encode()
+        return f"{self.requests} {self.dump_bytes} {self.group}\n".encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Holding:
         try:
-            r, b = raw.split()
-            return cls(int(r), int(b))
-        except ValueError:
+            r, b, *g = raw.split()
+            return cls(int(r), int(b), int(g[0]) if g else NO_GROUP)
+        except (ValueError, IndexError):
             return cls(0, 0)  # a slot being written for the first time holds nothing yet
 
 
@@ -152,10 +158,15 @@ class Ticket:
         self.fd = fd
         self.holding = holding
 
+    @property
+    def dp_rank(self) -> int | None:
+        """The DP group to pin the request to (SGLang's ``routed_dp_rank``); None: no pin."""
+        return None if self.holding.group == NO_GROUP else self.holding.group
+
     def answered(self) -> None:
         if self.fd >= 0 and self.holding.requests:
             with self.admission.locked():
-                self.holding = Holding(0, self.holding.dump_bytes)
+                self.holding = Holding(0, self.holding.dump_bytes, self.holding.group)
                 _write(self.fd, self.holding)
 
     def release(self) -> None:
@@ -168,11 +179,12 @@ class Admission:
     """The host's slots in ``dump_dir``; ``admit`` waits for a ticket."""
 
     def __init__(self, dump_dir: Path, limits: Limits, wait_s: float,
-                 slots: int = MAX_SLOTS) -> None:
+                 slots: int = MAX_SLOTS, dp_routing: str = SERVER) -> None:
         self.dir = dump_dir / SLOT_DIR
         self.limits = limits
         self.wait_s = wait_s
         self.slots = slots
+        self.dp_routing = dp_routing
         self.dir.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
@@ -214,23 +226,26 @@ class Admission:
             held, free_fd = self._scan(keep_free=True)
             if free_fd is None:
                 return None
-            fits = (held.requests + want.requests <= self.limits.max_in_flight
-                    and (held.dump_bytes + want.dump_bytes <= self.limits.dump_budget_bytes
-                         or held.dump_bytes == 0))
+            total = _sum(held)
+            fits = (total.requests + want.requests <= self.limits.max_in_flight
+                    and (total.dump_bytes + want.dump_bytes <= self.limits.dump_budget_bytes
+                         or total.dump_bytes == 0))
             if not fits:
                 os.close(free_fd)
                 return None
+            group = choose_group(self.dp_routing, self.limits.dp_groups, held)
+            want = Holding(want.requests, want.dump_bytes, group)
             _write(free_fd, want)
             return Ticket(self, free_fd, want)
 
     def usage(self) -> Holding:
         """What all held slots hold together, now."""
         with self.locked():
-            return self._scan(keep_free=False)[0]
+            return _sum(self._scan(keep_free=False)[0])
 
-    def _scan(self, keep_free: bool) -> tuple[Holding, int | None]:
-        """Sum of held slots, and (if asked) a free slot's fd, locked by us."""
-        requests = dump_bytes = 0
+    def _scan(self, keep_free: bool) -> tuple[list[Holding], int | None]:
+        """What each held slot holds, and (if asked) a free slot's fd, locked by us."""
+        held: list[Holding] = []
         free_fd: int | None = None
         for i in range(self.slots):
             path = self.dir / f"slot-{i:03d}"
@@ -240,15 +255,18 @@ class Admission:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # held by a live process: count what it holds
-                h = Holding.decode(os.pread(fd, 64, 0))
-                requests, dump_bytes = requests + h.requests, dump_bytes + h.dump_bytes
+                held.append(Holding.decode(os.pread(fd, 64, 0)))
                 os.close(fd)
                 continue
             if keep_free and free_fd is None:
                 free_fd = fd
             else:
                 os.close(fd)
-        return Holding(requests, dump_bytes), free_fd
+        return held, free_fd
+
+
+def _sum(held: list[Holding]) -> Holding:
+    return Holding(sum(h.requests for h in held), sum(h.dump_bytes for h in held))
 
 
 def _write(fd: int, holding: Holding) -> None:

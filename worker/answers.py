@@ -7,9 +7,10 @@ balancer, SGLang's own 503 while it starts or its queue is full, an answer that 
 Those make the worker wait and try again, spending no attempt. When unsure, it is the
 environment: a sample rejected for good must have earned it by its content.
 
-Two of SGLang's 400s are not about the sample either: "Duplicate request ID" (an earlier try
-of the same rid is still running) and a length refusal (the server's context is shorter than
-the farm was sized for: a configuration to fix, see ``server_limits``).
+Three of SGLang's 400s are not about the sample either: "Duplicate request ID" (an earlier
+try of the same rid is still running), a length refusal (the server's context is shorter than
+the farm was sized for: a configuration to fix, see ``server_limits``) and a ``routed_dp_rank``
+out of range (the server restarted with fewer DP groups than the worker read).
 
 ``environmental_rejection`` recognises the reasons that older versions recorded as rejections
 for such answers, so ``status --check`` and ``enqueue`` can put them right.
@@ -31,6 +32,7 @@ _LENGTH_REFUSALS = ("longer than the model's context length",
                     "exceeds the maximum allowed length",
                     "exceeds the model's maximum context length")
 _DUPLICATE_RID = "Duplicate request ID"
+_DP_RANK_REFUSAL = "routed_dp_rank="  # tokenizer_manager.py:921: "... out of range [0, N)"
 
 
 def error_for(what: str, status: int, body: bytes) -> FarmError | None:
@@ -65,6 +67,10 @@ def error_for(what: str, status: int, body: bytes) -> FarmError | None:
                            "worker was sized for (it restarted with a shorter context?): the "
                            "worker stops; at its next start it checks the server's context "
                            "against FARM_MAX_TOKENS and says what to do")
+    if status == 400 and _DP_RANK_REFUSAL in message:
+        return ConfigError(f"{where}: {message}. The server has fewer DP groups than this "
+                           "worker read at its start (restarted with another layout?): the "
+                           "worker stops; at its next start it reads the groups again")
     if status == 400:
         return BadInput(f"server rejected the sample ({status}): {message}")
     return ServerBusy(f"{where}: {message}", status)  # 401, 403, 404, 413...: not the sample

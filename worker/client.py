@@ -68,8 +68,10 @@ class ServerClient:
             raise ServerBusy(f"{method} {url}: a {status} answer that is not JSON: "
                              f"{data[:120]!r}", status) from e
 
-    async def generate(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
+    async def generate(self, rid: str, input_ids: list[int],
+                       dp_rank: int | None = None) -> dict[str, Any]:
         """Prefill-only request (max_new_tokens=0): the hook dumps it, nothing is decoded.
+        ``dp_rank`` pins it to that attention-DP group (SGLang's ``routed_dp_rank``).
 
         Raises:
             ServerUnavailable: the request failed and the server fails its health check too
@@ -78,7 +80,10 @@ class ServerClient:
                 or the connection was reset or dropped while the server stays healthy.
             BadInput: SGLang refused the request for its content.
         """
-        body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}}
+        body: dict[str, Any] = {"rid": rid, "input_ids": input_ids,
+                                "sampling_params": {"max_new_tokens": 0}}
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
         try:
             result = await self._request("POST", "/generate", body)
         except ServerUnavailable:

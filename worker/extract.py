@@ -103,7 +103,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
     with rt.admission.admit(n) as ticket:  # a request place, and tmpfs room for the dump
-        dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids))
+        dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids, ticket.dp_rank))
         ticket.answered()
         try:
             log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
@@ -156,6 +156,6 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
         raise OutputUnavailable(f"reading back {store.final_path(key)}: {e}") from e
 
 
-async def _request(rt: Runtime, rid: str, ids: list[int]) -> Path:
-    await rt.client.generate(rid, ids)
+async def _request(rt: Runtime, rid: str, ids: list[int], dp_rank: int | None) -> Path:
+    await rt.client.generate(rid, ids, dp_rank)
     return await wait_for_dump(rt.settings.dump_dir, rid, rt.settings.dump_timeout_s)

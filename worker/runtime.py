@@ -101,7 +101,8 @@ class Runtime:
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
                    index=RunIndex(broker.client(s), ctx.store.run_id),
                    hostname=liveness.HOST,
-                   admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2),
+                   admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2,
+                                       dp_routing=s.dp_routing),
                    canary=ctx.canary)
 
     def close(self) -> None:

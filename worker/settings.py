@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from worker.dp_routing import RULES
 from worker.errors import ConfigError
 from worker.redis_url import is_tls, masked
 
@@ -80,6 +81,8 @@ class Settings:
     # in flight to the server at once, and tmpfs bytes their dumps may take until collected.
     max_in_flight: int = 0
     dump_budget_bytes: int = 0
+    # Under DP attention, which group each request goes to (worker/dp_routing.py)
+    dp_routing: str = "server"
     # Fault injection for the crash tests only: sleep between writing a final file's temp file
     # and its rename, so a test can kill a process mid-copy. Never set it in production.
     debug_write_delay_s: float = 0.0
@@ -93,6 +96,9 @@ class Settings:
         out = []
         if self.overlong not in ("reject", "truncate"):
             out.append(f"FARM_OVERLONG must be 'reject' or 'truncate', not {self.overlong!r}")
+        if self.dp_routing not in RULES:
+            out.append(f"FARM_DP_ROUTING must be one of {', '.join(RULES)}, not "
+                       f"{self.dp_routing!r}")
         if self.max_tokens < 2:
             out.append(f"FARM_MAX_TOKENS must be >= 2, not {self.max_tokens}")
         if self.max_attempts < 1:

@@ -137,6 +137,23 @@ class LiveServer:
             return False
         return self.dump_dir is None or bool(self.markers())
 
+    def pids_titled(self, titles: dict[int, str]) -> dict[int, int]:
+        """key → pid of this server's process whose command line holds ``titles[key]`` (SGLang
+        titles its schedulers by rank: ``scheduler_TP1``, ``scheduler_DP1_TP1``)."""
+        assert self.proc is not None
+        found = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(proc.name)) != self.proc.pid:
+                    continue
+                title = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:  # gone meanwhile (ProcessLookupError is an OSError)
+                continue
+            found.update({key: int(proc.name) for key, t in titles.items() if t in title})
+        return found
+
     def markers(self) -> list[Path]:
         """The ready markers in the dump dir (temp files excluded)."""
         if not self.dumps.is_dir():

@@ -81,6 +81,24 @@ def record(what: str, model: Path, dumps: list[Path]) -> None:
              + "; ".join(cells))
 
 
+def sharing_batches(server: LiveServer, model: Path, lead: Req, short: list[Req],
+                    what: str) -> None:
+    """Send ``lead`` and, while it runs, ``short`` at once: some share a prefill batch, and
+    each dump equals transformers' states for its own ids (recorded per layer as ``what``)."""
+    offset = server.log.stat().st_size
+    with ThreadPoolExecutor(max_workers=len(short) + 1) as pool:
+        answers = send(server, [lead], pool) + send(server, short, pool)
+        for answer in answers:
+            answer.result()
+    batches = log_lines_since(server, offset, PREFILL_LINE)
+    most = max(int(b["seqs"]) for b in batches)
+    assert most >= 2, [b.group(0) for b in batches]
+    dumps = [wait_dump(server.dumps, r.rid) for r in [lead, *short]]
+    for path, r in zip(dumps, [lead, *short], strict=True):
+        check_dump(path, model, r.ids, LAYERS)
+    record(f"{what} (max {most} per batch)", model, dumps)
+
+
 def test_the_tiny_model_makes_every_sublayer_and_its_routing_count(model: Path) -> None:
     # Given the tiny DeepSeek-V3 and a prompt
     ids = clear(model, "shares", 40, 1).ids
@@ -145,21 +163,10 @@ class TestUnchunked:
         # Given a 120-token prompt of ours, then, while it runs, five short ones
         lead = clear(model, "lead", 120, 100)
         short = [clear(model, f"short-{i}", 5 + 7 * i, 200 + 50 * i) for i in range(5)]
-        offset = server.log.stat().st_size
         # When they are sent at once
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            answers = send(server, [lead], pool) + send(server, short, pool)
-            for answer in answers:
-                answer.result()
-        # Then some of them shared a prefill batch
-        batches = log_lines_since(server, offset, PREFILL_LINE)
-        assert max(int(b["seqs"]) for b in batches) >= 2, [b.group(0) for b in batches]
-        # And each dump holds exactly its own request's states
-        dumps = [wait_dump(server.dumps, r.rid) for r in [lead, *short]]
-        for path, r in zip(dumps, [lead, *short], strict=True):
-            check_dump(path, model, r.ids, LAYERS)
-        record(f"unchunked, 6 requests sharing batches (max {max(int(b['seqs']) for b in batches)}"
-               " per batch)", model, dumps)
+        # Then some of them shared a prefill batch, and each dump holds exactly its own
+        # request's states
+        sharing_batches(server, model, lead, short, "unchunked, 6 requests sharing batches")
 
 
 class TestChunked:
@@ -224,16 +231,6 @@ class TestKimiK25:
         # When a 120-token prompt of ours and, while it runs, three short ones are sent
         lead = clear(model, "kimi-lead", 120, 700)
         short = [clear(model, f"kimi-{i}", 4 + 9 * i, 800 + 50 * i) for i in range(3)]
-        offset = server.log.stat().st_size
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            answers = send(server, [lead], pool) + send(server, short, pool)
-            for answer in answers:
-                answer.result()
-        batches = log_lines_since(server, offset, PREFILL_LINE)
-        assert max(int(b["seqs"]) for b in batches) >= 2, [b.group(0) for b in batches]
-        # Then each dump holds transformers' DeepSeek-V3 states for its ids
-        dumps = [wait_dump(server.dumps, r.rid) for r in [lead, *short]]
-        for path, r in zip(dumps, [lead, *short], strict=True):
-            check_dump(path, model, r.ids, LAYERS)
-        record("through KimiK25ForConditionalGeneration, 4 requests sharing batches", model,
-               dumps)
+        # Then some shared a batch, and each dump holds transformers' DeepSeek-V3 states
+        sharing_batches(server, model, lead, short,
+                        "through KimiK25ForConditionalGeneration, 4 requests sharing batches")

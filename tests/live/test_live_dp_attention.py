@@ -3,15 +3,16 @@ DeepSeek-V3, the layout Kimi-K2.5 is served with (attention-TP size 1: each rank
 attention-TP rank 0 of its own DP group, with its own scheduler, batch and dump writer).
 
 Requests are pinned to groups with SGLang's ``routed_dp_rank``; both schedulers are traced
-(strace) to see which process wrote what. DP attention needs a tiny model whose layers are
-DP-aware (DeepSeek's); the tiny Llama's are not (SGLang's ``llama.py`` all-reduces its embedding
-over the whole TP group with each group's own token count: a gloo size mismatch).
+(strace) to see which process wrote what, for the farm's requests and for ``verify --server``'s
+probe of each group. One server for the module (its start costs minutes here). DP attention
+needs a tiny model whose layers are DP-aware (DeepSeek's); the tiny Llama's are not (SGLang's
+``llama.py`` all-reduces its embedding over the whole TP group with each group's own token
+count: a gloo size mismatch).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,11 +20,12 @@ from pathlib import Path
 import pytest
 
 from sglang_patch.verify import check_marker
+from sglang_patch.verify import main as verify
 from tests.conftest import CACHE
 from tests.live.conftest import measured, running
 from tests.live.reference import check_dump
 from tests.live.sglang_server import LiveServer
-from tests.live.test_live_deepseek import LAYERS, SERVER_ENV, SERVER_FLAGS, clear
+from tests.live.test_live_deepseek import LAYERS, SERVER_ENV, SERVER_FLAGS, clear, record
 from tests.live.test_live_tp2 import traced
 from tests.live.tiny_deepseek import ensure_tiny_deepseek
 from tests.live.traffic import Req, wait_dump
@@ -44,22 +46,8 @@ def server(module_dir: Path, model: Path) -> Iterator[LiveServer]:
 
 
 def group_pids(server: LiveServer) -> dict[int, int]:
-    """DP group → pid of its scheduler (SGLang titles them ``scheduler_DP<d>_TP<t>``)."""
-    assert server.proc is not None
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) != server.proc.pid:
-                continue
-            title = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        for group in range(2):
-            if f"scheduler_DP{group}_TP{group}" in title:
-                found[group] = int(proc.name)
-    return found
+    """DP group → pid of its scheduler (attention-TP size 1: group g is TP rank g)."""
+    return server.pids_titled({g: f"scheduler_DP{g}_TP{g}" for g in range(2)})
 
 
 def send_pinned(server: LiveServer, pinned: list[tuple[Req, int]]) -> None:
@@ -119,3 +107,27 @@ def test_each_group_dumps_its_own_requests_once_and_an_idle_group_nothing(
     assert not list(server.dumps.glob("*.err"))
     measured(f"DP attention (tp 2, dp 2), 7 requests pinned to groups: worst per-token error "
              f"vs transformers {max(errors):.4f}")
+    record("DP attention (tp 2, dp 2), 7 requests pinned to groups", model,
+           [dumps[r.rid] for r, _ in idle_phase + split])
+
+
+def test_verify_probes_each_group_with_a_request_pinned_to_it(
+        server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Given the two groups' schedulers, traced
+    pids = group_pids(server)
+    trace = {g: tmp_path / f"verify{g}.strace" for g in pids}
+    # When verify checks the running server (as ops/launch-sglang.sh polls it)
+    with traced(pids[0], trace[0]), traced(pids[1], trace[1]):
+        code = verify(["--live-only", "--dump-dir", str(server.dumps), "--server", server.url])
+    out = capsys.readouterr().out
+    # Then both groups' markers pass, and one probe per group, pinned with routed_dp_rank
+    assert code == 0, out
+    assert "PASS  ready marker: 2 DP groups of server process " in out, out
+    assert "PASS  probe request: 2 DP groups, one request pinned to each (routed_dp_rank), " \
+        "each dumped by its own group: a 16-token request of ours" in out, out
+    # And each group's probe was written by that group's own writer, and removed
+    for g in pids:
+        probes = [ln for ln in dump_calls(trace[g], server.dumps)
+                  if "rename" in ln and "_hsfarm_verify_g" in ln and ".safetensors" in ln]
+        assert len(probes) == 1 and f"_hsfarm_verify_g{g}_" in probes[0], probes
+    assert not list(server.dumps.glob("*_hsfarm_verify_*"))

@@ -4,7 +4,6 @@ writes (seen with strace on both ranks), and the dumps equal transformers' state
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -34,22 +33,8 @@ def server(module_dir: Path, tiny_model: Path) -> Iterator[LiveServer]:
 
 
 def scheduler_pids(server: LiveServer) -> dict[int, int]:
-    """TP rank → pid of the server's scheduler processes (SGLang titles them by rank)."""
-    assert server.proc is not None
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) != server.proc.pid:
-                continue
-            title = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:  # gone meanwhile (ProcessLookupError is an OSError)
-            continue
-        for rank in range(server.tp):
-            if f"scheduler_TP{rank}" in title:
-                found[rank] = int(proc.name)
-    return found
+    """TP rank → pid of the server's scheduler processes."""
+    return server.pids_titled({rank: f"scheduler_TP{rank}" for rank in range(server.tp)})
 
 
 def _all_threads_traced(pid: int) -> bool:

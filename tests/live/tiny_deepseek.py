@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +35,8 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
 
 def ensure_tiny_deepseek(cache_dir: Path, tokenizer_dir: Path) -> Path:
     """Build the model once into ``cache_dir`` (atomically); returns its directory."""
-    target = cache_dir / f"tiny-deepseek-v3-{VERSION}"
-    if (target / "config.json").exists():
-        return target
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-ds-build.", dir=cache_dir))
-    try:
-        _build(tmp, tokenizer_dir)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process built it meanwhile
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return _build_once(cache_dir / f"tiny-deepseek-v3-{VERSION}",
+                       lambda tmp: _build(tmp, tokenizer_dir))
 
 
 def ensure_tiny_kimi(cache_dir: Path, tokenizer_dir: Path) -> Path:
@@ -55,15 +44,21 @@ def ensure_tiny_kimi(cache_dir: Path, tokenizer_dir: Path) -> Path:
     the same language-model weights under ``language_model.``, so transformers' DeepSeek-V3
     forward of ``ensure_tiny_deepseek``'s checkpoint is its reference. Built once, atomically."""
     deepseek = ensure_tiny_deepseek(cache_dir, tokenizer_dir)
-    target = cache_dir / f"tiny-kimi-k25-{VERSION}"
+    return _build_once(cache_dir / f"tiny-kimi-k25-{VERSION}",
+                       lambda tmp: _build_kimi(tmp, deepseek))
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``build`` into a temporary dir beside ``target``, then rename it into place; a
+    concurrent builder's identical result wins the race harmlessly."""
     if (target / "config.json").exists():
         return target
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-kimi-build.", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build.", dir=target.parent))
     try:
-        _build_kimi(tmp, deepseek)
+        build(tmp)
         try:
             os.rename(tmp, target)
-        except OSError:
+        except OSError:  # another process built it meanwhile
             if not (target / "config.json").exists():
                 raise
     finally:
