@@ -108,14 +108,15 @@ def test_the_hook_dumps_fp8_and_the_farms_own_requests_bf16(tmp_path: Path) -> N
 
 
 def _fp8_dump(path: Path, ids: list[int], x: torch.Tensor, dtype: str = c.DTYPE_FP8,
-              **faults: object) -> Path:
-    """A dump as the fp8 hook writes it; ``faults``: nan=(row, col), scale=(row, layer)."""
+              nan: tuple[int, int] | None = None, scale: tuple[int, int] | None = None) -> Path:
+    """A dump as the fp8 hook writes it; ``nan`` (row, col) of aux gets the NaN byte,
+    ``scale`` (row, layer) of aux's scales becomes 0."""
     hq, hs = codec.quantize(x[:, :H], 1)
     aq, as_ = codec.quantize(x[:, H:], 3)
-    if "nan" in faults:
-        aq[faults["nan"]] = 0x7F  # type: ignore[index]
-    if "scale" in faults:
-        as_[faults["scale"]] = 0.0  # type: ignore[index]
+    if nan is not None:
+        aq[nan] = 0x7F
+    if scale is not None:
+        as_[scale] = 0.0
     meta = {c.M_LAYERS: json.dumps(list(LAYERS)), c.M_CONFIG_SHA: "cfg", c.M_DUMP_DTYPE: dtype}
     save_file({c.T_INPUT_IDS: torch.tensor(ids), c.T_HIDDEN: hq.view(codec.FP8),
                c.T_HIDDEN_SCALE: hs, c.T_AUX: aq.view(codec.FP8), c.T_AUX_SCALE: as_},
@@ -145,9 +146,9 @@ def test_the_worker_stores_fp8_dumps_and_refuses_nan_zero_scales_and_the_other_d
     sums = checksums.file_checksums(tensorfile.header_metadata(final))[1]
     assert sums[c.T_AUX_SCALE] == checksums.tensor_checksum(stored[c.T_AUX_SCALE].array.data)
     # A NaN byte or a zero scale from the server: refused, with counts, nothing written
-    for faults, message in (({"nan": (5, 9)}, "aux_hidden_state has 1 NaN/Inf values"),
-                            ({"scale": (7, 2)}, "aux_hidden_state_scale has 1 scales")):
-        path = _fp8_dump(tmp_path / "bad", ids, x, **faults)
+    for nan, scale, message in (((5, 9), None, "aux_hidden_state has 1 NaN/Inf values"),
+                                (None, (7, 2), "aux_hidden_state_scale has 1 scales")):
+        path = _fp8_dump(tmp_path / "bad", ids, x, nan=nan, scale=scale)
         with dumps.open_dump(path, ids, _fp()) as d, pytest.raises(Corrupt, match=message):
             _copy(store, d, "bad")
         assert not c.final_path(store.out_dir, "bad").exists()
