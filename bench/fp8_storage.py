@@ -83,14 +83,19 @@ def _fingerprint(dtype: str, h: int) -> c.Fingerprint:
                          "reject")
 
 
-def _store(out_dir: Path, dump: Path, ids: list[int], dtype: str, h: int) -> dict[str, float]:
-    """The worker's data path for one dump, its CPU and wall seconds, and the file's bytes."""
+def _store(out_dir: Path, dump: Path, ids: list[int], dtype: str, h: int,
+           repeats: int = 3) -> dict[str, Any]:
+    """The worker's data path for one dump, ``repeats`` times (a new final file each): CPU
+    and wall seconds of each, and the file's bytes."""
     store = OutputStore(out_dir / dtype, _fingerprint(dtype, h)).open()
     meta = {c.M_LAYERS: "[]"}
-    c0, w0 = time.process_time(), time.perf_counter()
-    v = store_dump(store, dump, ids, [1] * len(ids), "s0", "h", meta)
-    return {"worker_cpu_s": time.process_time() - c0, "worker_wall_s": time.perf_counter() - w0,
-            "final_bytes": v.size_bytes}
+    cpu, wall = [], []
+    for i in range(repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        v = store_dump(store, dump, ids, [1] * len(ids), f"s{i}", "h", meta)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return {"worker_cpu_s": cpu, "worker_wall_s": wall, "final_bytes": v.size_bytes}
 
 
 def synthetic(cache: Path, tokens: int, hidden_size: int, out_dir: Path,
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hsfarm")
     p.add_argument("--out-dir", type=Path, default=None, help="the worker's output disk")
     p.add_argument("--sglang", action="store_true", help="also a live SGLang server (CPU)")
+    p.add_argument("--no-tiny", action="store_true", help="skip the tiny model")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     shm = Path("/dev/shm")
@@ -190,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, Any] = {"synthetic": synthetic(args.cache_dir, args.tokens, args.hidden,
                                                       out_dir, dump_root)}
         print(json.dumps(res["synthetic"], indent=1), flush=True)
-        res["tiny"] = tiny(args.cache_dir, [35, 142, 600])
-        print(json.dumps(res["tiny"], indent=1), flush=True)
+        if not args.no_tiny:
+            res["tiny"] = tiny(args.cache_dir, [35, 142, 600])
+            print(json.dumps(res["tiny"], indent=1), flush=True)
         if args.sglang:
             res["sglang"] = sglang(args.cache_dir, out_dir / "sglang", [35, 142, 600])
             print(json.dumps(res["sglang"], indent=1), flush=True)

@@ -212,3 +212,10 @@ def test_our_loader_beside_it_reads_in_place_what_its_export_holds(data: Path) -
     exported = {key: load_file(str(data / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))
                 for i, key in enumerate(_keys_by_row(data))}
     assert_in_place_equals_export(data, "speculators", exported)
+
+
+def test_an_fp8_runs_export_gives_its_dequantized_bf16_tensors(data: Path) -> None:
+    # Given an fp8 run exported for speculators 0.9.0 (bf16: its reader has no fp8 layout),
+    # Then its dataset gives our stored values times their scales, and so does ours in place
+    test_its_dataset_and_collator_give_our_tensors(data / "fp8")
+    test_our_loader_beside_it_reads_in_place_what_its_export_holds(data / "fp8")
