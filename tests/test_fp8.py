@@ -107,6 +107,23 @@ def test_the_hook_dumps_fp8_and_the_farms_own_requests_bf16(tmp_path: Path) -> N
     assert torch.equal(got[c.T_HIDDEN], x[n:, :H].to(torch.bfloat16))
 
 
+def test_the_synthetic_servers_stager_quantizes_without_holding_the_pool() -> None:
+    # Given the synthetic model's pooled forward pass and its stager (no copy in bf16)
+    from sglang_patch.dump_writer import encode_fp8
+    from sglang_patch.synthetic import PooledStager, SyntheticModel, ensure_synthetic_model
+    from tests.conftest import CACHE
+
+    m = SyntheticModel(ensure_synthetic_model(CACHE, H, 61))
+    out = m.forward_batch([([1, 2, 3, 4], 0)])
+    want = encode_fp8([out.ids[:4], out.hidden[:4], out.aux[:4]])
+    # When a part is staged with the fp8 encoder
+    staged = PooledStager(m.pool).stage([out.ids[:4], out.hidden[:4], out.aux[:4]], encode_fp8)
+    # Then it holds the quantized rows, and no lease on the hidden-state buffers
+    got = staged.wait()
+    assert len(got) == 5 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(m.pool.lease_of(t) is None for t in got[1:])
+
+
 def _fp8_dump(path: Path, ids: list[int], x: torch.Tensor, dtype: str = c.DTYPE_FP8,
               nan: tuple[int, int] | None = None, scale: tuple[int, int] | None = None) -> Path:
     """A dump as the fp8 hook writes it; ``nan`` (row, col) of aux gets the NaN byte,
