@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sglang_patch import contracts as c
+from sglang_patch import fp8
 from sglang_patch.cuda_stager import stager_for
 from sglang_patch.dump_writer import DumpCollector, DumpWriter
 
@@ -120,7 +121,8 @@ def calibrate_layers(hidden: int, tokens: int, device: str, target_tps: float,
 
 
 def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
-             target_tps: float, max_layers: int) -> dict[str, object]:
+             target_tps: float, max_layers: int,
+             dump_dtype: str = c.DTYPE_BF16) -> dict[str, object]:
     layers = calibrate_layers(hidden, tokens, device, target_tps, max_layers)
     model = StandIn(layers, hidden, device)
     xs = [torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16) for _ in range(2)]
@@ -144,7 +146,7 @@ def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
 
     hook_dir = dump_root / f"hook-{tokens}"
     writer = DumpWriter(hook_dir, {c.M_LAYERS: json.dumps(list(model.aux_at))}, max_queue=4,
-                        min_free_bytes=0)
+                        min_free_bytes=0, dtype=dump_dtype)
     stager = stager_for(xs[0])
     collector = DumpCollector(writer, stager=stager)
     last: dict[str, torch.Tensor] = {}
@@ -168,12 +170,18 @@ def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
     writer.close()
 
     got = load_file(str(c.dump_path(hook_dir, c.make_rid(f"b{iters - 1}", 1, tokens))))
-    exact = (torch.equal(got[c.T_HIDDEN], last["hidden"].cpu())
-             and torch.equal(got[c.T_AUX], last["aux"].cpu())
+    want = {c.T_HIDDEN: last["hidden"], c.T_AUX: last["aux"]}
+    if dump_dtype == c.DTYPE_FP8:  # the hook's quantization, done here on the device
+        hq, hs = fp8.quantize(last["hidden"], 1)
+        aq, as_ = fp8.quantize(last["aux"], c.AUX_LAYERS)
+        want = {c.T_HIDDEN: hq.view(fp8.FP8), c.T_HIDDEN_SCALE: hs, c.T_AUX: aq.view(fp8.FP8),
+                c.T_AUX_SCALE: as_}
+    exact = (all(torch.equal(_raw(got[k]), _raw(v)) for k, v in want.items())
              and torch.equal(got[c.T_INPUT_IDS], ids.cpu()))
-    bytes_per_dump = tokens * (8 + 4 * hidden * 2)
+    bytes_per_dump = tokens * c.bytes_per_token(dump_dtype, hidden)
     return {
-        "tokens": tokens, "hidden": hidden, "layers": layers, "iters": iters,
+        "dump_dtype": dump_dtype, "tokens": tokens, "hidden": hidden, "layers": layers,
+        "iters": iters,
         "forward_ms": fwd * 1e3, "tokens_per_s": tokens / fwd,
         "dump_mb": bytes_per_dump / 1e6,
         "sync_ratio": sync_s / fwd,
@@ -182,6 +190,11 @@ def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
         "hook_blocked_s": writer.blocked_s, "hook_max_queue": writer.max_depth,
         "hook_drain_s": drain_s, "dumps_written": writer.written, "bit_exact": exact,
     }
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on the host, float8 as its bytes (compared bit for bit)."""
+    return t.cpu().view(torch.uint8) if t.dtype == fp8.FP8 else t.cpu()
 
 
 def chunked_exactness(device: str, root: Path, hidden: int = 256) -> bool:
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-tokens-per-s", type=float, default=10000.0)
     p.add_argument("--max-layers", type=int, default=400)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--dump-dtype", choices=c.STORE_DTYPES, default=c.DTYPE_BF16,
+                   help="the hook's storage dtype (fp8_e4m3: quantized on the copy's stream)")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="hsfarm-bench-", dir=args.dump_dir))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -252,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{results['chunked_exact']}", flush=True)
         for t in args.tokens:
             r = run_size(t, args.hidden, args.device, args.iters, root,
-                         args.target_tokens_per_s, args.max_layers)
+                         args.target_tokens_per_s, args.max_layers, args.dump_dtype)
             sizes.append(r)
             print(f"T={t:5d} H={args.hidden} forward {r['forward_ms']:.1f} ms "
                   f"({r['tokens_per_s']:.0f} tok/s, {r['layers']} layers), dump "

@@ -17,3 +17,7 @@ dump_dir=/dev/shm
 [ "$free_kb" -gt 8000000 ] || dump_dir=/tmp
 PYTHONUNBUFFERED=1 python3 bench/dump_overhead.py --tokens 2048 8192 --iters 12 \
   --dump-dir "$dump_dir" --out "$out/dump_overhead.json" 2>&1 | tee "$out/dump_overhead.log"
+# the same with the hook quantizing to fp8 (FARM_STORE_DTYPE=fp8_e4m3): docs/fp8.md
+PYTHONUNBUFFERED=1 python3 bench/dump_overhead.py --tokens 2048 8192 --iters 12 \
+  --dump-dir "$dump_dir" --dump-dtype fp8_e4m3 --out "$out/dump_overhead_fp8.json" 2>&1 \
+  | tee "$out/dump_overhead_fp8.log"

@@ -151,7 +151,8 @@ def check_output_disk(settings: Settings, run: Run | None) -> Line:
     on = "" if where == out.absolute() else f" (not created yet; free space of {where})"
     reserve = settings.min_free_output_bytes
     if run is None or run.done == 0:
-        per_token = 8 * run.fingerprint.hidden_size + 16 if run is not None else 0
+        per_token = (c.bytes_per_token(run.fingerprint.dtype, run.fingerprint.hidden_size) + 8
+                     if run is not None else 0)  # + the loss mask
         size = (f"; each token takes {per_token:,} bytes ({per_token * 2000 / 1e6:,.0f} MB "
                 "for a 2,000-token sample)") if per_token else ""
         if free < reserve:

@@ -102,11 +102,13 @@ class Activation:
             c.M_WEIGHTS: c.served_weights(self.weights, str(info["model_path"])),
         }
         info["weights"] = self.weights
+        info["dump_dtype"] = os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16
         dumpdir.ensure(self.dump_dir)
         stale = remove_stale_files(self.dump_dir)
         hook = DumpHook(self.dump_dir, meta,
                         max_queue=int(os.environ.get(ENV_QUEUE, "4")),
-                        reserve_bytes=int(os.environ.get(ENV_RESERVE, str(1 << 30))))
+                        reserve_bytes=int(os.environ.get(ENV_RESERVE, str(1 << 30))),
+                        dtype=os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16)
         write_ready_marker(self.dump_dir, info)
         log.info("hsfarm dump hook active (ids known %s): layers %s, dump dir %s, %d stale "
                  "files of dead processes removed", where, layers, self.dump_dir, stale)

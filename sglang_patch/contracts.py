@@ -157,6 +157,53 @@ M_RID = "rid"
 M_WEIGHTS = "weights_identity"  # JSON: ``served_weights`` of the weights the server loaded
 
 
+# --- storage dtype ---------------------------------------------------------------------------
+#
+# Hidden states are stored as bf16 (the default) or, opt-in, as float8 e4m3 with one float32
+# scale per token per layer: ``x ≈ float(q) * scale``, ``scale = max|x| / 448`` over the
+# layer's row. The hook quantizes (on the GPU, before the copy to the host), so the dump and
+# the final file hold the same bytes. The run's fingerprint names the dtype: one output dir
+# never mixes the two.
+
+DTYPE_BF16 = "bfloat16"
+DTYPE_FP8 = "fp8_e4m3"
+STORE_DTYPES = (DTYPE_BF16, DTYPE_FP8)
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+T_HIDDEN_SCALE = "hidden_state_scale"  # F32 [T, 1]
+T_AUX_SCALE = "aux_hidden_state_scale"  # F32 [T, 3]: one column per aux layer
+M_DUMP_DTYPE = "hidden_dtype"  # in a dump's metadata; a dump without it is bf16
+# Requests the farm sends for itself (the canary, ``sglang_patch verify``) are dumped in bf16
+# whatever the server stores: the canary compares unquantized states, as sensitive as in a
+# bf16 run (rounding to fp8 would turn a 0.5% numerics change into ~2% of flipped steps).
+INTERNAL_KEY_PREFIX = "_hsfarm_"
+ENV_DUMP_DTYPE = "SGLANG_HS_DUMP_DTYPE"  # the server's storage dtype (the hook, the reference)
+
+
+def dump_dtype_for(rid: Rid, server_dtype: str) -> str:
+    """The dtype the hook dumps request ``rid`` in: the server's, bf16 for the farm's own."""
+    return DTYPE_BF16 if rid.sample_key.startswith(INTERNAL_KEY_PREFIX) else server_dtype
+
+
+def hidden_layout(dtype: str, n: int, h: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The hidden-state tensors of a dump or final file of ``n`` tokens, hidden size ``h``:
+    name -> (safetensors dtype tag, shape). Raises ValueError for an unknown dtype."""
+    if dtype == DTYPE_BF16:
+        return {T_HIDDEN: ("BF16", (n, h)), T_AUX: ("BF16", (n, AUX_LAYERS * h))}
+    if dtype == DTYPE_FP8:
+        return {T_HIDDEN: ("F8_E4M3", (n, h)), T_AUX: ("F8_E4M3", (n, AUX_LAYERS * h)),
+                T_HIDDEN_SCALE: ("F32", (n, 1)), T_AUX_SCALE: ("F32", (n, AUX_LAYERS))}
+    raise ValueError(f"unknown storage dtype {dtype!r}: one of {', '.join(STORE_DTYPES)}")
+
+
+def bytes_per_token(dtype: str, h: int) -> int:
+    """Bytes one token takes in a dump: its id and its hidden states (with scales)."""
+    return 8 + sum(_TAG_BYTES[tag] * shape[1]
+                   for tag, shape in hidden_layout(dtype, 1, h).values())
+
+
+_TAG_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+
+
 def dump_path(dump_dir: Path, rid: str) -> Path:
     return dump_dir / f"{rid}{DUMP_SUFFIX}"
 

@@ -6,13 +6,17 @@ and records an event. The writer thread waits on that event, never the forward. 
 tensors are marked as used by the side stream so the caching allocator does not hand their
 memory to the next layer before the copy has read it. Pinned buffers come from PyTorch's
 caching host allocator, so steady state allocates nothing new.
+
+An ``encode`` (the fp8 quantization) runs on the side stream too, after it waited for the
+compute stream: the forward does not wait for it, and only its (half as large) outputs are
+copied to the host.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_patch.dump_writer import CpuStager, Stager
+from sglang_patch.dump_writer import CpuStager, Encode, Stager
 
 
 class _CudaStaged:
@@ -32,15 +36,16 @@ class CudaStager:
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(device=self.device)
 
-    def stage(self, tensors: list[torch.Tensor]) -> _CudaStaged:
+    def stage(self, tensors: list[torch.Tensor], encode: Encode | None = None) -> _CudaStaged:
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         host = []
         with torch.cuda.stream(self.stream):
             for t in tensors:
+                t.record_stream(self.stream)  # read on this stream (by encode or the copy)
+            for t in encode(tensors) if encode is not None else tensors:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 buf.copy_(t, non_blocking=True)
-                t.record_stream(self.stream)
                 host.append(buf)
             event = torch.cuda.Event()
             event.record(self.stream)

@@ -9,6 +9,12 @@ them. Only rids that parse as ours (``contracts.parse_rid``) are kept; everythin
 Why the staging seam: on a GPU the copy must stay off the critical path, so a ``Stager``
 starts an asynchronous device-to-host copy and returns at once; the writer thread waits for
 it. On CPU the stager is a plain clone.
+
+Storage dtype: with ``dtype`` fp8_e4m3 (``contracts.DTYPE_FP8``) each chunk's rows are
+quantized (``fp8.quantize``, a scale per token per layer) by the stager's ``encode`` before the
+copy: on a GPU on the copy's side stream, so the forward's stream does not wait for it and the
+device-to-host copy, tmpfs and the worker carry half the bytes. The farm's own requests
+(``contracts.dump_dtype_for``: the canary) stay bf16.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_patch import contracts as c
-from sglang_patch import dumpdir, markers
+from sglang_patch import dumpdir, fp8, markers
 
 log = logging.getLogger("hsfarm.dump")
 
@@ -37,10 +43,24 @@ class Staged(Protocol):
     def wait(self) -> list[torch.Tensor]: ...
 
 
-class Stager(Protocol):
-    """Starts copying device tensors to host memory; ``wait`` on the result gives CPU tensors."""
+Encode = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
-    def stage(self, tensors: list[torch.Tensor]) -> Staged: ...
+
+class Stager(Protocol):
+    """Starts copying device tensors to host memory; ``wait`` on the result gives CPU tensors.
+
+    ``encode``, when given, turns the tensors into the ones to copy (the fp8 quantization); it
+    runs where the copy is issued (a GPU stager: on its side stream)."""
+
+    def stage(self, tensors: list[torch.Tensor], encode: Encode | None = None) -> Staged: ...
+
+
+def encode_fp8(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[ids, hidden, aux] -> [ids, hidden fp8, hidden scales, aux fp8, aux scales]."""
+    ids, hidden, aux = tensors
+    hq, hs = fp8.quantize(hidden, 1)
+    aq, as_ = fp8.quantize(aux, c.AUX_LAYERS)
+    return [ids, hq, hs, aq, as_]
 
 
 @dataclass
@@ -54,7 +74,9 @@ class _Done:
 class CpuStager:
     """Synchronous copy (clone) for CPU tensors: the reference server and tests."""
 
-    def stage(self, tensors: list[torch.Tensor]) -> Staged:
+    def stage(self, tensors: list[torch.Tensor], encode: Encode | None = None) -> Staged:
+        if encode is not None:
+            return _Done([t.detach().to("cpu", copy=True) for t in encode(tensors)])
         return _Done([t.detach().to("cpu", copy=True) for t in tensors])
 
 
@@ -74,6 +96,7 @@ class DumpJob:
     parts: list[Staged] | None = None
     error: str | None = None
     token_count: int = 0
+    dtype: str = c.DTYPE_BF16
 
 
 class DumpWriter:
@@ -89,7 +112,11 @@ class DumpWriter:
         metadata: dict[str, str],
         max_queue: int = 8,
         min_free_bytes: int = 64 << 20,
+        dtype: str = c.DTYPE_BF16,
     ) -> None:
+        if dtype not in c.STORE_DTYPES:
+            raise ValueError(f"unknown dump dtype {dtype!r}: one of {', '.join(c.STORE_DTYPES)}")
+        self.dtype = dtype  # what the collector dumps our requests in
         self.dump_dir = dump_dir
         self.metadata = dict(metadata)
         self.min_free_bytes = min_free_bytes
@@ -141,9 +168,8 @@ class DumpWriter:
             self._write_err(job.rid, job.error or "no data")
             return
         chunks = [p.wait() for p in job.parts]
-        ids, hidden, aux = (_join([ch[i] for ch in chunks], dt) for i, dt in
-                            ((0, torch.int64), (1, torch.bfloat16), (2, torch.bfloat16)))
-        need = ids.numel() * 8 + (hidden.numel() + aux.numel()) * 2
+        tensors = _assemble(chunks, job.dtype)
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
         free = free_bytes(self.dump_dir)
         if free - need < self.min_free_bytes:
             self._write_err(
@@ -152,8 +178,7 @@ class DumpWriter:
                 f"{self.min_free_bytes}",
             )
             return
-        tensors = {c.T_INPUT_IDS: ids, c.T_HIDDEN: hidden.contiguous(), c.T_AUX: aux.contiguous()}
-        meta = {**self.metadata, c.M_RID: job.rid}
+        meta = {**self.metadata, c.M_RID: job.rid, c.M_DUMP_DTYPE: job.dtype}
         final = c.dump_path(self.dump_dir, job.rid)
         tmp = self.dump_dir / f".{job.rid}{c.TMP_MARK}{os.getpid()}"
         try:
@@ -264,11 +289,14 @@ class DumpCollector:
             self._fail(rid_s, f"overrun: {end} tokens seen, rid declares {state.n}")
             return
         sl = slice(start, start + ext)
-        state.parts.append(self.stager.stage([ids[sl], hidden[sl], aux[sl]]))
+        dtype = c.dump_dtype_for(rid, self.writer.dtype)
+        encode = encode_fp8 if dtype == c.DTYPE_FP8 else None
+        state.parts.append(self.stager.stage([ids[sl], hidden[sl], aux[sl]], encode))
         state.next_pos, state.updated_s = end, now
         if end == state.n:
             del self._pending[rid_s]
-            self.writer.submit(DumpJob(rid_s, parts=state.parts, token_count=state.n))
+            self.writer.submit(DumpJob(rid_s, parts=state.parts, token_count=state.n,
+                                       dtype=dtype))
 
     def _fail(self, rid: str, message: str) -> None:
         self.writer.submit(DumpJob(rid, error=message))
@@ -286,6 +314,19 @@ class DumpCollector:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+
+def _assemble(chunks: list[list[torch.Tensor]], dtype: str) -> dict[str, torch.Tensor]:
+    """One request's tensors, by name, from its staged chunks (in the dump's dtypes)."""
+    if dtype == c.DTYPE_FP8:
+        ids, hq, hs, aq, as_ = (_join([ch[i] for ch in chunks], dt) for i, dt in
+                                ((0, torch.int64), (1, torch.uint8), (2, torch.float32),
+                                 (3, torch.uint8), (4, torch.float32)))
+        return {c.T_INPUT_IDS: ids, c.T_HIDDEN: hq.view(fp8.FP8), c.T_HIDDEN_SCALE: hs,
+                c.T_AUX: aq.view(fp8.FP8), c.T_AUX_SCALE: as_}
+    ids, hidden, aux = (_join([ch[i] for ch in chunks], dt) for i, dt in
+                        ((0, torch.int64), (1, torch.bfloat16), (2, torch.bfloat16)))
+    return {c.T_INPUT_IDS: ids, c.T_HIDDEN: hidden, c.T_AUX: aux}
 
 
 def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,8 @@
 corrupts the dumps of requests whose sample key starts with KEY_PREFIX, on attempts up to
 ATTEMPTS (every attempt when omitted). KIND is one of:
 
-- ``nan``: one hidden-state value becomes NaN;
+- ``nan``: one hidden-state value becomes NaN (in an fp8 dump: the e4m3 NaN byte);
+- ``scale``: (fp8 dumps) one token's scale of the final layer becomes 0;
 - ``ids``: the first token id is off by one (the server ran something else);
 - ``shape``: the aux tensor loses a column;
 - ``truncate``: the file is cut in half.
@@ -26,7 +27,7 @@ import torch
 from sglang_patch import contracts as c
 from sglang_patch.dump_writer import DumpWriter
 
-KINDS = ("nan", "ids", "shape", "truncate")
+KINDS = ("nan", "scale", "ids", "shape", "truncate")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,13 @@ class FaultyWriter(DumpWriter):
         t = dict(tensors)
         if fault.kind == "nan":
             t[c.T_HIDDEN] = t[c.T_HIDDEN].clone()
-            t[c.T_HIDDEN][0, 0] = float("nan")
+            if t[c.T_HIDDEN].element_size() == 1:  # float8 e4m3fn: 0x7F is NaN
+                t[c.T_HIDDEN].view(torch.uint8)[0, 0] = 0x7F
+            else:
+                t[c.T_HIDDEN][0, 0] = float("nan")
+        elif fault.kind == "scale" and c.T_HIDDEN_SCALE in t:
+            t[c.T_HIDDEN_SCALE] = t[c.T_HIDDEN_SCALE].clone()
+            t[c.T_HIDDEN_SCALE][0, 0] = 0.0
         elif fault.kind == "ids":
             t[c.T_INPUT_IDS] = t[c.T_INPUT_IDS].clone()
             t[c.T_INPUT_IDS][0] += 1

@@ -5,7 +5,8 @@ monkeypatch in the launcher would never reach them). When ``SGLANG_HS_DUMP_DIR``
 ``load`` registers three AROUND hooks through SGLang's own ``HookRegistry``; without it, it
 returns at once and nothing is patched.
 
-- ``ModelRunner.load_model``: refuses layouts the hook cannot handle (``layout.py``) and a dump
+- ``ModelRunner.load_model``: refuses layouts the hook cannot handle (``layout.py``), an unknown
+  ``SGLANG_HS_DUMP_DTYPE`` (bfloat16, the default, or fp8_e4m3) and a dump
   dir that another user owns or can write to (``dumpdir.py``; created 0700 when missing)
   before any weight is loaded; then, on the attention-TP rank 0 only, remembers the runner and
   brings the hook up if the capture ids are already known (``activation.py``). Other ranks
@@ -62,10 +63,15 @@ def load() -> None:
 def around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
     """Check the layout and the dump dir before loading weights; remember the writing rank's
     runner after."""
+    from sglang_patch import contracts as c
     from sglang_patch import dumpdir
     from sglang_patch.layout import layout_problems
 
     problems = layout_problems(runner.server_args)
+    dtype = os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16
+    if dtype not in c.STORE_DTYPES:
+        problems.append(f"{c.ENV_DUMP_DTYPE}={dtype!r}: set it to one of "
+                        f"{', '.join(c.STORE_DTYPES)} (or unset: bfloat16)")
     if problems:
         raise LayoutError("hsfarm dump hook cannot run with this launch: " + "; ".join(problems))
     dumpdir.ensure(Path(os.environ[ENV_DUMP_DIR]))  # DumpDirUnsafe stops the server, with the fix

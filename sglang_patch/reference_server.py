@@ -280,9 +280,11 @@ class ReferenceServer:
         faults = [Fault.parse(spec) for spec in args.inject_fault]
         if faults:
             self.writer: DumpWriter = FaultyWriter(self.dump_dir, meta, faults=faults,
-                                                   min_free_bytes=args.dump_reserve_bytes)
+                                                   min_free_bytes=args.dump_reserve_bytes,
+                                                   dtype=args.dump_dtype)
         else:
-            self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes)
+            self.writer = DumpWriter(self.dump_dir, meta, min_free_bytes=args.dump_reserve_bytes,
+                                     dtype=args.dump_dtype)
         stager = PooledStager(self.model.pool) if isinstance(self.model, SyntheticModel) else None
         self.collector = DumpCollector(self.writer, stager=stager, ttl_s=args.dump_ttl_s)
         self.scheduler: DPGroups | None = None
@@ -297,6 +299,7 @@ class ReferenceServer:
             "hidden_size": self.model.hidden_size,
             "tp_size": 1,
             "weights": self.weights,
+            "dump_dtype": self.args.dump_dtype,
         }
 
     def app(self) -> web.Application:
@@ -453,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the longest sequence served, as SGLang's flag (default: the model's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dump-dtype", choices=c.STORE_DTYPES,
+                   default=os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16,
+                   help=f"hidden states in dumps (default ${c.ENV_DUMP_DTYPE}, else bfloat16)")
     p.add_argument("--dump-ttl-s", type=float, default=600.0)
     p.add_argument("--dump-reserve-bytes", type=int, default=16 << 20,
                    help="keep this much free in the dump dir; a dump that would not fit → .err")

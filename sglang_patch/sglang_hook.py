@@ -20,9 +20,10 @@ class DumpHook:
     """Owns the collector and the writer thread of one scheduler process (attn-TP rank 0)."""
 
     def __init__(self, dump_dir: Path, metadata: dict[str, str], max_queue: int = 4,
-                 reserve_bytes: int = 1 << 30, ttl_s: float = 600.0) -> None:
+                 reserve_bytes: int = 1 << 30, ttl_s: float = 600.0,
+                 dtype: str = c.DTYPE_BF16) -> None:
         self.writer = DumpWriter(dump_dir, metadata, max_queue=max_queue,
-                                 min_free_bytes=reserve_bytes)
+                                 min_free_bytes=reserve_bytes, dtype=dtype)
         self.ttl_s = ttl_s
         self.collector: DumpCollector | None = None  # stager chosen on first tensors
 

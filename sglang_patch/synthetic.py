@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from sglang_patch import contracts as c
-from sglang_patch.dump_writer import Staged
+from sglang_patch.dump_writer import Encode, Staged
 from sglang_patch.reference_model import ChunkOutput
 from sglang_patch.tiny_model import ensure_tiny_model
 
@@ -227,6 +227,8 @@ class PooledStager:
     def __init__(self, pool: BufferPool) -> None:
         self.pool = pool
 
-    def stage(self, tensors: list[torch.Tensor]) -> Staged:
+    def stage(self, tensors: list[torch.Tensor], encode: Encode | None = None) -> Staged:
+        if encode is not None:  # new tensors (fp8); those still in the pool keep their lease
+            tensors = encode(tensors)
         leases = [lease for t in tensors if (lease := self.pool.lease_of(t)) is not None]
         return _Held(list(tensors), leases)

@@ -232,7 +232,7 @@ def test_bounded_queue_applies_backpressure(tmp_path: Path) -> None:
     gate = threading.Event()
 
     class Slow:
-        def stage(self, tensors):
+        def stage(self, tensors, encode=None):
             class S:
                 def wait(self):
                     gate.wait()

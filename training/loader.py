@@ -5,8 +5,10 @@ on disk. By default each file is read in one sequential pass at getitem (the fas
 for a loop that uses whole samples); ``lazy=True`` memory-maps it instead, and only the pages
 the loop touches are read (a loop that truncates). The manifest is checked once, and every
 file's header on access (fingerprint, tensor shapes); ``verify=True`` also checks every
-tensor's checksum. Samples come in index order when ``<out>/index.jsonl`` exists
-(``python -m producer index``), else in file order; ``lengths`` gives T per item for bucketing.
+tensor's checksum. An fp8 run's states are dequantized to bf16 (``training.fp8``), so every
+view holds bf16 whatever the run stores. Samples come in index order when
+``<out>/index.jsonl`` exists (``python -m producer index``), else in file order; ``lengths``
+gives T per item for bucketing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from sglang_patch import contracts as c
-from training import checksums, index, views
+from training import checksums, fp8, index, views
 from training.manifest import load_run_info
 from training.sample_file import SampleFile
 from worker.errors import ConfigError, Corrupt
@@ -63,4 +65,6 @@ class HiddenStates(Dataset[dict[str, Any]]):
             bad = checksums.mismatches(checksums.recorded(sf.metadata), arrays)
             if bad:
                 raise Corrupt(f"{sf.path}: checksum of {', '.join(bad)}")
+        if self.info.fp8:  # checksums cover the stored bytes; trainers get bf16
+            arrays = fp8.to_bf16(arrays)
         return self.view(self.keys[i], arrays, self.norm_w)

@@ -1,7 +1,7 @@
 """The run's manifest and final-norm weight, as a trainer's machine reads them.
 
 Every sample file is checked against the manifest: its fingerprint id, and its tensors'
-dtypes and shapes (T >= 2, [T, H], [T, 3H]).
+dtypes and shapes (T >= 2, [T, H], [T, 3H]; fp8 runs: e4m3 and their scales [T, 1], [T, 3]).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from training import checksums
 from training.sample_file import SampleFile
 from worker import final_norm
 from worker.errors import ConfigError, Corrupt
-from worker.store import FINAL_TENSORS, M_FINGERPRINT, M_KEY, MANIFEST
+from worker.store import M_FINGERPRINT, M_KEY, MANIFEST, final_layout
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ class RunInfo:
     def hidden_size(self) -> int:
         return self.fingerprint.hidden_size
 
+    @property
+    def fp8(self) -> bool:
+        """The run stores its hidden states as float8 e4m3 with scales (``training.fp8``)."""
+        return self.fingerprint.dtype == c.DTYPE_FP8
+
     def check_sample(self, sf: SampleFile, key: str | None = None) -> None:
         """Raises Corrupt when a file is not a whole sample of this run (header only)."""
         problems = []
@@ -39,15 +44,15 @@ class RunInfo:
                             f"run's {self.fingerprint.id}")
         if key is not None and sf.metadata.get(M_KEY) != key:
             problems.append(f"sample_key {sf.metadata.get(M_KEY)!r} != {key!r}")
-        missing = set(FINAL_TENSORS) - set(sf.entries)
+        ids = sf.entries.get(c.T_INPUT_IDS)
+        t = ids.shape[0] if ids is not None and ids.shape else 0
+        want = final_layout(self.fingerprint, t)
+        missing = set(want) - set(sf.entries)
         if missing:
             raise Corrupt(f"{sf.path}: missing tensors {sorted(missing)}")
-        t, h = sf.entries[c.T_INPUT_IDS].shape[0], self.hidden_size
-        want = {c.T_INPUT_IDS: (t,), c.T_LOSS_MASK: (t,), c.T_HIDDEN: (t, h),
-                c.T_AUX: (t, c.AUX_LAYERS * h)}
         problems += [f"{k} is {sf.entries[k].dtype}{list(sf.entries[k].shape)}, expected "
-                     f"{FINAL_TENSORS[k]}{list(s)}" for k, s in want.items()
-                     if sf.entries[k].shape != s or sf.entries[k].dtype != FINAL_TENSORS[k]]
+                     f"{d}{list(s)}" for k, (d, s) in want.items()
+                     if sf.entries[k].shape != s or sf.entries[k].dtype != d]
         if t < 2:
             problems.append(f"{t} tokens: trainers need at least 2")
         if problems:

@@ -22,7 +22,8 @@ from worker.errors import Corrupt
 # safetensors dtype tag -> numpy dtype holding the raw bytes (bf16 as uint16)
 NP_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
-    "F32": np.dtype("<f4"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+    "F32": np.dtype("<f4"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype("u1")}  # float8 e4m3fn bits (fp8 runs: training.fp8 dequantizes)
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 

@@ -61,9 +61,10 @@ class Limits:
                 f"{self.dump_budget_bytes / 1e9:.2f} GB ({self.source})")
 
 
-def dump_bytes_per_token(hidden_size: int) -> int:
-    """One token of a dump: its id (int64), the final state and 3 aux states (bf16)."""
-    return 8 + 2 * (1 + c.AUX_LAYERS) * hidden_size
+def dump_bytes_per_token(hidden_size: int, dtype: str = c.DTYPE_BF16) -> int:
+    """One token of a dump: its id (int64), the final state and 3 aux states (bf16, or fp8
+    with their scales)."""
+    return c.bytes_per_token(dtype, hidden_size)
 
 
 def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, Any] | None,
@@ -78,7 +79,7 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
     - dump budget: every in-flight request at the longest allowed length, but at most half
       of the dump dir's file system: one for the host, whatever the groups (one tmpfs).
     """
-    per_token = dump_bytes_per_token(hidden_size)
+    per_token = dump_bytes_per_token(hidden_size, settings.hidden_dtype)
     info = server_info or {}
     groups = dp_groups(info)
     sources = []

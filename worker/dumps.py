@@ -22,7 +22,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
-from worker import tensorfile
+from worker import fp8, tensorfile
 from worker.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.finalfile import Part
 
@@ -100,21 +100,30 @@ class Dump:
         self.header = header
         self.ids = ids
         self.nonfinite: dict[str, int] = {}
+        self.bad_scales: dict[str, int] = {}
 
     @property
     def metadata(self) -> dict[str, str]:
         return self.header.metadata
 
     def part(self, name: str) -> Part:
-        """One tensor of the dump, to be written into a final file. The bf16 ones are tested
-        for NaN/Inf piece by piece as the store copies them."""
+        """One tensor of the dump, to be written into a final file. The bf16 and fp8 ones are
+        tested for NaN/Inf piece by piece as the store copies them; fp8 scales (a few bytes
+        per token) are read at once and must be finite and > 0."""
         e = self.header.tensors[name]
         if name == c.T_INPUT_IDS:
             return Part(e.dtype, e.shape, data=self.ids)
+        if e.dtype == "F32":
+            data = os.pread(self.file.fileno(), e.nbytes, self.header.data_start + e.begin)
+            if len(data) != e.nbytes:
+                raise Transient(f"reading dump {self.path.name}: short read of {name}")
+            self.bad_scales[name] = fp8.bad_scales(np.frombuffer(data, dtype="<f4"))
+            return Part(e.dtype, e.shape, data=data)
         self.nonfinite[name] = 0
+        count = _count_nonfinite if e.dtype == "BF16" else _count_fp8_nan
 
         def check(piece: memoryview) -> None:
-            self.nonfinite[name] += _count_nonfinite(piece)
+            self.nonfinite[name] += count(piece)
 
         return Part(e.dtype, e.shape, source=self.file,
                     offset=self.header.data_start + e.begin, check=check)
@@ -122,6 +131,8 @@ class Dump:
     def verdict(self) -> None:
         """Raises Corrupt if the parts copied so far held NaN or Inf values (with counts)."""
         problems = [f"{name} has {n} NaN/Inf values" for name, n in self.nonfinite.items() if n]
+        problems += [f"{name} has {n} scales that are not finite and > 0"
+                     for name, n in self.bad_scales.items() if n]
         if problems:
             raise Corrupt(f"dump {self.path.name}: " + "; ".join(problems))
 
@@ -160,10 +171,17 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
     try:
         header = tensorfile.read_header_fd(f.fileno(), path.name)
         t = header.tensors
-        missing = {c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX} - set(t)
+        dtype = header.metadata.get(c.M_DUMP_DTYPE, c.DTYPE_BF16)
+        if dtype != fp.dtype:
+            raise ServerMisconfigured(
+                f"dump {path.name} holds {dtype} hidden states, this run stores {fp.dtype}: "
+                f"start the server with {c.ENV_DUMP_DTYPE}={fp.dtype} (the reference server: "
+                f"--dump-dtype {fp.dtype}), or use the run's FARM_STORE_DTYPE")
+        n, h = len(sent_ids), fp.hidden_size
+        want = c.hidden_layout(fp.dtype, n, h)
+        missing = {c.T_INPUT_IDS, *want} - set(t)
         if missing:
             raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")
-        n, h = len(sent_ids), fp.hidden_size
         problems = []
         ids = t[c.T_INPUT_IDS]
         raw_ids = b""
@@ -172,10 +190,11 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
         else:
             raw_ids = os.pread(f.fileno(), ids.nbytes, header.data_start + ids.begin)
             problems += _ids_problems(raw_ids, sent_ids)
-        for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
+        for name, (tag, shape) in want.items():
             x = t[name]
-            if x.dtype != "BF16" or x.shape != (n, width):
-                problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected BF16[{n}, {width}]")
+            if x.dtype != tag or x.shape != shape:
+                problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected "
+                                f"{tag}{list(shape)}")
     except OSError as e:
         raise Transient(f"reading dump {path.name}: {e}") from e
     problems += _metadata_problems(header.metadata, fp)
@@ -198,6 +217,15 @@ def _count_nonfinite(piece: memoryview) -> int:
     values = np.frombuffer(piece, dtype="<u2")
     try:
         return tensorfile.bf16_nonfinite(values) if tensorfile.bf16_any_nonfinite(values) else 0
+    finally:
+        del values  # no array may outlive the mapping it views
+
+
+def _count_fp8_nan(piece: memoryview) -> int:
+    """NaN values in a piece of float8 e4m3fn bytes (e4m3fn has no Inf)."""
+    values = np.frombuffer(piece, dtype=np.uint8)
+    try:
+        return fp8.nan_count(values)
     finally:
         del values  # no array may outlive the mapping it views
 

@@ -139,8 +139,7 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
         parts = {
             c.T_INPUT_IDS: d.part(c.T_INPUT_IDS),
             c.T_LOSS_MASK: st.Part.from_array("I64", np.asarray(loss_mask, dtype=np.int64)),
-            c.T_HIDDEN: d.part(c.T_HIDDEN),
-            c.T_AUX: d.part(c.T_AUX),
+            **{name: d.part(name) for name in c.hidden_layout(store.fingerprint.dtype, 0, 0)},
         }
         meta = {**meta, st.M_CONTENT: content_sha256,
                 c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),

@@ -122,7 +122,7 @@ def compute_fingerprint(settings: Settings, model_path: Path) -> c.Fingerprint:
         layers_to_capture=settings.layers_to_capture or c.default_layers_to_capture(layers),
         layer_convention=c.LAYER_CONVENTION,
         hidden_size=hidden,
-        dtype="bfloat16",
+        dtype=settings.hidden_dtype,
         max_tokens=settings.max_tokens,
         overlong=settings.overlong,
     )

@@ -19,6 +19,10 @@ from worker.redis_url import is_tls, masked
 _GiB = 1 << 30
 
 
+# FARM_STORE_DTYPE's values -> the fingerprint's dtype (contracts.STORE_DTYPES)
+STORE_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8_e4m3": "fp8_e4m3"}
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every knob of the farm. Field name ``x_y`` ↔ environment variable ``FARM_X_Y``."""
@@ -33,6 +37,9 @@ class Settings:
     layers_to_capture: tuple[int, ...] = ()  # empty: SGLang's default for the model
     max_tokens: int = 8192
     overlong: str = "reject"  # or "truncate"
+    # Hidden states on disk: "bf16" or "fp8_e4m3" (a scale per token per layer; the server's
+    # hook must write the same: SGLANG_HS_DUMP_DTYPE). Part of the run's fingerprint.
+    store_dtype: str = "bf16"
     # Empty: the run's own queue, hsfarm.<run id> (worker/run.py). Set it only to name one
     # yourself: two runs given the same name share it (each hands the other's messages back)
     queue: str = ""
@@ -87,6 +94,11 @@ class Settings:
     # and its rename, so a test can kill a process mid-copy. Never set it in production.
     debug_write_delay_s: float = 0.0
 
+    @property
+    def hidden_dtype(self) -> str:
+        """The storage dtype as the fingerprint and the dumps name it."""
+        return STORE_DTYPE_NAMES[self.store_dtype]
+
     def __post_init__(self) -> None:
         problems = list(self._problems())
         if problems:
@@ -99,6 +111,8 @@ class Settings:
         if self.dp_routing not in RULES:
             out.append(f"FARM_DP_ROUTING must be one of {', '.join(RULES)}, not "
                        f"{self.dp_routing!r}")
+        if self.store_dtype not in STORE_DTYPE_NAMES:
+            out.append(f"FARM_STORE_DTYPE must be 'bf16' or 'fp8_e4m3', not {self.store_dtype!r}")
         if self.max_tokens < 2:
             out.append(f"FARM_MAX_TOKENS must be >= 2, not {self.max_tokens}")
         if self.max_attempts < 1:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker import checksums, diskio, final_norm, liveness, run, tensorfile, weights
+from worker import checksums, diskio, final_norm, fp8, liveness, run, tensorfile, weights
 from worker.errors import ConfigError, Corrupt, NoSpace, OutputUnavailable, Transient
 from worker.finalfile import Part, read_back, write_parts
 from worker.semantics import tensor_semantics
@@ -38,9 +38,16 @@ MANIFEST = run.MANIFEST
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
 M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
-FINAL_TENSORS = {  # name -> dtype of the final file
+FINAL_TENSORS = {  # name -> dtype of the final file (bf16 storage; ``final_layout`` for any)
     c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
 }
+SCALES = (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)  # fp8 storage: checked by value at verify
+
+
+def final_layout(fp: c.Fingerprint, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of a final file of ``n`` tokens of run ``fp``: name -> (dtype, shape)."""
+    return {c.T_INPUT_IDS: ("I64", (n,)), c.T_LOSS_MASK: ("I64", (n,)),
+            **c.hidden_layout(fp.dtype, n, fp.hidden_size)}
 
 
 @dataclass(frozen=True)
@@ -275,7 +282,7 @@ class OutputStore:
             FileNotFoundError: there is no final file.
         """
         path = self.final_path(key)
-        header, sums, small = read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK})
+        header, sums, small = read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK, *SCALES})
         meta = header.metadata
         problems = []
         if meta.get(M_KEY) != key:
@@ -286,6 +293,8 @@ class OutputStore:
             problems.append(f"content hash {meta.get(M_CONTENT)!r} != {content_sha256}")
         problems += self._shape_problems(header)
         problems += _checksum_problems(meta, sums)
+        problems += [f"{name} has {n} scales that are not finite and > 0" for name in SCALES
+                     if name in small and (n := fp8.bad_scales(small[name].array))]
         if problems:
             raise Corrupt(f"{path}: " + "; ".join(problems))
         tf = tensorfile.TensorFile(small, meta, header.size_bytes)
@@ -293,16 +302,14 @@ class OutputStore:
 
     def _shape_problems(self, header: tensorfile.Header) -> list[str]:
         t = header.tensors
-        missing = set(FINAL_TENSORS) - set(t)
+        n = t[c.T_INPUT_IDS].shape[0] if c.T_INPUT_IDS in t and t[c.T_INPUT_IDS].shape else -1
+        want = final_layout(self.fingerprint, n)
+        missing = set(want) - set(t)
         if missing:
             return [f"missing tensors {sorted(missing)}"]
-        out = [f"{k} dtype {t[k].dtype}" for k, d in FINAL_TENSORS.items() if t[k].dtype != d]
-        n = t[c.T_INPUT_IDS].shape[0] if t[c.T_INPUT_IDS].shape else -1
-        h = self.fingerprint.hidden_size
-        want = {c.T_INPUT_IDS: (n,), c.T_LOSS_MASK: (n,), c.T_HIDDEN: (n, h),
-                c.T_AUX: (n, c.AUX_LAYERS * h)}
-        out += [f"{k} shape {t[k].shape} != {s}" for k, s in want.items() if t[k].shape != s]
-        return out
+        out = [f"{k} dtype {t[k].dtype}" for k, (d, _) in want.items() if t[k].dtype != d]
+        return out + [f"{k} shape {t[k].shape} != {s}" for k, (_, s) in want.items()
+                      if t[k].shape != s]
 
     def _remove_dead_temps(self, final: Path) -> None:
         """Temp files of this sample left by writers that were killed (a redelivered task)."""

@@ -31,9 +31,10 @@ _DTYPES: dict[str, np.dtype] = {
     "I32": np.dtype("<i4"),
     "U8": np.dtype("u1"),
     "F32": np.dtype("<f4"),
+    "F8_E4M3": np.dtype("u1"),  # float8 e4m3fn bits (fp8 storage, worker/fp8.py)
 }
 # the order the safetensors library lays tensors out in: wider dtypes first, then by name
-_LAYOUT_RANK = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "U8": 4}
+_LAYOUT_RANK = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F8_E4M3": 4, "U8": 5}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 _BF16_EXP_MASK = 0x7F80
 

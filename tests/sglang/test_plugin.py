@@ -90,6 +90,18 @@ def test_load_hook_refuses_layouts_it_cannot_handle(plugins_loaded: Path,
         ModelRunner.load_model(runner)
 
 
+def test_load_hook_refuses_an_unknown_dump_dtype(plugins_loaded: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A misspelt SGLANG_HS_DUMP_DTYPE stops the server before the weights load, with the fix
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    monkeypatch.setenv("SGLANG_HS_DUMP_DTYPE", "fp8")
+    runner = SimpleNamespace(server_args=_server_args())
+    with pytest.raises(plugin.LayoutError, match="SGLANG_HS_DUMP_DTYPE='fp8': set it to one "
+                                                 "of bfloat16, fp8_e4m3"):
+        ModelRunner.load_model(runner)
+
+
 def test_markers_count_the_dp_groups_in_both_of_sglangs_spellings() -> None:
     # A real ServerArgs as each spelling leaves it (the hook reads it unresolved): 0.5.23's
     # --attn-dp-size, the deprecated --dp-size N --enable-dp-attention, and plain --dp-size

@@ -28,13 +28,27 @@ def data() -> Path:
 
 
 def ours(data: Path) -> dict[str, dict[str, Any]]:
-    """Every sample the farm wrote, by key: its tensors as torch loads them."""
+    """Every sample the farm wrote, by key: its tensors as torch loads them (an fp8 run's
+    hidden states as bf16: e4m3 times its scale per token and layer, the stored format's
+    definition, computed here without our code)."""
     from safetensors.torch import load_file
 
     out = {}
     for p in sorted((data / "out" / "samples").rglob("*.safetensors")):
-        out[p.name[: -len(".safetensors")]] = load_file(str(p))
+        out[p.name[: -len(".safetensors")]] = _bf16(load_file(str(p)))
     return out
+
+
+def _bf16(t: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    for name in ("hidden_state", "aux_hidden_state"):
+        scale = t.pop(f"{name}_scale", None)
+        if scale is not None:
+            n, layers = scale.shape
+            values = t[name].float().view(n, layers, -1) * scale[:, :, None]
+            t[name] = values.view(n, -1).to(torch.bfloat16)
+    return t
 
 
 def manifest(data: Path) -> dict[str, Any]:

@@ -128,3 +128,10 @@ def test_our_loader_beside_it_reads_in_place_what_its_export_holds(data: Path) -
     exported = {p.name[: -len(".pt")]: torch.load(p, weights_only=True)
                 for p in (data / "modelopt").rglob("*.pt")}
     assert_in_place_equals_export(data, "modelopt", exported)
+
+
+def test_an_fp8_runs_export_gives_its_dequantized_bf16_tensors(data: Path) -> None:
+    # Given an fp8 run (e4m3 and scales on disk) exported for Model-Optimizer (bf16 .pt),
+    # Then its dataset gives our stored values times their scales, and so does ours in place
+    test_its_dataset_and_collator_give_our_tensors_after_its_transforms(data / "fp8")
+    test_our_loader_beside_it_reads_in_place_what_its_export_holds(data / "fp8")

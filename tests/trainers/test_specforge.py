@@ -248,3 +248,10 @@ def test_our_loader_beside_it_reads_in_place_what_its_export_holds(data: Path) -
     exported = {p.name[: -len(".ckpt")]: torch.load(p, weights_only=False, mmap=True)
                 for p in (data / "specforge").rglob("*.ckpt")}
     assert_in_place_equals_export(data, "specforge", exported)
+
+
+def test_an_fp8_runs_export_gives_its_dequantized_bf16_tensors(data: Path) -> None:
+    # Given an fp8 run (e4m3 and scales on disk) exported for SpecForge (bf16, its format),
+    # Then its loader gives our stored values times their scales, and so does ours in place
+    test_its_loader_and_collator_give_our_tensors_after_its_transforms(data / "fp8")
+    test_our_loader_beside_it_reads_in_place_what_its_export_holds(data / "fp8")

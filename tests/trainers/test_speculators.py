@@ -66,8 +66,9 @@ def draft(data: Path) -> Any:
         target_layer_ids=manifest(data)["fingerprint"]["layers_to_capture"])
 
 
-def test_its_dataset_and_collator_give_our_tensors(data: Path) -> None:
-    # Given our files and their speculators export (Arrow rows + hs_{i}.safetensors)
+def _rows_are_ours(data: Path) -> tuple[Any, dict[str, dict[str, Any]], list[str]]:
+    """Its ArrowDataset over the export; every row checked against our file (its dataset,
+    our files by key, the keys by row)."""
     farm = ours(data)
     keys = _keys_by_row(data)
     assert sorted(keys) == sorted(farm)
@@ -82,6 +83,12 @@ def test_its_dataset_and_collator_give_our_tensors(data: Path) -> None:
         assert torch.equal(item["loss_mask"], want["loss_mask"])
         assert torch.equal(item["hidden_states"], want["aux_hidden_state"])
         assert torch.equal(item["position_ids"], torch.arange(len(want["input_ids"])))
+    return ds, farm, keys
+
+
+def test_its_dataset_and_collator_give_our_tensors(data: Path) -> None:
+    # Given our files and their speculators export (Arrow rows + hs_{i}.safetensors)
+    ds, farm, keys = _rows_are_ours(data)
     # And its collator packs them in order, padding the rest
     from speculators.train.data import CollateFn
 
@@ -212,3 +219,10 @@ def test_our_loader_beside_it_reads_in_place_what_its_export_holds(data: Path) -
     exported = {key: load_file(str(data / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))
                 for i, key in enumerate(_keys_by_row(data))}
     assert_in_place_equals_export(data, "speculators", exported)
+
+
+def test_an_fp8_runs_export_gives_its_dequantized_bf16_tensors(data: Path) -> None:
+    # Given an fp8 run exported for speculators 0.9.0 (bf16: its reader has no fp8 layout),
+    # Then its dataset gives our stored values times their scales, and so does ours in place
+    _rows_are_ours(data / "fp8")
+    test_our_loader_beside_it_reads_in_place_what_its_export_holds(data / "fp8")

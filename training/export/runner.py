@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable, index
+from training import checksums, durable, fp8, index
 from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger
 from training.export.lock import dest_lock
@@ -243,14 +243,15 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
             return _Outcome(0, job.delete_source and _delete_verified(src, src_sums, seen))
         arrays = src.read_all()
         _same_file(src_path, seen)
+        arrays, want = fp8.as_exported(job.info, arrays, src_sums)  # fp8 runs: bf16 out
         tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        derived = job.fmt.write(tmp, key, arrays, src_sums, job.norm_w)
+        derived = job.fmt.write(tmp, key, arrays, want, job.norm_w)
         derived_sums = {o: checksums.of(a) for o, a in derived.items()}
-        _verify_from_disk(job.fmt, tmp, src_sums, derived_sums)
+        _verify_from_disk(job.fmt, tmp, want, derived_sums)
         if job.throttle_s:
             time.sleep(job.throttle_s)
-        size = _commit(job, key, tmp, src_sums, derived_sums, entry)
+        size = _commit(job, key, tmp, src_sums, derived_sums, entry, want)
         return _Outcome(size, job.delete_source and _delete_if_same(src_path, seen))
     except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
         return str(e) or type(e).__name__
@@ -272,7 +273,9 @@ def _dest_problems(job: _Job, entry: dict[str, object], src_sums: checksums.Reco
     except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
         return [f"{path.name} is unreadable: {e}"]
     derived = entry.get("output_checksums")
-    return job.fmt.problems(back, src_sums, derived if isinstance(derived, dict) else None)
+    exported = entry.get("exported_checksums")  # fp8 runs: what the bf16 outputs hold
+    want = checksums.Recorded.from_json(exported) if isinstance(exported, dict) else src_sums
+    return job.fmt.problems(back, want, derived if isinstance(derived, dict) else None)
 
 
 def _check_kept(job: _Job, key: str) -> str | None:
@@ -301,8 +304,10 @@ def _verify_from_disk(fmt: Format, tmp: Path, src_sums: checksums.Recorded,
 
 
 def _commit(job: _Job, key: str, tmp: Path, src_sums: checksums.Recorded,
-            derived_sums: dict[str, str], entry: dict[str, object] | None) -> int:
-    """Rename into place and record it in the ledger; the size written."""
+            derived_sums: dict[str, str], entry: dict[str, object] | None,
+            exported: checksums.Recorded) -> int:
+    """Rename into place and record it in the ledger; the size written. ``exported``: the
+    checksums the copies were compared with (an fp8 run's: of the bf16 tensors)."""
     size = tmp.stat().st_size
     with job.lock:  # numbered files: a number is given only to a verified file
         number = _number(job, entry)
@@ -311,7 +316,9 @@ def _commit(job: _Job, key: str, tmp: Path, src_sums: checksums.Recorded,
         durable.commit(tmp, job.dest / rel)
         job.ledger.add({"key": key, "path": rel, "number": number, "bytes": size,
                         "source_checksums": src_sums.to_json(),
-                        "output_checksums": derived_sums})
+                        "output_checksums": derived_sums,
+                        **({"exported_checksums": exported.to_json()}
+                           if exported != src_sums else {})})
     return size
 
 

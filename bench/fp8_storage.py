@@ -1,0 +1,215 @@
+"""fp8 storage against bf16: bytes per sample, the error per layer, CPU per sample.
+
+    python bench/fp8_storage.py [--tokens 2048] [--hidden 7168] [--sglang] [--json out.json]
+
+- **synthetic** (``sglang_patch/synthetic.py``, H = ``--hidden``, one sample of ``--tokens``):
+  the same bf16 states dumped by the hook's own writer (``DumpWriter``, CPU stager) in bf16
+  and in fp8, then stored by the worker's data path (``extract.store_dump``: checks, copy,
+  checksums, fsync, read-back verify) into an output dir on this machine's disk. Reports the
+  quantization's CPU time (the hook's code on one CPU thread: what a CPU server pays; a GPU
+  pays microseconds), dump and final-file bytes, the worker's CPU and wall per sample, and the
+  error of the dequantized fp8 states against the bf16 ones.
+- **tiny** (the reference server's model, random-init tiny Llama, float32 compute): per layer,
+  the fp8 states (quantized from float32, as the reference server's hook does) against the bf16
+  dump of the same states, over a few prompts.
+- **sglang** (``--sglang``, live SGLang 0.5.23 on CPU, the tiny model, in ``.venv-sglang``):
+  one server started with ``SGLANG_HS_DUMP_DTYPE=fp8_e4m3``; each prompt is sent twice, once as
+  a sample (dumped fp8) and once under the farm's internal key prefix (dumped bf16, as the
+  canary is), so the two dumps come from the same server and the same computation.
+
+Error: per token, ``|fp8 - bf16|_2 / |bf16|_2`` over the hidden dimension of one layer; per
+layer its max and mean over all tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sglang_patch import contracts as c
+from sglang_patch import fp8 as codec
+from sglang_patch.dump_writer import DumpCollector, DumpWriter
+from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
+from sglang_patch.tiny_model import ensure_tiny_model
+from worker.extract import store_dump
+from worker.store import OutputStore
+
+RUN = "0123456789abcdef"
+LAYER_NAMES = ["aux 0", "aux 1", "aux 2", "final"]
+
+
+def layer_errors(bf16: dict[str, torch.Tensor],
+                 fp8: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """Per layer (three aux, then final): max and mean over tokens of the relative L2 error."""
+    want = torch.cat([bf16[c.T_AUX], bf16[c.T_HIDDEN]], dim=1).float()
+    got = torch.cat([codec.dequantize(fp8[c.T_AUX].view(torch.uint8), fp8[c.T_AUX_SCALE],
+                                      torch.float32),
+                     codec.dequantize(fp8[c.T_HIDDEN].view(torch.uint8), fp8[c.T_HIDDEN_SCALE],
+                                      torch.float32)], dim=1)
+    t = want.shape[0]
+    a, b = want.view(t, 4, -1), got.view(t, 4, -1)
+    err = (a - b).norm(dim=2) / a.norm(dim=2).clamp_min(1e-30)
+    return [{"layer": LAYER_NAMES[i], "max": float(err[:, i].max()),
+             "mean": float(err[:, i].mean())} for i in range(4)]
+
+
+def _dump(dump_dir: Path, dtype: str, key: str, ids: list[int], hidden: torch.Tensor,
+          aux: torch.Tensor) -> Path:
+    """One sample through the hook's writer (one forward pass); the dump's path."""
+    writer = DumpWriter(dump_dir, {c.M_LAYERS: "[]", c.M_CONFIG_SHA: "bench"}, dtype=dtype,
+                        min_free_bytes=0)
+    rid = c.make_rid(key, 1, len(ids), run=RUN)
+    DumpCollector(writer).on_forward([rid], [0], [len(ids)], torch.tensor(ids), hidden, aux)
+    writer.flush(timeout_s=600)
+    writer.close()
+    return c.dump_path(dump_dir, rid)
+
+
+def _fingerprint(dtype: str, h: int) -> c.Fingerprint:
+    return c.Fingerprint("bench", "tok", "tpl", (), c.LAYER_CONVENTION, h, dtype, 1 << 20,
+                         "reject")
+
+
+def _store(out_dir: Path, dump: Path, ids: list[int], dtype: str, h: int,
+           repeats: int = 3) -> dict[str, Any]:
+    """The worker's data path for one dump, ``repeats`` times (a new final file each): CPU
+    and wall seconds of each, and the file's bytes."""
+    store = OutputStore(out_dir / dtype, _fingerprint(dtype, h)).open()
+    meta = {c.M_LAYERS: "[]"}
+    cpu, wall = [], []
+    for i in range(repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        v = store_dump(store, dump, ids, [1] * len(ids), f"s{i}", "h", meta)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return {"worker_cpu_s": cpu, "worker_wall_s": wall, "final_bytes": v.size_bytes}
+
+
+def synthetic(cache: Path, tokens: int, hidden_size: int, out_dir: Path,
+              dump_root: Path) -> dict[str, Any]:
+    model = SyntheticModel(ensure_synthetic_model(cache, hidden_size))
+    ids = [(i * 7919) % model.vocab_size for i in range(tokens)]
+    out = model.forward_chunk(None, ids, 0)
+    torch.set_num_threads(1)
+    codec.quantize(out.aux[:64], 3)  # warm-up
+    c0 = time.process_time()
+    codec.quantize(out.hidden, 1)
+    codec.quantize(out.aux, 3)
+    quantize_s = time.process_time() - c0
+    res: dict[str, Any] = {"tokens": tokens, "hidden_size": hidden_size,
+                           "quantize_cpu_s_1thread": quantize_s}
+    # (the hook of a bf16 run never dumps the farm's own key differently: "s" is a sample)
+    dumps = {}
+    for dtype in c.STORE_DTYPES:
+        dump_dir = dump_root / dtype
+        dumps[dtype] = _dump(dump_dir, dtype, "s0", ids, out.hidden, out.aux)
+        res[dtype] = {"dump_bytes": dumps[dtype].stat().st_size}
+    res["errors"] = layer_errors(load_file(str(dumps[c.DTYPE_BF16])),
+                                 load_file(str(dumps[c.DTYPE_FP8])))
+    for dtype in c.STORE_DTYPES:
+        res[dtype].update(_store(out_dir, dumps[dtype], ids, dtype, hidden_size))
+        dumps[dtype].unlink(missing_ok=True)
+    return res
+
+
+def tiny(cache: Path, lengths: list[int]) -> dict[str, Any]:
+    from sglang_patch.reference_model import ReferenceModel
+
+    model = ReferenceModel(ensure_tiny_model(cache))
+    rng = np.random.default_rng(0)
+    hidden, aux = [], []
+    for n in lengths:
+        ids = rng.integers(10, model.vocab_size, n).tolist()
+        out = model.forward_chunk(model.new_cache(), ids, 0)
+        hidden.append(out.hidden)
+        aux.append(out.aux)
+    h, a = torch.cat(hidden), torch.cat(aux)
+    hq, hs = codec.quantize(h, 1)
+    aq, as_ = codec.quantize(a, 3)
+    bf16 = {c.T_HIDDEN: h.to(torch.bfloat16), c.T_AUX: a.to(torch.bfloat16)}
+    fp8 = {c.T_HIDDEN: hq, c.T_HIDDEN_SCALE: hs, c.T_AUX: aq, c.T_AUX_SCALE: as_}
+    return {"prompts": lengths, "hidden_size": model.hidden_size,
+            "errors": layer_errors(bf16, fp8)}
+
+
+def sglang(cache: Path, work: Path, lengths: list[int]) -> dict[str, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.live.sglang_server import LiveServer
+    from tests.live.traffic import Req, prompt, send, vocab_size, wait_dump
+
+    model = ensure_tiny_model(cache)
+    server = LiveServer(model, work, work / "dumps", extra=["--chunked-prefill-size", "64"],
+                        extra_env={c.ENV_DUMP_DTYPE: c.DTYPE_FP8})
+    server.start()
+    try:
+        vocab = vocab_size(model)
+        reqs = []
+        for i, n in enumerate(lengths):
+            ids = prompt(n, i, vocab)
+            reqs += [Req(c.make_rid(f"p{i}", 1, n), ids, 0),
+                     Req(c.make_rid(f"{c.INTERNAL_KEY_PREFIX}p{i}", 1, n), ids, 0)]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            for answer in send(server, reqs, pool):
+                answer.result()
+        fp8s: list[dict[str, torch.Tensor]] = []
+        bf16s: list[dict[str, torch.Tensor]] = []
+        for r in reqs:
+            d = load_file(str(wait_dump(server.dumps, r.rid)))
+            (bf16s if c.INTERNAL_KEY_PREFIX in r.rid else fp8s).append(d)
+    finally:
+        server.stop()
+    cat = {k: torch.cat([d[k] for d in fp8s]) for k in fp8s[0] if k != c.T_INPUT_IDS}
+    ref = {k: torch.cat([d[k] for d in bf16s]) for k in (c.T_HIDDEN, c.T_AUX)}
+    return {"prompts": lengths, "chunked_prefill_size": 64, "errors": layer_errors(ref, cat)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hsfarm")
+    p.add_argument("--out-dir", type=Path, default=None, help="the worker's output disk")
+    p.add_argument("--sglang", action="store_true", help="also a live SGLang server (CPU)")
+    p.add_argument("--no-tiny", action="store_true", help="skip the tiny model")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    shm = Path("/dev/shm")
+    need = 3 * args.tokens * c.bytes_per_token(c.DTYPE_BF16, args.hidden)
+    dump_root = Path(tempfile.mkdtemp(prefix="hsfarm-fp8-",
+                                      dir=shm if shutil.disk_usage(shm).free > need else None))
+    out_dir = Path(tempfile.mkdtemp(prefix="hsfarm-fp8-out-", dir=args.out_dir))
+    try:
+        res: dict[str, Any] = {"synthetic": synthetic(args.cache_dir, args.tokens, args.hidden,
+                                                      out_dir, dump_root)}
+        print(json.dumps(res["synthetic"], indent=1), flush=True)
+        if not args.no_tiny:
+            res["tiny"] = tiny(args.cache_dir, [35, 142, 600])
+            print(json.dumps(res["tiny"], indent=1), flush=True)
+        if args.sglang:
+            res["sglang"] = sglang(args.cache_dir, out_dir / "sglang", [35, 142, 600])
+            print(json.dumps(res["sglang"], indent=1), flush=True)
+    finally:
+        shutil.rmtree(dump_root, ignore_errors=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""fp8 storage (FARM_STORE_DTYPE=fp8_e4m3): the codec, the hook, the worker's checks, the run's
+fingerprint, and one run end to end through real workers, read back by the training side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sglang_patch import contracts as c
+from sglang_patch import fp8 as codec
+from sglang_patch.dump_writer import DumpCollector, DumpWriter
+from tests.conftest import wait_finished
+from tests.faults import enqueue, running_farm
+from worker import checksums, dumps, tensorfile
+from worker import fp8 as checks
+from worker.errors import ConfigError, Corrupt, ServerMisconfigured
+from worker.settings import Settings
+from worker.store import M_CONTENT, OutputStore, Part
+
+H = 256
+LAYERS = (2, 4, 5)
+RUN = "0123456789abcdef"
+
+
+def _fp(dtype: str = c.DTYPE_FP8, h: int = H) -> c.Fingerprint:
+    return c.Fingerprint("cfg", "tok", "tpl", LAYERS, c.LAYER_CONVENTION, h, dtype, 8192,
+                         "reject")
+
+
+def _states(n: int, seed: int = 0) -> torch.Tensor:
+    """Rows like a model's: Gaussian with a few large outlier channels, one row of zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4 * H, generator=g) * 2
+    x[:, ::97] *= 40  # massive activations in a few channels
+    x[3] = 0
+    return x
+
+
+def _rel_err(x: torch.Tensor, y: torch.Tensor, layers: int) -> torch.Tensor:
+    """|x - y| / |x| (L2 over each layer's row): [T, layers]; 0 where x is 0."""
+    a, b = x.view(x.shape[0], layers, -1), y.view(y.shape[0], layers, -1)
+    return (a - b).norm(dim=2) / a.norm(dim=2).clamp_min(1e-30)
+
+
+def test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree() -> None:
+    # Given model-like rows (outlier channels, a row of zeros)
+    x = _states(64)
+    # When quantized with a scale per token per layer and dequantized
+    q, s = codec.quantize(x, 4)
+    back = codec.dequantize(q, s, torch.float32)
+    # Then every value is within half a step of e4m3 (3 mantissa bits: 2^-4 relative, and
+    # the subnormal step below 2^-6), every scale is finite and > 0, zeros stay zeros
+    step = (x.abs() * 2.0 ** -4).view(64, 4, H) + (s * 2.0 ** -10)[:, :, None]
+    assert ((back - x).abs().view(64, 4, H) <= step).all()
+    assert checks.bad_scales(s.numpy()) == 0 and not back[3].any()
+    err = _rel_err(x, back, 4)
+    assert err.max() < 0.05 and err.mean() < 0.03, (err.max(), err.mean())
+    # And the worker's table (numpy, no torch) reads the same values as torch
+    assert np.array_equal(checks.dequantize(q.numpy(), s.numpy()), back.numpy())
+    # And a chunked prefill quantizes the same bytes as one pass (scales are per token)
+    q1, s1 = codec.quantize(x[:7], 4)
+    q2, s2 = codec.quantize(x[7:], 4)
+    assert torch.equal(torch.cat([q1, q2]), q) and torch.equal(torch.cat([s1, s2]), s)
+
+
+def test_nan_and_inf_reach_the_worker_as_nan_bytes_or_bad_scales() -> None:
+    x = _states(4)
+    x[0, 5], x[1, H + 7] = float("nan"), float("inf")
+    q, s = codec.quantize(x, 4)
+    assert checks.nan_count(q.numpy()) >= 2
+    assert checks.bad_scales(s.numpy()) == 2  # row 0's layer 0 (NaN), row 1's layer 1 (Inf)
+
+
+def test_the_hook_dumps_fp8_and_the_farms_own_requests_bf16(tmp_path: Path) -> None:
+    # Given an fp8 hook, a sample's request and a canary's, in two chunks
+    writer = DumpWriter(tmp_path / "d", {}, dtype=c.DTYPE_FP8)
+    col = DumpCollector(writer)
+    n = 10
+    sample, canary = (c.make_rid(k, 1, n, run=RUN) for k in ("k1", "_hsfarm_canary0_m_1_x"))
+    x = _states(2 * n)
+    ids = torch.arange(2 * n)
+    # (rows of the two requests interleave per pass: [sample 0..5, canary 0..5], then 6..9)
+    first = torch.cat([x[:6], x[n:n + 6]])
+    second = torch.cat([x[6:n], x[n + 6:]])
+    for prefix, ext, rows in ((0, 6, first), (6, 4, second)):
+        col.on_forward([sample, canary], [prefix] * 2, [ext] * 2, ids, rows[:, :H], rows[:, H:])
+    writer.flush()
+    writer.close()
+    # Then the sample's dump is fp8 with its scales, equal to quantizing it in one pass
+    got = load_file(str(c.dump_path(tmp_path / "d", sample)))
+    hq, hs = codec.quantize(x[:n, :H], 1)
+    aq, as_ = codec.quantize(x[:n, H:], 3)
+    assert got[c.T_HIDDEN].dtype == torch.float8_e4m3fn
+    assert torch.equal(got[c.T_HIDDEN].view(torch.uint8), hq)
+    assert torch.equal(got[c.T_AUX].view(torch.uint8), aq)
+    assert torch.equal(got[c.T_HIDDEN_SCALE], hs) and torch.equal(got[c.T_AUX_SCALE], as_)
+    assert tensorfile.header_metadata(c.dump_path(tmp_path / "d", sample))[
+        c.M_DUMP_DTYPE] == c.DTYPE_FP8
+    # And the canary's dump is bf16, as in a bf16 run (the canary compares unquantized states)
+    got = load_file(str(c.dump_path(tmp_path / "d", canary)))
+    assert set(got) == {c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX}
+    assert torch.equal(got[c.T_HIDDEN], x[n:, :H].to(torch.bfloat16))
+
+
+def test_the_synthetic_servers_stager_quantizes_without_holding_the_pool() -> None:
+    # Given the synthetic model's pooled forward pass and its stager (no copy in bf16)
+    from sglang_patch.dump_writer import encode_fp8
+    from sglang_patch.synthetic import PooledStager, SyntheticModel, ensure_synthetic_model
+    from tests.conftest import CACHE
+
+    m = SyntheticModel(ensure_synthetic_model(CACHE, H, 61))
+    out = m.forward_batch([([1, 2, 3, 4], 0)])
+    want = encode_fp8([out.ids[:4], out.hidden[:4], out.aux[:4]])
+    # When a part is staged with the fp8 encoder
+    staged = PooledStager(m.pool).stage([out.ids[:4], out.hidden[:4], out.aux[:4]], encode_fp8)
+    # Then it holds the quantized rows, and no lease on the hidden-state buffers
+    got = staged.wait()
+    assert len(got) == 5 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(m.pool.lease_of(t) is None for t in got[1:])
+
+
+def _fp8_dump(path: Path, ids: list[int], x: torch.Tensor, dtype: str = c.DTYPE_FP8,
+              nan: tuple[int, int] | None = None, scale: tuple[int, int] | None = None) -> Path:
+    """A dump as the fp8 hook writes it; ``nan`` (row, col) of aux gets the NaN byte,
+    ``scale`` (row, layer) of aux's scales becomes 0."""
+    hq, hs = codec.quantize(x[:, :H], 1)
+    aq, as_ = codec.quantize(x[:, H:], 3)
+    if nan is not None:
+        aq[nan] = 0x7F
+    if scale is not None:
+        as_[scale] = 0.0
+    meta = {c.M_LAYERS: json.dumps(list(LAYERS)), c.M_CONFIG_SHA: "cfg", c.M_DUMP_DTYPE: dtype}
+    save_file({c.T_INPUT_IDS: torch.tensor(ids), c.T_HIDDEN: hq.view(codec.FP8),
+               c.T_HIDDEN_SCALE: hs, c.T_AUX: aq.view(codec.FP8), c.T_AUX_SCALE: as_},
+              str(path), metadata=meta)
+    return path
+
+
+def _copy(store: OutputStore, d: dumps.Dump, key: str = "k") -> Path:
+    parts = {name: d.part(name) for name in (c.T_INPUT_IDS, *c.hidden_layout(c.DTYPE_FP8, 0, 0))}
+    parts[c.T_LOSS_MASK] = Part.from_array("I64", np.ones(len(d.ids) // 8, dtype=np.int64))
+    return store.write(key, parts, {M_CONTENT: "h"}, validate=d.verdict)
+
+
+def test_the_worker_stores_fp8_dumps_and_refuses_nan_zero_scales_and_the_other_dtype(
+        tmp_path: Path) -> None:
+    n = 40
+    ids = list(range(n))
+    x = _states(n)
+    store = OutputStore(tmp_path / "out", _fp()).open()
+    # A good fp8 dump is copied byte for byte, with checksums over the stored bytes
+    with dumps.open_dump(_fp8_dump(tmp_path / "good", ids, x), ids, _fp()) as d:
+        final = _copy(store, d)
+    v = store.verify("k", "h")
+    assert v.tokens == n
+    stored = tensorfile.read(final).tensors
+    assert stored[c.T_AUX].dtype == "F8_E4M3"
+    sums = checksums.file_checksums(tensorfile.header_metadata(final))[1]
+    assert sums[c.T_AUX_SCALE] == checksums.tensor_checksum(stored[c.T_AUX_SCALE].array.data)
+    # A NaN byte or a zero scale from the server: refused, with counts, nothing written
+    for nan, scale, message in (((5, 9), None, "aux_hidden_state has 1 NaN/Inf values"),
+                                (None, (7, 2), "aux_hidden_state_scale has 1 scales")):
+        path = _fp8_dump(tmp_path / "bad", ids, x, nan=nan, scale=scale)
+        with dumps.open_dump(path, ids, _fp()) as d, pytest.raises(Corrupt, match=message):
+            _copy(store, d, "bad")
+        assert not c.final_path(store.out_dir, "bad").exists()
+    # A dump of the other dtype is the server's misconfiguration (the worker waits), with the fix
+    with pytest.raises(ServerMisconfigured, match=f"{c.ENV_DUMP_DTYPE}=fp8_e4m3"):
+        dumps.open_dump(_fp8_dump(tmp_path / "bf", ids, x, dtype=c.DTYPE_BF16), ids, _fp())
+    with pytest.raises(ServerMisconfigured, match="holds fp8_e4m3 hidden states, this run "
+                                                  "stores bfloat16"):
+        dumps.open_dump(tmp_path / "good", ids, _fp(c.DTYPE_BF16))
+
+
+def test_corrupt_scales_are_caught_by_verify(tmp_path: Path) -> None:
+    store = OutputStore(tmp_path / "out", _fp(h=4)).open()
+    n = 6
+
+    def parts(scale: float) -> dict[str, Part]:
+        return {c.T_INPUT_IDS: Part.from_array("I64", np.arange(n)),
+                c.T_LOSS_MASK: Part.from_array("I64", np.ones(n)),
+                c.T_HIDDEN: Part.from_array("F8_E4M3", np.full((n, 4), 0x38, np.uint8)),
+                c.T_AUX: Part.from_array("F8_E4M3", np.full((n, 12), 0x38, np.uint8)),
+                c.T_HIDDEN_SCALE: Part.from_array("F32", np.full((n, 1), 0.5, np.float32)),
+                c.T_AUX_SCALE: Part.from_array("F32", np.full((n, 3), scale, np.float32))}
+
+    # Given a good file, then one byte of a scale flipped on disk
+    path = store.write("a", parts(0.5), {M_CONTENT: "h"})
+    store.verify("a", "h")
+    head = tensorfile.read_header(path)
+    e = head.tensors[c.T_AUX_SCALE]
+    with open(path, "r+b") as f:
+        f.seek(head.data_start + e.begin + 2)
+        f.write(b"\xff")
+    with pytest.raises(Corrupt, match="checksum of aux_hidden_state_scale"):
+        store.verify("a", "h")
+    # And a file whose scales are checksummed but not positive (written past the dump's check)
+    for bad in (0.0, float("nan"), float("inf"), -1.0):
+        store.write("b", parts(bad), {M_CONTENT: "h"})
+        with pytest.raises(Corrupt, match="aux_hidden_state_scale has 18 scales that are not "
+                                          "finite and > 0"):
+            store.verify("b", "h")
+
+
+def test_the_storage_dtype_is_part_of_the_fingerprint_and_never_mixed(tmp_path: Path) -> None:
+    # FARM_STORE_DTYPE: bf16 (the default; the fingerprint says bfloat16 as before) or fp8
+    assert Settings.from_env({}).hidden_dtype == c.DTYPE_BF16
+    assert Settings.from_env({"FARM_STORE_DTYPE": "fp8_e4m3"}).hidden_dtype == c.DTYPE_FP8
+    with pytest.raises(ConfigError, match="FARM_STORE_DTYPE must be 'bf16' or 'fp8_e4m3'"):
+        Settings.from_env({"FARM_STORE_DTYPE": "fp8"})
+    # An fp8 run into a bf16 dir is refused, and the reverse
+    for first, second in ((c.DTYPE_BF16, c.DTYPE_FP8), (c.DTYPE_FP8, c.DTYPE_BF16)):
+        out = tmp_path / first
+        OutputStore(out, _fp(first)).open()
+        with pytest.raises(ConfigError, match=f"dtype: '{second}' != '{first}'"):
+            OutputStore(out, _fp(second)).open()
+
+
+def _audit_line(out: str, what: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(what))
+
+
+def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_model: Path) -> None:
+    from sglang_patch.reference_model import ReferenceModel
+    from training import index
+    from training.export.formats import FORMATS
+    from training.export.runner import export
+    from training.loader import HiddenStates
+
+    env = {"FARM_STORE_DTYPE": "fp8_e4m3"}
+    with running_farm(tmp_path, server_args=["--dump-dtype", "fp8_e4m3"], env=env) as farm:
+        # Given an fp8 run of 4 samples through a real worker (the canary recorded on the way)
+        farm.start_worker("w1", concurrency=2)
+        keys = enqueue(farm, tmp_path, 4)
+        wait_finished(farm, 4)
+        out = farm.output_dir
+        assert json.loads((out / "manifest.json").read_text())["fingerprint"]["dtype"] == "fp8_e4m3"
+        files = [c.final_path(out, k) for k in keys]
+        assert all(tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3" for p in files)
+        # Then audit finds them whole, and a scale flipped on disk corrupt
+        assert farm.cli("audit").returncode == 0
+        head = tensorfile.read_header(files[0])
+        with open(files[0], "r+b") as f:
+            f.seek(head.data_start + head.tensors[c.T_HIDDEN_SCALE].begin + 3)
+            f.write(b"\x7f")
+        res = farm.cli("audit")
+        assert res.returncode == 1 and f"corrupt {keys[0]}: " in res.stdout, res.stdout
+        assert "checksum of hidden_state_scale" in res.stdout
+        files[0].unlink()
+        keys, files = keys[1:], files[1:]
+    # And the loader hands out bf16 within e4m3's error of the model's bf16 states
+    model = ReferenceModel(tiny_model)
+    ds = HiddenStates(out, verify=True)
+    assert sorted(ds.keys) == sorted(keys)
+    for item in ds:
+        assert item[c.T_HIDDEN].dtype == torch.bfloat16
+        ids = item[c.T_INPUT_IDS].tolist()
+        ref = model.forward_chunk(model.new_cache(), ids, 0)
+        want = torch.cat([ref.aux, ref.hidden], dim=1).to(torch.bfloat16).float()
+        got = torch.cat([item[c.T_AUX], item[c.T_HIDDEN]], dim=1).float()
+        err = _rel_err(want, got, 4)
+        assert err.max() < 0.06 and err.mean() < 0.04, (err.max(0), err.mean(0))
+    # And index works, and every trainer's export verifies and holds the loader's bf16 values
+    report = index.refresh(out, verify=True)
+    assert report.rows == 3 and not report.rejected, report.lines()
+    bf16 = {k: ds[i] for i, k in enumerate(ds.keys)}
+    for name in ("specforge", "modelopt"):
+        summary = export(out, name, tmp_path / name)
+        assert summary.ok and summary.exported == 3, summary.lines()
+        back = FORMATS[name].read_back(tmp_path / name / FORMATS[name].rel_path(keys[0]))
+        want = bf16[keys[0]][c.T_AUX].view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(back["aux_hidden_state" if name == "specforge"
+                                   else "aux_hidden_states"].reshape(want.shape), want)
+        assert export(out, name, tmp_path / name).skipped == 3  # the ledger's sums hold
+    summary = export(out, "speculators", tmp_path / "speculators")
+    assert summary.ok and summary.exported == 3, summary.lines()

@@ -1,0 +1,59 @@
+"""fp8 runs on the training side: float8 e4m3 hidden states and their scales back to bf16.
+
+Every trainer reads bf16 (speculators 0.9.0 included: its loader has no fp8 path), so the
+loader and ``export`` hand out ``float(q) * scale`` rounded to bf16 (torch, round to nearest
+even: the same bytes on every machine). What a file's checksums cover are its stored bytes
+(fp8 and scales): they are checked before anything is dequantized, and an export's outputs
+are compared with the checksums of the bf16 tensors computed here (``as_exported``), which
+its ledger keeps so that a later run checks them again without dequantizing. torch is
+imported only when a sample is dequantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from sglang_patch import contracts as c
+from training import checksums
+from training.manifest import RunInfo
+from worker.errors import Corrupt
+
+_PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE), (c.T_AUX, c.T_AUX_SCALE))
+STORED = (c.T_HIDDEN, c.T_HIDDEN_SCALE, c.T_AUX, c.T_AUX_SCALE)
+
+
+def to_bf16(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A sample's arrays with ``hidden_state`` and ``aux_hidden_state`` as bf16 (uint16 bits,
+    as bf16 runs hold them) and the scales dropped; other tensors as they are."""
+    import torch  # here: the producer CLI imports export without torch (a worker host)
+
+    from sglang_patch import fp8 as codec
+
+    out = {k: v for k, v in arrays.items() if k not in (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)}
+    for name, scale in _PAIRS:
+        q = torch.from_numpy(np.ascontiguousarray(arrays[name]))
+        s = torch.from_numpy(np.ascontiguousarray(arrays[scale]))
+        out[name] = codec.dequantize(q, s).view(torch.int16).numpy().view(np.uint16)
+    return out
+
+
+def as_exported(info: RunInfo, arrays: Mapping[str, np.ndarray],
+                src_sums: checksums.Recorded) -> tuple[dict[str, np.ndarray],
+                                                       checksums.Recorded]:
+    """What an export writes from a source file, and the checksums its outputs must match.
+
+    A bf16 run: the arrays and the file's own checksums. An fp8 run: the stored tensors are
+    checked against the file's checksums first (Corrupt names a mismatch), then dequantized;
+    the checksums are the file's with the bf16 tensors' in place of the stored ones.
+    """
+    if not info.fp8:
+        return dict(arrays), src_sums
+    bad = checksums.mismatches(src_sums, {k: arrays[k] for k in STORED})
+    if bad:
+        raise Corrupt(f"source checksum of {', '.join(bad)}")
+    out = to_bf16(arrays)
+    sums = {k: v for k, v in src_sums.sums.items() if k not in STORED}
+    sums.update({name: checksums.of(out[name]) for name, _ in _PAIRS})
+    return out, checksums.Recorded(checksums.ck.DEFAULT_ALGORITHM, sums)

@@ -1,0 +1,47 @@
+"""Checks of float8 e4m3 hidden states and their scales, on raw bytes (numpy, no torch).
+
+The hook quantizes (``sglang_patch/fp8.py``); the worker checks what it copies, as it checks
+bf16 for NaN/Inf: e4m3fn has no infinities and two NaN encodings (``0x7F``, ``0xFF``), and
+every scale must be finite and > 0 (a NaN or Inf in a row makes its scale non-finite). The
+training side dequantizes: ``float(q) * scale``, per token and layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_NAN_BITS = 0x7F  # exponent and mantissa all ones; the sign bit either way
+
+
+def nan_count(values: np.ndarray) -> int:
+    """How many e4m3fn values (held as uint8) are NaN."""
+    if not values.size:
+        return 0
+    return int(np.count_nonzero((values & _NAN_BITS) == _NAN_BITS))
+
+
+def bad_scales(scales: np.ndarray) -> int:
+    """How many float32 scales are not finite and > 0 (NaN fails both tests)."""
+    return int(scales.size - np.count_nonzero(np.isfinite(scales) & (scales > 0)))
+
+
+def _e4m3_table() -> np.ndarray:
+    bits = np.arange(256, dtype=np.int32)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exp, man = (bits >> 3) & 0xF, bits & 0x7
+    normal = (1.0 + man / 8.0) * np.exp2(exp - 7.0)
+    sub = (man / 8.0) * 2.0 ** -6
+    out = sign * np.where(exp == 0, sub, normal)
+    out[(bits & _NAN_BITS) == _NAN_BITS] = np.nan
+    return out.astype(np.float32)
+
+
+E4M3_VALUES = _e4m3_table()  # the float32 value of every byte
+
+
+def dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """uint8 [T, L*H] (e4m3fn bits) and float32 [T, L] -> float32 [T, L*H]."""
+    t, width = q.shape
+    layers = scales.shape[1]
+    v = E4M3_VALUES[q].reshape(t, layers, width // layers) * scales[:, :, None]
+    return v.reshape(t, width)
