@@ -1,17 +1,19 @@
-"""Training-side I/O benchmark: export vs a plain copy + fsync, loader vs raw reads.
+"""Training-side I/O benchmark: export vs copy + fsync + read-back, loader vs raw reads.
 
-Writes ``--samples`` real output files (the farm's own ``OutputStore.write``: checksums,
-fsync, rename) of ``--tokens`` x ``--hidden`` (default Kimi-K2.5's H = 7168), then measures,
-alternating the two sides of each pair ``--rounds`` times, with every source file's pages
-dropped from the page cache before each pass:
+For each ``--tokens`` size (default 1,500 and 8,192 tokens at H = 7168: 86 MB and 470 MB
+samples), writes about ``--bytes-per-size`` of real output files (the farm's own
+``OutputStore.write``: checksums, fsync, rename), then measures, alternating the two sides of
+each pair ``--rounds`` times, with every source file's pages dropped from the page cache
+before each pass:
 
-- export (``training.export.runner.export``, ``--jobs``) bytes/s vs ``cp`` + fsync per file
-  of the same files, one copy before each export, the formats taking turns, every format
-  against the median of all the run's copies;
+- export (``training.export.runner.export``, ``--jobs``) bytes/s vs the same work its guarantee
+  needs done plainly on the same files: ``cp``, fsync, drop the copy's pages, read it back
+  (one copy before each export, the formats taking turns, every format against the median
+  of all the size's copies);
 - the loader (``training.loader.HiddenStates``, every tensor copied into a buffer, as a
   pinned-memory stage would) samples/s vs reading each file whole into a buffer.
 
-    python bench/training_io.py --work-dir /tmp/bench --samples 24 --json out.json
+    python bench/training_io.py --work-dir /tmp/bench --json out.json
 """
 
 from __future__ import annotations
@@ -68,14 +70,22 @@ def cold(out: Path) -> None:
         drop_cache(p)
 
 
-def copy_fsync(out: Path, dest: Path) -> None:
+def copy_fsync_readback(out: Path, dest: Path) -> None:
+    """Per file: copy, fsync, drop the copy's pages, read it back from the disk."""
     dest.mkdir(parents=True)
+    buf = bytearray(4 << 20)
     for p in index.sample_files(out):
         target = dest / p.name
         shutil.copyfile(p, target)
         fd = os.open(target, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                while f.readinto(buf):
+                    pass
+        finally:
+            os.close(fd)
 
 
 def raw_reads(out: Path, buf: torch.Tensor) -> int:
@@ -114,20 +124,33 @@ def timed(fn: Callable[[], object], out: Path) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work-dir", type=Path, required=True)
-    ap.add_argument("--samples", type=int, default=24)
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1500, 8192])
+    ap.add_argument("--bytes-per-size", type=float, default=1e9,
+                    help="about this much of samples per size (at least 2 samples)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--formats", default="specforge,modelopt,speculators")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
+    res: dict[str, object] = {"machine": f"{platform.node()} {os.cpu_count()} cpus",
+                              "date": time.strftime("%Y-%m-%d"), "hidden": a.hidden,
+                              "sizes": [bench_size(a, t) for t in a.tokens]}
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+    shutil.rmtree(a.work_dir, ignore_errors=True)
+    return 0
+
+
+def bench_size(a: argparse.Namespace, tokens: int) -> dict[str, object]:
     out = a.work_dir / "out"
     shutil.rmtree(a.work_dir, ignore_errors=True)
-    total = make_output(out, a.samples, a.tokens, a.hidden)
-    res: dict[str, object] = {"machine": f"{platform.node()} {os.cpu_count()} cpus",
-                              "date": time.strftime("%Y-%m-%d"), "samples": a.samples,
-                              "bytes": total, "tokens": a.tokens, "hidden": a.hidden}
+    sample_bytes = tokens * (16 + 2 * 4 * a.hidden)
+    samples = max(2, round(a.bytes_per_size / sample_bytes))
+    total = make_output(out, samples, tokens, a.hidden)
+    res: dict[str, object] = {"samples": samples, "bytes": total, "tokens": tokens,
+                              "sample_MB": total / samples / 1e6}
+    print(f"{samples} samples of {tokens} tokens ({total / samples / 1e6:.0f} MB)", flush=True)
     norm = FinalNorm("model.norm.weight", tensorfile.Tensor("F32", np.ones(a.hidden, np.float32)),
                      1e-6, "bench")
     write_final_norm(out, norm, checksums.as_metadata({"weight": checksums.of(norm.weight.array)}))
@@ -140,19 +163,21 @@ def main() -> int:
     for r in range(a.rounds):
         for fmt in formats[r % len(formats):] + formats[: r % len(formats)]:
             dest = a.work_dir / f"copy{r}{fmt}"
-            copies.append(timed(partial(copy_fsync, out, dest), out))
+            copies.append(timed(partial(copy_fsync_readback, out, dest), out))
             shutil.rmtree(dest)
             dest = a.work_dir / f"{fmt}{r}"
             exports[fmt].append(timed(partial(export, out, fmt, dest, jobs=a.jobs), out))
             shutil.rmtree(dest)
     c_s = statistics.median(copies)
-    res["copy_fsync_MBps"] = total / c_s / 1e6
-    res["copy_fsync_MBps_range"] = [total / max(copies) / 1e6, total / min(copies) / 1e6]
-    print("copy + fsync", res["copy_fsync_MBps"], res["copy_fsync_MBps_range"], flush=True)
+    res["copy_fsync_readback_MBps"] = total / c_s / 1e6
+    res["copy_fsync_readback_MBps_range"] = [total / max(copies) / 1e6, total / min(copies) / 1e6]
+    print("copy + fsync + read-back", res["copy_fsync_readback_MBps"],
+          res["copy_fsync_readback_MBps_range"], flush=True)
     for fmt in formats:
         e_s = statistics.median(exports[fmt])
-        res[f"export_{fmt}"] = {"copy_fsync_MBps": total / c_s / 1e6,
-                                "export_MBps": total / e_s / 1e6, "ratio": c_s / e_s}
+        res[f"export_{fmt}"] = {"export_MBps": total / e_s / 1e6, "ratio": c_s / e_s,
+                                "ratio_range": [min(copies) / max(exports[fmt]),
+                                                max(copies) / min(exports[fmt])]}
         print(fmt, res[f"export_{fmt}"], flush=True)
     index.refresh(out)  # the loader's order and lengths come from the index
     ds, lazy = HiddenStates(out, "hsfarm"), HiddenStates(out, "hsfarm", lazy=True)
@@ -163,13 +188,11 @@ def main() -> int:
         loads.append(timed(partial(loader_reads, ds, buf), out))
         lazies.append(timed(partial(loader_reads, lazy, buf), out))
     r_s, l_s, z_s = (statistics.median(x) for x in (raws, loads, lazies))
-    res["loader"] = {"raw_samples_per_s": a.samples / r_s,
-                     "loader_samples_per_s": a.samples / l_s, "ratio": r_s / l_s,
-                     "lazy_samples_per_s": a.samples / z_s, "lazy_ratio": r_s / z_s}
+    res["loader"] = {"raw_samples_per_s": samples / r_s,
+                     "loader_samples_per_s": samples / l_s, "ratio": r_s / l_s,
+                     "lazy_samples_per_s": samples / z_s, "lazy_ratio": r_s / z_s}
     print("loader", res["loader"], flush=True)
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1))
-    return 0
+    return res
 
 
 if __name__ == "__main__":

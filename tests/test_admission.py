@@ -13,7 +13,7 @@ import pytest
 
 from producer.localfarm import wait_until
 from worker.admission import Admission, Holding, Limits, resolve_limits
-from worker.errors import Transient
+from worker.errors import NoSpace, Transient
 from worker.settings import Settings
 
 PER_TOKEN = 100
@@ -165,3 +165,60 @@ def test_status_says_the_dp_groups_beside_the_hosts_limits() -> None:
     assert _admission_text({**a, "dp_groups": 8}) == (
         "in flight 3/64, dumps 0.00/30.07 GB (8 DP groups; one tmpfs budget)")
     assert _admission_text({**a, "dp_groups": 1}) == "in flight 3/64, dumps 0.00/30.07 GB"
+
+
+def _stream(dump_dir: Path, tokens: int, log: Path, hold_s: float, limits: Limits,
+            run_s: float) -> subprocess.Popen[bytes]:
+    """A process that takes tickets back to back for ``run_s``, each held ``hold_s``."""
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from worker.admission import Admission, Limits
+        a = Admission(Path({str(dump_dir)!r}), Limits{tuple(limits.__dict__.values())!r}, 60)
+        end = time.monotonic() + {run_s}
+        while time.monotonic() < end:
+            with a.admit({tokens}):
+                with open({str(log)!r}, "a") as f:
+                    f.write(f"in {{time.monotonic()}}\\n")
+                time.sleep({hold_s})
+    """)
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@pytest.mark.parametrize("big_tokens", [60, 500], ids=["over-half-the-budget", "over-all-of-it"])
+def test_a_big_request_is_admitted_while_small_ones_keep_coming(tmp_path: Path,
+                                                                big_tokens: int) -> None:
+    # Given four processes taking 15-token tickets back to back (1,500 of 10,000 bytes each:
+    # the budget is never empty, and never has 6,000 bytes free for long)
+    log = tmp_path / "log"
+    limits = _limits(in_flight=8, budget=10_000)
+    streams = [_stream(tmp_path, 15, log, 0.1, limits, run_s=20) for _ in range(4)]
+    try:
+        wait_until(lambda: log.exists() and log.read_text().count("in ") >= 4, 30, "the stream")
+        # When a sample bigger than half the budget (or than all of it) asks for room
+        t0 = time.monotonic()
+        with Admission(tmp_path, limits, wait_s=8).admit(big_tokens) as ticket:
+            # Then it gets in within a few holds of the small ones, not when they stop
+            waited_s = time.monotonic() - t0
+            assert ticket.holding.dump_bytes == big_tokens * PER_TOKEN
+        assert waited_s < 5
+        # And the small ones go on after it
+        count = log.read_text().count("in ")
+        wait_until(lambda: log.read_text().count("in ") > count, 10, "the stream after")
+    finally:
+        for p in streams:
+            p.kill()
+            p.wait(10)
+
+
+def test_a_dump_larger_than_the_dump_dirs_file_system_is_refused_with_the_fix(
+        tmp_path: Path) -> None:
+    # Given a dump dir whose file system holds 1 MB in all
+    limits = Limits(1, 10_000, PER_TOKEN, "test", dump_fs_bytes=1_000_000)
+    admission = Admission(tmp_path, limits, wait_s=1)
+    # When a sample needs 2 MB of dumps
+    with pytest.raises(NoSpace) as e, admission.admit(20_000):
+        pass
+    # Then it is refused at once, saying it never fits and what to change
+    assert e.value.never_fits
+    assert "FARM_MAX_TOKENS" in str(e.value) and "size=" in str(e.value)

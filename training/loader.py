@@ -1,14 +1,16 @@
 """A ``torch.utils.data.Dataset`` over an output directory, read in place.
 
 Each item is one sample in the chosen trainer's view (``training.views``); nothing is copied
-on disk. By default each file is read in one sequential pass at getitem (the fastest measured
-for a loop that uses whole samples); ``lazy=True`` memory-maps it instead, and only the pages
-the loop touches are read (a loop that truncates). The manifest is checked once, and every
-file's header on access (fingerprint, tensor shapes); ``verify=True`` also checks every
-tensor's checksum. An fp8 run's states are dequantized to bf16 (``training.fp8``), so every
-view holds bf16 whatever the run stores. Samples come in index order when
-``<out>/index.jsonl`` exists (``python -m producer index``), else in file order; ``lengths``
-gives T per item for bucketing.
+on disk. Each file is memory-mapped (copy-on-write): its tensors are the page cache's pages,
+with no memory allocated and filled per sample (at 86-470 MB samples that fill cost 4x the
+read itself on this project's VM: docs/benchmarks.md). By default the whole file is asked
+for at getitem (read ahead in file order, for a loop that uses whole samples); ``lazy=True``
+reads only the pages the loop touches (a loop that truncates). The manifest is checked
+once, and every file's header on access (fingerprint, tensor shapes); ``verify=True`` also
+checks every tensor's checksum. An fp8 run's states are dequantized to bf16
+(``training.fp8``), so every view holds bf16 whatever the run stores. Samples come in index
+order when ``<out>/index.jsonl`` exists (``python -m producer index``), else in file order;
+``lengths`` gives T per item for bucketing.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class HiddenStates(Dataset[dict[str, Any]]):
         self.info = load_run_info(Path(out_dir))
         self.view = views.VIEW_FUNCS[view]
         self.verify = verify
-        self.lazy = lazy  # memory-mapped, pages read when touched; else one read per file
+        self.lazy = lazy  # pages read when touched; else the whole file read ahead
         self.norm_w = self.info.final_norm().as_float32() if view == "speculators" else None
         rows = index.read_rows(self.info.out_dir)
         if rows:
@@ -60,7 +62,7 @@ class HiddenStates(Dataset[dict[str, Any]]):
         """One sample. Raises Corrupt (wrong run, shapes, or with verify a checksum)."""
         sf = SampleFile.open(self.paths[i])
         self.info.check_sample(sf, self.keys[i])
-        arrays: dict[str, np.ndarray] = sf.map_all() if self.lazy else sf.read_all()
+        arrays: dict[str, np.ndarray] = sf.map_all(prefetch=not self.lazy)
         if self.verify:
             bad = checksums.mismatches(checksums.recorded(sf.metadata), arrays)
             if bad:

@@ -72,13 +72,16 @@ class SampleFile:
             raise Corrupt(f"{self.path}: {name} cut short")
         return np.frombuffer(raw, NP_DTYPES[e.dtype]).reshape(e.shape)
 
-    def map_all(self) -> dict[str, np.ndarray]:
+    def map_all(self, prefetch: bool = False) -> dict[str, np.ndarray]:
         """Every tensor, over one private (copy-on-write) map of the file, never written back:
-        pages are read from the disk only when touched."""
+        pages are read from the disk only when touched; with ``prefetch``, the whole file is
+        asked for at once (read ahead in the background, in file order)."""
         if self.size_bytes == 0:
             return {}
         with open(self.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), self.size_bytes, access=mmap.ACCESS_COPY)
+            if prefetch:
+                os.posix_fadvise(f.fileno(), 0, self.size_bytes, os.POSIX_FADV_WILLNEED)
         return self._arrays(mm)
 
     def read_all(self) -> dict[str, np.ndarray]:

@@ -8,8 +8,14 @@ processes with slot files in ``<dump_dir>/.hsfarm-slots/``: a process holds a sl
 lock file. The kernel drops the locks of a process that dies, so a SIGKILLed worker never
 leaks its place.
 
-A request larger than the whole budget is still admitted when nothing else holds room, so
-one long sample never waits forever.
+Waiting is first come, first served for room: a process that cannot take a ticket at once
+holds a slot marked *waiting* (with when it began and what it wants), and a later request is
+admitted only if there is room for it *and* for the oldest waiter before it. So a long
+sample (a 64k-token dump of 3.8 GB at H = 7,168 against a budget of a few GB) is never
+starved by a stream of short ones: the room they hold drains until it fits. A request larger
+than the whole budget is admitted when nothing else holds room; one larger than the dump
+dir's whole file system can never be written and is refused at once (``NoSpace`` with
+``never_fits``, and the fix).
 
 Under DP attention a ticket may also name the group its request is pinned to
 (``dp_routing``): chosen under the same lock from what the slots hold per group.
@@ -33,7 +39,7 @@ from sglang_patch import contracts as c
 from sglang_patch.layout import dp_groups
 from worker.client import ServerClient
 from worker.dp_routing import NO_GROUP, SERVER, choose_group
-from worker.errors import BadInput, Transient
+from worker.errors import BadInput, NoSpace, Transient
 from worker.settings import Settings
 
 SLOT_DIR = ".hsfarm-slots"
@@ -50,6 +56,7 @@ class Limits:
     bytes_per_token: int
     source: str  # where the values came from, for status and logs
     dp_groups: int = 1  # the server's attention-DP groups, each with its own scheduler
+    dump_fs_bytes: int = 0  # the dump dir's file system, in all (0: not known)
 
     def describe(self) -> str:
         if self.dp_groups > 1:
@@ -101,7 +108,8 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
         if dump_fs_bytes:
             budget = min(budget, dump_fs_bytes // 2)
         sources.append("budget from max tokens and tmpfs size")
-    return Limits(in_flight, budget, per_token, "; ".join(sources) or "settings", groups)
+    return Limits(in_flight, budget, per_token, "; ".join(sources) or "settings", groups,
+                  dump_fs_bytes or 0)
 
 
 def limits_for_host(settings: Settings, hidden_size: int, timeout_s: float = 10.0) -> Limits:
@@ -133,22 +141,38 @@ async def host_limits(settings: Settings, hidden_size: int, client: ServerClient
 @dataclass(frozen=True)
 class Holding:
     """What one slot holds: a request place (0/1), dump bytes, and the DP group its request
-    is pinned to (``NO_GROUP``: none)."""
+    is pinned to (``NO_GROUP``: none); or, while ``waiting_since_ns`` is set
+    (``time.monotonic_ns``, one clock for the host), what it waits for."""
 
     requests: int
     dump_bytes: int
     group: int = NO_GROUP
+    waiting_since_ns: int = 0
 
     def encode(self) -> bytes:
-        return f"{self.requests} {self.dump_bytes} {self.group}\n".encode()
+        return f"{self.requests} {self.dump_bytes} {self.group} {self.waiting_since_ns}\n".encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Holding:
         try:
-            r, b, *g = raw.split()
-            return cls(int(r), int(b), int(g[0]) if g else NO_GROUP)
-        except (ValueError, IndexError):
+            r, b, *rest = (int(x) for x in raw.split()[:4])
+            return cls(r, b, *rest)
+        except (ValueError, TypeError):
             return cls(0, 0)  # a slot being written for the first time holds nothing yet
+
+    def plus(self, other: Holding) -> Holding:
+        return Holding(self.requests + other.requests, self.dump_bytes + other.dump_bytes)
+
+
+@dataclass
+class _Scan:
+    """The slots of the host at one moment (under the lock)."""
+
+    held: Holding  # what all held slots hold together
+    slots: list[Holding]  # each held slot (for the DP group choice)
+    waiters: list[Holding]
+    free_fd: int | None
+    free_index: int
 
 
 class Ticket:
@@ -193,24 +217,45 @@ class Admission:
         """Hold a request place and room for a dump of ``tokens`` tokens.
 
         Raises:
+            NoSpace: (``never_fits``) the dump is larger than the dump dir's file system.
             Transient: no ticket within ``wait_s`` (the host is saturated for that long).
         """
-        ticket = self._wait_for(Holding(1, tokens * self.limits.bytes_per_token))
+        want = Holding(1, tokens * self.limits.bytes_per_token)
+        self._check_it_can_fit(tokens, want.dump_bytes)
+        ticket = self._wait_for(want)
         try:
             yield ticket
         finally:
             ticket.release()
 
+    def _check_it_can_fit(self, tokens: int, dump_bytes: int) -> None:
+        fs_bytes = self.limits.dump_fs_bytes
+        if not fs_bytes or dump_bytes <= fs_bytes:
+            return
+        fits_tokens = fs_bytes // self.limits.bytes_per_token
+        raise NoSpace(
+            f"a dump of {tokens} tokens needs {dump_bytes / 1e9:.2f} GB; the dump dir's file "
+            f"system holds {fs_bytes / 1e9:.2f} GB in all. Mount a larger tmpfs (mount -o "
+            f"remount,size={math.ceil(dump_bytes * 1.25 / 2**30)}G <dump dir's mount>, on the "
+            f"server's host too) or set FARM_MAX_TOKENS to at most {fits_tokens} (another "
+            "run), then enqueue --retry-failed",
+            need_bytes=dump_bytes, never_fits=True)
+
     def _wait_for(self, want: Holding) -> Ticket:
         deadline = time.monotonic() + self.wait_s
-        for i in itertools.count():
-            ticket = self._try_take(want)
-            if ticket is not None:
-                return ticket
-            if time.monotonic() > deadline:
-                raise Transient(f"no admission within {self.wait_s:.0f}s "
-                                f"({self.limits.describe()}; in use: {self.usage()})")
-            time.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
+        line = _Place(time.monotonic_ns())
+        try:
+            for i in itertools.count():
+                ticket = self._try_take(want, line)
+                if ticket is not None:
+                    return ticket
+                if time.monotonic() > deadline:
+                    raise Transient(f"no admission within {self.wait_s:.0f}s "
+                                    f"({self.limits.describe()}; in use: {self.usage()})")
+                time.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
+        except BaseException:
+            line.leave()
+            raise
         raise AssertionError("unreachable")  # itertools.count never ends
 
     @contextlib.contextmanager
@@ -222,52 +267,90 @@ class Admission:
         finally:
             os.close(fd)
 
-    def _try_take(self, want: Holding) -> Ticket | None:
+    def _try_take(self, want: Holding, line: _Place) -> Ticket | None:
+        """A ticket if ``want`` fits beside what is held and the oldest waiter before it;
+        else ``line`` keeps (or takes) a waiting slot, so later requests leave room for it."""
         with self.locked():
-            held, free_fd = self._scan(keep_free=True)
-            if free_fd is None:
+            scan = self._scan(keep_free=line.fd < 0, skip=line.index)
+            try:
+                ahead = [w for w in scan.waiters if w.waiting_since_ns < line.since_ns]
+                oldest = min(ahead, key=lambda w: w.waiting_since_ns, default=None)
+                fits = self._fits(scan.held if oldest is None else scan.held.plus(oldest), want,
+                                  alone=oldest is None)
+                if line.fd < 0:
+                    if scan.free_fd is None:
+                        return None  # every slot is held: wait without a place in line
+                    line.fd, line.index, scan.free_fd = scan.free_fd, scan.free_index, None
+                if fits:
+                    fd, line.fd = line.fd, -1
+                    group = choose_group(self.dp_routing, self.limits.dp_groups, scan.slots)
+                    want = Holding(want.requests, want.dump_bytes, group)
+                    _write(fd, want)
+                    return Ticket(self, fd, want)
+                _write(line.fd, Holding(want.requests, want.dump_bytes,
+                                        waiting_since_ns=line.since_ns))
                 return None
-            total = _sum(held)
-            fits = (total.requests + want.requests <= self.limits.max_in_flight
-                    and (total.dump_bytes + want.dump_bytes <= self.limits.dump_budget_bytes
-                         or total.dump_bytes == 0))
-            if not fits:
-                os.close(free_fd)
-                return None
-            group = choose_group(self.dp_routing, self.limits.dp_groups, held)
-            want = Holding(want.requests, want.dump_bytes, group)
-            _write(free_fd, want)
-            return Ticket(self, free_fd, want)
+            finally:
+                if scan.free_fd is not None:
+                    os.close(scan.free_fd)
+
+    def _fits(self, held: Holding, want: Holding, alone: bool) -> bool:
+        """Room for ``want`` beside ``held``; with nothing held (and no one waiting before
+        it), a request larger than the whole budget fits, so it never waits forever."""
+        return (held.requests + want.requests <= self.limits.max_in_flight
+                and (held.dump_bytes + want.dump_bytes <= self.limits.dump_budget_bytes
+                     or (alone and held.dump_bytes == 0)))
 
     def usage(self) -> Holding:
-        """What all held slots hold together, now."""
+        """What all held slots hold together, now (waiters hold nothing yet)."""
         with self.locked():
-            return _sum(self._scan(keep_free=False)[0])
+            return self._scan(keep_free=False).held
 
-    def _scan(self, keep_free: bool) -> tuple[list[Holding], int | None]:
-        """What each held slot holds, and (if asked) a free slot's fd, locked by us."""
-        held: list[Holding] = []
+    def _scan(self, keep_free: bool, skip: int = -1) -> _Scan:
+        """Sum of held slots, the waiting ones, and (if asked) a free slot's fd, locked by us.
+
+        ``skip`` is the caller's own slot (its flock would read as another process's).
+        """
+        held, slots, waiters = Holding(0, 0), [], []
         free_fd: int | None = None
+        free_index = -1
         for i in range(self.slots):
             path = self.dir / f"slot-{i:03d}"
+            if i == skip:
+                continue
             if not path.exists() and (free_fd is not None or not keep_free):
                 break  # slots are created in order: none after the first missing one
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # held by a live process: count what it holds
-                held.append(Holding.decode(os.pread(fd, 64, 0)))
+                h = Holding.decode(os.pread(fd, 64, 0))
+                if h.waiting_since_ns:
+                    waiters.append(h)
+                else:
+                    held = held.plus(h)
+                    slots.append(h)
                 os.close(fd)
                 continue
             if keep_free and free_fd is None:
-                free_fd = fd
+                free_fd, free_index = fd, i
             else:
                 os.close(fd)
-        return held, free_fd
+        return _Scan(held, slots, waiters, free_fd, free_index)
 
 
-def _sum(held: list[Holding]) -> Holding:
-    return Holding(sum(h.requests for h in held), sum(h.dump_bytes for h in held))
+@dataclass
+class _Place:
+    """A request's place in the line for room: its waiting slot, once it has one."""
+
+    since_ns: int
+    fd: int = -1
+    index: int = -1
+
+    def leave(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _write(fd: int, holding: Holding) -> None:

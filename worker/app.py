@@ -14,6 +14,7 @@ from kombu.serialization import register
 from worker.broker import tls_options
 from worker.errors import ConfigError
 from worker.settings import Settings
+from worker.time_limits import soft_for
 
 SERIALIZER = "orjson"
 TASK_NAME = "hsfarm.extract"
@@ -44,7 +45,9 @@ def celery_config(s: Settings) -> dict[str, object]:
         # back with Reject(requeue=True), so acknowledging failures loses nothing.
         "task_acks_on_failure": True,
         "task_acks_on_timeout": False,  # a hard timeout requeues; attempts are bounded
-        "task_soft_time_limit": s.task_time_limit_s - min(20.0, s.task_time_limit_s / 5),
+        # A sample too short to add to the limits; each message gets its own by its size
+        # (worker/time_limits.py, set in worker/reaper.py's OwnedRequest)
+        "task_soft_time_limit": soft_for(s.task_time_limit_s),
         "task_time_limit": s.task_time_limit_s,
         "worker_prefetch_multiplier": 1,  # each process holds one message at most
         "worker_cancel_long_running_tasks_on_connection_loss": True,

@@ -97,12 +97,16 @@ class NoSpace(Transient):
         need_bytes: what the write needed, when known (a wait for space waits for this much).
         on_server: the server's hook found the dump dir full (by its own reserve, which this
             worker cannot see: the wait then holds at least one poll interval).
+        never_fits: the write is larger than its whole file system: no wait helps; the
+            message says what to change.
     """
 
-    def __init__(self, message: str, need_bytes: int = 0, on_server: bool = False) -> None:
+    def __init__(self, message: str, need_bytes: int = 0, on_server: bool = False,
+                 never_fits: bool = False) -> None:
         super().__init__(message)
         self.need_bytes = need_bytes
         self.on_server = on_server
+        self.never_fits = never_fits
 
 
 class DataFileUnavailable(Transient):

@@ -17,7 +17,7 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import store as st
-from worker import tensorfile
+from worker import tensorfile, time_limits
 from worker.dumps import discard_dumps, open_dump, wait_for_dump
 from worker.errors import Corrupt, KeyTaken, OutputUnavailable
 from worker.lease import Lease
@@ -103,7 +103,10 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
     with rt.admission.admit(n) as ticket:  # a request place, and tmpfs room for the dump
-        dump = rt.loop.run_until_complete(_request(rt, rid, tok.input_ids, ticket.dp_rank))
+        dump_wait_s = rt.settings.dump_timeout_s + time_limits.io_s(
+            rt.settings, ticket.holding.dump_bytes)  # a long sample's dump takes longer
+        dump = rt.loop.run_until_complete(
+            _request(rt, rid, tok.input_ids, ticket.dp_rank, dump_wait_s))
         ticket.answered()
         try:
             log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
@@ -155,6 +158,7 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
         raise OutputUnavailable(f"reading back {store.final_path(key)}: {e}") from e
 
 
-async def _request(rt: Runtime, rid: str, ids: list[int], dp_rank: int | None) -> Path:
+async def _request(rt: Runtime, rid: str, ids: list[int], dp_rank: int | None,
+                   dump_wait_s: float) -> Path:
     await rt.client.generate(rid, ids, dp_rank)
-    return await wait_for_dump(rt.settings.dump_dir, rid, rt.settings.dump_timeout_s)
+    return await wait_for_dump(rt.settings.dump_dir, rid, dump_wait_s)

@@ -36,7 +36,7 @@ from celery import Celery, bootsteps
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
-from worker import broker, keys, liveness
+from worker import broker, keys, liveness, time_limits
 from worker.settings import Settings
 
 log = logging.getLogger("hsfarm.reaper")
@@ -161,6 +161,22 @@ class OwnedRequest(Request):
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(message, *args, **kwargs)
         self._owner_call(lambda r, tag: r.hset(keys.OWNERS, tag, liveness.identity()))
+        self._size_time_limits()
+
+    def _size_time_limits(self) -> None:
+        """This delivery's time limits, from its record's size (worker/time_limits.py)."""
+        from worker.app import settings
+        from worker.startup import CONTEXT
+
+        try:
+            record_bytes = int(self.args[0]["n"])
+        except (IndexError, KeyError, TypeError, ValueError):
+            return  # not a sample reference: the task refuses it under the app's limits
+        if CONTEXT is None or record_bytes < 1:
+            return
+        limits = time_limits.for_record(settings, record_bytes, CONTEXT.limits.bytes_per_token)
+        self.time_limits = limits.as_celery()
+        self._request_dict["timelimit"] = limits.as_celery()  # the task's self.request sees it
 
     def acknowledge(self) -> None:
         super().acknowledge()

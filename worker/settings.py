@@ -46,7 +46,10 @@ class Settings:
     max_attempts: int = 5
     request_timeout_s: float = 600.0
     dump_timeout_s: float = 120.0
+    # A delivery's time limit: this, plus its sample's bytes at the floor rate below
+    # (worker/time_limits.py: a 64k-token sample gets more time than a 2k one)
     task_time_limit_s: float = 900.0
+    min_sample_bytes_per_s: float = 50e6
     visibility_timeout_s: float = 1200.0
     restore_interval_s: float = 10.0
     retry_backoff_s: float = 2.0
@@ -127,6 +130,9 @@ class Settings:
                 f"FARM_RETRY_BACKOFF_MAX_S ({self.visibility_timeout_s} <= "
                 f"{self.task_time_limit_s} + {self.retry_backoff_max_s})"
             )
+        if self.min_sample_bytes_per_s <= 0:
+            out.append("FARM_MIN_SAMPLE_BYTES_PER_S must be > 0, not "
+                       f"{self.min_sample_bytes_per_s}")
         if self.max_in_flight < 0 or self.dump_budget_bytes < 0:
             out.append("FARM_MAX_IN_FLIGHT and FARM_DUMP_BUDGET_BYTES must be >= 0 (0 = auto)")
         if self.heartbeat_ttl_s < 2 * self.reaper_interval_s:

@@ -31,7 +31,7 @@ from typing import Any
 import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker import broker, canary, liveness, reaper, run, weights
+from worker import broker, canary, liveness, reaper, run, time_limits, weights
 from worker.app import settings
 from worker.canary_check import Outcome
 from worker.client import ServerClient
@@ -160,7 +160,10 @@ def _on_worker_init(**_: Any) -> None:
         r = _wait_for_redis()
         broker.check_persistence(r, settings)
         CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
-        CONTEXT.store.clean_stale_temp(max_age_s=settings.task_time_limit_s * 2)
+        per_token = CONTEXT.limits.bytes_per_token
+        time_limits.check_visibility(settings, per_token)
+        longest = time_limits.for_tokens(settings, settings.max_tokens, per_token)
+        CONTEXT.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
         _consume_the_runs_queue(r, CONTEXT.store.run_id)
         _check_served_weights(_wait_for_hook())
         _wait_for_canary(r)

@@ -106,14 +106,12 @@ def _backoff_s(attempt: int) -> float:
     return min(base, settings.retry_backoff_max_s) * random.uniform(0.8, 1.2)
 
 
-def _budget_s() -> float:
-    """How long one delivery may work: until shortly before Celery's soft time limit."""
-    return float(app.conf.task_soft_time_limit or settings.task_time_limit_s) - 2.0
-
-
-def _deadline() -> float:
-    """When this delivery must hand its message back."""
-    return time.monotonic() + _budget_s()
+def _budget_s(request: Any) -> float:
+    """How long this delivery may work: until shortly before its soft time limit (sized by
+    its sample, worker/time_limits.py), else the app's."""
+    limits = getattr(request, "timelimit", None)
+    soft_s = limits[1] if isinstance(limits, (list, tuple)) and len(limits) == 2 else None
+    return float(soft_s or app.conf.task_soft_time_limit or settings.task_time_limit_s) - 2.0
 
 
 @app.task(bind=True, name=TASK_NAME, max_retries=None, acks_late=True,
@@ -121,11 +119,12 @@ def _deadline() -> float:
           Request="worker.reaper:OwnedRequest")
 def extract(self: Task, ref_json: Any) -> dict[str, Any]:
     """Extract one sample's hidden states into a verified final file."""
-    deadline = _deadline()
+    budget_s = _budget_s(self.request)
+    deadline = time.monotonic() + budget_s
     try:
         rt = runtime()
         _hand_back_foreign(rt, self.request.id)
-        return _run(rt, ref_json, deadline)
+        return _run(rt, ref_json, deadline, budget_s)
     except (SampleNotDone, Reject):
         raise
     except ConfigError as e:
@@ -152,13 +151,13 @@ def _hand_back_foreign(rt: Runtime, task_id: object) -> None:
     raise Reject(f"a message of run {other}, not of this run {rt.run_id}", requeue=True)
 
 
-def _run(rt: Runtime, ref_json: Any, deadline: float) -> dict[str, Any]:
+def _run(rt: Runtime, ref_json: Any, deadline: float, budget_s: float) -> dict[str, Any]:
     ref = _checked_ref(rt, ref_json)
     name = leases.lease_name(rt.run_id, ref.key)
     with leases.held(rt.index.r, name, settings.lease_ttl_s, deadline) as lease:
         if lease is None:
             raise Reject(f"{ref.key}: another attempt still holds it", requeue=True)
-        return _attempts(rt, ref, lease, deadline)
+        return _attempts(rt, ref, lease, deadline, budget_s)
 
 
 def _checked_ref(rt: Runtime, ref_json: Any) -> SampleRef:
@@ -185,8 +184,8 @@ def _checked_ref(rt: Runtime, ref_json: Any) -> SampleRef:
     return ref
 
 
-def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
-              deadline: float) -> dict[str, Any]:
+def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease, deadline: float,
+              budget_s: float) -> dict[str, Any]:
     """Attempts of one sample under its lease, until it has an outcome or must be handed back."""
     key = ref.key
     while True:
@@ -200,7 +199,7 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
         _wait(rt, key, lambda: waits.space_problem(rt), deadline)
         _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
               deadline)
-        _enough_time_left(key, deadline)
+        _enough_time_left(key, deadline, budget_s)
         attempt = rt.index.next_attempt(key)
         if attempt > settings.max_attempts:
             _give_up(rt, key, f"gave up after {settings.max_attempts} attempts (crashes or "
@@ -250,7 +249,7 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
         rt.canary.force()  # the server may come back with another model: check before work
         _wait(rt, ref.key, lambda: waits.server_problem(rt), deadline)
     elif isinstance(e, NoSpace):
-        never = waits.never_fits(rt, e.need_bytes)
+        never = str(e) if e.never_fits else waits.never_fits(rt, e.need_bytes)
         if never:
             _give_up(rt, ref.key, f"NoSpace: {never}", rt.index.next_attempt(ref.key))
         if e.on_server:
@@ -277,12 +276,12 @@ def _set_aside_if_removed(rt: Runtime, key: str) -> None:
         log.warning("%s left the run while it ran; its file is set aside", key)
 
 
-def _enough_time_left(key: str, deadline: float) -> None:
+def _enough_time_left(key: str, deadline: float, budget_s: float) -> None:
     """An attempt starts only with half a delivery's time or more left: the time limit must
     never cut an attempt short because a pause (the environment) used its time, which would
     count against the sample; else the message goes back for a fresh delivery."""
     left_s = deadline - time.monotonic()
-    if left_s < _budget_s() / 2:
+    if left_s < budget_s / 2:
         raise Reject(f"{key}: {left_s:.0f}s of this delivery left, under half of it; handed "
                      "back for a whole one (no attempt spent)", requeue=True)
 
