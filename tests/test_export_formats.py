@@ -1,13 +1,20 @@
-"""speculators' read-back check of its aux slots, hashed in place (training/export/formats.py)."""
+"""speculators' stack: derived and written in chunks, read back from the disk in a stream, its
+aux slots hashed in place (training/export/formats.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from sglang_patch import contracts as c
 from training import checksums
-from training.export.formats import Speculators
+from training.export.formats import FORMATS, Speculators, _StackFeed
+from training.prenorm import speculators_stack
 from worker import checksums as ck
+from worker import tensorfile
+from worker.errors import Corrupt
 
 
 def test_the_aux_slots_hash_in_place_as_the_sources_aux_tensor() -> None:
@@ -29,3 +36,73 @@ def test_the_aux_slots_hash_in_place_as_the_sources_aux_tensor() -> None:
     assert Speculators.aux_checksum(stack, ck.XXH3_128) == recorded.sums[c.T_AUX]
     stack[2, 1, 0] ^= 1
     assert Speculators.aux_checksum(stack, ck.XXH3_128) != recorded.sums[c.T_AUX]
+
+
+def _speculators_file(tmp_path: Path, t: int = 150, h: int = 8) -> tuple[
+        Path, checksums.Recorded, dict[str, str], dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(1)
+    src: dict[str, np.ndarray] = {
+        c.T_INPUT_IDS: rng.integers(0, 1000, t), c.T_LOSS_MASK: np.ones(t, np.int64),
+        c.T_HIDDEN: rng.integers(0, 0x3F00, (t, h), dtype=np.uint16),
+        c.T_AUX: rng.integers(0, 0x3F00, (t, 3 * h), dtype=np.uint16)}
+    norm_w = rng.uniform(0.5, 2.0, h).astype(np.float32)
+    sums = checksums.compute(src)
+    path = tmp_path / "hs_0.safetensors"
+    derived = FORMATS["speculators"].write(path, "k", src, sums, norm_w)
+    return path, sums, derived, src, norm_w
+
+
+def test_speculators_streams_its_stack_out_and_back_as_computed_whole(tmp_path: Path) -> None:
+    # Given a sample of 150 tokens (chunks of 64 rows: the last one short) written in chunks
+    path, sums, derived, src, norm_w = _speculators_file(tmp_path)
+    fmt = FORMATS["speculators"]
+    # Then the file holds the stack computed whole, its recorded checksum is that stack's,
+    # and the streamed read-back finds no problem
+    back = fmt.read_back(path)
+    assert np.array_equal(back["hidden_states"], speculators_stack(src, norm_w))
+    assert derived == {"hidden_states": checksums.of(back["hidden_states"])}
+    assert fmt.check(path, sums, derived) == []
+    # And fed in odd-sized pieces (rows split across pieces) the digests are the same
+    header = tensorfile.read_header(path)
+    raw = memoryview(path.read_bytes())
+    feed = _StackFeed(header, sums.algorithm)
+    for lo in range(0, len(raw), 1000):
+        feed.add(lo, raw[lo : lo + 1000])
+    assert feed.stacked.hexdigest() == derived["hidden_states"]
+    assert feed.aux.hexdigest() == sums.sums[c.T_AUX]
+
+
+@pytest.mark.parametrize(("where", "why"), [
+    ("token_ids", "token_ids differs from source input_ids"),
+    ("aux", "hidden_states reads back differently"),
+    ("prenorm", "hidden_states reads back differently"),
+])
+def test_speculators_streamed_check_names_each_damaged_part(tmp_path: Path, where: str,
+                                                            why: str) -> None:
+    # Given a written file and one byte flipped in one part of it
+    path, sums, derived, _, _ = _speculators_file(tmp_path)
+    header = tensorfile.read_header(path)
+    starts = {n: o for n, o, _ in header.file_ranges()}
+    row = (3 + 1) * 8 * 2
+    at = {"token_ids": starts["token_ids"] + 3,
+          "aux": starts["hidden_states"] + 100 * row + 5,
+          "prenorm": starts["hidden_states"] + 100 * row + 3 * 8 * 2 + 1}[where]
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    # Then the streamed check names it; without the ledger's derived checksum, a flipped aux
+    # byte is still caught against the source's aux checksum (a pre-norm byte cannot be)
+    fmt = FORMATS["speculators"]
+    assert fmt.check(path, sums, derived) == [why]
+    assert fmt.check(path, sums, derived) == fmt.problems(fmt.read_back(path), sums, derived)
+    if where == "aux":
+        aux_why = f"hidden_states[:, :3] differs from source {c.T_AUX}"
+        assert fmt.check(path, sums, None) == [aux_why]
+
+
+def test_speculators_check_refuses_a_cut_short_file(tmp_path: Path) -> None:
+    path, sums, derived, _, _ = _speculators_file(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(Corrupt):
+        FORMATS["speculators"].check(path, sums, derived)

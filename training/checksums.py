@@ -21,6 +21,11 @@ def of(arr: np.ndarray, algorithm: str = ck.DEFAULT_ALGORITHM) -> str:
     return ck.tensor_checksum(np.ascontiguousarray(arr).data, algorithm)
 
 
+def hasher(algorithm: str = ck.DEFAULT_ALGORITHM) -> ck.Hasher:
+    """A streaming hasher: fed a tensor's bytes in order, its digest equals ``of``'s."""
+    return ck.new_hasher(algorithm)
+
+
 @dataclass(frozen=True)
 class Recorded:
     """The per-tensor checksums a file (or a manifest entry) records, with their algorithm."""

@@ -6,7 +6,7 @@ speculators wants the last layer's output *before* the final norm (slot 4 of its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -19,8 +19,8 @@ def prenorm_bf16(hidden_bf16: np.ndarray, weight_f32: np.ndarray) -> np.ndarray:
     RMSNorm(x) = w * x / rms(x) is invariant to scaling x, so the trainer's own norm maps the
     result back to ``hidden`` (to bf16 rounding). Channels where w = 0 are set to 0.
     """
-    # One [T, H] float32 buffer, worked on in place: at T x 7168 the temporaries of the
-    # straightforward expression cost more than writing the file
+    # One float32 buffer, worked on in place: at T x 7168 the temporaries of the
+    # straightforward expression cost more than writing the file (callers pass chunks of rows)
     bits = hidden_bf16.astype(np.uint32)
     bits <<= 16
     x = bits.view(np.float32)
@@ -51,11 +51,31 @@ def _round_to_bf16(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-def speculators_stack(a: Mapping[str, np.ndarray], norm_w: np.ndarray) -> np.ndarray:
-    """speculators' [T, 4, H] (bf16 bits): the three aux states, then the pre-norm state."""
+STACK_CHUNK_ROWS = 64  # tokens derived at a time: the float32 temporaries stay in cache
+
+
+def speculators_chunks(a: Mapping[str, np.ndarray], norm_w: np.ndarray,
+                       rows: int = STACK_CHUNK_ROWS) -> Iterator[np.ndarray]:
+    """speculators' [T, 4, H] stack (bf16 bits), ``rows`` tokens at a time, in order: the
+    three aux states, then the pre-norm state. Each chunk is one reused buffer, valid until
+    the next is taken."""
     hidden, aux = a[c.T_HIDDEN], a[c.T_AUX]
     t, h = hidden.shape
+    buf = np.empty((max(1, min(rows, t)), c.AUX_LAYERS + 1, h), dtype=np.uint16)
+    for lo in range(0, t, rows):
+        hi = min(lo + rows, t)
+        out = buf[: hi - lo]
+        out[:, : c.AUX_LAYERS] = aux[lo:hi].reshape(hi - lo, c.AUX_LAYERS, h)
+        out[:, c.AUX_LAYERS] = prenorm_bf16(hidden[lo:hi], norm_w)
+        yield out
+
+
+def speculators_stack(a: Mapping[str, np.ndarray], norm_w: np.ndarray) -> np.ndarray:
+    """speculators' [T, 4, H] (bf16 bits): the three aux states, then the pre-norm state."""
+    t, h = a[c.T_HIDDEN].shape
     out = np.empty((t, c.AUX_LAYERS + 1, h), dtype=np.uint16)
-    out[:, : c.AUX_LAYERS] = aux.reshape(t, c.AUX_LAYERS, h)
-    out[:, c.AUX_LAYERS] = prenorm_bf16(hidden, norm_w)
+    lo = 0
+    for chunk in speculators_chunks(a, norm_w):
+        out[lo : lo + len(chunk)] = chunk
+        lo += len(chunk)
     return out

@@ -84,13 +84,17 @@ class SampleFile:
                 os.posix_fadvise(f.fileno(), 0, self.size_bytes, os.POSIX_FADV_WILLNEED)
         return self._arrays(mm)
 
-    def read_all(self) -> dict[str, np.ndarray]:
+    def read_all(self, buf: bytearray | None = None) -> dict[str, np.ndarray]:
         """Every tensor, over one buffer filled by one sequential read of the file (for a
         consumer that reads it all: measured faster here than faulting a map in page by page).
-        Raises Corrupt if the file is shorter than its header says."""
-        buf = bytearray(self.size_bytes)
+        ``buf``: a buffer to read into (at least the file's size; the arrays are views of it,
+        valid until it is reused). Raises Corrupt if the file is shorter than its header says."""
+        if buf is None:
+            buf = bytearray(self.size_bytes)
+        if len(buf) < self.size_bytes:
+            raise ValueError(f"a {len(buf)}-byte buffer for {self.size_bytes} bytes")
         with open(self.path, "rb", buffering=0) as f:
-            n = f.readinto(buf)
+            n = f.readinto(memoryview(buf)[: self.size_bytes])
         if n != self.size_bytes:
             raise Corrupt(f"{self.path}: read {n} of {self.size_bytes} bytes")
         return self._arrays(buf)

@@ -16,11 +16,14 @@ Read back from the disk, every output tensor that copies a source tensor is chec
 the source's recorded checksum (so a damaged source is caught too, with one hash pass in all);
 speculators' stacked tensor is compared with the checksum of what was computed in memory
 (kept in the ledger, so a later run checks it again), and its aux part against the source's
-checksum, after the source ``hidden_state`` it derives from passed its own.
+checksum, after the source ``hidden_state`` it derives from passed its own. speculators' stack
+is derived, written and hashed a few tokens at a time, and read back in chunks from the disk
+(``check``), so no [T, 4, H] copy of it is ever in memory.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,10 +32,10 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from training import checksums
-from training.prenorm import speculators_stack
-from training.sample_file import SampleFile
+from training.prenorm import speculators_chunks
+from training.sample_file import NP_DTYPES, SampleFile
 from worker import checksums as ck
-from worker import tensorfile
+from worker import diskio, tensorfile
 from worker.errors import Corrupt
 
 Arrays = Mapping[str, np.ndarray]
@@ -52,8 +55,9 @@ class Format:
         raise NotImplementedError
 
     def write(self, tmp: Path, key: str, src: Arrays, src_sums: checksums.Recorded,
-              norm_w: np.ndarray | None) -> dict[str, np.ndarray]:
-        """Write ``tmp``; return the derived output tensors (not copies of a source tensor).
+              norm_w: np.ndarray | None) -> dict[str, str]:
+        """Write ``tmp``; return the checksums of the derived output tensors (those that are
+        not copies of a source tensor), as written.
 
         Raises:
             Corrupt: a source tensor that an output is derived from fails its checksum.
@@ -62,6 +66,15 @@ class Format:
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def check(self, path: Path, src_sums: checksums.Recorded,
+              derived_sums: Mapping[str, str] | None) -> list[str]:
+        """Read ``path`` (its pages already dropped) and return its ``problems``.
+
+        Raises:
+            Corrupt, OSError, ValueError, KeyError, RuntimeError: not a readable file.
+        """
+        return self.problems(self.read_back(path), src_sums, derived_sums)
 
     def problems(self, back: Mapping[str, np.ndarray], src_sums: checksums.Recorded,
                  derived_sums: Mapping[str, str] | None) -> list[str]:
@@ -88,6 +101,14 @@ def _torch_raw(t: Any) -> np.ndarray:
     return t.contiguous().numpy()
 
 
+def _read_ahead(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
 class _TorchSave(Format):
     suffix = ""
 
@@ -98,15 +119,18 @@ class _TorchSave(Format):
         raise NotImplementedError
 
     def write(self, tmp: Path, key: str, src: Arrays, src_sums: checksums.Recorded,
-              norm_w: np.ndarray | None) -> dict[str, np.ndarray]:
+              norm_w: np.ndarray | None) -> dict[str, str]:
         import torch
 
         torch.save(self.view(key, src), tmp)
         return {}  # every tensor is a copy of a source tensor
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
+        """The file's tensors, mapped; the whole file asked for at once (read ahead in file
+        order while the first tensors are hashed, not faulted in page by page)."""
         import torch
 
+        _read_ahead(path)
         obj = torch.load(path, weights_only=True, mmap=True)
         return {k: _torch_raw(v) for k, v in obj.items() if isinstance(v, torch.Tensor)}
 
@@ -151,16 +175,50 @@ class Speculators(Format):
         return f"hidden_states/hs_{number}.safetensors"
 
     def write(self, tmp: Path, key: str, src: Arrays, src_sums: checksums.Recorded,
-              norm_w: np.ndarray | None) -> dict[str, np.ndarray]:
+              norm_w: np.ndarray | None) -> dict[str, str]:
         assert norm_w is not None
         if checksums.mismatches(src_sums, {c.T_HIDDEN: src[c.T_HIDDEN]}):
             raise Corrupt(f"source checksum of {c.T_HIDDEN}")
-        stacked = speculators_stack(src, norm_w)
-        out = {"token_ids": tensorfile.Tensor("I64", src[c.T_INPUT_IDS]),
-               "hidden_states": tensorfile.Tensor("BF16", stacked),
-               c.T_LOSS_MASK: tensorfile.Tensor("I64", src[c.T_LOSS_MASK])}
-        tensorfile.write(tmp, out, {"sample_key": key})
-        return {"hidden_states": stacked}
+        t, h = src[c.T_HIDDEN].shape
+        copies = {"token_ids": src[c.T_INPUT_IDS], c.T_LOSS_MASK: src[c.T_LOSS_MASK]}
+        head, header = tensorfile.encode_header(
+            {"token_ids": ("I64", (t,)), c.T_LOSS_MASK: ("I64", (t,)),
+             "hidden_states": ("BF16", (t, c.AUX_LAYERS + 1, h))}, {"sample_key": key})
+        stacked = checksums.hasher()
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for name, _, _ in header.file_ranges():
+                if name != "hidden_states":
+                    f.write(np.ascontiguousarray(copies[name], np.int64).data)
+                    continue
+                for chunk in speculators_chunks(src, norm_w):
+                    f.write(chunk.data)
+                    stacked.update(chunk.data)
+        return {"hidden_states": stacked.hexdigest()}
+
+    def check(self, path: Path, src_sums: checksums.Recorded,
+              derived_sums: Mapping[str, str] | None) -> list[str]:
+        """One sequential pass over the file from the disk, in chunks: the copies kept (a few
+        KB), the stack hashed whole and its aux slots row by row as it streams past."""
+        with diskio.DiskReader(path) as reader:
+            header = tensorfile.read_header_fd(reader.fd, path.name)
+            names = [*self.source_of, *self.derived, *(derived_sums or {})]
+            missing = [f"{o} is missing" for o in names if o not in header.tensors]
+            if missing:
+                return missing
+            feed = _StackFeed(header, src_sums.algorithm)
+            for offset, view in reader.chunks():
+                feed.add(offset, view)
+        if feed.seen != header.size_bytes:
+            raise Corrupt(f"{path.name}: read {feed.seen} of {header.size_bytes} bytes")
+        out = [f"{o} differs from source {s}" for o, s in self.source_of.items()
+               if not src_sums.matches(s, feed.small(o))]
+        want = dict(derived_sums or {})
+        if "hidden_states" in want and feed.stacked.hexdigest() != want["hidden_states"]:
+            out.append("hidden_states reads back differently")
+        if not out and src_sums.sums.get(c.T_AUX) != feed.aux.hexdigest():
+            out.append(f"hidden_states[:, :3] differs from source {c.T_AUX}")
+        return out
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
         tf = tensorfile.read(path)
@@ -187,6 +245,49 @@ class Speculators(Format):
     def ids_and_mask(path: Path) -> tuple[np.ndarray, np.ndarray]:
         sf = SampleFile.open(path)
         return sf.read("token_ids"), sf.read(c.T_LOSS_MASK)
+
+
+class _StackFeed:
+    """Routes a speculators file's bytes, chunk by chunk: ``hidden_states`` to a hasher of
+    the whole stack and (its first three slots of each token) to one of the aux part; the
+    small tensors kept."""
+
+    def __init__(self, header: tensorfile.Header, algorithm: str) -> None:
+        self.ranges = header.file_ranges()
+        stack = header.tensors["hidden_states"]
+        self.row_bytes = stack.nbytes // max(1, stack.shape[0])
+        self.aux_bytes = self.row_bytes * c.AUX_LAYERS // (c.AUX_LAYERS + 1)
+        self.stacked = checksums.hasher()
+        self.aux = checksums.hasher(algorithm)
+        self.kept: dict[str, bytearray] = {}
+        self.dtypes = {n: e.dtype for n, e in header.tensors.items()}
+        self.seen = 0
+
+    def add(self, offset: int, view: memoryview) -> None:
+        end = offset + len(view)
+        for name, begin, nbytes in self.ranges:
+            lo, hi = max(begin, offset), min(begin + nbytes, end)
+            if lo >= hi:
+                continue
+            piece = view[lo - offset : hi - offset]
+            if name == "hidden_states":
+                self.stacked.update(piece)
+                self._aux(piece, lo - begin)
+            else:
+                self.kept.setdefault(name, bytearray()).extend(piece)
+        self.seen = max(self.seen, end)
+
+    def _aux(self, piece: memoryview, at: int) -> None:
+        """Feed the aux hasher the aux bytes of ``piece`` (stack bytes from ``at``)."""
+        end = at + len(piece)
+        for row in range(at // self.row_bytes, (end - 1) // self.row_bytes + 1):
+            lo = max(at, row * self.row_bytes)
+            hi = min(end, row * self.row_bytes + self.aux_bytes)
+            if lo < hi:
+                self.aux.update(piece[lo - at : hi - at])
+
+    def small(self, name: str) -> np.ndarray:
+        return np.frombuffer(self.kept.get(name, bytearray()), NP_DTYPES[self.dtypes[name]])
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (SpecForge(), ModelOpt(), Speculators())}

@@ -241,13 +241,12 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
         entry = job.ledger.entries.get(key)
         if entry is not None and not _dest_problems(job, entry, src_sums):
             return _Outcome(0, job.delete_source and _delete_verified(src, src_sums, seen))
-        arrays = src.read_all()
+        arrays = src.read_all(_buffer(src.size_bytes))
         _same_file(src_path, seen)
         arrays, want = fp8.as_exported(job.info, arrays, src_sums)  # fp8 runs: bf16 out
         tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        derived = job.fmt.write(tmp, key, arrays, want, job.norm_w)
-        derived_sums = {o: checksums.of(a) for o, a in derived.items()}
+        derived_sums = job.fmt.write(tmp, key, arrays, want, job.norm_w)
         _verify_from_disk(job.fmt, tmp, want, derived_sums)
         if job.throttle_s:
             time.sleep(job.throttle_s)
@@ -260,6 +259,19 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
             tmp.unlink(missing_ok=True)
 
 
+_buffers = threading.local()
+
+
+def _buffer(size_bytes: int) -> bytearray:
+    """This thread's buffer for reading a source, at least ``size_bytes`` (reused: filling
+    freshly allocated memory cost more than the disk read on this project's VM)."""
+    buf: bytearray | None = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < size_bytes:
+        _buffers.buf = None  # the old one is freed before the new one is allocated
+        buf = _buffers.buf = bytearray(size_bytes)
+    return buf
+
+
 def _dest_problems(job: _Job, entry: dict[str, object], src_sums: checksums.Recorded) -> list[str]:
     """Why the ledger entry's file does not hold ``src_sums`` (read back from the disk)."""
     if checksums.Recorded.from_json(entry["source_checksums"]) != src_sums:  # type: ignore[arg-type]
@@ -267,15 +279,14 @@ def _dest_problems(job: _Job, entry: dict[str, object], src_sums: checksums.Reco
     path = job.dest / str(entry["path"])
     if not path.is_file():
         return [f"{path.name} is missing from DEST"]
-    try:
-        durable.drop_cache(path)
-        back = job.fmt.read_back(path)
-    except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
-        return [f"{path.name} is unreadable: {e}"]
     derived = entry.get("output_checksums")
     exported = entry.get("exported_checksums")  # fp8 runs: what the bf16 outputs hold
     want = checksums.Recorded.from_json(exported) if isinstance(exported, dict) else src_sums
-    return job.fmt.problems(back, want, derived if isinstance(derived, dict) else None)
+    try:
+        durable.drop_cache(path)
+        return job.fmt.check(path, want, derived if isinstance(derived, dict) else None)
+    except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
+        return [f"{path.name} is unreadable: {e}"]
 
 
 def _check_kept(job: _Job, key: str) -> str | None:
@@ -298,7 +309,7 @@ def _verify_from_disk(fmt: Format, tmp: Path, src_sums: checksums.Recorded,
     """Read the synced temp file back from the disk; Corrupt unless every tensor matches."""
     durable.fsync_file(tmp)
     durable.drop_cache(tmp)
-    problems = fmt.problems(fmt.read_back(tmp), src_sums, derived_sums)
+    problems = fmt.check(tmp, src_sums, derived_sums)
     if problems:
         raise Corrupt("export did not verify: " + "; ".join(problems))
 
