@@ -6,12 +6,13 @@ cleanup (and a resumed export) can tell a dead writer's temp file from a live on
 
 from __future__ import annotations
 
+import io
 import os
 import uuid
 from pathlib import Path
 
 from sglang_patch import contracts as c
-from worker import liveness
+from worker import diskio, liveness
 from worker.store import fsync_dir
 
 
@@ -19,6 +20,25 @@ def tmp_for(final: Path) -> Path:
     """A temp path beside ``final``."""
     tag = liveness.temp_tag(uuid.uuid4().hex[:8])  # as the store's temps
     return final.with_name(f".{final.name}{c.TMP_MARK}{tag}")
+
+
+class WritebackFile(io.FileIO):
+    """A new file for writing whose every write is handed to the device at once
+    (``diskio.start_writeback``), so the device writes while the writer computes the next
+    piece and the final fsync finds little left to do."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, "wb")
+        self.written_bytes = 0
+
+    def write(self, data: object, /) -> int:
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        done = 0
+        while done < len(view):
+            done += super().write(view[done:]) or 0
+        diskio.start_writeback(self.fileno(), self.written_bytes, done)
+        self.written_bytes += done
+        return done
 
 
 def fsync_file(path: Path) -> None:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums
+from training import checksums, durable
 from training.prenorm import speculators_chunks
 from training.sample_file import NP_DTYPES, SampleFile
 from worker import checksums as ck
@@ -122,7 +122,8 @@ class _TorchSave(Format):
               norm_w: np.ndarray | None) -> dict[str, str]:
         import torch
 
-        torch.save(self.view(key, src), tmp)
+        with durable.WritebackFile(tmp) as f:
+            torch.save(self.view(key, src), f)
         return {}  # every tensor is a copy of a source tensor
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
@@ -185,7 +186,7 @@ class Speculators(Format):
             {"token_ids": ("I64", (t,)), c.T_LOSS_MASK: ("I64", (t,)),
              "hidden_states": ("BF16", (t, c.AUX_LAYERS + 1, h))}, {"sample_key": key})
         stacked = checksums.hasher()
-        with open(tmp, "wb") as f:
+        with durable.WritebackFile(tmp) as f:
             f.write(head)
             for name, _, _ in header.file_ranges():
                 if name != "hidden_states":
