@@ -81,7 +81,7 @@ class SampleFile:
         with open(self.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), self.size_bytes, access=mmap.ACCESS_COPY)
             if prefetch:
-                _populate(mm, f.fileno(), self.size_bytes)
+                os.posix_fadvise(f.fileno(), 0, self.size_bytes, os.POSIX_FADV_WILLNEED)
         return self._arrays(mm)
 
     def read_all(self, buf: bytearray | None = None) -> dict[str, np.ndarray]:
@@ -108,20 +108,6 @@ class SampleFile:
             return self.entries[name]
         except KeyError:
             raise Corrupt(f"{self.path}: no tensor {name!r}") from None
-
-
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
-
-
-def _populate(mm: mmap.mmap, fd: int, size_bytes: int) -> None:
-    """Read the whole file into the page cache and map every page now, read-only (so the
-    copy-on-write map still copies nothing): the loop then touches mapped memory instead of
-    taking a page fault per few pages. Where the kernel cannot, ask for a background
-    read-ahead."""
-    try:
-        mm.madvise(_MADV_POPULATE_READ)
-    except OSError:
-        os.posix_fadvise(fd, 0, size_bytes, os.POSIX_FADV_WILLNEED)
 
 
 def _count(e: Entry) -> int:
