@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="only the first N records")
     e.add_argument("--retry-failed", action="store_true",
                    help="publish samples that failed earlier in this run again")
+    e.add_argument("--redo-host", action="append", default=[], metavar="HOST",
+                   help="a host not heard from since Redis lost its data, gone for good: "
+                        "extract its samples again (repeat for several)")
     e.add_argument("--no-progress", action="store_true")
     s = sub.add_parser("status", help="progress of the run")
     s.add_argument("--json", action="store_true",
@@ -132,7 +135,7 @@ def _enqueue(settings: Settings, fingerprint: Fingerprint, model_path: Path,
     t0 = time.monotonic()
     summary = enqueue(settings, fingerprint, args.file, dry_run=args.dry_run, limit=args.limit,
                       retry_failed=args.retry_failed, progress=not args.no_progress,
-                      model_path=model_path)
+                      model_path=model_path, redo_hosts=tuple(args.redo_host))
     run_id = runs.run_id_of(settings.output_dir)
     print(f"run {run_id}{' (dry run)' if args.dry_run else ''}, queue "
           f"{runs.queue_for(settings, run_id)}, {time.monotonic() - t0:.1f}s")

@@ -16,7 +16,7 @@ import redis
 
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
-from worker import broker, keys, liveness
+from worker import broker, hosts, keys, liveness
 from worker import run as runs
 from worker.admission import Admission, limits_for_host
 from worker.answers import environmental_rejection
@@ -55,6 +55,8 @@ class Status:
     pruned_running: int = 0  # entries of attempts that no longer run, removed just now
     # this host's admission: limits, and what is held now (when the dump dir is local)
     admission: dict[str, object] = field(default_factory=dict)
+    # the run's hosts (worker/hosts.py): per host done there, running, rate, server, heartbeat
+    hosts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def remaining(self) -> int:
@@ -118,7 +120,8 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
                       (until or time.time()) - float(started), 0.0),
                   retrying_samples=index.outcomes(keys.RETRYING),
                   paused=paused, pruned_running=pruned,
-                  admission=host_admission(settings, fingerprint))
+                  admission=host_admission(settings, fingerprint),
+                  hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s))
 
 
 def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, object]:
@@ -165,9 +168,13 @@ def _last_outcome_at(index: RunIndex) -> float | None:
 
 def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
     """Samples the index calls done whose final file is not on disk (deleted since)."""
-    index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
+    r, run_id = broker.client(settings), runs.run_id_of(settings.output_dir)
     out = Path(settings.output_dir)
-    return sorted(k for k in index.done_keys() if not c.final_path(out, k).exists())
+    gone = sorted(k for k in RunIndex(r, run_id).done_keys()
+                  if not c.final_path(out, k).exists())
+    here = hosts.host_id(settings)
+    return [k for k, by in zip(gone, hosts.holders(r, run_id, gone), strict=True)
+            if by is None or by[0] == here or hosts.same_output(r, run_id, by[0], here)]
 
 
 def environmental_rejections(settings: Settings) -> list[tuple[str, str]]:

@@ -76,10 +76,11 @@ app.conf.imports = ("worker.tasks",)
 
 
 def _add_bootsteps() -> None:
+    from worker.host_beat import HostBeat
     from worker.janitor import Janitor
     from worker.reaper import Reaper
 
-    app.steps["worker"].update({Janitor, Reaper})
+    app.steps["worker"].update({Janitor, Reaper, HostBeat})
 
 
 _add_bootsteps()

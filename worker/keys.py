@@ -25,7 +25,13 @@ META = "meta"  # hash: created_at, last enqueue, ...
 MALFORMED = "malformed"  # list (bounded) of refused task messages, JSON {reason, at}
 PAUSED = "paused"  # process identity -> JSON {reason, at}: a process waiting out a condition
 LEASE = "lease"  # LEASE:<sample_key> -> owner of the attempt running it (string, with TTL)
-ENQUEUE_LOCK = "enqueue-lock"  # held by the one enqueue running for this run
+ENQUEUE_LOCK = "enqueue-lock"
+# The run's hosts (worker/hosts.py): host id -> JSON {output_dir, server, at, registered_at...};
+# HELD: sample_key -> "host|content sha", the host whose output dir holds its final file;
+# HELD_TWICE: sample_key -> JSON [hosts] (its file is on two hosts' dirs)
+HOSTS = "hosts"
+HELD = "held"
+HELD_TWICE = "held-twice"  # held by the one enqueue running for this run
 # CANARY:<host, machine, dump dir, server start> -> "ok" (TTL FARM_CANARY_INTERVAL_S) or
 # "mismatch", with its summary: the last canary verdict of that host's processes against that
 # server; CANARY_LOCK: a lease (lease.py), one process checks at a time

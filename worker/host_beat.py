@@ -1,0 +1,77 @@
+"""This host in its run: registered at a worker's start, its heartbeat on the worker's timer.
+
+Every ``FARM_REAPER_INTERVAL_S`` the worker main process refreshes its host's entry
+(``worker.hosts``: heartbeat, its server's state). When the entry is gone (a Redis that lost
+its data came back), the host's files are registered again, in a thread: the heartbeat goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from worker import hosts
+from worker.settings import Settings
+
+log = logging.getLogger("hsfarm.hosts")
+
+
+def register_host(r: redis.Redis, settings: Settings, run_id: str, fingerprint_id: str) -> None:
+    """Register what this host's output dir holds, and say so in the log."""
+    name = hosts.host_id(settings)
+    got = hosts.register(r, run_id, name, settings.output_dir, fingerprint_id, settings)
+    log.info("host %s: registered %d final files of %s (%d done again in the index, %d also "
+             "on another host)", name, got.files, settings.output_dir, got.relearnt, got.twice)
+
+
+class HostBeat(bootsteps.StartStopStep):
+    """The host's heartbeat, and its files registered again after Redis lost them."""
+
+    requires = ("celery.worker.components:Timer",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.tref: Any = None
+        self.registering: threading.Thread | None = None
+
+    def start(self, worker: Any) -> None:
+        from worker.app import settings
+
+        self.tref = worker.timer.call_repeatedly(settings.reaper_interval_s, self.tick,
+                                                 (settings,), priority=10)
+
+    def tick(self, settings: Settings) -> None:
+        from worker import startup
+        from worker.reaper import _client_for
+
+        ctx = startup.CONTEXT
+        if ctx is None:
+            return
+        r, run_id = _client_for(settings), ctx.store.run_id
+        try:
+            registered = hosts.beat(r, run_id, hosts.host_id(settings), settings.output_dir,
+                                    settings)
+            hosts.remember_hosts(r, run_id, settings.output_dir)
+        except (redis.RedisError, OSError) as e:
+            log.warning("host heartbeat: %s", e)
+            return
+        if not registered and not (self.registering and self.registering.is_alive()):
+            self.registering = threading.Thread(
+                target=self._register, args=(r, settings, run_id, ctx.fingerprint.id),
+                name="hsfarm-register", daemon=True)
+            self.registering.start()
+
+    @staticmethod
+    def _register(r: redis.Redis, settings: Settings, run_id: str, fingerprint_id: str) -> None:
+        try:
+            register_host(r, settings, run_id, fingerprint_id)
+        except (redis.RedisError, OSError) as e:
+            log.warning("host registration: %s (again at the next heartbeat)", e)
+
+    def stop(self, worker: Any) -> None:
+        if self.tref is not None:
+            self.tref.cancel()
