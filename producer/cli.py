@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from producer.audit import AuditReport, audit
+from producer.audit import AuditReport, audit, place_elsewhere
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import (
     environmental_rejections,
@@ -33,6 +33,7 @@ from worker.chat import ChatTokenizer
 from worker.datafile import DataFileError
 from worker.errors import ConfigError, Transient
 from worker.fingerprint import load_run, run_fingerprint
+from worker.hosts import host_id
 from worker.index import RunIndex
 from worker.settings import Settings
 from worker.store import OutputStore
@@ -194,6 +195,11 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
     report = AuditReport()
     for data in files:
         report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs))
+    try:
+        place_elsewhere(report, broker.client(settings), runs.run_id_of(settings.output_dir),
+                        host_id(settings))
+    except redis.RedisError as e:  # the disk is checked all the same
+        print(f"note: Redis did not answer ({e}): samples on other hosts count as missing")
     print(f"run {runs.run_id_of(settings.output_dir)}, data: "
           f"{', '.join(str(f) for f in files)}")
     print("\n".join(report.lines()))
