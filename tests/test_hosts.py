@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -283,7 +284,9 @@ def test_a_lost_host_s_samples_run_on_the_other_within_30_s_and_nothing_is_lost_
     assert recover_s <= 30.0, f"took {recover_s:.1f}s"
     # And status names both hosts: A lost, B alive with its server
     st = cl.b.cli("status")
-    assert "host hostA" in st.stdout and "LOST" in st.stdout, st.stdout + st.stderr
+    print(f"\n$ python -m producer status  # on host B, host A lost\n{st.stdout}")
+    assert re.search(r"^host hostA +done \d+, running 0, .*; server unknown \(last seen: ok\); "
+                     r"heartbeat \d+s ago, LOST; output ", st.stdout, re.M), st.stdout + st.stderr
     assert "host hostB" in st.stdout and "server ok" in st.stdout, st.stdout
 
     # When host A comes back, its workers resume
@@ -325,6 +328,7 @@ def test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_hear
     assert res.returncode == 2, res.stdout + res.stderr
     assert "hostB" in res.stderr and "--redo-host hostB" in res.stderr
     assert "Nothing was published" in res.stderr
+    print(f"\n$ python -m producer enqueue  # Redis lost, host B down\n{res.stderr}")
     # When host B's workers start again, they register what its output dir holds
     cl.b.start()
     wait_until(lambda: "hostB" in hosts.hosts(cl.r, cl.run_id())
@@ -335,7 +339,11 @@ def test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_hear
     assert res.returncode == 0, res.stdout + res.stderr
     assert "published: 0" in res.stdout
     assert f"already done: {N_SAMPLES} ({len(on_b)} on other hosts)" in res.stdout
+    print(f"\n$ python -m producer enqueue  # host B back\n{res.stdout}")
     # And audit on A checks A's files and names what the run places on B
     res = cl.a.cli("audit", "--data", str(cl.data))
     assert f"on other hosts: {len(on_b)} (hostB {len(on_b)};" in res.stdout, res.stdout
     assert res.returncode == 0, res.stdout
+    print(f"\n$ python -m producer audit  # on host A\n{res.stdout}")
+    print(_read(cl.b.worker_log).decode().count("registered"), [
+        x for x in _read(cl.b.worker_log).decode().splitlines() if "registered" in x])
