@@ -288,6 +288,8 @@ def test_a_lost_host_s_samples_run_on_the_other_within_30_s_and_nothing_is_lost_
     assert re.search(r"^host hostA +done \d+, running 0, .*; server unknown \(last seen: ok\); "
                      r"heartbeat \d+s ago, LOST; output ", st.stdout, re.M), st.stdout + st.stderr
     assert "host hostB" in st.stdout and "server ok" in st.stdout, st.stdout
+    per_host = {h["host"]: h for h in json.loads(cl.b.cli("status", "--json").stdout)["hosts"]}
+    assert not per_host["hostA"]["alive"] and per_host["hostB"]["alive"], per_host
 
     # When host A comes back, its workers resume
     cl.a.start()
@@ -329,6 +331,10 @@ def test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_hear
     assert "hostB" in res.stderr and "--redo-host hostB" in res.stderr
     assert "Nothing was published" in res.stderr
     print(f"\n$ python -m producer enqueue  # Redis lost, host B down\n{res.stderr}")
+    # And told that host B is gone for good, it would extract B's samples again (dry run)
+    res = cl.a.cli("enqueue", str(cl.data), "--no-progress", "--dry-run", "--redo-host", "hostB")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"published: {len(on_b)}\n" in res.stdout, res.stdout
     # When host B's workers start again, they register what its output dir holds
     cl.b.start()
     wait_until(lambda: "hostB" in hosts.hosts(cl.r, cl.run_id())
