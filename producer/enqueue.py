@@ -178,6 +178,7 @@ class _Plan:
     # done on disk but not in the index (Redis lost it): key -> (file bytes, tokens)
     relearn: dict[str, tuple[int, int]] = field(default_factory=dict)
     relearn_at: dict[str, float] = field(default_factory=dict)  # key -> its file's mtime
+    relearn_sha: dict[str, str] = field(default_factory=dict)  # key -> its content hash
 
 
 def _file_version(path: Path) -> tuple[int, int]:
@@ -241,6 +242,7 @@ def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
           and head.metadata.get(st.M_FINGERPRINT) == fingerprint_id):
         plan.done.add(digest)
         plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
+        plan.relearn_sha[ref.key] = ref.sha256
 
 
 def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile.Header | None,
@@ -386,6 +388,7 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
     settled = set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
     if not dry_run:
         index.mark_done_many(plan.relearn, plan.relearn_at)
+        hosts.claim(r, index.fp, hosts.host_id(settings), plan.relearn_sha)
         index.clear_invalid(plan.fid)
     refs = _refs(settings, path, limit, progress, "enqueue", summary)
     with app.producer_or_acquire() as producer, producer.batch(max_size=500):

@@ -233,6 +233,16 @@ def record_done(p: Any, run_id: str, host: str, key: str, sha256: str) -> None:
     p.hset(_k(run_id, keys.HELD), key, f"{host}|{sha256}")
 
 
+def claim(r: redis.Redis, run_id: str, host: str, shas: dict[str, str]) -> None:
+    """``host`` holds these keys' files (key -> content sha), unless another claimed them."""
+    items = list(shas.items())
+    for i in range(0, len(items), BATCH):
+        p = r.pipeline(transaction=False)
+        for key, sha in items[i : i + BATCH]:
+            p.hsetnx(_k(run_id, keys.HELD), key, f"{host}|{sha}")
+        p.execute()
+
+
 def holders(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[tuple[str, str] | None]:
     """(host, content sha) holding each key's file, or None."""
     if not sample_keys:
