@@ -297,23 +297,31 @@ def test_a_lost_host_s_samples_run_on_the_other_within_30_s_and_nothing_is_lost_
     wait_until(lambda: cl.r.zcard(cl.k(keys.DONE)) >= N_SAMPLES, 180, "every sample done")
     wait_until(lambda: not cl.r.hlen(cl.k(keys.RUNNING)), 30, "nothing running")
 
-    # Then every sample is done exactly once, on one host, and A's files still count
+    # Then every sample is done exactly once, on one host, and A's files still count; a file
+    # A wrote just before the kill, before the run recorded it (so B did it again), is set
+    # aside on A when A comes back: kept, out of the training set
     on_a, on_b = _files(cl.a.farm.output_dir), _files(cl.b.farm.output_dir)
+    aside = {p.name.removesuffix(c.DUMP_SUFFIX)
+             for p in (cl.a.farm.output_dir / hosts.SET_ASIDE).glob(f"*{c.DUMP_SUFFIX}")}
+    assert aside <= done_on_a and aside <= on_b
+    assert set(hosts.held_twice(cl.r, cl.run_id())) == aside
     everything = {text(k) for k in cl.r.hkeys(cl.k(keys.SAMPLES))}
     cl.notes.update(duplicates=len(on_a & on_b), lost=len(everything - (on_a | on_b)),
+                    set_aside=len(aside),
                     attempts=sum(int(v) for v in cl.r.hvals(cl.k(keys.ATTEMPTS))),
                     on_a=len(on_a), on_b=len(on_b))
     assert len(everything) == N_SAMPLES
     assert not on_a & on_b, f"done on both hosts: {sorted(on_a & on_b)}"
     assert on_a | on_b == everything
-    assert done_on_a <= on_a and all(_held_by(cl, k) == "hostA" for k in on_a)
+    assert done_on_a - aside <= on_a and all(_held_by(cl, k) == "hostA" for k in on_a)
     assert not cl.r.hlen(cl.k(keys.FAILED))
     returned = _read(cl.b.worker_log).decode().count("to the queue")
     cl.notes.update(redeliveries=returned)
     print(f"\nhost loss: {N_SAMPLES} samples, {len(orphans)} running on A at the kill, "
           f"{returned} messages returned by B's reaper, recovered in {recover_s:.1f}s, "
           f"attempts {cl.notes['attempts']}, files A {len(on_a)} / B {len(on_b)}, "
-          f"duplicates {len(on_a & on_b)}, lost {cl.notes['lost']}")
+          f"done twice and set aside {len(aside)}, duplicates {len(on_a & on_b)}, "
+          f"lost {cl.notes['lost']}")
 
 
 def test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_heard_from(
@@ -334,7 +342,7 @@ def test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_hear
     # And told that host B is gone for good, it would extract B's samples again (dry run)
     res = cl.a.cli("enqueue", str(cl.data), "--no-progress", "--dry-run", "--redo-host", "hostB")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert f"published: {len(on_b)}\n" in res.stdout, res.stdout
+    assert f"published: {N_SAMPLES - len(_files(cl.a.farm.output_dir))}\n" in res.stdout, res.stdout
     # When host B's workers start again, they register what its output dir holds
     cl.b.start()
     wait_until(lambda: "hostB" in hosts.hosts(cl.r, cl.run_id())

@@ -26,6 +26,10 @@ def register_host(r: redis.Redis, settings: Settings, run_id: str, fingerprint_i
     got = hosts.register(r, run_id, name, settings.output_dir, fingerprint_id, settings)
     log.info("host %s: registered %d final files of %s (%d done again in the index, %d also "
              "on another host)", name, got.files, settings.output_dir, got.relearnt, got.twice)
+    if got.set_aside:
+        log.warning("host %s: %d final files set aside in %s: the run records them as done on "
+                    "another host (this host was lost before the run learnt it had done them)",
+                    name, got.set_aside, settings.output_dir / hosts.SET_ASIDE)
 
 
 class HostBeat(bootsteps.StartStopStep):

@@ -9,8 +9,9 @@ run's keys:
   files}; ``at`` is its heartbeat (refreshed by its workers every ``FARM_REAPER_INTERVAL_S``),
   ``server`` its server's state as its workers last saw it;
 - ``held``: sample key -> ``host|content sha``: which host's output dir holds its final file;
-- ``held-twice``: sample key -> JSON [hosts]: a sample whose file is on two hosts' dirs (it
-  counts once; ``index`` and ``export`` keep one copy and log which).
+- ``held-twice``: sample key -> JSON {hosts, kept, set_aside}: a sample whose file was on two
+  hosts' dirs (it counts once; the copy of a host that registers it second is set aside, or,
+  when the records differ, ``index`` and ``export`` keep one copy and log which).
 
 Redis may lose all of it: each host's workers register what their output dir holds when they
 start, and again when their entry is gone from Redis. Each output dir keeps ``hosts.json``, the
@@ -66,6 +67,7 @@ class Held:
     size_bytes: int
     tokens: int
     mtime: float
+    path: Path
 
 
 def _final_files(out_dir: Path) -> Iterator[Path]:
@@ -93,7 +95,8 @@ def _held(path: Path, fingerprint_id: str) -> Held | None:
     if meta.get(st.M_FINGERPRINT) != fingerprint_id or not meta.get(st.M_KEY):
         return None
     tokens = head.shapes.get(c.T_INPUT_IDS, (0,))[0]
-    return Held(meta[st.M_KEY], meta.get(st.M_CONTENT, ""), head.size_bytes, tokens, mtime)
+    return Held(meta[st.M_KEY], meta.get(st.M_CONTENT, ""), head.size_bytes, tokens, mtime,
+                path)
 
 
 def scan(out_dir: Path, fingerprint_id: str) -> Iterator[Held]:
@@ -111,12 +114,17 @@ class Registration:
     files: int = 0
     relearnt: int = 0  # done again in the index (Redis had lost them)
     twice: int = 0  # also held by another host
+    set_aside: int = 0  # of those, the same record, done there: moved to SET_ASIDE here
 
 
 def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_id: str,
              settings: Settings) -> Registration:
     """Say in Redis what this host's output dir holds: each file's key is held by this host
     (unless another host claimed it first: then it is held twice), done in the run's index.
+    A file of the same record that the run already records as done on another host (this
+    host was lost after writing it, before the run learnt so, and the sample was done again
+    there) is moved to ``SET_ASIDE`` in this output dir: kept, never deleted, out of the
+    training set, so each sample is in one place.
     Then the entry's ``registered_at``: the host has been heard from."""
     from worker.index import RunIndex
 
@@ -125,16 +133,16 @@ def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_
     for held in scan(out_dir, fingerprint_id):
         batch.append(held)
         if len(batch) >= BATCH:
-            _register_batch(r, index, run_id, host, batch, reg)
+            _register_batch(r, index, run_id, host, batch, reg, out_dir)
             batch = []
-    _register_batch(r, index, run_id, host, batch, reg)
+    _register_batch(r, index, run_id, host, batch, reg, out_dir)
     beat(r, run_id, host, out_dir, settings, registered_files=reg.files)
     remember_hosts(r, run_id, out_dir)
     return reg
 
 
 def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: list[Held],
-                    reg: Registration) -> None:
+                    reg: Registration, out_dir: Path) -> None:
     if not batch:
         return
     names = [h.key for h in batch]
@@ -149,20 +157,40 @@ def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: l
     done = out[len(batch) + 1:]
     twice: dict[Any, str] = {}
     shared = {host: True}
-    for h, holder in zip(batch, holders, strict=True):
-        other = _text(holder).split("|", 1)[0] if holder is not None else host
+    aside: set[str] = set()
+    for h, holder, d in zip(batch, holders, done, strict=True):
+        other, sha = _text(holder).split("|", 1) if holder is not None else (host, h.sha256)
         if other not in shared:
             shared[other] = same_output(r, run_id, other, host)
-        if not shared[other]:
-            twice[h.key] = json.dumps(sorted({other, host}))
+        if shared[other]:
+            continue
+        entry_ = {"hosts": sorted({other, host}), "kept": other}
+        if sha == h.sha256 and d is not None:
+            entry_["set_aside"] = f"{host}:{_set_aside(out_dir, h.path)}"
+            aside.add(h.key)
+        twice[h.key] = json.dumps(entry_)
     if twice:
         r.hset(_k(run_id, keys.HELD_TWICE), mapping=twice)
     relearn = {h.key: (h.size_bytes, h.tokens) for h, d in zip(batch, done, strict=True)
-               if d is None}
+               if d is None and h.key not in aside}
     index.mark_done_many(relearn, {h.key: h.mtime for h in batch if h.key in relearn})
-    reg.files += len(batch)
+    reg.files += len(batch) - len(aside)
     reg.relearnt += len(relearn)
     reg.twice += len(twice)
+    reg.set_aside += len(aside)
+
+
+SET_ASIDE = "set-aside"  # in an output dir: files kept out of the run's samples
+
+
+def _set_aside(out_dir: Path, path: Path) -> Path:
+    """Move a final file out of ``samples/`` into ``SET_ASIDE/`` (same file system)."""
+    dest = out_dir / SET_ASIDE / path.name
+    dest.parent.mkdir(exist_ok=True)
+    os.replace(path, dest)
+    st.fsync_dir(dest.parent)
+    st.fsync_dir(path.parent)
+    return dest
 
 
 def same_output(r: redis.Redis, run_id: str, a: str, b: str) -> bool:
@@ -260,7 +288,7 @@ def held_counts(r: redis.Redis, run_id: str) -> dict[str, int]:
     return counts
 
 
-def held_twice(r: redis.Redis, run_id: str) -> dict[str, list[str]]:
+def held_twice(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
     raw: dict[bytes, bytes] = r.hgetall(_k(run_id, keys.HELD_TWICE))  # type: ignore[assignment]
     return {_text(k): json.loads(v) for k, v in raw.items()}
 
