@@ -33,6 +33,7 @@ from sglang_patch import contracts as c
 from tests.conftest import CACHE, write_samples
 from tests.faults import text
 from worker import hosts, keys
+from worker.settings import Settings
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
@@ -361,3 +362,24 @@ def test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_hear
     print(f"\n$ python -m producer audit  # on host A\n{res.stdout}")
     print(_read(cl.b.worker_log).decode().count("registered"), [
         x for x in _read(cl.b.worker_log).decode().splitlines() if "registered" in x])
+
+
+def test_a_file_done_on_two_hosts_is_set_aside_where_it_was_not_recorded(
+        cluster: Cluster) -> None:
+    cl = cluster
+    # Given a sample the run records as done on host B, whose file host A also wrote (A was
+    # lost after writing it, before the run learnt so)
+    key = sorted(_files(cl.b.farm.output_dir))[0]
+    a_out = cl.a.farm.output_dir
+    copy = c.final_path(a_out, key)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(c.final_path(cl.b.farm.output_dir, key), copy)
+    # When host A registers its files (as its workers do when they start)
+    fingerprint_id = json.loads((a_out / "manifest.json").read_text())["fingerprint_id"]
+    got = hosts.register(cl.r, cl.run_id(), "hostA", a_out, fingerprint_id,
+                         Settings.from_env(cl.a.env()))
+    # Then A's copy is set aside (kept, out of the training set), B's counts
+    assert got.set_aside == 1 and not copy.exists()
+    assert (a_out / hosts.SET_ASIDE / copy.name).is_file()
+    assert hosts.held_twice(cl.r, cl.run_id())[key]["kept"] == "hostB"
+    assert _held_by(cl, key) == "hostB"
