@@ -4,6 +4,10 @@ Per sample of the data file: the final file exists, parses, has the right tensor
 shapes, its per-tensor checksums match, it belongs to this run (fingerprint), was written
 under the checkpoint the manifest records (weights identity), holds this content (hash), and
 its input_ids and loss_mask equal a fresh tokenization of the source record.
+
+Over every data file of the run it also names the output files no record of the corpus
+holds (``not in the corpus``: a record removed since the last ``enqueue``, which sets such
+files aside) and counts those kept aside in ``<out>/removed/``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import redis
 
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
-from worker import hosts, tensorfile
+from training.index import sample_files
+from worker import hosts, setaside, tensorfile
 from worker.chat import ChatTokenizer, Tokenized
 from worker.errors import BadInput, Corrupt, StaleRecord
 from worker.samples import SampleRef, read_sample
@@ -38,10 +43,13 @@ class AuditReport:
     to_requeue: list[SampleRef] = field(default_factory=list)
     # host -> samples missing here that the run places on that host's output dir
     elsewhere: dict[str, int] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)  # every sample key of the data files checked
+    not_in_corpus: list[str] | None = None  # None: not looked for (one data file of several)
+    kept_aside: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.corrupt or self.incompatible)
+        return not (self.missing or self.corrupt or self.incompatible or self.not_in_corpus)
 
     def add(self, other: AuditReport) -> None:
         """Fold another data file's report into this one."""
@@ -49,6 +57,15 @@ class AuditReport:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("missing", "corrupt", "incompatible", "to_requeue"):
             getattr(self, name).extend(getattr(other, name))
+        self.keys |= other.keys
+
+    def look_beyond(self, out_dir: Path) -> None:
+        """Name the output files no record of the data files checked holds, and count the
+        files kept aside (call once every data file of the run is checked)."""
+        self.not_in_corpus = sorted(
+            key for p in sample_files(out_dir)
+            if (key := p.name[: -len(c.DUMP_SUFFIX)]) not in self.keys)
+        self.kept_aside = len(setaside.kept_aside(out_dir))
 
     def lines(self, show: int = 50) -> list[str]:
         out = [f"checked: {self.checked}", f"whole: {self.whole} ({self.tokens} tokens, "
@@ -59,6 +76,12 @@ class AuditReport:
             named = ", ".join(f"{h} {n}" for h, n in sorted(self.elsewhere.items()))
             out.append(f"on other hosts: {sum(self.elsewhere.values())} ({named}; "
                        "audit them there)")
+        if self.not_in_corpus is not None:
+            out += [f"not in the corpus: {len(self.not_in_corpus)} output files whose record "
+                    "no data file holds (run enqueue on the edited data file to set them "
+                    "aside)", f"kept aside: {self.kept_aside} output files of records removed "
+                    f"from the corpus or corrected (in {setaside.REMOVED_DIR}/)"]
+            out += [f"  not in the corpus {k}" for k in self.not_in_corpus[:show]]
         out += [f"  missing {k}" for k in self.missing[:show]]
         out += [f"  corrupt {k}: {why}" for k, why in self.corrupt[:show]]
         out += [f"  incompatible {k}: {why}" for k, why in self.incompatible[:show]]
@@ -121,6 +144,7 @@ def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_b
         report.invalid_records += len(rejected)
         results = pool.map(lambda ref: _check_one(store, chat, ref, weights_id),
                            refs)
+        report.keys.update(ref.key for ref in refs)
         for ref, (verdict, why, tokens, size) in zip(refs, results, strict=True):
             report.checked += 1
             if verdict == "whole":

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a host not heard from since Redis lost its data, gone for good: "
                         "extract its samples again (repeat for several)")
     e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--delete-removed", action="store_true",
+                   help="delete the output files of records removed from the file (or "
+                        "corrected) instead of keeping them in <output dir>/removed/")
     s = sub.add_parser("status", help="progress of the run")
     s.add_argument("--json", action="store_true",
                    help="one JSON object (per --watch round), nothing else on stdout")
@@ -136,7 +139,8 @@ def _enqueue(settings: Settings, fingerprint: Fingerprint, model_path: Path,
     t0 = time.monotonic()
     summary = enqueue(settings, fingerprint, args.file, dry_run=args.dry_run, limit=args.limit,
                       retry_failed=args.retry_failed, progress=not args.no_progress,
-                      model_path=model_path, redo_hosts=tuple(args.redo_host))
+                      model_path=model_path, delete_removed=args.delete_removed,
+                      redo_hosts=tuple(args.redo_host))
     run_id = runs.run_id_of(settings.output_dir)
     print(f"run {run_id}{' (dry run)' if args.dry_run else ''}, queue "
           f"{runs.queue_for(settings, run_id)}, {time.monotonic() - t0:.1f}s")
@@ -200,6 +204,8 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
                         host_id(settings))
     except redis.RedisError as e:  # the disk is checked all the same
         print(f"note: Redis did not answer ({e}): samples on other hosts count as missing")
+    if args.data is None:
+        report.look_beyond(settings.output_dir)
     print(f"run {runs.run_id_of(settings.output_dir)}, data: "
           f"{', '.join(str(f) for f in files)}")
     print("\n".join(report.lines()))

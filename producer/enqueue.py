@@ -13,9 +13,18 @@ wait for its lock). Two passes over the file:
    leased by a running attempt, or the run already rejected this content or gave up on it
    (a rejection for an answer of the server or a gateway, not for the content, is retried).
 
-Samples this file registered before but no longer holds (the file was edited or replaced),
-and that have no output yet, leave the run's index: nothing could ever run them, and the run
-could never finish. Those with an output stay, counted as done.
+A data file is known by its content as well as its path (worker/corpus.py): a file enqueued
+from a new path with the content of one the run recorded is that file moved or renamed; its
+id is re-pointed to the new path, so its queued and parked samples read from there. So is a
+file whose first records are mostly one recorded file's, when that file's path is gone
+(moved and edited).
+
+Samples this file registered before but no longer holds (records removed from it, or, for
+records without ids, corrected: their key is their content) leave the run: unregistered,
+recorded as removed, and their output files moved to ``<out>/removed/`` (worker/setaside.py;
+deleted with ``delete_removed``), out of ``status``, ``index`` and ``export``. A record with an
+id whose content changed after its file was written (corrected) has its old file set aside
+the same way, and is extracted again.
 Memory grows with the number of records (8 bytes each), not with the size of the file.
 """
 
@@ -36,13 +45,14 @@ from tqdm import tqdm
 
 from producer.queue_scan import broker_sample_keys, task_id
 from sglang_patch import contracts as c
-from worker import broker, hosts, keys, tensorfile
+from worker import broker, hosts, keys, setaside, tensorfile
 from worker import lease as leases
 from worker import run as runs
 from worker import store as st
 from worker.answers import environmental_rejection
 from worker.app import TASK_NAME, app
-from worker.datafile import DataFileError, FileProblem, Oversized, scan
+from worker.corpus import Corpus, Identified
+from worker.datafile import DataFileError, FileProblem, Oversized, file_sha256, scan
 from worker.errors import BadInput, Corrupt
 from worker.index import Registered, RunIndex
 from worker.samples import SampleRef, content_hash, parse_record
@@ -66,7 +76,11 @@ class Summary:
     already_queued: int = 0
     previously_rejected: int = 0
     previously_failed: int = 0
-    vanished: int = 0
+    removed: int = 0  # samples whose records left the file: out of the run
+    superseded: int = 0  # records with ids corrected after their file was written
+    set_aside: int = 0  # output files moved to <out>/removed/ (or deleted)
+    moved_from: str | None = None  # the path this data file was recorded at before
+    fid: int = 0
     decide_s: float = 0.0  # reading the file and the run's state: what to publish
     publish_s: float = 0.0
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (where, reason)
@@ -86,9 +100,18 @@ class Summary:
             out.append(f"skipped, rejected/failed earlier in this run: "
                        f"{self.previously_rejected}/{self.previously_failed} "
                        "(see 'status --failures'; --retry-failed retries the failed)")
-        if self.vanished:
-            out.append(f"no longer in the file: {self.vanished} samples enqueued from it "
-                       "before, not done; dropped from the run")
+        if self.moved_from:
+            out.append(f"moved: data file #{self.fid} was {self.moved_from}; its queued and "
+                       "parked samples read from here now")
+        if self.removed:
+            out.append(f"removed from the corpus: {self.removed} samples no longer in the "
+                       "file left the run")
+        if self.superseded:
+            out.append(f"superseded: {self.superseded} records corrected since their file "
+                       "was written; extracted again")
+        if self.set_aside:
+            out.append(f"set aside: {self.set_aside} output files of removed or superseded "
+                       f"records (in {setaside.REMOVED_DIR}/ of the output dir)")
         out.append(f"decided in {self.decide_s:.1f}s, published in {self.publish_s:.1f}s")
         out += [f"  {where}: {reason}" for where, reason in self.problems + self.rejected]
         out += [f"  note, {where}: {text}" for where, text in self.notes]
@@ -179,6 +202,8 @@ class _Plan:
     relearn: dict[str, tuple[int, int]] = field(default_factory=dict)
     relearn_at: dict[str, float] = field(default_factory=dict)  # key -> its file's mtime
     relearn_sha: dict[str, str] = field(default_factory=dict)  # key -> its content hash
+    own_paths: set[str] = field(default_factory=set)  # every path this data file had
+    superseded: set[str] = field(default_factory=set)  # keys whose file is an older version
 
 
 def _file_version(path: Path) -> tuple[int, int]:
@@ -197,14 +222,14 @@ def _existing(store: st.OutputStore, key: str) -> tensorfile.Header | None:
 
 
 def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
-           refs: Iterator[SampleRef], host: str) -> _Plan:
+           refs: Iterator[SampleRef], own_paths: set[str], host: str) -> _Plan:
     """Pass 1: find the keys this file cannot take; note which samples are done on disk.
 
     A sample the index already knows as done, registered from this very record, needs no
     file read; every other key's final file, if any, has its header read (in parallel: on a
     cold disk the reads wait on I/O), never its tensor data.
     """
-    plan = _Plan(fid, _file_version(path))
+    plan = _Plan(fid, _file_version(path), own_paths=own_paths)
     done_in_index = index.done_keys()
     with ThreadPoolExecutor(max_workers=HEADER_THREADS) as pool:
         for batch in _batches(refs):
@@ -231,29 +256,33 @@ def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
                head: tensorfile.Header | None, fingerprint_id: str, known_done: bool) -> None:
     digest = _digest(ref.key)
     plan.keys_seen.add(digest)
-    theirs = _conflict(ref, plan.fid, reg, head, fingerprint_id)
+    theirs = _conflict(ref, plan.fid, reg, head, fingerprint_id, plan.own_paths)
     if theirs:
         plan.n_conflicts += 1
         if len(plan.conflicts) < SHOW:
             plan.conflicts.append(f"record {ref.index}: sample key {ref.key!r} {theirs}")
     elif known_done:
         plan.done.add(digest)
-    elif (head is not None and head.metadata.get(st.M_CONTENT) == ref.sha256
-          and head.metadata.get(st.M_FINGERPRINT) == fingerprint_id):
+    elif head is None or head.metadata.get(st.M_FINGERPRINT) != fingerprint_id:
+        return
+    elif head.metadata.get(st.M_CONTENT) == ref.sha256:
         plan.done.add(digest)
         plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
         plan.relearn_sha[ref.key] = ref.sha256
+    else:  # this file's record under this key, corrected since its file was written
+        plan.superseded.add(ref.key)
 
 
 def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile.Header | None,
-              fingerprint_id: str) -> str | None:
+              fingerprint_id: str, own_paths: set[str]) -> str | None:
     """Why ``ref`` cannot have its key in this run, or None."""
     if reg is not None and reg.fid != fid and reg.sha256 != ref.sha256:
         return f"is already used by record {reg.index} of data file #{reg.fid}"
     if head is None or head.metadata.get(st.M_FINGERPRINT) != fingerprint_id:
         return None
     src = head.metadata.get(st.M_SOURCE_FILE)
-    if head.metadata.get(st.M_CONTENT) != ref.sha256 and src not in (None, ref.file):
+    if (head.metadata.get(st.M_CONTENT) != ref.sha256 and src is not None
+            and src not in own_paths and not (reg is not None and reg.fid == fid)):
         return f"already holds another record, from {src}"
     return None
 
@@ -283,7 +312,7 @@ def open_run(settings: Settings, fingerprint: c.Fingerprint,
 def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
             dry_run: bool = False, limit: int | None = None, retry_failed: bool = False,
             progress: bool = True, model_path: Path | None = None,
-            redo_hosts: tuple[str, ...] = ()) -> Summary:
+            delete_removed: bool = False, redo_hosts: tuple[str, ...] = ()) -> Summary:
     """Publish tasks for every valid, not-yet-done sample of ``path``, on the run's queue.
 
     ``redo_hosts``: hosts not heard from (``worker.hosts.unheard``) whose samples may be
@@ -314,11 +343,19 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     _check_hosts(r, run_id, settings, redo_hosts, dry_run)
     with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0):
-        fid = index.register_file(abs_path) if not dry_run else (
-            index.data_files().get(abs_path, 0))
         t0 = time.monotonic()
+        corpus = Corpus(index)
+        sha, size = file_sha256(path), _file_version(path)[0]
+        found = corpus.lookup(abs_path, sha)
+        moved_and_edited = 0 if found.fid else corpus.predecessor(_first_keys(settings, path))
+        if moved_and_edited:
+            found = Identified(moved_and_edited, corpus.files()[moved_and_edited].path)
+        if not dry_run:
+            found = corpus.identify(abs_path, sha, size, moved_and_edited)
+        summary.fid, summary.moved_from = found.fid, found.moved_from
         refs = _refs(settings, path, limit, progress, "check", Summary())
-        plan = _check(index, store, path, fid, refs, hosts.host_id(settings))
+        plan = _check(index, store, path, found.fid, refs,
+                      corpus.paths_of(found.fid) | {abs_path}, hosts.host_id(settings))
         summary.decide_s = time.monotonic() - t0
         if plan.n_conflicts:
             raise EnqueueRefused(
@@ -327,7 +364,8 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
                 "within a run: give these records distinct ids (or enqueue them into a new "
                 "FARM_OUTPUT_DIR). Nothing was published.")
         _publish(settings, queue, index, store, path, plan, summary, dry_run=dry_run,
-                 limit=limit, retry_failed=retry_failed, progress=progress)
+                 limit=limit, retry_failed=retry_failed, progress=progress,
+                 delete_removed=delete_removed)
         summary.publish_s = time.monotonic() - t0 - summary.decide_s
         if _file_version(path) != plan.version:
             summary.problems.append(("the file", "changed while it was enqueued; run enqueue "
@@ -357,6 +395,9 @@ def _check_hosts(r: redis.Redis, run_id: str, settings: Settings, redo: tuple[st
             "workers (they register what their output dir holds), then run enqueue again; or, "
             f"if they are gone for good, --redo-host {' --redo-host '.join(sorted(left))} to "
             "extract their samples again. Nothing was published.")
+def _first_keys(settings: Settings, path: Path, n: int = 64) -> list[str]:
+    """The sample keys of the first ``n`` valid records of ``path``."""
+    return [ref.key for ref in sample_refs(path, settings.max_record_bytes, [], [], limit=n)]
 
 
 def _refs(settings: Settings, path: Path, limit: int | None, progress: bool, desc: str,
@@ -378,14 +419,16 @@ def _rejected_for_content(body: dict[str, Any] | None, sha256: str) -> bool:
 
 def _publish(settings: Settings, queue: str, index: RunIndex,
              store: st.OutputStore, path: Path, plan: _Plan, summary: Summary, *,
-             dry_run: bool, limit: int | None, retry_failed: bool, progress: bool) -> None:
+             dry_run: bool, limit: int | None, retry_failed: bool, progress: bool,
+             delete_removed: bool = False) -> None:
     """Pass 2: register and publish what is not done, queued, running or settled."""
     r = index.r
     in_broker = broker_sample_keys(r, queue, index.fp)
     publication = 0 if dry_run else index.next_publication()
     rejected_before = index.outcomes(keys.REJECTED)
     failed_before = index.outcomes(keys.FAILED)
-    settled = set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
+    settled = (set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
+               | set(Corpus(index).parked()))
     if not dry_run:
         index.mark_done_many(plan.relearn, plan.relearn_at)
         hosts.claim(r, index.fp, hosts.host_id(settings), plan.relearn_sha)
@@ -399,6 +442,8 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
             leased = _leased(r, index.fp, [ref.key for ref in batch])
             for ref, busy in zip(batch, leased, strict=True):
                 summary.records += 1
+                if ref.key in plan.superseded:
+                    _supersede(index, store, ref.key, summary, dry_run, delete_removed)
                 if _digest(ref.key) in plan.done:
                     summary.already_done += 1
                     summary.done_elsewhere += _digest(ref.key) in plan.done_elsewhere
@@ -420,7 +465,8 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
         for where, reason in summary.rejected:
             index.add_invalid(plan.fid, where, reason)
         if limit is None:
-            summary.vanished = _drop_vanished(index, plan)
+            _drop_vanished(index, store, plan, summary, str(path.resolve()), delete_removed)
+            Corpus(index).clear_unreadable(plan.fid)
         index.set_meta(last_enqueue=str(path.resolve()))
         if summary.published:
             index.mark_started()
@@ -442,15 +488,26 @@ def _send(producer: Any, queue: str, run_id: str, publication: int, ref: SampleR
                   producer=producer, argsrepr=ref.key, kwargsrepr="{}")
 
 
-def _drop_vanished(index: RunIndex, plan: _Plan) -> int:
-    """Samples this file registered before, holds no more, and never finished: out of the
-    run (a done one keeps its file and stays). Streams the registry: constant memory."""
+def _drop_vanished(index: RunIndex, store: st.OutputStore, plan: _Plan, summary: Summary,
+                   path: str, delete: bool) -> None:
+    """Samples this file registered before and holds no more leave the run; the output
+    files of those done are set aside. Streams the registry: constant memory."""
     gone = [key for key, reg in index.iter_registered()
             if reg.fid == plan.fid and _digest(key) not in plan.keys_seen]
-    done = index.are_done(gone)
-    gone = [key for key, is_done in zip(gone, done, strict=True) if not is_done]
-    index.unregister(gone)
-    return len(gone)
+    for key in gone:
+        summary.set_aside += setaside.set_aside(store.out_dir, key, delete) is not None
+    index.unregister(gone, reason="its record was removed from its data file", file=path)
+    summary.removed = len(gone)
+
+
+def _supersede(index: RunIndex, store: st.OutputStore, key: str, summary: Summary,
+               dry_run: bool, delete: bool) -> None:
+    """``key``'s record was corrected after its file was written: the file is set aside and
+    the sample is no longer done."""
+    summary.superseded += 1
+    if not dry_run:
+        summary.set_aside += setaside.set_aside(store.out_dir, key, delete) is not None
+        index.unmark_done([key])
 
 
 def requeue(settings: Settings, store: st.OutputStore, refs: list[SampleRef]) -> int:

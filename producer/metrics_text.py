@@ -56,8 +56,8 @@ def render(snapshot: dict[str, Any]) -> str:
     """The exposition of one dashboard snapshot (``Sampler.snapshot``)."""
     st, e = snapshot["status"], Exposition(snapshot["run"])
     for state in ("total", "done", "failed", "rejected", "stale", "retrying", "running",
-                  "remaining"):
-        e.gauge("hsfarm_samples", "Samples of the run by state", st[state], state=state)
+                  "remaining", "parked", "removed"):
+        e.gauge("hsfarm_samples", "Samples of the run by state", st.get(state), state=state)
     for state in ("queued", "unacked"):
         e.gauge("hsfarm_broker_messages", "Task messages waiting in the queue, or delivered "
                 "and not acknowledged", st[state], state=state)

@@ -19,18 +19,11 @@ import orjson
 import redis
 
 from worker import keys
-from worker.run import TASK_PREFIX
+from worker.run import TASK_PREFIX, task_id
+
+__all__ = ["task_id"]
 
 _PAGE = 2000
-
-
-def task_id(run_id: str, publication: int, key: str) -> str:
-    """The task id of one publication of sample ``key`` in run ``run_id``.
-
-    ``:`` never occurs in a sample key (contracts), so the publication number cannot be
-    mistaken for the head of a key that starts with digits and a dash (``2024-01-x``).
-    """
-    return f"{TASK_PREFIX}-{run_id}-{publication}:{key}"
 
 
 def sample_key_of(task: str, run_id: str) -> str | None:

@@ -20,6 +20,7 @@ from worker import broker, hosts, keys, liveness
 from worker import run as runs
 from worker.admission import Admission, limits_for_host
 from worker.answers import environmental_rejection
+from worker.corpus import Corpus
 from worker.errors import ConfigError
 from worker.fingerprint import run_fingerprint
 from worker.index import RunIndex
@@ -57,6 +58,10 @@ class Status:
     admission: dict[str, object] = field(default_factory=dict)
     # the run's hosts (worker/hosts.py): per host done there, running, rate, server, heartbeat
     hosts: list[dict[str, Any]] = field(default_factory=list)
+    parked: int = 0  # samples waiting for their data file to be readable (no message)
+    removed: int = 0  # samples that left the run: their records left the corpus
+    # fid -> {path, reason, host, at, parked}: data files a worker could not read
+    unreadable: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def remaining(self) -> int:
@@ -121,7 +126,19 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
                   retrying_samples=index.outcomes(keys.RETRYING),
                   paused=paused, pruned_running=pruned,
                   admission=host_admission(settings, fingerprint),
+                  parked=counts.parked, removed=counts.removed,
+                  unreadable=unreadable_files(index),
                   hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s))
+
+
+def unreadable_files(index: RunIndex) -> dict[str, dict[str, Any]]:
+    """Data files a worker could not read, each with how many samples wait on it."""
+    corpus = Corpus(index)
+    per_file: dict[int, int] = {}
+    for fid in corpus.parked().values():
+        per_file[fid] = per_file.get(fid, 0) + 1
+    return {str(fid): {**body, "parked": per_file.get(fid, 0)}
+            for fid, body in sorted(corpus.unreadable().items())}
 
 
 def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, object]:

@@ -50,6 +50,10 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
         lines.append(f"host      {_admission_text(st.admission)}")
     lines += host_lines(st.hosts)
     lines += _paused_lines(st)
+    lines += unreadable_lines(st)
+    if st.removed:
+        lines.append(f"removed   {st.removed} samples left the run: their records were removed "
+                     "from the corpus or corrected (output files kept in <output dir>/removed/)")
     lines += _retrying_lines(st)
     if st.finished:
         lines.append(f"finished: every sample has an outcome ({st.done} done, {st.failed} "
@@ -96,6 +100,15 @@ def _paused_lines(st: Status) -> list[str]:
     by_reason = Counter(str(b.get("reason")) for b in st.paused.values())
     return [f"paused    {n} process{'es' if n > 1 else ''}: {reason}"
             for reason, n in by_reason.most_common()]
+
+
+def unreadable_lines(st: Status) -> list[str]:
+    """One line per data file whose samples are parked, with the fix."""
+    return [f"parked    {b.get('parked', 0)} samples of data file #{fid}, unreadable on "
+            f"{b.get('host')}: {b.get('reason')} (nothing else waits). "
+            "Fix: put it back at that path (they resume by themselves), or run "
+            "'python -m producer enqueue <its new path>'"
+            for fid, b in st.unreadable.items()]
 
 
 def _retrying_lines(st: Status) -> list[str]:

@@ -11,6 +11,7 @@ go on.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Iterator
@@ -57,6 +58,23 @@ class DataFileError(Exception):
 
 
 Item = Span | Oversized | FileProblem
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of the whole file (32 hex digits): how a run knows a data file by its
+    content, wherever it is moved (worker/corpus.py).
+
+    Raises:
+        DataFileError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(_CHUNK * 4):
+                h.update(block)
+    except OSError as e:
+        raise DataFileError(f"{path}: {e.strerror}") from e
+    return h.hexdigest()[:32]
 
 
 def scan(path: Path, max_record_bytes: int = 1 << 62) -> Iterator[Item]:

@@ -6,6 +6,7 @@
     ├── BadInput           the sample itself is wrong; never retried, recorded as rejected
     ├── MalformedMessage   a task message no producer of this run wrote; refused and logged
     ├── StaleRecord        the record changed after enqueue; no outcome, re-run enqueue
+    ├── RecordRemoved      the message's sample left the run (removed from the corpus)
     ├── KeyTaken           the sample's file holds another record; recorded as failed at once
     ├── Transient          timeout, server error, Redis away; retried with backoff, bounded
     │   ├── ServerUnavailable    the server does not answer: wait for it, attempt refunded
@@ -13,7 +14,7 @@
     │   │   └── ServerBusy           it (or a gateway) refuses for now: 429, 502-504...
     │   ├── NoSpace              ENOSPC/EDQUOT or a full dump dir: wait for space, refunded
     │   ├── OutputUnavailable    the output disk refuses writes (EROFS, EIO...): wait, refunded
-    │   └── DataFileUnavailable  the data file cannot be read: wait for it, refunded
+    │   └── DataFileUnavailable  the data file cannot be read: its samples park, refunded
     └── Corrupt            a dump or file failed a check; retried, then recorded as failed
 
 The environment's faults (ConfigError and the waits) never count against a sample.
@@ -40,6 +41,11 @@ class MalformedMessage(FarmError):
 
 class StaleRecord(FarmError):
     """The record a message points at is no longer in its data file as it was enqueued."""
+
+
+class RecordRemoved(FarmError):
+    """The sample a message names is no longer in the run: ``enqueue`` saw its record removed
+    from its data file or replaced by a corrected one. The message is acknowledged."""
 
 
 class KeyTaken(FarmError):
@@ -95,7 +101,8 @@ class NoSpace(Transient):
 
 
 class DataFileUnavailable(Transient):
-    """The data file cannot be opened or read (unmounted, moved, permissions)."""
+    """The data file cannot be opened or read (unmounted, moved, permissions): its samples
+    are parked (worker/corpus.py) until it can be read or is enqueued from its new path."""
 
 
 class Corrupt(FarmError):

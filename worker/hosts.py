@@ -180,7 +180,7 @@ def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: l
     reg.set_aside += len(aside)
 
 
-SET_ASIDE = "set-aside"  # in an output dir: files kept out of the run's samples
+SET_ASIDE = "done-elsewhere"  # in an output dir: files the run holds on another host
 
 
 def _set_aside(out_dir: Path, path: Path) -> Path:

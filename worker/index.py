@@ -1,8 +1,11 @@
 """The Redis index of one run: which samples it has, what is done, failed, rejected, running.
 
 An index, not the truth: the output disk decides what is done, and ``enqueue`` rebuilds the
-index from the verified files when Redis lost it. Every text stored here (reasons, records) is
-bounded: a hostile or broken record must not fill Redis.
+index from the verified files when Redis lost it. What the run holds is its ``samples``
+hash: each sample's data file (a fid, whose path, content and former paths are
+worker/corpus.py's) and record; ``enqueue`` takes out the samples whose records left the
+corpus (``removed``). Every text stored here (reasons, records) is bounded: a hostile or
+broken record must not fill Redis.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def bounded(text: object, limit: int = MAX_TEXT_CHARS) -> str:
     return s if len(s) <= limit else f"{s[:limit]}… [{len(s) - limit} more characters]"
 
 
-def _redis_errors(fn: Callable[..., T]) -> Callable[..., T]:
+def redis_errors(fn: Callable[..., T]) -> Callable[..., T]:
     """Translate ``redis.RedisError`` into ``Transient`` (the farm's one boundary for Redis)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> T:
@@ -51,7 +54,7 @@ def _redis_errors(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-def _text(x: bytes | str) -> str:
+def as_text(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
@@ -70,7 +73,7 @@ class Registered:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Registered:
-        fid, offset, length, sha, index = _text(raw).split("|")
+        fid, offset, length, sha, index = as_text(raw).split("|")
         return cls(int(fid), int(offset), int(length), sha, int(index))
 
 
@@ -85,6 +88,8 @@ class Counts:
     running: int
     bytes: int
     tokens: int
+    parked: int = 0  # waiting for their data file to be readable
+    removed: int = 0  # left the run: their records left the corpus
 
 
 class RunIndex:
@@ -103,32 +108,32 @@ class RunIndex:
 
     # --- attempts and states of one sample ---------------------------------------------------
 
-    @_redis_errors
+    @redis_errors
     def next_attempt(self, key: str) -> int:
         """Count one more started attempt (retries and redeliveries alike)."""
         return int(self.r.hincrby(self.k(keys.ATTEMPTS), key, 1))
 
-    @_redis_errors
+    @redis_errors
     def next_try(self, key: str) -> int:
         """A fresh number for the next request's rid (refunded attempts are tries too: the
         server may still run the request that timed out, and refuses a duplicate rid)."""
         return int(self.r.hincrby(self.k(keys.TRIES), key, 1))
 
-    @_redis_errors
+    @redis_errors
     def refund_attempt(self, key: str) -> None:
         """An attempt that could not run for the environment's sake (server down, disk full)."""
         self.r.hincrby(self.k(keys.ATTEMPTS), key, -1)
 
-    @_redis_errors
+    @redis_errors
     def mark_running(self, key: str, worker: str, attempt: int) -> None:
         body = orjson.dumps({"worker": worker, "attempt": attempt, "since": time.time()})
         self.r.hset(self.k(keys.RUNNING), key, body)
 
-    @_redis_errors
+    @redis_errors
     def clear_running(self, key: str) -> None:
         self.r.hdel(self.k(keys.RUNNING), key)
 
-    @_redis_errors
+    @redis_errors
     def prune_running(self, gone: Callable[[str], bool]) -> int:
         """Drop ``running`` entries whose attempt no longer runs: its sample's lease is free
         (every attempt holds it while running), or its holder is ``gone`` (a process
@@ -137,17 +142,17 @@ class RunIndex:
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.RUNNING))  # type: ignore[assignment]
         dropped = 0
         for k, body in raw.items():
-            key = _text(k)
+            key = as_text(k)
             lease = lease_name(self.fp, key)
             holder = self.r.get(lease)
-            seen = "" if holder is None else _text(holder)
+            seen = "" if holder is None else as_text(holder)
             if seen and not gone(seen.split("#", 1)[0]):
                 continue
             dropped += int(self.r.eval(_PRUNE_RUNNING, 2, self.k(keys.RUNNING), lease, key,
                                        body, seen))
         return dropped
 
-    @_redis_errors
+    @redis_errors
     def prune_paused(self, gone: Callable[[str], bool], max_age_s: float) -> int:
         """Drop ``paused`` entries of processes that are ``gone`` or stopped refreshing them
         ``max_age_s`` ago (a waiting process rewrites its entry at every poll)."""
@@ -156,12 +161,12 @@ class RunIndex:
                  if gone(k) or now - float(body.get("at", 0)) > max_age_s]
         return int(self.r.hdel(self.k(keys.PAUSED), *stale)) if stale else 0
 
-    @_redis_errors
+    @redis_errors
     def mark_started(self) -> None:
         """Remember when the run's first ``enqueue`` published (kept from then on)."""
         self.r.hsetnx(self.k(keys.META), "started_at", repr(time.time()))
 
-    @_redis_errors
+    @redis_errors
     def mark_done(self, key: str, size_bytes: int, tokens: int, host: str = "",
                   sha256: str = "") -> None:
         """Done; ``host``: whose output dir holds its file (``worker.hosts``)."""
@@ -175,7 +180,7 @@ class RunIndex:
             p.hdel(self.k(name), key)
         p.execute()
 
-    @_redis_errors
+    @redis_errors
     def mark_done_many(self, done: dict[str, tuple[int, int]],
                        at: dict[str, float] | None = None) -> None:
         """``mark_done`` for many samples (key -> (bytes, tokens)), a batch per round trip;
@@ -193,12 +198,12 @@ class RunIndex:
                 p.hdel(self.k(name), *names)
             p.execute()
 
-    @_redis_errors
+    @redis_errors
     def mark_failed(self, key: str, reason: str, attempts: int) -> None:
         body = orjson.dumps({"reason": bounded(reason), "attempts": attempts, "at": time.time()})
         self._set_outcome(keys.FAILED, key, body)
 
-    @_redis_errors
+    @redis_errors
     def mark_rejected(self, key: str, reason: str, record: str = "", sha: str = "") -> None:
         """``sha``: the content rejected; enqueue skips the same content next time."""
         body = orjson.dumps({"reason": bounded(reason), "record": bounded(record, 200),
@@ -212,7 +217,7 @@ class RunIndex:
         p.hdel(self.k(keys.RETRYING), key)
         p.execute()
 
-    @_redis_errors
+    @redis_errors
     def mark_retrying(self, key: str, attempt: int, reason: str) -> None:
         """An attempt failed and the sample will be tried again: visible in ``status`` now."""
         body = orjson.dumps({"attempt": attempt, "reason": bounded(reason), "at": time.time()})
@@ -221,7 +226,7 @@ class RunIndex:
         p.hdel(self.k(keys.RUNNING), key)
         p.execute()
 
-    @_redis_errors
+    @redis_errors
     def mark_stale(self, key: str, reason: str) -> None:
         """The record this message points at changed after enqueue: no outcome; re-enqueue."""
         body = orjson.dumps({"reason": bounded(reason), "at": time.time()})
@@ -231,7 +236,7 @@ class RunIndex:
         p.hdel(self.k(keys.RETRYING), key)
         p.execute()
 
-    @_redis_errors
+    @redis_errors
     def record_malformed(self, reason: str) -> None:
         """Remember a refused task message (the newest ``MAX_MALFORMED``), bounded in size."""
         body = orjson.dumps({"reason": bounded(reason), "at": time.time()})
@@ -240,15 +245,16 @@ class RunIndex:
         p.ltrim(self.k(keys.MALFORMED), 0, MAX_MALFORMED - 1)
         p.execute()
 
-    @_redis_errors
+    @redis_errors
     def forget_outcome(self, key: str) -> None:
         """Before a deliberate requeue: clear failed/rejected/stale marks and the attempts."""
         p = self.r.pipeline()
-        for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS, keys.STALE, keys.RETRYING):
+        for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS, keys.STALE, keys.RETRYING,
+                     keys.PARKED):
             p.hdel(self.k(name), key)
         p.execute()
 
-    @_redis_errors
+    @redis_errors
     def set_paused(self, process: str, reason: str | None) -> None:
         """Say that ``process`` (host:pid) waits out ``reason``; None: it works again."""
         if reason is None:
@@ -259,7 +265,7 @@ class RunIndex:
 
     # --- the run's samples and data files ---------------------------------------------------
 
-    @_redis_errors
+    @redis_errors
     def register_file(self, path: str) -> int:
         """The data file's id in this run, given on its first enqueue."""
         existing = self.r.hget(self.k(keys.FILES), path)
@@ -270,13 +276,13 @@ class RunIndex:
             return fid
         return int(self.r.hget(self.k(keys.FILES), path))  # type: ignore[arg-type]
 
-    @_redis_errors
+    @redis_errors
     def data_files(self) -> dict[str, int]:
         """Every data file enqueued for this run: path -> id."""
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.FILES))  # type: ignore[assignment]
-        return {_text(k): int(v) for k, v in raw.items()}
+        return {as_text(k): int(v) for k, v in raw.items()}
 
-    @_redis_errors
+    @redis_errors
     def registered(self, sample_keys: list[str]) -> list[Registered | None]:
         """Where each of ``sample_keys`` was registered, or None."""
         if not sample_keys:
@@ -284,64 +290,82 @@ class RunIndex:
         raw = self.r.hmget(self.k(keys.SAMPLES), sample_keys)
         return [None if x is None else Registered.decode(x) for x in raw]
 
-    @_redis_errors
+    @redis_errors
     def all_registered(self) -> dict[str, Registered]:
         return dict(self.iter_registered())
 
     def iter_registered(self) -> Iterator[tuple[str, Registered]]:
         """Every registered sample, streamed (raises redis errors as they come)."""
         for k, v in self.r.hscan_iter(self.k(keys.SAMPLES), count=2000):
-            yield _text(k), Registered.decode(v)
+            yield as_text(k), Registered.decode(v)
 
-    @_redis_errors
+    @redis_errors
     def are_done(self, sample_keys: list[str]) -> list[bool]:
         p = self.r.pipeline(transaction=False)
         for key in sample_keys:
             p.zscore(self.k(keys.DONE), key)
         return [x is not None for x in p.execute()] if sample_keys else []
 
-    @_redis_errors
+    @redis_errors
     def register(self, entries: dict[str, Registered]) -> None:
+        """Record where each sample's record is now (a record back in the corpus is no
+        longer ``removed``)."""
         if entries:
-            self.r.hset(self.k(keys.SAMPLES),
-                        mapping={k: v.encode() for k, v in entries.items()})
+            p = self.r.pipeline()
+            p.hset(self.k(keys.SAMPLES), mapping={k: v.encode() for k, v in entries.items()})
+            p.hdel(self.k(keys.REMOVED), *entries)
+            p.execute()
 
-    @_redis_errors
-    def unregister(self, sample_keys: Iterable[str]) -> None:
-        """Drop samples whose records are gone from their file (superseded by an edit)."""
+    @redis_errors
+    def unregister(self, sample_keys: Iterable[str], reason: str = "", file: str = "") -> None:
+        """Take samples out of the run: their records left the corpus. Each is recorded
+        under ``removed`` with ``reason`` and the data file it was in."""
         names = list(sample_keys)
         if not names:
             return
+        body = orjson.dumps({"reason": bounded(reason), "file": bounded(file, 1000),
+                             "at": time.time()})
         p = self.r.pipeline()
         p.hdel(self.k(keys.SAMPLES), *names)
         p.zrem(self.k(keys.DONE), *names)
         for name in (keys.BYTES, keys.TOKENS, keys.FAILED, keys.REJECTED, keys.ATTEMPTS,
-                     keys.TRIES, keys.STALE, keys.RETRYING):
+                     keys.TRIES, keys.STALE, keys.RETRYING, keys.PARKED):
             p.hdel(self.k(name), *names)
+        p.hset(self.k(keys.REMOVED), mapping=dict.fromkeys(names, body))
         p.execute()
 
-    @_redis_errors
+    @redis_errors
+    def unmark_done(self, sample_keys: list[str]) -> None:
+        """Samples whose file was set aside (their record was corrected): not done now."""
+        if sample_keys:
+            p = self.r.pipeline()
+            p.zrem(self.k(keys.DONE), *sample_keys)
+            p.hdel(self.k(keys.BYTES), *sample_keys)
+            p.hdel(self.k(keys.TOKENS), *sample_keys)
+            p.execute()
+
+    @redis_errors
     def done_keys(self) -> set[str]:
         members: list[bytes] = self.r.zrange(self.k(keys.DONE), 0, -1)  # type: ignore[assignment]
-        return {_text(k) for k in members}
+        return {as_text(k) for k in members}
 
-    @_redis_errors
+    @redis_errors
     def add_invalid(self, fid: int, where: str, reason: str) -> None:
         """A record enqueue refused (no sample key): counted in the run, never published."""
         self.r.hset(self.k(keys.REJECTED), f"@{fid}:{bounded(where, 100)}",
                     orjson.dumps({"reason": bounded(reason), "record": bounded(where, 200),
                                   "sha": "", "at": time.time()}))
 
-    @_redis_errors
+    @redis_errors
     def clear_invalid(self, fid: int) -> None:
         """Before a file is enqueued again: its refused records are counted anew."""
         prefix = f"@{fid}:"
         names = [k for k in self.r.hkeys(self.k(keys.REJECTED))
-                 if _text(k).startswith(prefix)]
+                 if as_text(k).startswith(prefix)]
         if names:
             self.r.hdel(self.k(keys.REJECTED), *names)
 
-    @_redis_errors
+    @redis_errors
     def next_publication(self) -> int:
         """A fresh number for one ``enqueue`` or ``requeue`` call: part of its task ids.
 
@@ -353,23 +377,23 @@ class RunIndex:
         p.hincrby(self.k(keys.META), "publications", 1)
         return int(p.execute()[1])
 
-    @_redis_errors
+    @redis_errors
     def set_meta(self, **fields: Any) -> None:
         self.r.hset(self.k(keys.META), mapping={k: str(v) for k, v in fields.items()})
 
-    @_redis_errors
+    @redis_errors
     def meta(self) -> dict[str, str]:
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.META))  # type: ignore[assignment]
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {as_text(k): as_text(v) for k, v in raw.items()}
 
-    @_redis_errors
+    @redis_errors
     def outcomes(self, name: str) -> dict[str, dict[str, Any]]:
         """``failed``, ``rejected``, ``retrying``, ``stale``, ``running`` or ``paused``
         entries: key -> their JSON body."""
         raw: dict[bytes, bytes] = self.r.hgetall(self.k(name))  # type: ignore[assignment]
-        return {_text(k): orjson.loads(v) for k, v in raw.items()}
+        return {as_text(k): orjson.loads(v) for k, v in raw.items()}
 
-    @_redis_errors
+    @redis_errors
     def counts(self) -> Counts:
         p = self.r.pipeline()
         p.hlen(self.k(keys.SAMPLES))
@@ -381,9 +405,13 @@ class RunIndex:
         p.hlen(self.k(keys.RUNNING))
         p.hvals(self.k(keys.BYTES))
         p.hvals(self.k(keys.TOKENS))
-        samples, done, failed, rejected, stale, retrying, running, sizes, tokens = p.execute()
+        p.hlen(self.k(keys.PARKED))
+        p.hlen(self.k(keys.REMOVED))
+        (samples, done, failed, rejected, stale, retrying, running, sizes, tokens, parked,
+         removed) = p.execute()
         invalid = sum(1 for k in self.r.hkeys(self.k(keys.REJECTED))
-                      if _text(k).startswith("@"))
+                      if as_text(k).startswith("@"))
         return Counts(total=samples + invalid, done=done, failed=failed, rejected=rejected,
                       stale=stale, retrying=retrying, running=running,
-                      bytes=sum(int(x) for x in sizes), tokens=sum(int(x) for x in tokens))
+                      bytes=sum(int(x) for x in sizes), tokens=sum(int(x) for x in tokens),
+                      parked=parked, removed=removed)

@@ -10,6 +10,9 @@ files that are not this run's: another run sharing the dump dir (a second server
 keeps every dump of its own, whatever its sample keys. The dumps of a canary check whose
 process was killed on this machine go at once. Probe dumps (no run) left by a dead
 probe go once they are that old.
+
+On the same timer, parked samples whose data file reads again are published again
+(worker/parking.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ def sweep_dumps(settings: Settings, run: str, now: float | None = None) -> int:
     return removed
 
 
+def _rounds(settings: Settings, run: str) -> None:
+    from worker.parking import resume_parked
+
+    sweep_dumps(settings, run)
+    resume_parked(settings, run)
+
+
 class Janitor(bootsteps.StartStopStep):
     """Runs ``sweep_dumps`` on the worker's timer."""
 
@@ -68,8 +78,8 @@ class Janitor(bootsteps.StartStopStep):
         if startup.CONTEXT is None:  # worker_init did not build the run: nothing is ours
             return
         run = startup.CONTEXT.store.run_id
-        sweep_dumps(settings, run)
-        self.tref = worker.timer.call_repeatedly(settings.janitor_interval_s, sweep_dumps,
+        _rounds(settings, run)
+        self.tref = worker.timer.call_repeatedly(settings.janitor_interval_s, _rounds,
                                                  (settings, run), priority=10)
 
     def stop(self, worker: Any) -> None:

@@ -9,8 +9,19 @@ from __future__ import annotations
 PREFIX = "hsfarm"
 
 # --- one run's index (hashes keyed by sample key unless said otherwise) -----------------------
-SAMPLES = "samples"  # sample_key -> where its record is: "fid|offset|length|sha|index"
-FILES = "files"  # data file path -> its small integer id (fid); every file enqueued for the run
+# sample_key -> where its record is: "fid|offset|length|sha|index". The run's record of what
+# it holds: a worker resolves every message through it (worker/corpus.py), a key not here is
+# not in the run (its message is acknowledged as removed), and the path of fid is in FILES
+SAMPLES = "samples"
+FILES = "files"  # data file path -> its small integer id (fid): the current path of each file
+# fid -> JSON {path, sha256 (of the whole file), size, former: [paths it had]}: a data file is
+# known by its content too; enqueue of a moved file re-points its fid (worker/corpus.py)
+FILE_INFO = "file-info"
+PARKED = "parked"  # sample_key -> fid: its data file could not be read; no message until it can
+UNREADABLE = "unreadable"  # fid -> JSON {path, reason, host, at}: the file a worker could not read
+# sample_key -> JSON {reason, file, at}: left the run (its record was removed from the corpus
+# or replaced by a corrected one); its output, if any, kept in <out>/removed/
+REMOVED = "removed"
 DONE = "done"  # zset sample_key -> unix time the verified file was written
 BYTES = "bytes"  # sample_key -> bytes of the final file
 TOKENS = "tokens"  # sample_key -> token count
@@ -25,13 +36,13 @@ META = "meta"  # hash: created_at, last enqueue, ...
 MALFORMED = "malformed"  # list (bounded) of refused task messages, JSON {reason, at}
 PAUSED = "paused"  # process identity -> JSON {reason, at}: a process waiting out a condition
 LEASE = "lease"  # LEASE:<sample_key> -> owner of the attempt running it (string, with TTL)
-ENQUEUE_LOCK = "enqueue-lock"
+ENQUEUE_LOCK = "enqueue-lock"  # held by the one enqueue running for this run
 # The run's hosts (worker/hosts.py): host id -> JSON {output_dir, server, at, registered_at...};
 # HELD: sample_key -> "host|content sha", the host whose output dir holds its final file;
-# HELD_TWICE: sample_key -> JSON [hosts] (its file is on two hosts' dirs)
+# HELD_TWICE: sample_key -> JSON {hosts, kept, set_aside}: its file was on two hosts' dirs
 HOSTS = "hosts"
 HELD = "held"
-HELD_TWICE = "held-twice"  # held by the one enqueue running for this run
+HELD_TWICE = "held-twice"
 # CANARY:<host, machine, dump dir, server start> -> "ok" (TTL FARM_CANARY_INTERVAL_S) or
 # "mismatch", with its summary: the last canary verdict of that host's processes against that
 # server; CANARY_LOCK: a lease (lease.py), one process checks at a time

@@ -69,6 +69,15 @@ def queue_for(settings: Settings, run: str) -> str:
     return settings.queue or f"{QUEUE_PREFIX}{run}"
 
 
+def task_id(run_id: str, publication: int, key: str) -> str:
+    """The task id of one publication of sample ``key`` in run ``run_id``.
+
+    ``:`` never occurs in a sample key (contracts), so the publication number cannot be
+    mistaken for the head of a key that starts with digits and a dash (``2024-01-x``).
+    """
+    return f"{TASK_PREFIX}-{run_id}-{publication}:{key}"
+
+
 def run_of_task(task_id: object) -> str | None:
     """The run id a task id of ours names (``hsd-<run id>-...``); None for any other id."""
     start = len(TASK_PREFIX) + 1

@@ -3,8 +3,14 @@
 Outcomes are recorded in the run index first, then the message is acknowledged:
 - done: a verified final file; the task succeeds;
 - rejected (``BadInput``), failed (attempts exhausted, or ``KeyTaken``), stale (the record
-  changed after enqueue) or refused (a malformed message): the task ends in Celery's FAILURE
-  state, so Flower and its metrics count it as failed.
+  changed after enqueue), parked (its data file cannot be read: the sample waits without a
+  message, worker/corpus.py), removed (the sample left the run: its record left the corpus)
+  or refused (a malformed message): the task ends in Celery's FAILURE state, so Flower and
+  its metrics count it as failed.
+
+A message is resolved through the run's record in Redis (``Corpus.resolve``): the data file's
+current path (a file enqueued again from a new path is read there) and the record as last
+enqueued, whatever path or content the message was published with.
 
 Every other way out hands the message back (``Reject(requeue=True)``), never an
 acknowledgement without an outcome:
@@ -12,7 +18,7 @@ acknowledgement without an outcome:
   within this delivery while its time limit allows (so failures show at once), else handed
   back; after ``FARM_MAX_ATTEMPTS`` started attempts the sample is recorded as failed;
 - the environment (server down or hung, a gateway or the server refusing requests for now,
-  disk full, read-only or failing, data file unreadable, a canary that no longer matches:
+  disk full, read-only or failing, a canary that no longer matches:
   the server serves another model): the task waits,
   holding its message, and the attempt is refunded; at the time limit it hands it back, and
   an attempt starts only with half a delivery's time or more left (else handed back), so a
@@ -38,8 +44,9 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from worker import extract as ex
 from worker import lease as leases
-from worker import waits
+from worker import setaside, waits
 from worker.app import TASK_NAME, app, settings
+from worker.corpus import Corpus
 from worker.errors import (
     BadInput,
     ConfigError,
@@ -49,6 +56,7 @@ from worker.errors import (
     MalformedMessage,
     NoSpace,
     OutputUnavailable,
+    RecordRemoved,
     ServerBusy,
     ServerMisconfigured,
     ServerUnavailable,
@@ -82,6 +90,14 @@ class SampleStale(SampleNotDone):
 
 
 class MessageRefused(SampleNotDone):
+    pass
+
+
+class SampleParked(SampleNotDone):
+    pass
+
+
+class SampleRemoved(SampleNotDone):
     pass
 
 
@@ -152,13 +168,20 @@ def _checked_ref(rt: Runtime, ref_json: Any) -> SampleRef:
         MessageRefused: recorded (bounded) and logged; the message is acknowledged.
     """
     try:
-        ref = SampleRef.from_json(ref_json).resolved(rt.index.data_files())
-        if ref.length > settings.max_record_bytes:
-            raise MalformedMessage(f"n: {ref.length} bytes is over FARM_MAX_RECORD_BYTES")
+        sent = SampleRef.from_json(ref_json)
+        if sent.length > settings.max_record_bytes:
+            raise MalformedMessage(f"n: {sent.length} bytes is over FARM_MAX_RECORD_BYTES")
+        ref = Corpus(rt.index).resolve(sent)
     except MalformedMessage as e:
         log.error("refusing a task message: %s", e)
         rt.index.record_malformed(str(e))
         raise MessageRefused(str(e)) from e
+    except RecordRemoved as e:
+        log.warning("%s", e)
+        raise SampleRemoved(str(e)) from e
+    if ref.sha256 != sent.sha256:
+        log.info("%s the run records a corrected record (content %s, the message's %s): "
+                 "extracting the run's", ref.key, ref.sha256, sent.sha256)
     return ref
 
 
@@ -190,6 +213,7 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
         t0 = time.monotonic()
         try:
             result = ex.extract(rt, ref, attempt, lease, rt.index.next_try(key))
+            _set_aside_if_removed(rt, key)
             return {"status": result.status, "key": key, "tokens": result.tokens}
         except BadInput as e:
             rt.index.mark_rejected(key, str(e), f"record {ref.index}", sha=ref.sha256)
@@ -204,8 +228,10 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease,
             rt.index.refund_attempt(key)
             rt.index.clear_running(key)
             raise
-        except (ServerUnavailable, NoSpace, OutputUnavailable, DataFileUnavailable,
-                leases.LeaseLost) as e:
+        except DataFileUnavailable as e:
+            rt.index.refund_attempt(key)
+            _park(rt, ref, e)
+        except (ServerUnavailable, NoSpace, OutputUnavailable, leases.LeaseLost) as e:
             rt.index.refund_attempt(key)
             rt.index.clear_running(key)
             _environment(rt, ref, e, deadline)
@@ -234,10 +260,25 @@ def _environment(rt: Runtime, ref: SampleRef, e: Exception, deadline: float) -> 
         if e.on_server:
             _hold(rt, ref.key, str(e), deadline)
         _wait(rt, ref.key, lambda: waits.space_problem(rt, e.need_bytes), deadline)
-    elif isinstance(e, OutputUnavailable):
-        _wait(rt, ref.key, lambda: waits.output_problem(rt), deadline)
     else:
-        _wait(rt, ref.key, lambda: waits.data_file_problem(ref.file), deadline)
+        _wait(rt, ref.key, lambda: waits.output_problem(rt), deadline)
+
+
+def _park(rt: Runtime, ref: SampleRef, e: DataFileUnavailable) -> NoReturn:
+    """The data file cannot be read here: the sample waits without its message (no process
+    held, no other file's samples behind it) until the file is readable or re-enqueued."""
+    Corpus(rt.index).park(ref, str(e), rt.hostname)
+    log.warning("%s parked (no attempt spent): %s", ref.key, e)
+    raise SampleParked(str(e))
+
+
+def _set_aside_if_removed(rt: Runtime, key: str) -> None:
+    """An ``enqueue`` took the sample out of the run while it ran: its new file goes aside
+    too, as enqueue did with the files it found."""
+    if rt.index.registered([key])[0] is None:
+        setaside.set_aside(rt.settings.output_dir, key)
+        rt.index.unregister([key], reason="its record left the corpus while it ran")
+        log.warning("%s left the run while it ran; its file is set aside", key)
 
 
 def _enough_time_left(key: str, deadline: float) -> None:

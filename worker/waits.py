@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from worker import liveness
 from worker import store as st
@@ -90,11 +89,3 @@ def never_fits(rt: Runtime, need_bytes: int) -> str | None:
         return (f"needs {need_bytes} bytes; the output disk holds {total} bytes in all, less "
                 f"the reserve of {rt.settings.min_free_output_bytes}")
     return None
-
-
-def data_file_problem(path: str) -> str | None:
-    try:
-        with open(Path(path), "rb"):
-            return None
-    except OSError as e:
-        return f"data file {path} cannot be read ({e.strerror}): restore it at that path"

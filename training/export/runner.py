@@ -13,6 +13,10 @@ file in DEST, read back from the disk, matches them: a changed source is exporte
 missing or damaged file is rewritten (numbered layouts: under the same number). Entries whose
 source is gone are checked the same way; one whose file is gone too is reported and leaves the
 ledger. A crash at any point leaves the source or a ledger line, so re-running resumes.
+
+A sample exported before its record left the corpus (its source gone from ``<out>/samples``,
+a file of its key kept aside in ``<out>/removed/``: worker/setaside.py) is *withdrawn*: its
+file leaves DEST and its key the ledger, so DEST holds exactly the current corpus.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from training.export.numbered import close_gaps
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
 from worker.errors import ConfigError, Corrupt
+from worker.setaside import removed_by_key
 from worker.store import _writer_dead as writer_dead  # the store's own temp-name parser
 from worker.store import free_bytes
 
@@ -52,6 +57,7 @@ class ExportSummary:
     bytes_written: int = 0
     seconds: float = 0.0
     deleted_sources: int = 0
+    withdrawn: int = 0  # left DEST: their records left the corpus
     failed: list[tuple[str, str]] = field(default_factory=list)
     doubles: list[str] = field(default_factory=list)  # samples in two roots: which was kept
 
@@ -64,7 +70,9 @@ class ExportSummary:
         out = [f"exported: {self.exported} samples, {self.bytes_written / 1e6:.1f} MB in "
                f"{self.seconds:.1f}s ({rate:.1f} MB/s)",
                f"skipped (already exported and verified): {self.skipped}",
-               f"sources deleted: {self.deleted_sources}", f"failed: {len(self.failed)}"]
+               f"sources deleted: {self.deleted_sources}",
+               f"withdrawn (removed from the corpus): {self.withdrawn}",
+               f"failed: {len(self.failed)}"]
         out += [f"  failed {k}: {why}" for k, why in self.failed[:show]]
         return out + self.doubles
 
@@ -125,6 +133,15 @@ def _export(job: _Job, out_dirs: list[Path], jobs: int,
         job.next_number = max(numbers, default=-1) + 1
     kept = [k for k in job.ledger.entries if k not in sources]
     summary = ExportSummary(doubles=gathered.lines())
+    aside: dict[str, list[Path]] = {}
+    for root in out_dirs:  # files kept aside in any root of the run
+        for key, paths in removed_by_key(root).items():
+            aside.setdefault(key, []).extend(paths)
+    withdrawn = {k for k in kept if k in aside and _exported_version(job, k, aside[k])}
+    for key in withdrawn:
+        _withdraw(job, key)
+    summary.withdrawn = len(withdrawn)
+    kept = [k for k in kept if k not in withdrawn]
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for key, result in zip(sources, pool.map(lambda p: _one(job, p), sources.values()),
@@ -144,6 +161,25 @@ def _export(job: _Job, out_dirs: list[Path], jobs: int,
         write_dataset(job.dest, job.ledger)
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _exported_version(job: _Job, key: str, aside: list[Path]) -> bool:
+    """One of the files kept aside for ``key`` is the version DEST holds (its checksums)."""
+    exported = checksums.Recorded.from_json(job.ledger.entries[key]["source_checksums"])
+    for path in aside:
+        with contextlib.suppress(Corrupt, OSError):
+            if checksums.recorded(SampleFile.open(path).metadata) == exported:
+                return True
+    return False
+
+
+def _withdraw(job: _Job, key: str) -> None:
+    """Take ``key`` out of DEST: its ledger line first, then its file (numbered layouts: the
+    gap is closed after the export)."""
+    path = job.dest / str(job.ledger.entries[key]["path"])
+    job.ledger.remove(key)
+    path.unlink(missing_ok=True)
+    durable.fsync_dir_of(path)
 
 
 def _count(summary: ExportSummary, key: str, result: _Outcome | str) -> None:
