@@ -1,8 +1,8 @@
-"""This host in its run: registered at a worker's start, its heartbeat on the worker's timer.
+"""This host in its run: registered at a worker's start, then its heartbeat.
 
-Every ``FARM_REAPER_INTERVAL_S`` the worker main process refreshes its host's entry
-(``worker.hosts``: heartbeat, its server's state). When the entry is gone (a Redis that lost
-its data came back), the host's files are registered again, in a thread: the heartbeat goes on.
+Every ``FARM_REAPER_INTERVAL_S`` a thread of the worker main process refreshes its host's
+entry (``worker.hosts``: heartbeat, its server's state). When the entry is gone (a Redis that
+lost its data came back), the host's files are registered again.
 """
 
 from __future__ import annotations
@@ -33,20 +33,26 @@ def register_host(r: redis.Redis, settings: Settings, run_id: str, fingerprint_i
 
 
 class HostBeat(bootsteps.StartStopStep):
-    """The host's heartbeat, and its files registered again after Redis lost them."""
+    """The host's heartbeat, and its files registered again after Redis lost them.
 
-    requires = ("celery.worker.components:Timer",)
+    In a thread of its own, not on the worker's timer: asking the server's ``/health`` may
+    take seconds, and must never delay the reaper's heartbeat on that timer."""
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        self.tref: Any = None
-        self.registering: threading.Thread | None = None
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def start(self, worker: Any) -> None:
         from worker.app import settings
 
-        self.tref = worker.timer.call_repeatedly(settings.reaper_interval_s, self.tick,
-                                                 (settings,), priority=10)
+        self.thread = threading.Thread(target=self._loop, args=(settings,),
+                                       name="hsfarm-host-beat", daemon=True)
+        self.thread.start()
+
+    def _loop(self, settings: Settings) -> None:
+        while not self.stopping.wait(settings.reaper_interval_s):
+            self.tick(settings)
 
     def tick(self, settings: Settings) -> None:
         from worker import startup
@@ -60,22 +66,10 @@ class HostBeat(bootsteps.StartStopStep):
             registered = hosts.beat(r, run_id, hosts.host_id(settings), settings.output_dir,
                                     settings)
             hosts.remember_hosts(r, run_id, settings.output_dir)
+            if not registered:  # Redis lost this host's entry: register its files again
+                register_host(r, settings, run_id, ctx.fingerprint.id)
         except (redis.RedisError, OSError) as e:
             log.warning("host heartbeat: %s", e)
-            return
-        if not registered and not (self.registering and self.registering.is_alive()):
-            self.registering = threading.Thread(
-                target=self._register, args=(r, settings, run_id, ctx.fingerprint.id),
-                name="hsfarm-register", daemon=True)
-            self.registering.start()
-
-    @staticmethod
-    def _register(r: redis.Redis, settings: Settings, run_id: str, fingerprint_id: str) -> None:
-        try:
-            register_host(r, settings, run_id, fingerprint_id)
-        except (redis.RedisError, OSError) as e:
-            log.warning("host registration: %s (again at the next heartbeat)", e)
 
     def stop(self, worker: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
+        self.stopping.set()
