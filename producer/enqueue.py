@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from producer.queue_scan import broker_sample_keys, task_id
 from sglang_patch import contracts as c
-from worker import broker, hosts, keys, setaside, tensorfile
+from worker import broker, hosts, keys, ledger, setaside, tensorfile
 from worker import lease as leases
 from worker import run as runs
 from worker import store as st
@@ -370,6 +370,8 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
         if _file_version(path) != plan.version:
             summary.problems.append(("the file", "changed while it was enqueued; run enqueue "
                                                  "again once it is complete"))
+        if not dry_run and limit is None:  # what restores the run's record (ledger.py)
+            ledger.record(r, run_id, settings.output_dir, abs_path)
     return summary
 
 

@@ -48,6 +48,13 @@ class Exposition:
             self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         self.lines.append(f"{name}{_labels({'run': self.run, **labels})} {_number(value)}")
 
+    def counter(self, name: str, help_text: str, value: float) -> None:
+        """A value that only grows (``name`` ends in ``_total``)."""
+        if name not in self.seen:
+            self.seen.add(name)
+            self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+        self.lines.append(f"{name}{_labels({'run': self.run})} {_number(value)}")
+
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
 
@@ -61,6 +68,8 @@ def render(snapshot: dict[str, Any]) -> str:
     for state in ("queued", "unacked"):
         e.gauge("hsfarm_broker_messages", "Task messages waiting in the queue, or delivered "
                 "and not acknowledged", st[state], state=state)
+    e.counter("hsfarm_republished_total", "Lost task messages the run published again by "
+              "itself (the reconciler)", st.get("republished", 0))
     e.gauge("hsfarm_finished", "1 when every sample has an outcome and nothing is in flight",
             1 if st["finished"] else 0)
     e.gauge("hsfarm_written_bytes", "Bytes of verified final files", st["bytes"])

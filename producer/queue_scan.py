@@ -15,55 +15,30 @@ Redeliveries of one message
 
 from __future__ import annotations
 
-import orjson
 import redis
 
 from worker import keys
-from worker.run import TASK_PREFIX, task_id
+from worker.run import message_task_id, sample_key_of, task_id
 
-__all__ = ["task_id"]
+__all__ = ["broker_depth", "broker_sample_keys", "broker_task_ids", "sample_key_of", "task_id"]
 
 _PAGE = 2000
-
-
-def sample_key_of(task: str, run_id: str) -> str | None:
-    """The sample key in a task id of run ``run_id``; None for any other id.
-
-    Ids without a publication number (``hsd-<fingerprint id>-<key>``, published before
-    there was one: no ``:`` in them) still name their sample: a run enqueued by an older
-    version is not published twice by a newer one.
-    """
-    head = f"{TASK_PREFIX}-{run_id}-"
-    if not task.startswith(head) or len(task) == len(head):
-        return None
-    rest = task[len(head):]
-    publication, sep, key = rest.partition(":")
-    if not sep:
-        return rest  # the older format
-    return key if publication.isdigit() and key else None
-
-
-def _task_id(raw: bytes | str, unacked: bool = False) -> str | None:
-    """The task id in a queued message, or in an ``unacked`` entry ([message, exchange, key])."""
-    try:
-        body = orjson.loads(raw)
-        message = body[0] if unacked else body
-        return str(message["headers"]["id"])
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-        return None
 
 
 def broker_task_ids(r: redis.Redis, queue: str) -> set[str]:
     """Task ids queued on ``queue`` or unacknowledged anywhere (~34 MB read for 37k tasks)."""
     ids: set[str] = set()
-    n = int(r.llen(queue))
-    for start in range(0, n, _PAGE):
-        for raw in r.lrange(queue, start, start + _PAGE - 1):
-            tid = _task_id(raw)
+    # to the end of the list as it is now: publishing (LPUSH) moves messages toward its end
+    # while it is read, and a count taken first would leave the last of them unread
+    start = 0
+    while page := r.lrange(queue, start, start + _PAGE - 1):
+        start += len(page)
+        for raw in page:
+            tid = message_task_id(raw)
             if tid:
                 ids.add(tid)
     for _, value in r.hscan_iter(keys.KOMBU_UNACKED, count=_PAGE):
-        tid = _task_id(value, unacked=True)
+        tid = message_task_id(value, unacked=True)
         if tid:
             ids.add(tid)
     return ids

@@ -24,10 +24,12 @@ from worker.corpus import Corpus
 from worker.errors import ConfigError
 from worker.fingerprint import run_fingerprint
 from worker.index import RunIndex
+from worker.reconciler import republished
 from worker.settings import Settings
 from worker.store import MANIFEST
 
 RATE_WINDOW_S = 300.0  # the moving window of the rate, once the run is older than it
+SHOW_KEYS = 20  # sample keys listed by name where only the count would be too little
 BYTES_WINDOW_MAX = 5000  # newest completions whose sizes make bytes/s (one HMGET)
 
 
@@ -54,6 +56,10 @@ class Status:
     # process -> {reason, at}: processes waiting out the environment (low disk, server down)
     paused: dict[str, dict[str, Any]] = field(default_factory=dict)
     pruned_running: int = 0  # entries of attempts that no longer run, removed just now
+    # lost task messages the run published again by itself (worker/reconciler.py): how many
+    # times in all, and the newest few sample keys
+    republished: int = 0
+    republished_samples: list[str] = field(default_factory=list)
     # this host's admission: limits, and what is held now (when the dump dir is local)
     admission: dict[str, object] = field(default_factory=dict)
     # the run's hosts (worker/hosts.py): per host done there, running, rate, server, heartbeat
@@ -115,6 +121,7 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
     paused = index.outcomes(keys.PAUSED)
     # while every process with work waits out the environment, no rate predicts the end
     stalled = bool(paused) and counts.running == 0
+    again = republished(index)
     return Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
                   running=counts.running, retrying=counts.retrying, failed=counts.failed,
                   rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
@@ -125,6 +132,7 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
                       (until or time.time()) - float(started), 0.0),
                   retrying_samples=index.outcomes(keys.RETRYING),
                   paused=paused, pruned_running=pruned,
+                  republished=sum(again.values()), republished_samples=sorted(again)[:SHOW_KEYS],
                   admission=host_admission(settings, fingerprint),
                   parked=counts.parked, removed=counts.removed,
                   unreadable=unreadable_files(index),

@@ -48,6 +48,10 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
     ]
     if st.admission:
         lines.append(f"host      {_admission_text(st.admission)}")
+    if st.republished:
+        lines.append(f"healed    {st.republished} lost task message(s) published again by the "
+                     f"run itself: {', '.join(st.republished_samples)}"
+                     + (" …" if len(st.republished_samples) < st.republished else ""))
     lines += host_lines(st.hosts)
     lines += _paused_lines(st)
     lines += unreadable_lines(st)

@@ -34,6 +34,7 @@ def test_parsing_each_kind() -> None:
     ({"FARM_VISIBILITY_TIMEOUT_S": "100"}, "FARM_VISIBILITY_TIMEOUT_S must exceed"),
     ({"FARM_DUMP_TIMEOUT_S": "2000"}, "must exceed FARM_DUMP_TIMEOUT_S"),
     ({"FARM_CANARY_LOCK_TTL_S": "1"}, "FARM_CANARY_LOCK_TTL_S must be >= 3"),
+    ({"FARM_RECONCILE_CONFIRM_S": "0.5"}, "FARM_RECONCILE_CONFIRM_S >= 1"),
 ])
 def test_invalid_settings_say_what_is_wrong(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -36,7 +36,11 @@ META = "meta"  # hash: created_at, last enqueue, ...
 MALFORMED = "malformed"  # list (bounded) of refused task messages, JSON {reason, at}
 PAUSED = "paused"  # process identity -> JSON {reason, at}: a process waiting out a condition
 LEASE = "lease"  # LEASE:<sample_key> -> owner of the attempt running it (string, with TTL)
-ENQUEUE_LOCK = "enqueue-lock"  # held by the one enqueue running for this run
+# held by the one enqueue, requeue or reconciler publication running for this run
+ENQUEUE_LOCK = "enqueue-lock"
+RECONCILE_LOCK = "reconcile-lock"  # held by the one reconciler pass of the run (reconciler.py)
+ENQUEUED = "enqueued"  # data file path -> token of its last complete enqueue (ledger.py)
+REPUBLISHED = "republished"  # sample_key -> times the reconciler published it again
 # The run's hosts (worker/hosts.py): host id -> JSON {output_dir, server, at, registered_at...};
 # HELD: sample_key -> "host|content sha", the host whose output dir holds its final file;
 # HELD_TWICE: sample_key -> JSON {hosts, kept, set_aside}: its file was on two hosts' dirs

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from sglang_patch import contracts as c
 from worker import keys
 from worker.settings import Settings
@@ -34,7 +36,7 @@ if TYPE_CHECKING:  # the training side reads run ids through the store, without 
 MANIFEST = "manifest.json"
 M_RUN_NONCE = "run_nonce"  # manifest key: random, written once with the manifest
 QUEUE_PREFIX = "hsfarm."
-TASK_PREFIX = "hsd"  # task ids: hsd-<run id>-<publication>:<sample key> (producer/queue_scan)
+TASK_PREFIX = "hsd"  # task ids: hsd-<run id>-<publication>:<sample key> (task_id)
 QUEUE_SEEN_S = 7 * 24 * 3600.0  # a run seen on a queue this recently counts as sharing it
 
 
@@ -86,6 +88,33 @@ def run_of_task(task_id: object) -> str | None:
     head = task_id[start:start + c.RUN_ID_LEN + 1]
     run = head[:-1]
     return run if head.endswith("-") and c.RUN_ID_RE.match(run) else None
+
+
+def sample_key_of(task: str, run_id: str) -> str | None:
+    """The sample key in a task id of run ``run_id``; None for any other id.
+
+    Ids without a publication number (``hsd-<fingerprint id>-<key>``, published before
+    there was one: no ``:`` in them) still name their sample: a run enqueued by an older
+    version is not published twice by a newer one.
+    """
+    head = f"{TASK_PREFIX}-{run_id}-"
+    if not task.startswith(head) or len(task) == len(head):
+        return None
+    rest = task[len(head):]
+    publication, sep, key = rest.partition(":")
+    if not sep:
+        return rest  # the older format
+    return key if publication.isdigit() and key else None
+
+
+def message_task_id(raw: bytes | str, unacked: bool = False) -> str | None:
+    """The task id in a queued message, or in an ``unacked`` entry ([message, exchange, key])."""
+    try:
+        body = orjson.loads(raw)
+        message = body[0] if unacked else body
+        return str(message["headers"]["id"])
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return None
 
 
 def note_queue(r: redis.Redis, queue: str, run: str, now: float | None = None) -> list[str]:

@@ -67,6 +67,10 @@ class Settings:
     # This host's name in the run (worker/hosts.py); empty: the hostname. Set it where two
     # hosts share a hostname (containers with host networking, cloned VMs)
     host_id: str = ""
+    # The reconciler (worker/reconciler.py): how often one worker looks for samples in no state
+    # (a lost task message), and how long a sample must stay so before it is published again
+    reconcile_interval_s: float = 60.0
+    reconcile_confirm_s: float = 10.0
     log_level: str = "INFO"
     # The canary (worker/canary.py): how often each worker re-checks it, and the tolerance per
     # layer: a token's relative error |new - recorded| / |recorded|, at most this (max over
@@ -112,6 +116,9 @@ class Settings:
             out.append("FARM_MAX_IN_FLIGHT and FARM_DUMP_BUDGET_BYTES must be >= 0 (0 = auto)")
         if self.heartbeat_ttl_s < 2 * self.reaper_interval_s:
             out.append("FARM_HEARTBEAT_TTL_S must be at least twice FARM_REAPER_INTERVAL_S")
+        if self.reconcile_interval_s <= 0 or self.reconcile_confirm_s < 1:
+            out.append("FARM_RECONCILE_INTERVAL_S must be > 0 and FARM_RECONCILE_CONFIRM_S "
+                       ">= 1 (a delivery in flight needs that long to show in the broker)")
         if self.lease_ttl_s < 3:
             out.append(f"FARM_LEASE_TTL_S must be >= 3, not {self.lease_ttl_s}")
         if self.max_record_bytes < 1024:

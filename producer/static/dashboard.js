@@ -94,6 +94,7 @@ function fill(snap) {
   set("v-done", st.done); set("v-total", st.total);
   set("v-pct", st.total ? `${(100 * st.done / st.total).toFixed(1)}%` : "");
   set("v-failed", st.failed); set("v-rejected", st.rejected); set("v-retrying", st.retrying);
+  set("v-republished", st.republished);
   set("v-queued", st.queued); set("v-unacked", st.unacked); set("v-running", st.running);
   set("v-rate", st.rate_window_s ? `${st.rate_per_s.toFixed(2)}/s` : "-");
   set("v-bytes-rate", st.rate_window_s ? `${(st.bytes_per_s / MB).toFixed(1)} MB/s` : "");

@@ -1,0 +1,214 @@
+"""The reconciler: a sample whose task message was lost is published again by the run itself,
+and nothing that runs, is queued or is about to be acknowledged ever is."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+from celery import Celery
+
+from producer.localfarm import LocalFarm, wait_until
+from sglang_patch import contracts as c
+from tests.conftest import CACHE, assert_farm_invariants, wait_finished
+from tests.faults import attempts, busy_child, enqueue, running_farm
+from worker import keys, ledger
+from worker import lease as leases
+from worker.app import celery_config
+from worker.index import Registered, RunIndex
+from worker.reconciler import Reconciler, republished
+from worker.run import task_id
+from worker.store import OutputStore
+
+N_KILL = 20  # samples of the Redis-kill runs
+REDIS_AWAY_S = 8  # how long the test's Redis is unreachable (AOF always)
+HEAL_ENV = {"FARM_RECONCILE_INTERVAL_S": "2", "FARM_RECONCILE_CONFIRM_S": "2"}
+
+
+@pytest.mark.timeout(240)
+def test_lost_messages_are_published_again_by_the_run(tmp_path: Path, tiny_model: Path) -> None:
+    with running_farm(tmp_path, env=HEAL_ENV) as farm:
+        # Given 30 samples enqueued, and 3 of their messages removed from the queue by hand
+        sample_keys = enqueue(farm, tmp_path, 30)
+        r, queue = farm.redis(), farm.queue()
+        removed = []
+        for raw in r.lrange(queue, 0, 2):
+            removed.append(json.loads(raw)["headers"]["id"].rsplit(":", 1)[1])
+            assert r.lrem(queue, 1, raw) == 1  # type: ignore[arg-type]
+        lost_at = time.monotonic()
+        # When workers run, and nobody runs a command
+        farm.start_worker("w1", concurrency=2)
+        # Then the 3 are found in no state, published again once each, and done: all 30
+        # done exactly once, within the reconciler's bound
+        wait_until(lambda: all(r.zscore(f"{keys.PREFIX}:{farm.run_id()}:{keys.DONE}", k)
+                               for k in removed), 120, "the lost samples to be done", poll_s=0.2)
+        healed_s = time.monotonic() - lost_at
+        wait_finished(farm, 30, timeout_s=120)
+        assert_farm_invariants(farm, sample_keys)
+        index = RunIndex(r, farm.run_id())
+        assert republished(index) == dict.fromkeys(removed, 1)
+        logs = "".join(farm.procs[w].log.read_text() for w in ("w1",))
+        assert sorted(re.findall(r" (\S+) republished: ", logs)) == sorted(removed)
+        done_lines = re.findall(r" (\S+) a\d+ done n=", logs)
+        assert sorted(done_lines) == sorted(sample_keys), "a sample done twice, or not at all"
+        status = farm.cli("status")
+        assert "healed    3 lost task message(s)" in status.stdout, status.stdout
+        ready = _log_time(logs, r" w1@\S+ ready\.")
+        again = max(_log_time(logs, rf" {k} republished: ") for k in removed)
+        done = max(_log_time(logs, rf" {k} a\d+ done n=") for k in removed)
+        print(f"HEAL lost-to-done {healed_s:.1f}s; from the worker ready: republished after "
+              f"{again - ready:.1f}s, done after {done - ready:.1f}s (interval 2 s, confirm 2 s)")
+        assert healed_s < 60
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fsync", ["always", "everysec"])
+def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fsync: str) -> None:
+    # Given a Redis with AOF appendfsync ``fsync`` and a run in full swing (``always``: Redis
+    # then stays unreachable for a while: the workers pause, spending no attempt, and resume)
+    redis_args = ["--appendfsync", fsync]
+    env = {**HEAL_ENV, "FARM_LEASE_TTL_S": "8"}  # leases the rewind brings back expire soon
+    with running_farm(tmp_path, env=env, chunk=256, start_redis=False) as farm:
+        farm.start_redis(extra_args=redis_args)
+        farm.start_worker("w1", concurrency=2)
+        aof = farm.work_dir / "redis" / "appendonlydir"
+        if fsync == "everysec":
+            # what a crash of the machine under everysec may keep: the AOF as it was before
+            # the writes of the last moments, here all of the enqueue's (its samples, its
+            # messages); a SIGKILL of redis-server alone loses nothing, its writes are in the
+            # kernel already
+            wait_until(lambda: any(aof.glob("*.incr.aof")), 10, "the AOF")
+            shutil.copytree(aof, tmp_path / "aof-before")
+        sample_keys = enqueue(farm, tmp_path, N_KILL)
+        busy_child(farm, "w1")
+        time.sleep(1.0)
+        # When redis-server is SIGKILLed mid-run and started again, and nobody runs a command
+        farm.procs["redis"].kill(signal.SIGKILL)
+        if fsync == "everysec":
+            shutil.rmtree(aof)
+            shutil.copytree(tmp_path / "aof-before", aof)
+        time.sleep(1 if fsync == "everysec" else REDIS_AWAY_S)  # unreachable meanwhile
+        farm.start_redis(extra_args=redis_args)
+        # Then the run finishes: every sample done once, nothing lost or doubled
+        wait_finished(farm, N_KILL, timeout_s=180)
+        assert_farm_invariants(farm, sample_keys)
+        logs = farm.procs["w1"].log.read_text()
+        done_lines = re.findall(r" (\S+) a\d+ done n=", logs)
+        duplicated = len(done_lines) - len(set(done_lines))
+        index = RunIndex(farm.redis(), farm.run_id())
+        assert len(index.done_keys()) == N_KILL
+        figures = {"fsync": fsync, "samples": N_KILL, "done": len(index.done_keys()),
+                   "extracted": len(done_lines),
+                   "redeliveries": len(re.findall(r" already done \(verified", logs))
+                   + sum(a - 1 for a in attempts(farm).values()),
+                   "republished": sum(republished(index).values()),
+                   "re_enqueued": logs.count("re-enqueued "),
+                   "duplicated": duplicated, "lost": N_KILL - len(index.done_keys())}
+        print("REDIS-KILL", json.dumps(figures))
+        assert duplicated == 0, figures
+        if fsync == "everysec":
+            assert figures["re_enqueued"] == 1, figures
+        else:  # the attempts Redis's absence cancelled were refunded: each sample spent one
+            # attempt plus its counted failures (a loaded machine may time some out)
+            assert "attempt refunded: cancelled when Redis went away" in logs
+            failures = Counter(re.findall(r" (\S+) a\d+ failed", logs))
+            spent = {k: a - failures[k] for k, a in attempts(farm).items()}
+            assert set(spent.values()) == {1}, (spent, failures)
+
+
+def _log_time(logs: str, pattern: str) -> float:
+    """The time of the first log line matching ``pattern`` (seconds since the epoch)."""
+    m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*" + pattern, logs, re.M)
+    assert m, pattern
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+
+
+def _fingerprint() -> c.Fingerprint:
+    return c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+                         layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
+                         hidden_size=4, dtype="bfloat16", max_tokens=8192, overlong="reject")
+
+
+def _message(run_id: str, key: str) -> bytes:
+    """A task message as kombu keeps it, as far as the reconciler reads it."""
+    return orjson.dumps({"headers": {"id": task_id(run_id, 1, key)}, "body": ""})
+
+
+@pytest.mark.timeout(60)
+def test_nothing_queued_running_or_about_to_be_acked_is_republished(tmp_path: Path) -> None:
+    # Given a run on a real Redis whose samples are in every state at once
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, extra_env=HEAL_ENV)
+    try:
+        farm.start_redis()
+        settings = farm.settings()
+        store = OutputStore(settings.output_dir, _fingerprint()).open()
+        app = Celery("reconciler-test")
+        app.conf.update(celery_config(settings))
+        r, run = farm.redis(), store.run_id
+        index = RunIndex(r, run)
+        fid = index.register_file(str(tmp_path / "data.json"))
+        names = ["queued", "unacked", "running", "acking", "delivering", "starting", "lost"]
+        index.register({k: Registered(fid, i * 10, 10, "0" * 64, i) for i, k in enumerate(names)})
+        queue = farm.queue()
+        r.lpush(queue, _message(run, "queued"))
+        unacked = orjson.dumps([orjson.loads(_message(run, "unacked")), "", queue])
+        r.hset(keys.KOMBU_UNACKED, "tag-1", unacked)
+        r.set(leases.lease_name(run, "running"), "someone#1", px=30_000)  # an attempt runs
+        index.mark_done("acking", 100, 10)  # verified and marked done; its ack is on the way
+        rec, rival = Reconciler(app, settings, store), Reconciler(app, settings, store)
+        seen_rival: list[object] = []
+
+        def meanwhile(_: float) -> bool:
+            # between the two reads: a delivery's consumer writes its unacked entry, an attempt
+            # takes its lease, and a second reconciler tries a pass of its own
+            delivered = orjson.dumps([orjson.loads(_message(run, "delivering")), "", queue])
+            r.hset(keys.KOMBU_UNACKED, "tag-2", delivered)
+            r.set(leases.lease_name(run, "starting"), "someone#2", px=30_000)
+            seen_rival.append(rival.run_pass(sleep=lambda _: False))
+            return False
+
+        # When one reconciler pass runs
+        result = rec.run_pass(sleep=meanwhile)
+        # Then only the sample in no state both times is published again, once; the second
+        # reconciler did nothing while the first held the lease
+        assert result is not None and result.suspects == 3 and result.republished == 1
+        assert seen_rival == [None]
+        assert republished(index) == {"lost": 1}
+        queued = [json.loads(m)["headers"]["id"] for m in r.lrange(queue, 0, -1)]
+        assert sorted(q.rsplit(":", 1)[1] for q in queued) == ["lost", "queued"]
+        # and a second pass finds nothing left to heal
+        again = rec.run_pass(sleep=lambda _: False)
+        assert again is not None and again.suspects == 0
+        assert r.hget(index.k(keys.REPUBLISHED), "lost") == b"1"
+    finally:
+        farm.close(kill=True)
+
+
+@pytest.mark.timeout(60)
+def test_the_output_dir_tells_which_enqueues_redis_lost(tmp_path: Path) -> None:
+    # Given two complete enqueues recorded in Redis and in the output dir
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+    try:
+        farm.start_redis()
+        r, out = farm.redis(), tmp_path / "out"
+        out.mkdir()
+        ledger.record(r, "run1", out, "/data/a.json")
+        ledger.record(r, "run1", out, "/data/b.json")
+        assert ledger.not_in_redis(r, "run1", out) == []
+        # When Redis loses the last write of b's enqueue (an earlier token is what it kept),
+        # and later everything
+        r.hset(keys.run_key("run1", keys.ENQUEUED), "/data/b.json", "an-older-token")
+        assert ledger.not_in_redis(r, "run1", out) == ["/data/b.json"]
+        r.flushall()
+        # Then the output dir names every file whose record must be restored
+        assert sorted(ledger.not_in_redis(r, "run1", out)) == ["/data/a.json", "/data/b.json"]
+        assert ledger.not_in_redis(r, "run1", tmp_path) == []  # no record: nothing to restore
+    finally:
+        farm.close(kill=True)
