@@ -79,12 +79,13 @@ app.conf.imports = ("worker.tasks",)
 
 
 def _add_bootsteps() -> None:
+    from worker.host_beat import HostBeat
     from worker.janitor import Janitor
     from worker.outage import OutageStep
     from worker.reaper import Reaper
     from worker.reconciler import ReconcilerStep
 
-    app.steps["worker"].update({Janitor, OutageStep, Reaper, ReconcilerStep})
+    app.steps["worker"].update({Janitor, OutageStep, Reaper, ReconcilerStep, HostBeat})
 
 
 _add_bootsteps()
