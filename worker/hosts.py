@@ -38,6 +38,7 @@ from sglang_patch import contracts as c
 from worker import keys, liveness, tensorfile
 from worker import store as st
 from worker.errors import Corrupt
+from worker.index import as_text
 from worker.settings import Settings
 
 KNOWN_FILE = "hosts.json"  # in each output dir: the run's hosts as last seen
@@ -52,10 +53,6 @@ def host_id(settings: Settings) -> str:
 
 def _k(run_id: str, name: str) -> str:
     return keys.run_key(run_id, name)
-
-
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
 
 
 @dataclass(frozen=True)
@@ -159,7 +156,7 @@ def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: l
     shared = {host: True}
     aside: set[str] = set()
     for h, holder, d in zip(batch, holders, done, strict=True):
-        other, sha = _text(holder).split("|", 1) if holder is not None else (host, h.sha256)
+        other, sha = as_text(holder).split("|", 1) if holder is not None else (host, h.sha256)
         if other not in shared:
             shared[other] = same_output(r, run_id, other, host)
         if shared[other]:
@@ -227,7 +224,7 @@ def entry(r: redis.Redis, run_id: str, host: str) -> dict[str, Any] | None:
 def hosts(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
     """Every host the run's Redis knows: host id -> entry."""
     raw: dict[bytes, bytes] = r.hgetall(_k(run_id, keys.HOSTS))  # type: ignore[assignment]
-    return {_text(k): json.loads(v) for k, v in raw.items()}
+    return {as_text(k): json.loads(v) for k, v in raw.items()}
 
 
 def beat(r: redis.Redis, run_id: str, host: str, out_dir: Path, settings: Settings,
@@ -276,21 +273,21 @@ def holders(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[tuple[s
     if not sample_keys:
         return []
     raw = r.hmget(_k(run_id, keys.HELD), sample_keys)
-    return [None if x is None else tuple(_text(x).split("|", 1)) for x in raw]  # type: ignore[misc]
+    return [None if x is None else tuple(as_text(x).split("|", 1)) for x in raw]  # type: ignore[misc]
 
 
 def held_counts(r: redis.Redis, run_id: str) -> dict[str, int]:
     """Host -> how many samples' files it holds."""
     counts: dict[str, int] = {}
     for _, v in r.hscan_iter(_k(run_id, keys.HELD), count=5000):
-        host = _text(v).split("|", 1)[0]
+        host = as_text(v).split("|", 1)[0]
         counts[host] = counts.get(host, 0) + 1
     return counts
 
 
 def held_twice(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
     raw: dict[bytes, bytes] = r.hgetall(_k(run_id, keys.HELD_TWICE))  # type: ignore[assignment]
-    return {_text(k): json.loads(v) for k, v in raw.items()}
+    return {as_text(k): json.loads(v) for k, v in raw.items()}
 
 
 # --- what survives a Redis that lost everything: hosts.json in each output dir -------------
@@ -352,7 +349,7 @@ def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
         running[name] = running.get(name, 0) + 1
     members: list[bytes] = r.zrange(  # type: ignore[assignment]
         _k(run_id, keys.DONE), now - window_s, now, byscore=True)
-    recent = [_text(k) for k in members]
+    recent = [as_text(k) for k in members]
     by_host: dict[str, int] = {}
     for hd in holders(r, run_id, recent):
         if hd is not None:
