@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
 from training.index import sample_files
-from worker import setaside, tensorfile
+from worker import hosts, setaside, tensorfile
 from worker.chat import ChatTokenizer, Tokenized
 from worker.errors import BadInput, Corrupt, StaleRecord
 from worker.samples import SampleRef, read_sample
@@ -44,6 +45,8 @@ class AuditReport:
     invalid_records: int = 0  # records enqueue rejects too: not expected on disk
     adopted: int = 0  # whole files taken from an earlier run by ``adopt`` (their metadata)
     to_requeue: list[SampleRef] = field(default_factory=list)
+    # host -> samples missing here that the run places on that host's output dir
+    elsewhere: dict[str, int] = field(default_factory=dict)
     keys: set[str] = field(default_factory=set)  # every sample key of the data files checked
     not_in_corpus: list[str] | None = None  # None: not looked for (one data file of several)
     kept_aside: int = 0
@@ -74,6 +77,10 @@ class AuditReport:
                f"corrupt: {len(self.corrupt)}", f"incompatible: {len(self.incompatible)}",
                f"invalid records (not expected on disk): {self.invalid_records}",
                f"adopted: {self.adopted}"]
+        if self.elsewhere:
+            named = ", ".join(f"{h} {n}" for h, n in sorted(self.elsewhere.items()))
+            out.append(f"on other hosts: {sum(self.elsewhere.values())} ({named}; "
+                       "audit them there)")
         if self.not_in_corpus is not None:
             out += [f"not in the corpus: {len(self.not_in_corpus)} output files whose record "
                     "no data file holds (run enqueue on the edited data file to set them "
@@ -161,3 +168,15 @@ def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_b
             else:
                 getattr(report, verdict).append((ref.key, why))
     return report
+
+
+def place_elsewhere(report: AuditReport, r: redis.Redis, run_id: str, host: str) -> None:
+    """Samples missing here whose file the run places on another host's output dir (not a
+    dir this host shares): counted per host, no longer missing, not requeued."""
+    held = hosts.holders(r, run_id, report.missing)
+    away = {k: by[0] for k, by in zip(report.missing, held, strict=True)
+            if by is not None and by[0] != host and not hosts.same_output(r, run_id, by[0], host)}
+    for other in away.values():
+        report.elsewhere[other] = report.elsewhere.get(other, 0) + 1
+    report.missing = [k for k in report.missing if k not in away]
+    report.to_requeue = [ref for ref in report.to_requeue if ref.key not in away]

@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 
 from producer.adopt_cli import add_adopt_parser, main_adopt
-from producer.audit import AuditReport, audit
+from producer.audit import AuditReport, audit, place_elsewhere
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import (
     environmental_rejections,
@@ -34,6 +34,7 @@ from worker.chat import ChatTokenizer
 from worker.datafile import DataFileError
 from worker.errors import ConfigError, FarmError, Transient
 from worker.fingerprint import load_run, run_fingerprint
+from worker.hosts import host_id
 from worker.index import RunIndex
 from worker.settings import Settings
 from worker.store import OutputStore
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="only the first N records")
     e.add_argument("--retry-failed", action="store_true",
                    help="publish samples that failed earlier in this run again")
+    e.add_argument("--redo-host", action="append", default=[], metavar="HOST",
+                   help="a host not heard from since Redis lost its data, gone for good: "
+                        "extract its samples again (repeat for several)")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--delete-removed", action="store_true",
                    help="delete the output files of records removed from the file (or "
@@ -142,7 +146,8 @@ def _enqueue(settings: Settings, fingerprint: Fingerprint, model_path: Path,
     t0 = time.monotonic()
     summary = enqueue(settings, fingerprint, args.file, dry_run=args.dry_run, limit=args.limit,
                       retry_failed=args.retry_failed, progress=not args.no_progress,
-                      model_path=model_path, delete_removed=args.delete_removed)
+                      model_path=model_path, delete_removed=args.delete_removed,
+                      redo_hosts=tuple(args.redo_host))
     run_id = runs.run_id_of(settings.output_dir)
     print(f"run {run_id}{' (dry run)' if args.dry_run else ''}, queue "
           f"{runs.queue_for(settings, run_id)}, {time.monotonic() - t0:.1f}s")
@@ -201,6 +206,11 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
     report = AuditReport()
     for data in files:
         report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs))
+    try:
+        place_elsewhere(report, broker.client(settings), runs.run_id_of(settings.output_dir),
+                        host_id(settings))
+    except redis.RedisError as e:  # the disk is checked all the same
+        print(f"note: Redis did not answer ({e}): samples on other hosts count as missing")
     if args.data is None:
         report.look_beyond(settings.output_dir)
     print(f"run {runs.run_id_of(settings.output_dir)}, data: "

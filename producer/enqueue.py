@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from producer.queue_scan import broker_sample_keys, task_id
 from sglang_patch import contracts as c
-from worker import broker, keys, ledger, setaside, tensorfile
+from worker import broker, hosts, keys, ledger, setaside, tensorfile
 from worker import lease as leases
 from worker import run as runs
 from worker import store as st
@@ -72,6 +72,7 @@ class Summary:
     records: int = 0
     published: int = 0
     already_done: int = 0
+    done_elsewhere: int = 0  # of already_done: held by another host's output dir
     already_queued: int = 0
     previously_rejected: int = 0
     previously_failed: int = 0
@@ -90,7 +91,8 @@ class Summary:
         out = [
             f"records: {self.records}",
             f"published: {self.published}",
-            f"already done: {self.already_done}",
+            f"already done: {self.already_done}"
+            + (f" ({self.done_elsewhere} on other hosts)" if self.done_elsewhere else ""),
             f"already queued or running: {self.already_queued}",
             f"rejected: {len(self.rejected)}",
         ]
@@ -195,9 +197,11 @@ class _Plan:
     keys_seen: set[int] = field(default_factory=set)
     conflicts: list[str] = field(default_factory=list)
     n_conflicts: int = 0
+    done_elsewhere: set[int] = field(default_factory=set)  # held by another host's dir
     # done on disk but not in the index (Redis lost it): key -> (file bytes, tokens)
     relearn: dict[str, tuple[int, int]] = field(default_factory=dict)
     relearn_at: dict[str, float] = field(default_factory=dict)  # key -> its file's mtime
+    relearn_sha: dict[str, str] = field(default_factory=dict)  # key -> its content hash
     own_paths: set[str] = field(default_factory=set)  # every path this data file had
     superseded: set[str] = field(default_factory=set)  # keys whose file is an older version
 
@@ -218,7 +222,7 @@ def _existing(store: st.OutputStore, key: str) -> tensorfile.Header | None:
 
 
 def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
-           refs: Iterator[SampleRef], own_paths: set[str]) -> _Plan:
+           refs: Iterator[SampleRef], own_paths: set[str], host: str) -> _Plan:
     """Pass 1: find the keys this file cannot take; note which samples are done on disk.
 
     A sample the index already knows as done, registered from this very record, needs no
@@ -234,8 +238,14 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
                      and reg.sha256 == ref.sha256 for ref, reg in zip(batch, regs, strict=True)]
             heads = pool.map(lambda x: None if x[1] else _existing(store, x[0].key),
                              zip(batch, known, strict=True))
-            for ref, reg, is_known, head in zip(batch, regs, known, heads, strict=True):
+            held = hosts.holders(index.r, index.fp, [r.key for r in batch])
+            for ref, reg, is_known, head, by in zip(batch, regs, known, heads, held,
+                                                    strict=True):
                 _check_one(plan, ref, reg, head, store.fingerprint.id, is_known)
+                if (_digest(ref.key) not in plan.done and by is not None and by[0] != host
+                        and by[1] == ref.sha256):
+                    plan.done.add(_digest(ref.key))
+                    plan.done_elsewhere.add(_digest(ref.key))
                 if ref.key in plan.relearn:
                     with contextlib.suppress(OSError):
                         plan.relearn_at[ref.key] = store.final_path(ref.key).stat().st_mtime
@@ -258,6 +268,7 @@ def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
     elif head.metadata.get(st.M_CONTENT) == ref.sha256:
         plan.done.add(digest)
         plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
+        plan.relearn_sha[ref.key] = ref.sha256
     else:  # this file's record under this key, corrected since its file was written
         plan.superseded.add(ref.key)
 
@@ -301,12 +312,16 @@ def open_run(settings: Settings, fingerprint: c.Fingerprint,
 def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
             dry_run: bool = False, limit: int | None = None, retry_failed: bool = False,
             progress: bool = True, model_path: Path | None = None,
-            delete_removed: bool = False) -> Summary:
+            delete_removed: bool = False, redo_hosts: tuple[str, ...] = ()) -> Summary:
     """Publish tasks for every valid, not-yet-done sample of ``path``, on the run's queue.
+
+    ``redo_hosts``: hosts not heard from (``worker.hosts.unheard``) whose samples may be
+    extracted again; any other host not heard from refuses the enqueue.
 
     Raises:
         DataFileError: the file cannot be read as records at all.
-        EnqueueRefused: its keys clash with this run's other data files.
+        EnqueueRefused: its keys clash with this run's other data files, or a host of the
+            run has not registered its files since Redis lost them.
         ConfigError: Redis keeps nothing on disk (and that was not allowed), or the output
             dir belongs to another run.
     """
@@ -325,6 +340,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     others = runs.note_queue(r, queue, run_id) if not dry_run else []
     if others:
         summary.notes.append(("FARM_QUEUE", runs.sharing_warning(queue, run_id, others)))
+    _check_hosts(r, run_id, settings, redo_hosts, dry_run)
     with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0):
         t0 = time.monotonic()
@@ -339,7 +355,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
         summary.fid, summary.moved_from = found.fid, found.moved_from
         refs = _refs(settings, path, limit, progress, "check", Summary())
         plan = _check(index, store, path, found.fid, refs,
-                      corpus.paths_of(found.fid) | {abs_path})
+                      corpus.paths_of(found.fid) | {abs_path}, hosts.host_id(settings))
         summary.decide_s = time.monotonic() - t0
         if plan.n_conflicts:
             raise EnqueueRefused(
@@ -359,6 +375,28 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     return summary
 
 
+def _check_hosts(r: redis.Redis, run_id: str, settings: Settings, redo: tuple[str, ...],
+                 dry_run: bool) -> None:
+    """Raises EnqueueRefused while a host this output dir knows in the run has not registered
+    its files in this Redis (it lost them): its samples would be extracted twice."""
+    missing = hosts.unheard(r, run_id, settings.output_dir)
+    missing.pop(hosts.host_id(settings), None)  # this host's files are read here
+    unknown = sorted(set(redo) - set(missing))
+    if unknown:
+        raise EnqueueRefused(f"--redo-host {', '.join(unknown)}: not a host this run has not "
+                             f"heard from (those are: {', '.join(sorted(missing)) or 'none'})")
+    if redo and not dry_run:
+        hosts.forget_hosts(settings.output_dir, redo)
+    left = {h: e for h, e in missing.items() if h not in redo}
+    if left:
+        named = "; ".join(f"{h} (output {e.get('output_dir', '?')})"
+                          for h, e in sorted(left.items()))
+        raise EnqueueRefused(
+            f"this run's Redis has not heard from host(s) {named} since it lost its data: their "
+            "finished files are not known here, and would be extracted again. Start their "
+            "workers (they register what their output dir holds), then run enqueue again; or, "
+            f"if they are gone for good, --redo-host {' --redo-host '.join(sorted(left))} to "
+            "extract their samples again. Nothing was published.")
 def _first_keys(settings: Settings, path: Path, n: int = 64) -> list[str]:
     """The sample keys of the first ``n`` valid records of ``path``."""
     return [ref.key for ref in sample_refs(path, settings.max_record_bytes, [], [], limit=n)]
@@ -395,6 +433,7 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
                | set(Corpus(index).parked()))
     if not dry_run:
         index.mark_done_many(plan.relearn, plan.relearn_at)
+        hosts.claim(r, index.fp, hosts.host_id(settings), plan.relearn_sha)
         index.clear_invalid(plan.fid)
     refs = _refs(settings, path, limit, progress, "enqueue", summary)
     with app.producer_or_acquire() as producer, producer.batch(max_size=500):
@@ -409,6 +448,7 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
                     _supersede(index, store, ref.key, summary, dry_run, delete_removed)
                 if _digest(ref.key) in plan.done:
                     summary.already_done += 1
+                    summary.done_elsewhere += _digest(ref.key) in plan.done_elsewhere
                 elif busy or ref.key in in_broker:
                     summary.already_queued += 1
                 elif _rejected_for_content(rejected_before.get(ref.key), ref.sha256):

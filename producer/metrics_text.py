@@ -83,6 +83,7 @@ def render(snapshot: dict[str, Any]) -> str:
     e.gauge("hsfarm_elapsed_seconds", "Seconds since the run's first enqueue", st["elapsed_s"])
     e.gauge("hsfarm_paused_processes", "Processes waiting out the environment",
             len(st["paused"]))
+    _hosts(e, st.get("hosts", []))
     last = {k: v[-1] for k, v in snapshot["sampled"].items() if v}
     for disk in ("output", "dump"):
         e.gauge("hsfarm_disk_free_bytes", "Free bytes on the output disk and the dump dir's "
@@ -97,3 +98,20 @@ def render(snapshot: dict[str, Any]) -> str:
         e.gauge("hsfarm_failures", "Failed, rejected and retrying samples by reason",
                 f["count"], kind=f["kind"], reason=f["reason"])
     return e.text()
+
+
+def _hosts(e: Exposition, hosts: list[dict[str, Any]]) -> None:
+    """Per host of the run: done there, running, rate, alive, server up."""
+    for h in hosts:
+        host = str(h["host"])
+        e.gauge("hsfarm_host_done", "Samples whose final file this host's output dir holds",
+                h["done"], host=host)
+        e.gauge("hsfarm_host_running", "Samples running on this host", h["running"], host=host)
+        e.gauge("hsfarm_host_rate_samples_per_second", "Samples done on this host per second "
+                "(moving window)", h["rate_per_s"], host=host)
+        e.gauge("hsfarm_host_alive", "1 while this host's heartbeat is fresh",
+                1 if h["alive"] else 0, host=host)
+        e.gauge("hsfarm_host_server_up", "1 when this host's server answered /health at its "
+                "last heartbeat", 1 if h["server"] == "ok" else 0, host=host)
+        e.gauge("hsfarm_host_heartbeat_age_seconds", "Seconds since this host's last heartbeat",
+                h["heartbeat_age_s"], host=host)

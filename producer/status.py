@@ -16,7 +16,7 @@ import redis
 
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
-from worker import broker, keys, liveness
+from worker import broker, hosts, keys, liveness
 from worker import run as runs
 from worker.admission import Admission, limits_for_host
 from worker.answers import environmental_rejection
@@ -62,6 +62,8 @@ class Status:
     republished_samples: list[str] = field(default_factory=list)
     # this host's admission: limits, and what is held now (when the dump dir is local)
     admission: dict[str, object] = field(default_factory=dict)
+    # the run's hosts (worker/hosts.py): per host done there, running, rate, server, heartbeat
+    hosts: list[dict[str, Any]] = field(default_factory=list)
     parked: int = 0  # samples waiting for their data file to be readable (no message)
     removed: int = 0  # samples that left the run: their records left the corpus
     # fid -> {path, reason, host, at, parked}: data files a worker could not read
@@ -133,7 +135,8 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
                   republished=sum(again.values()), republished_samples=sorted(again)[:SHOW_KEYS],
                   admission=host_admission(settings, fingerprint),
                   parked=counts.parked, removed=counts.removed,
-                  unreadable=unreadable_files(index))
+                  unreadable=unreadable_files(index),
+                  hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s))
 
 
 def unreadable_files(index: RunIndex) -> dict[str, dict[str, Any]]:
@@ -190,9 +193,13 @@ def _last_outcome_at(index: RunIndex) -> float | None:
 
 def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[str]:
     """Samples the index calls done whose final file is not on disk (deleted since)."""
-    index = RunIndex(broker.client(settings), runs.run_id_of(settings.output_dir))
+    r, run_id = broker.client(settings), runs.run_id_of(settings.output_dir)
     out = Path(settings.output_dir)
-    return sorted(k for k in index.done_keys() if not c.final_path(out, k).exists())
+    gone = sorted(k for k in RunIndex(r, run_id).done_keys()
+                  if not c.final_path(out, k).exists())
+    here = hosts.host_id(settings)
+    return [k for k, by in zip(gone, hosts.holders(r, run_id, gone), strict=True)
+            if by is None or by[0] == here or hosts.same_output(r, run_id, by[0], here)]
 
 
 def environmental_rejections(settings: Settings) -> list[tuple[str, str]]:

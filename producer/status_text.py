@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from producer.status import Status
 
@@ -51,6 +52,7 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
         lines.append(f"healed    {st.republished} lost task message(s) published again by the "
                      f"run itself: {', '.join(st.republished_samples)}"
                      + (" …" if len(st.republished_samples) < st.republished else ""))
+    lines += host_lines(st.hosts)
     lines += _paused_lines(st)
     lines += unreadable_lines(st)
     if st.removed:
@@ -62,6 +64,22 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
                      f"failed, {st.rejected} rejected) in {duration(st.elapsed_s)}"
                      + ("; see --failures" if st.failed or st.rejected else ""))
     return lines
+
+
+def host_lines(per_host: list[dict[str, Any]]) -> list[str]:
+    """One line per host of a run over several hosts (none for a run on one host)."""
+    if len(per_host) < 2:
+        return []
+    out = []
+    for h in per_host:
+        age = h["heartbeat_age_s"]
+        seen = "never seen" if age is None else (
+            f"heartbeat {duration(age)} ago" + ("" if h["alive"] else ", LOST"))
+        server = h["server"] if h["alive"] else f"unknown (last seen: {h['server']})"
+        out.append(f"host {h['host']:<10} done {h['done']}, running {h['running']}, "
+                   f"{h['rate_per_s'] * 60:.1f}/min; server {server}; {seen}; "
+                   f"output {h['output_dir']}")
+    return out
 
 
 def _speed(st: Status) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,19 @@ from worker import keys
 
 def text(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
+
+
+def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
+    """``records`` as a JSONL data file at ``path``."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def count_line(out: str, what: str) -> int:
+    """The number on the CLI output line ``<what>: N``."""
+    m = re.search(rf"^{what}: (\d+)", out, re.M)
+    assert m, out
+    return int(m.group(1))
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from producer.localfarm import LocalFarm, wait_until
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
-from tests.faults import running_farm, text
+from tests.faults import count_line, running_farm, text, write_jsonl
 from worker import keys, setaside
 from worker import run as runs
 from worker.corpus import Corpus
@@ -30,17 +30,6 @@ def _record(i: int, tag: str = "", with_id: bool = True) -> dict[str, object]:
     if with_id:
         rec["id"] = f"{tag}{i:03d}"
     return rec
-
-
-def _jsonl(path: Path, records: list[dict[str, object]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def _count(out: str, what: str) -> int:
-    m = re.search(rf"^{what}: (\d+)", out, re.M)
-    assert m, out
-    return int(m.group(1))
 
 
 def _enqueue(farm: LocalFarm, data: Path) -> str:
@@ -73,8 +62,8 @@ def test_a_data_file_moved_mid_run_parks_its_samples_and_is_found_again(
         tmp_path: Path, tiny_model: Path) -> None:
     with running_farm(tmp_path) as farm:
         # Given part1 and part2 (8 samples each) enqueued, part1 first in the queue
-        part1 = _jsonl(tmp_path / "part1.jsonl", [_record(i, "a") for i in range(8)])
-        part2 = _jsonl(tmp_path / "part2.jsonl", [_record(i, "b") for i in range(8)])
+        part1 = write_jsonl(tmp_path / "part1.jsonl", [_record(i, "a") for i in range(8)])
+        part2 = write_jsonl(tmp_path / "part2.jsonl", [_record(i, "b") for i in range(8)])
         _enqueue(farm, part1)
         _enqueue(farm, part2)
         farm.start_worker("w1", concurrency=2)
@@ -97,7 +86,8 @@ def test_a_data_file_moved_mid_run_parks_its_samples_and_is_found_again(
         # And enqueue on the new path finds it by its content and re-points it
         out = _enqueue(farm, moved)
         assert f"moved: data file #1 was {part1}" in out, out
-        assert _count(out, "published") == parked and _count(out, "already done") == 8 - parked
+        assert count_line(out, "published") == parked
+        assert count_line(out, "already done") == 8 - parked
         wait_finished(farm, 16, timeout_s=120)
         assert farm.cli("status", "--check").returncode == 0
         assert "parked" not in farm.cli("status").stdout
@@ -130,16 +120,16 @@ def test_records_removed_from_the_corpus_leave_the_run_and_their_files_are_kept_
         # Given two files of 10 records, one with ids and one without, done
         ided = [_record(i, "i") for i in range(10)]
         plain = [_record(i, "p", with_id=False) for i in range(10)]
-        a = _jsonl(tmp_path / "ided.jsonl", ided)
-        b = _jsonl(tmp_path / "plain.jsonl", plain)
+        a = write_jsonl(tmp_path / "ided.jsonl", ided)
+        b = write_jsonl(tmp_path / "plain.jsonl", plain)
         _enqueue(farm, a)
         _enqueue(farm, b)
         wait_finished(farm, 20)
         before = {p.name for p in (farm.output_dir / "samples").rglob("*.safetensors")}
         assert "exported: 20 samples" in _export(farm, tmp_path / "mo")
         # When each has 3 records corrected, 2 deleted and 5 appended, and is enqueued again
-        _jsonl(a, _edit(ided, "i", True))
-        _jsonl(b, _edit(plain, "p", False))
+        write_jsonl(a, _edit(ided, "i", True))
+        write_jsonl(b, _edit(plain, "p", False))
         out_a, out_b = _enqueue(farm, a), _enqueue(farm, b)
         # Then enqueue says what left: with ids, 2 removed and 3 superseded (same key);
         # without, the 3 corrected have new keys, so 5 removed; 5 files set aside each
@@ -147,7 +137,7 @@ def test_records_removed_from_the_corpus_leave_the_run_and_their_files_are_kept_
         assert "superseded: 3 records" in out_a and "set aside: 5 output files" in out_a
         assert "removed from the corpus: 5 samples" in out_b, out_b
         assert "superseded:" not in out_b and "set aside: 5 output files" in out_b
-        assert _count(out_a, "published") == 8 and _count(out_b, "published") == 8
+        assert count_line(out_a, "published") == 8 and count_line(out_b, "published") == 8
         wait_finished(farm, 26)
         # And status, audit, index and export see exactly the current corpus (26 records;
         # 7 samples left the run, the 3 superseded stay under their keys, redone)
@@ -187,7 +177,7 @@ def test_parked_samples_are_published_again_once_their_file_reads(tmp_path: Path
     try:
         # Given 3 samples parked by a worker that could not read their file (their
         # messages acknowledged), the file gone
-        data = _jsonl(tmp_path / "d.jsonl", [_record(i, "d") for i in range(3)])
+        data = write_jsonl(tmp_path / "d.jsonl", [_record(i, "d") for i in range(3)])
         _enqueue(farm, data)
         r = farm.redis()
         r.delete(farm.queue())

@@ -15,7 +15,7 @@ from producer.localfarm import LocalFarm
 from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
-from tests.faults import running_farm
+from tests.faults import count_line, running_farm, write_jsonl
 from worker import keys
 
 
@@ -26,17 +26,6 @@ def _record(i: int, tag: str = "", with_id: bool = True) -> dict[str, object]:
     if with_id:
         rec["id"] = f"s-{i:04d}"
     return rec
-
-
-def _jsonl(path: Path, records: list[dict[str, object]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def _count(out: str, what: str) -> int:
-    m = re.search(rf"^{what}: (\d+)", out, re.M)
-    assert m, out
-    return int(m.group(1))
 
 
 def _redis_farm(tmp_path: Path, tiny_model: Path, appendonly: bool = True) -> LocalFarm:
@@ -51,21 +40,23 @@ def test_keys_are_unique_across_the_data_files_of_a_run(tmp_path: Path, tiny_mod
     with running_farm(tmp_path) as farm:
         farm.start_worker("w1", concurrency=2)
         # Given two files of records without ids (keyed by content), both enqueued and done
-        a = _jsonl(tmp_path / "part1.jsonl", [_record(i, "a", with_id=False) for i in range(6)])
-        b = _jsonl(tmp_path / "part2.jsonl", [_record(i, "b", with_id=False) for i in range(6)])
+        a = write_jsonl(tmp_path / "part1.jsonl",
+                        [_record(i, "a", with_id=False) for i in range(6)])
+        b = write_jsonl(tmp_path / "part2.jsonl",
+                        [_record(i, "b", with_id=False) for i in range(6)])
         for f in (a, b):
             res = farm.cli("enqueue", str(f), "--no-progress")
-            assert _count(res.stdout, "published") == 6, res.stdout + res.stderr
+            assert count_line(res.stdout, "published") == 6, res.stdout + res.stderr
         wait_finished(farm, 12)
         # Then each record has its own file: nothing of part1 was overwritten by part2
         files = sorted((farm.output_dir / "samples").rglob("*.safetensors"))
         assert len(files) == 12
         before = {p: p.stat().st_mtime_ns for p in files}
         # When a third file reuses part1's ids... (give part1 ids first: a fourth file)
-        ided = _jsonl(tmp_path / "part3.jsonl", [_record(i, "c") for i in range(4)])
-        assert _count(farm.cli("enqueue", str(ided), "--no-progress").stdout, "published") == 4
+        ided = write_jsonl(tmp_path / "part3.jsonl", [_record(i, "c") for i in range(4)])
+        assert count_line(farm.cli("enqueue", str(ided), "--no-progress").stdout, "published") == 4
         wait_finished(farm, 16)
-        clash = _jsonl(tmp_path / "part4.jsonl", [_record(i, "d") for i in range(4)])
+        clash = write_jsonl(tmp_path / "part4.jsonl", [_record(i, "d") for i in range(4)])
         depth = broker_depth(farm.redis(), farm.queue())
         res = farm.cli("enqueue", str(clash), "--no-progress")
         # Then the whole file is refused with the reason, before anything is published
@@ -83,11 +74,11 @@ def test_an_edited_record_loses_nothing_after_it(tmp_path: Path, tiny_model: Pat
     with running_farm(tmp_path) as farm:
         # Given 20 records enqueued before any worker runs
         records = [_record(i) for i in range(20)]
-        data = _jsonl(tmp_path / "data.jsonl", records)
-        assert _count(farm.cli("enqueue", str(data), "--no-progress").stdout, "published") == 20
+        data = write_jsonl(tmp_path / "data.jsonl", records)
+        assert count_line(farm.cli("enqueue", str(data), "--no-progress").stdout, "published") == 20
         # When record 5 grows by 8 bytes (every record after it moves) and the workers run
         records[5]["messages"][1]["content"] += " edited!"  # type: ignore[index]
-        _jsonl(data, records)
+        write_jsonl(data, records)
         farm.start_worker("w1", concurrency=2)
         wait_finished(farm, 19)
         # Then the moved records were found again; only record 5 is stale, and the run does
@@ -99,7 +90,8 @@ def test_an_edited_record_loses_nothing_after_it(tmp_path: Path, tiny_model: Pat
         assert audit.returncode == 1 and "missing: 1\n" in audit.stdout, audit.stdout
         # And re-running enqueue publishes exactly it, and the run finishes whole
         res = farm.cli("enqueue", str(data), "--no-progress")
-        assert _count(res.stdout, "published") == 1 and _count(res.stdout, "already done") == 19
+        assert count_line(res.stdout, "published") == 1
+        assert count_line(res.stdout, "already done") == 19
         wait_finished(farm, 20)
         assert farm.cli("status", "--check").returncode == 0
         assert_farm_invariants(farm, [f"s-{i:04d}" for i in range(20)])
@@ -108,14 +100,14 @@ def test_an_edited_record_loses_nothing_after_it(tmp_path: Path, tiny_model: Pat
 def test_two_producers_at_once_queue_each_sample_once(tmp_path: Path, tiny_model: Path) -> None:
     farm = _redis_farm(tmp_path, tiny_model)
     try:
-        data = _jsonl(tmp_path / "data.jsonl", [_record(i) for i in range(3000)])
+        data = write_jsonl(tmp_path / "data.jsonl", [_record(i) for i in range(3000)])
         # When two enqueues of the same file run at the same time
         cmd = [sys.executable, "-m", "producer", "enqueue", str(data), "--no-progress"]
         procs = [subprocess.Popen(cmd, env=farm.env(), stdout=subprocess.PIPE, text=True)
                  for _ in range(2)]
         outs = [p.communicate(timeout=240)[0] for p in procs]
         # Then one published everything and the other found it all queued
-        assert sorted(_count(o, "published") for o in outs) == [0, 3000], outs
+        assert sorted(count_line(o, "published") for o in outs) == [0, 3000], outs
         assert broker_depth(farm.redis(), farm.queue()) == (3000, 0)
     finally:
         farm.close(kill=True)
@@ -149,7 +141,7 @@ def test_a_huge_record_is_rejected_unread(tmp_path: Path, tiny_model: Path) -> N
         rss_with, out = _maxrss_enqueue(farm, with_huge)
         # Then the huge record is rejected by its size, the others are published, and it was
         # never held in memory
-        assert _count(out, "published") == 10, out
+        assert count_line(out, "published") == 10, out
         assert re.search(r"line 6: record is \d+ bytes, over FARM_MAX_RECORD_BYTES", out), out
         assert rss_with - rss_without < 20 << 10, (rss_with, rss_without)  # KB
     finally:
@@ -159,7 +151,7 @@ def test_a_huge_record_is_rejected_unread(tmp_path: Path, tiny_model: Path) -> N
 def test_volatile_redis_is_refused_unless_allowed(tmp_path: Path, tiny_model: Path) -> None:
     farm = _redis_farm(tmp_path, tiny_model, appendonly=False)
     try:
-        data = _jsonl(tmp_path / "data.jsonl", [_record(i) for i in range(3)])
+        data = write_jsonl(tmp_path / "data.jsonl", [_record(i) for i in range(3)])
         # When enqueue meets a Redis that keeps nothing on disk
         res = farm.cli("enqueue", str(data), "--no-progress")
         # Then it refuses, says why and how to fix it, and publishes nothing
@@ -175,7 +167,7 @@ def test_volatile_redis_is_refused_unless_allowed(tmp_path: Path, tiny_model: Pa
         # Unless the risk is accepted explicitly
         farm.extra_env["FARM_ALLOW_VOLATILE_REDIS"] = "1"
         ok = farm.cli("enqueue", str(data), "--no-progress")
-        assert ok.returncode == 0 and _count(ok.stdout, "published") == 3
+        assert ok.returncode == 0 and count_line(ok.stdout, "published") == 3
     finally:
         farm.close(kill=True)
 
@@ -183,14 +175,15 @@ def test_volatile_redis_is_refused_unless_allowed(tmp_path: Path, tiny_model: Pa
 def test_index_is_rebuilt_from_disk_after_redis_lost_it(tmp_path: Path, tiny_model: Path) -> None:
     with running_farm(tmp_path) as farm:
         farm.start_worker("w1", concurrency=2)
-        data = _jsonl(tmp_path / "data.jsonl", [_record(i) for i in range(12)])
+        data = write_jsonl(tmp_path / "data.jsonl", [_record(i) for i in range(12)])
         farm.cli("enqueue", str(data), "--no-progress")
         wait_finished(farm, 12)
         # When Redis loses everything (FLUSHALL) and enqueue runs again
         farm.redis().flushall()
         res = farm.cli("enqueue", str(data), "--no-progress")
         # Then nothing is redone, and status knows the run is complete
-        assert _count(res.stdout, "already done") == 12 and _count(res.stdout, "published") == 0
+        assert count_line(res.stdout, "already done") == 12
+        assert count_line(res.stdout, "published") == 0
         status = json.loads(farm.cli("status", "--json").stdout)
         assert (status["total"], status["done"], status["finished"]) == (12, 12, True)
         assert farm.cli("status", "--check").returncode == 0

@@ -47,7 +47,14 @@ NOT_RUN = {"ops/launch-sglang.sh": "starts SGLang (its --dry-run runs here)",
            "ops/start-redis.sh": "starts the production Redis",
            "python -m producer demo": "the whole demo (tests/test_e2e.py runs the farm)",
            "python -m producer dashboard --basic-auth-file /etc/hsfarm/dashboard-auth":
-               "serves until stopped (tests/test_dashboard.py runs it against a farm)"}
+               "serves until stopped (tests/test_dashboard.py runs it against a farm)",
+           "python -m producer enqueue /data/train.jsonl --redo-host hostB":
+               "needs a second host the run has not heard from (tests/test_hosts.py)",
+           "python -m producer index --from /data/hsfarm-out --from /mnt/hostB/hsfarm-out":
+               "needs a second host's output dir (tests/test_training.py indexes two roots)",
+           "python -m producer export --to speculators /data/export --from /data/hsfarm-out "
+           "--from /mnt/hostB/hsfarm-out":
+               "needs a second host's output dir (tests/test_training.py exports two roots)"}
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,7 @@ def test_the_runbook_quotes_commands_of_every_kind() -> None:
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.line for c in COMMANDS])
 def test_every_runbook_command_exists(cmd: Command) -> None:
     known = {"python -m producer", "python -m sglang_patch", "ops", *SHELL_BUILTINS,
-             *NOT_HERE, "grep", "df"}
+             *NOT_HERE, "grep", "df", "rsync"}
     assert cmd.kind in known, f"a new kind of command in the runbook: {cmd.line}"
     check_exists(cmd)
 

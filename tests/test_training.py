@@ -512,3 +512,44 @@ def test_an_export_into_a_dest_in_use_refuses_with_the_reason(out: Path, tmp_pat
     # Then it exits 2 with the reason, having touched nothing
     assert res.returncode == 2 and "another export" in res.stderr, res.stdout + res.stderr
     assert not (dest / LEDGER).exists()
+
+
+def test_index_and_export_take_several_hosts_roots_and_each_sample_once(
+        out: Path, tmp_path: Path) -> None:
+    # Given one run's output over two roots (two hosts' dirs gathered in one place): half the
+    # samples moved to the second root, one of them also left in the first (done twice)
+    other = tmp_path / "hostB"
+    (other / "samples").mkdir(parents=True)
+    for p in out.iterdir():
+        if p.is_file():
+            shutil.copy2(p, other / p.name)
+    files = sorted((out / "samples").rglob(f"*{c.DUMP_SUFFIX}"))
+    for p in files[: N // 2]:
+        (other / "samples" / p.parent.name).mkdir(exist_ok=True)
+        shutil.copy2(p, other / "samples" / p.parent.name / p.name)
+        if p != files[0]:
+            p.unlink()
+    run = [sys.executable, "-m", "training"]
+    # When both are indexed and exported
+    res = subprocess.run([*run, "index", "--no-progress", "--from", str(out), "--from",
+                          str(other)], capture_output=True, text=True)
+    # Then each sample is indexed once, and the choice for the one held twice is said
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"indexed: {N} samples ({N} new" in res.stdout, res.stdout
+    assert "in two roots, kept once: 1 samples" in res.stdout, res.stdout
+    key = files[0].name.removesuffix(c.DUMP_SUFFIX)
+    assert f"{key}: kept {files[0]}, left out {other}" in res.stdout
+    rows = index.read_rows(out)
+    assert len(rows) == N and all((out / r["path"]).is_file() for r in rows.values())
+    res = subprocess.run([*run, "export", "--to", "speculators", str(tmp_path / "sp"),
+                          "--no-progress", "--from", str(out), "--from", str(other)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and f"exported: {N} samples" in res.stdout, res.stderr
+    assert "kept once: 1 samples" in res.stdout
+    # And a root of another run is refused
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["run_nonce"] = "another"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    bad = subprocess.run([*run, "index", "--no-progress", "--from", str(out), "--from",
+                          str(other)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "roots of one training set must be one run's" in bad.stderr

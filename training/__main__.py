@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("--from OUT is required (the output dir)")
     try:
-        return cli.main(args, args.out)
+        return cli.main(args, args.out[0])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR

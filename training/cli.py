@@ -25,8 +25,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     """Add ``index`` and ``export`` to the producer's sub-commands."""
     i = sub.add_parser("index", help="index the output dir (one row per sample) and count "
                                      "tokens; optionally SpecForge's draft-vocab mapping")
-    i.add_argument("--from", dest="out", type=Path, default=None,
-                   help="the output dir (default: FARM_OUTPUT_DIR)")
+    i.add_argument("--from", dest="out", type=Path, action="append", default=None,
+                   help="the output dir (default: FARM_OUTPUT_DIR); repeat it for a run over "
+                        "several hosts: the first holds the index, each sample is taken once")
     i.add_argument("--verify", action="store_true",
                    help="also read and check the hidden states of new files")
     i.add_argument("--draft-vocab-size", type=int, default=None)
@@ -35,17 +36,18 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     e = sub.add_parser("export", help="export to a trainer's container (verified, resumable)")
     e.add_argument("--to", required=True, choices=sorted(FORMATS))
     e.add_argument("dest", type=Path)
-    e.add_argument("--from", dest="out", type=Path, default=None,
-                   help="the output dir (default: FARM_OUTPUT_DIR)")
+    e.add_argument("--from", dest="out", type=Path, action="append", default=None,
+                   help="the output dir (default: FARM_OUTPUT_DIR); repeat it for a run over "
+                        "several hosts (each host's dir, or copies): each sample is taken once")
     e.add_argument("--jobs", type=int, default=2, help="samples exported in parallel")
     e.add_argument("--delete-source", action="store_true",
                    help="remove each source file once its export verified")
     e.add_argument("--no-progress", action="store_true")
 
 
-def run_index(out_dir: Path, args: argparse.Namespace) -> int:
+def run_index(out_dir: Path, args: argparse.Namespace, also: list[Path]) -> int:
     bar = tqdm(unit="file", desc="index", disable=args.no_progress, file=sys.stderr)
-    report = index.refresh(out_dir, verify=args.verify, progress=bar.update)
+    report = index.refresh(out_dir, verify=args.verify, progress=bar.update, also=also)
     bar.close()
     print("\n".join(report.lines()))
     if args.draft_vocab_size is not None:
@@ -74,12 +76,12 @@ def write_vocab_mapping(out_dir: Path, draft_vocab_size: int, target_vocab_size:
     return path
 
 
-def run_export(out_dir: Path, args: argparse.Namespace) -> int:
-    total = sum(1 for _ in index.sample_files(out_dir)) if (out_dir / "samples").is_dir() else 0
+def run_export(out_dir: Path, args: argparse.Namespace, also: list[Path]) -> int:
+    total = sum(1 for root in [out_dir, *also] for _ in index.sample_files(root))
     bar = tqdm(total=total, unit="sample", desc=f"export {args.to}",
                disable=args.no_progress, file=sys.stderr)
     summary = export(out_dir, args.to, args.dest, jobs=args.jobs,
-                     delete_source=args.delete_source, progress=bar.update)
+                     delete_source=args.delete_source, progress=bar.update, also=also)
     bar.close()
     print("\n".join(summary.lines()))
     return EXIT_OK if summary.ok else EXIT_PARTIAL
@@ -87,8 +89,11 @@ def run_export(out_dir: Path, args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace, default_out: Path) -> int:
     """Dispatch ``index`` / ``export``. Raises ConfigError for the caller to print."""
-    out_dir = args.out or default_out
-    if not (out_dir / store.MANIFEST).exists():
-        raise ConfigError(f"{out_dir} is not an hsfarm output dir (no {store.MANIFEST}); "
-                          "pass --from OUT or set FARM_OUTPUT_DIR")
-    return run_index(out_dir, args) if args.cmd == "index" else run_export(out_dir, args)
+    out_dir, *also = args.out or [default_out]
+    for root in (out_dir, *also):
+        if not (root / store.MANIFEST).exists():
+            raise ConfigError(f"{root} is not an hsfarm output dir (no {store.MANIFEST}); "
+                              "pass --from OUT or set FARM_OUTPUT_DIR")
+    if args.cmd == "index":
+        return run_index(out_dir, args, also)
+    return run_export(out_dir, args, also)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,12 +51,14 @@ class RefreshReport:
     tensor_bytes_read: int = 0
     recounted: bool = False
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    doubles: list[str] = field(default_factory=list)  # samples in two roots: which was kept
 
     def lines(self, show: int = 20) -> list[str]:
         out = [f"indexed: {self.rows} samples ({self.new} new, {self.unchanged} unchanged, "
                f"{self.removed} removed)", f"tensor bytes read: {self.tensor_bytes_read}",
                f"rejected: {len(self.rejected)}"]
-        return out + [f"  rejected {p}: {why}" for p, why in self.rejected[:show]]
+        out += [f"  rejected {p}: {why}" for p, why in self.rejected[:show]]
+        return out + self.doubles
 
 
 def read_rows(out_dir: Path) -> dict[str, dict[str, Any]]:
@@ -87,9 +89,18 @@ def sample_files(out_dir: Path) -> Iterator[Path]:
 
 
 def refresh(out_dir: Path, verify: bool = False,
-            progress: Callable[[int], None] | None = None) -> RefreshReport:
-    """Index the files not yet indexed; drop rows whose file is gone. Raises ConfigError."""
+            progress: Callable[[int], None] | None = None,
+            also: Sequence[Path] = ()) -> RefreshReport:
+    """Index the files not yet indexed; drop rows whose file is gone. Raises ConfigError.
+
+    ``also``: more roots of this run (other hosts' output dirs, or copies of them), indexed
+    into ``out_dir``'s index with paths relative to it; each sample once (``training.roots``).
+    """
+    from training import roots
+
     info = load_run_info(out_dir)
+    roots.check_same_run([out_dir, *also])
+    gathered = roots.gather([out_dir, *also])
     old = read_rows(out_dir)
     try:
         counts = read_counts(out_dir) if old else np.zeros(0, np.int64)
@@ -97,11 +108,11 @@ def refresh(out_dir: Path, verify: bool = False,
         counts = None  # recount below
     rows: dict[str, dict[str, Any]] = {}
     report = RefreshReport()
-    for path in sample_files(out_dir):
-        key = path.name[: -len(c.DUMP_SUFFIX)]
+    for key, path in gathered.files.items():
         st = path.stat()
         prev = old.get(key)
-        if prev and (prev["bytes"], prev["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
+        if prev and (prev["bytes"], prev["mtime_ns"], prev["path"]) == (
+                st.st_size, st.st_mtime_ns, os.path.relpath(path, out_dir)):
             rows[key] = prev
             report.unchanged += 1
         else:
@@ -118,6 +129,7 @@ def refresh(out_dir: Path, verify: bool = False,
         r.pop("_counts", None)
     _write(out_dir, rows, counts)
     report.rows, report.new = len(rows), len(rows) - report.unchanged
+    report.doubles = gathered.lines()
     return report
 
 
@@ -134,11 +146,11 @@ def _index_new(info: RunInfo, path: Path, key: str, st: os.stat_result, verify: 
         if bad:
             raise Corrupt(f"checksum of {', '.join(bad)}")
     except (Corrupt, OSError) as e:
-        report.rejected.append((str(path.relative_to(info.out_dir)), str(e)))
+        report.rejected.append((os.path.relpath(path, info.out_dir), str(e)))
         return
     ids, mask = arrays[c.T_INPUT_IDS], arrays[c.T_LOSS_MASK]
     rows[key] = {
-        "key": key, "path": str(path.relative_to(info.out_dir)), "tokens": len(ids),
+        "key": key, "path": os.path.relpath(path, info.out_dir), "tokens": len(ids),
         "loss_tokens": int(np.count_nonzero(mask)), "bytes": st.st_size,
         "mtime_ns": st.st_mtime_ns, "checksums": checksums.recorded(sf.metadata).to_json(),
         "source_id": _json_or_text(sf.metadata.get(M_SOURCE_ID)),

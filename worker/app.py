@@ -57,6 +57,9 @@ def celery_config(s: Settings) -> dict[str, object]:
         "task_send_sent_event": True,
         "worker_hijack_root_logger": False,
         "broker_connection_retry_on_startup": True,
+        # a Redis away for longer than Celery's 100 tries (~45 min at kombu's 30 s interval
+        # cap) is still the environment's fault: the worker keeps waiting, paused, not exits
+        "broker_connection_max_retries": None,
         "broker_transport_options": {
             # The only copy of visibility_timeout that kombu reads; same in every process.
             "visibility_timeout": s.visibility_timeout_s,
@@ -79,12 +82,13 @@ app.conf.imports = ("worker.tasks",)
 
 
 def _add_bootsteps() -> None:
+    from worker.host_beat import HostBeat
     from worker.janitor import Janitor
     from worker.outage import OutageStep
     from worker.reaper import Reaper
     from worker.reconciler import ReconcilerStep
 
-    app.steps["worker"].update({Janitor, OutageStep, Reaper, ReconcilerStep})
+    app.steps["worker"].update({Janitor, OutageStep, Reaper, ReconcilerStep, HostBeat})
 
 
 _add_bootsteps()

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import redis
 
 from sglang_patch import contracts as c
 from worker import store as st
 from worker import tensorfile, time_limits
 from worker.dumps import discard_dumps, open_dump, wait_for_dump
-from worker.errors import Corrupt, KeyTaken, OutputUnavailable
+from worker.errors import Corrupt, KeyTaken, OutputUnavailable, Transient
+from worker.hosts import holders
 from worker.lease import Lease
 from worker.runtime import Runtime
 from worker.samples import SampleRef, read_sample
@@ -77,8 +79,20 @@ def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
         log.warning("%s existing final file is damaged; this attempt replaces it: %s", ref.key, e)
         return None
     discard_dumps(rt.settings.dump_dir, rt.run_id, ref.key)
-    rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
+    rt.index.mark_done(ref.key, v.size_bytes, v.tokens, rt.hostname, ref.sha256)
     return Result("already-done", v.tokens, v.size_bytes)
+
+
+def done_elsewhere(rt: Runtime, ref: SampleRef) -> str | None:
+    """The other host whose output dir holds this sample's final file, of this very record
+    (a message returned after its host died between the write and the acknowledgement)."""
+    try:
+        held = holders(rt.index.r, rt.run_id, [ref.key])[0]
+    except redis.RedisError as e:
+        raise Transient(f"redis: {type(e).__name__}: {e}") from e
+    if held is None or held[0] == rt.hostname or held[1] != ref.sha256:
+        return None
+    return held[0] if rt.index.are_done([ref.key])[0] else None
 
 
 def check_space(rt: Runtime) -> None:
@@ -121,7 +135,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
                            meta, before_write=lease.check)  # lost the lease: write nothing
         finally:
             dump.unlink(missing_ok=True)
-    rt.index.mark_done(ref.key, v.size_bytes, v.tokens)
+    rt.index.mark_done(ref.key, v.size_bytes, v.tokens, rt.hostname, ref.sha256)
     log.info("%s a%d done n=%d bytes=%d +%.2fs", ref.key, attempt, v.tokens, v.size_bytes,
              time.monotonic() - t0)
     return Result("done", v.tokens, v.size_bytes)

@@ -167,9 +167,13 @@ class RunIndex:
         self.r.hsetnx(self.k(keys.META), "started_at", repr(time.time()))
 
     @redis_errors
-    def mark_done(self, key: str, size_bytes: int, tokens: int) -> None:
+    def mark_done(self, key: str, size_bytes: int, tokens: int, host: str = "",
+                  sha256: str = "") -> None:
+        """Done; ``host``: whose output dir holds its file (``worker.hosts``)."""
         p = self.r.pipeline()
         p.zadd(self.k(keys.DONE), {key: time.time()})
+        if host:
+            p.hset(self.k(keys.HELD), key, f"{host}|{sha256}")
         p.hset(self.k(keys.BYTES), key, size_bytes)
         p.hset(self.k(keys.TOKENS), key, tokens)
         for name in (keys.RUNNING, keys.FAILED, keys.RETRYING, keys.STALE):

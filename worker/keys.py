@@ -41,6 +41,12 @@ ENQUEUE_LOCK = "enqueue-lock"
 RECONCILE_LOCK = "reconcile-lock"  # held by the one reconciler pass of the run (reconciler.py)
 ENQUEUED = "enqueued"  # data file path -> token of its last complete enqueue (ledger.py)
 REPUBLISHED = "republished"  # sample_key -> times the reconciler published it again
+# The run's hosts (worker/hosts.py): host id -> JSON {output_dir, server, at, registered_at...};
+# HELD: sample_key -> "host|content sha", the host whose output dir holds its final file;
+# HELD_TWICE: sample_key -> JSON {hosts, kept, set_aside}: its file was on two hosts' dirs
+HOSTS = "hosts"
+HELD = "held"
+HELD_TWICE = "held-twice"
 # CANARY:<host, machine, dump dir, server start> -> "ok" (TTL FARM_CANARY_INTERVAL_S) or
 # "mismatch", with its summary: the last canary verdict of that host's processes against that
 # server; CANARY_LOCK: a lease (lease.py), one process checks at a time

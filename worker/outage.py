@@ -39,10 +39,6 @@ return 1
 """
 
 
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
 def running_here(run_id: str) -> set[str]:
     """Sample keys of the tasks this worker main process runs now (Celery's state)."""
     for _ in range(3):  # the event loop may change the set while this thread copies it

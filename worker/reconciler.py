@@ -56,7 +56,7 @@ from worker import broker, keys, ledger
 from worker import lease as leases
 from worker import run as runs
 from worker.errors import Corrupt, FarmError
-from worker.index import Registered, RunIndex
+from worker.index import Registered, RunIndex, as_text
 from worker.samples import SampleRef
 from worker.settings import Settings
 from worker.store import OutputStore
@@ -67,10 +67,6 @@ log = logging.getLogger("hsfarm.reconciler")
 # janitor publishes it again once the file reads
 _SETTLED = (keys.FAILED, keys.REJECTED, keys.STALE, keys.PARKED)
 Sleep = Callable[[float], object]
-
-
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
 
 
 def broker_keys(r: redis.Redis, queue: str, run_id: str) -> set[str]:
@@ -90,7 +86,7 @@ def _settled(index: RunIndex) -> set[str]:
     """Samples with an outcome (done, failed, rejected, stale) or parked on their data file."""
     out = index.done_keys()
     for name in _SETTLED:
-        out.update(_text(k) for k in index.r.hkeys(index.k(name)))
+        out.update(as_text(k) for k in index.r.hkeys(index.k(name)))
     return out
 
 
@@ -234,7 +230,7 @@ class Reconciler:
 def republished(index: RunIndex) -> dict[str, int]:
     """Sample key -> times the reconciler published it again."""
     raw: dict[bytes, bytes] = index.r.hgetall(index.k(keys.REPUBLISHED))  # type: ignore[assignment]
-    return {_text(k): int(v) for k, v in raw.items()}
+    return {as_text(k): int(v) for k, v in raw.items()}
 
 
 class ReconcilerStep(bootsteps.StartStopStep):

@@ -17,13 +17,14 @@ from pathlib import Path
 
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
-from worker import broker, liveness
+from worker import broker
 from worker.admission import Admission, Limits, limits_for_host
 from worker.canary_check import CanaryCheck
 from worker.chat import ChatTokenizer
 from worker.client import ServerClient
 from worker.errors import ConfigError
 from worker.fingerprint import load_run
+from worker.hosts import host_id
 from worker.index import RunIndex
 from worker.run import queue_for as run_queue
 from worker.server_limits import server_info, server_max_tokens
@@ -100,7 +101,7 @@ class Runtime:
         return cls(settings=s, loop=loop, client=ServerClient(s.server_url, s.request_timeout_s),
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
                    index=RunIndex(broker.client(s), ctx.store.run_id),
-                   hostname=liveness.HOST,
+                   hostname=host_id(s),
                    admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2,
                                        dp_routing=s.dp_routing),
                    canary=ctx.canary)

@@ -70,9 +70,14 @@ class Settings:
     redis_ca_file: str = ""
     redis_cert_file: str = ""
     redis_key_file: str = ""
-    lease_ttl_s: float = 30.0  # a sample's lease outlives a dead attempt by at most this
+    # A sample's lease outlives a dead attempt by at most this: with the heartbeat's TTL, a
+    # lost host's samples run elsewhere within 30 s (heartbeat + reaper interval + 2 s)
+    lease_ttl_s: float = 20.0
     heartbeat_ttl_s: float = 20.0  # a worker whose heartbeat is this old is dead
     reaper_interval_s: float = 5.0  # how often a worker returns dead workers' messages
+    # This host's name in the run (worker/hosts.py); empty: the hostname. Set it where two
+    # hosts share a hostname (containers with host networking, cloned VMs)
+    host_id: str = ""
     # The reconciler (worker/reconciler.py): how often one worker looks for samples in no state
     # (a lost task message), and how long a sample must stay so before it is published again
     reconcile_interval_s: float = 60.0

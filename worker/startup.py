@@ -36,6 +36,7 @@ from worker.app import settings
 from worker.canary_check import Outcome
 from worker.client import ServerClient
 from worker.errors import ConfigError, Transient
+from worker.host_beat import register_host
 from worker.index import RunIndex
 from worker.runtime import RunContext, Runtime
 from worker.store import MANIFEST
@@ -165,6 +166,7 @@ def _on_worker_init(**_: Any) -> None:
         longest = time_limits.for_tokens(settings, settings.max_tokens, per_token)
         CONTEXT.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
         _consume_the_runs_queue(r, CONTEXT.store.run_id)
+        register_host(r, settings, CONTEXT.store.run_id, CONTEXT.fingerprint.id)
         _check_served_weights(_wait_for_hook())
         _wait_for_canary(r)
         reaper.beat(r, settings)  # alive before the first message is ours

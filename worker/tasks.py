@@ -196,6 +196,10 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease, deadline: float,
         if done is not None:
             log.info("%s already done (verified from disk)", key)
             return {"status": done.status, "key": key}
+        elsewhere = ex.done_elsewhere(rt, ref)
+        if elsewhere is not None:
+            log.info("%s already done on host %s (its output dir holds it)", key, elsewhere)
+            return {"status": "done-elsewhere", "key": key}
         _wait(rt, key, lambda: waits.space_problem(rt), deadline)
         _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
               deadline)

@@ -111,6 +111,9 @@ function fill(snap) {
   state.className = `badge ${state.textContent}`;
   rows("failures", snap.failures, f => [[f.kind], [f.count], [f.reason, "reason"], [f.example]]);
   rows("workers", snap.workers, w => [[w.process], [w.kind], [w.detail, "reason"]]);
+  rows("hosts", st.hosts, h => [[h.host], [h.done], [h.running], [(h.rate_per_s * 60).toFixed(1)],
+    [h.server, "reason"], [h.heartbeat_age_s === null ? "never" :
+      `${duration(h.heartbeat_age_s)} ago${h.alive ? "" : " (LOST)"}`], [h.output_dir]]);
 }
 
 async function refresh() {

@@ -25,7 +25,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable, fp8, index
+from training import checksums, durable, fp8, roots
 from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger
 from training.export.lock import dest_lock
@@ -59,6 +59,7 @@ class ExportSummary:
     deleted_sources: int = 0
     withdrawn: int = 0  # left DEST: their records left the corpus
     failed: list[tuple[str, str]] = field(default_factory=list)
+    doubles: list[str] = field(default_factory=list)  # samples in two roots: which was kept
 
     @property
     def ok(self) -> bool:
@@ -72,7 +73,8 @@ class ExportSummary:
                f"sources deleted: {self.deleted_sources}",
                f"withdrawn (removed from the corpus): {self.withdrawn}",
                f"failed: {len(self.failed)}"]
-        return out + [f"  failed {k}: {why}" for k, why in self.failed[:show]]
+        out += [f"  failed {k}: {why}" for k, why in self.failed[:show]]
+        return out + self.doubles
 
 
 @dataclass
@@ -97,7 +99,7 @@ class _Outcome:
 
 def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: bool = False,
            progress: Callable[[int], None] | None = None,
-           throttle_s: float = 0.0) -> ExportSummary:
+           throttle_s: float = 0.0, also: Sequence[Path] = ()) -> ExportSummary:
     """Export every sample of ``out_dir`` not yet in DEST as it is now.
 
     Raises:
@@ -115,21 +117,26 @@ def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: boo
     with dest_lock(dest):
         _remove_dead_temps(dest)
         job = _Job(info, fmt, dest, Ledger(dest), norm_w, delete_source, throttle_s)
-        return _export(job, out_dir, jobs, progress)
+        return _export(job, [out_dir, *also], jobs, progress)
 
 
-def _export(job: _Job, out_dir: Path, jobs: int,
+def _export(job: _Job, out_dirs: list[Path], jobs: int,
             progress: Callable[[int], None] | None) -> ExportSummary:
-    sources = {_key(p): p for p in index.sample_files(out_dir)}
-    check_space(job.dest, out_dir, [p for k, p in sources.items() if _changed(job, k, p)],
+    roots.check_same_run(out_dirs)
+    gathered = roots.gather(out_dirs)
+    sources = gathered.files
+    check_space(job.dest, out_dirs[0], [p for k, p in sources.items() if _changed(job, k, p)],
                 job.delete_source, jobs)
     if job.fmt.numbered:
         numbers = job.ledger.numbers()
         job.shared = {n for n, keys in numbers.items() if len(keys) > 1}
         job.next_number = max(numbers, default=-1) + 1
     kept = [k for k in job.ledger.entries if k not in sources]
-    summary = ExportSummary()
-    aside = removed_by_key(out_dir)
+    summary = ExportSummary(doubles=gathered.lines())
+    aside: dict[str, list[Path]] = {}
+    for root in out_dirs:  # files kept aside in any root of the run
+        for key, paths in removed_by_key(root).items():
+            aside.setdefault(key, []).extend(paths)
     withdrawn = {k for k in kept if k in aside and _exported_version(job, k, aside[k])}
     for key in withdrawn:
         _withdraw(job, key)
