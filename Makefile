@@ -124,7 +124,7 @@ test-sglang: $(SGSTAMP)
 # Live SGLang servers (python -m sglang.launch_server in $(SGVENV)) driven from the farm's
 # venv, as a worker drives them: tests/live. HSFARM_SGLANG_PYTHON picks another server python.
 test-live: $(STAMP) $(SGSTAMP) test-system-deps
-	$(PY) -m pytest -o addopts=-ra -p no:cacheprovider tests/live
+	$(PY) -m pytest -o addopts="-ra --durations=10" -p no:cacheprovider tests/live
 
 clean:
 	rm -rf $(VENV) $(SGVENV) .sglang demo-out build .pytest_cache .mypy_cache .ruff_cache \
