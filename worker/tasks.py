@@ -123,7 +123,9 @@ def extract(self: Task, ref_json: Any) -> dict[str, Any]:
     deadline = time.monotonic() + budget_s
     try:
         rt = runtime()
-        _hand_back_foreign(rt, self.request.id)
+        foreign = _hand_back_foreign(rt, self.request.id, ref_json)
+        if foreign is not None:
+            return foreign
         return _run(rt, ref_json, deadline, budget_s)
     except (SampleNotDone, Reject):
         raise
@@ -135,20 +137,30 @@ def extract(self: Task, ref_json: Any) -> dict[str, Any]:
         raise Reject(f"{type(e).__name__}: {e}", requeue=True) from e
 
 
-def _hand_back_foreign(rt: Runtime, task_id: object) -> None:
-    """Raises Reject (requeue, untouched) for a message of another run: its owner takes it.
+def _hand_back_foreign(rt: Runtime, task_id: object, ref_json: Any) -> dict[str, Any] | None:
+    """Hands a message of another run back untouched, for its own workers; None for ours.
 
-    A pause first, so a worker left with only another run's messages on a shared queue
-    does not spin on them. A message whose id is no task id of ours at all is this queue's,
-    refused as malformed if its body is not a sample of this run.
+    The copy goes to the far end of the queue (the same task id and body), and only then is
+    this delivery acknowledged: a crash in between leaves two messages of one sample, which
+    its run's lease and done check make harmless; never none. Handing it back by a requeue
+    (``Reject``) would put it next in line, where this worker, its only idle consumer while
+    the other run's workers hold our messages, takes it again: two runs on one queue would
+    pass their last messages back and forth to themselves. The pause after the copy keeps a
+    worker left with only another run's messages from spinning on them; it is random, so the
+    first process to ask for work again is as likely one of the other run's as this one
+    (with equal pauses, the first to hand back would wake first and take the oldest copy in
+    the queue, its own).
     """
     other = run_of_task(task_id)
     if other is None or other == rt.run_id:
-        return
+        return None
     log.warning("handing back untouched a message of run %s: %s", other,
                 sharing_warning(rt.queue, rt.run_id, [other]))
-    time.sleep(min(1.0, settings.pause_poll_s))
-    raise Reject(f"a message of run {other}, not of this run {rt.run_id}", requeue=True)
+    key = ref_json.get("k") if isinstance(ref_json, dict) else None
+    app.send_task(TASK_NAME, args=[ref_json], task_id=str(task_id), queue=rt.queue,
+                  argsrepr=str(key), kwargsrepr="{}")
+    time.sleep(min(1.0, settings.pause_poll_s) * random.uniform(0.2, 1.8))
+    return {"status": "handed back", "run": other}
 
 
 def _run(rt: Runtime, ref_json: Any, deadline: float, budget_s: float) -> dict[str, Any]:
