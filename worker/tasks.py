@@ -28,7 +28,8 @@ acknowledgement without an outcome:
 Two deliveries of one sample never run at once: each attempt holds the sample's lease.
 
 A message of another run (its task id names another run: two runs given one ``FARM_QUEUE``)
-is handed back untouched before anything else: never acknowledged, nothing recorded.
+is handed back untouched before anything else: an identical copy is published at the far end
+of the queue, then this delivery is acknowledged; nothing is recorded.
 """
 
 from __future__ import annotations
