@@ -53,13 +53,18 @@ def commit(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def drop_cache(path: Path) -> None:
-    """Evict a (synced) file's pages, so the next read comes from the disk."""
+def advise(path: Path, advice: int) -> None:
+    """``posix_fadvise`` over the whole file (``os.POSIX_FADV_*``)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, advice)
     finally:
         os.close(fd)
+
+
+def drop_cache(path: Path) -> None:
+    """Evict a (synced) file's pages, so the next read comes from the disk."""
+    advise(path, os.POSIX_FADV_DONTNEED)
 
 
 def fsync_dir_of(path: Path) -> None:

@@ -102,11 +102,7 @@ def _torch_raw(t: Any) -> np.ndarray:
 
 
 def _read_ahead(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
+    durable.advise(path, os.POSIX_FADV_WILLNEED)
 
 
 class _TorchSave(Format):
