@@ -253,11 +253,6 @@ def server_state(url: str, timeout_s: float = 2.0) -> str:
         return f"down ({type(e).__name__})"
 
 
-def record_done(p: Any, run_id: str, host: str, key: str, sha256: str) -> None:
-    """In a pipeline: ``host`` holds ``key``'s final file now (written or verified there)."""
-    p.hset(_k(run_id, keys.HELD), key, f"{host}|{sha256}")
-
-
 def claim(r: redis.Redis, run_id: str, host: str, shas: dict[str, str]) -> None:
     """``host`` holds these keys' files (key -> content sha), unless another claimed them."""
     items = list(shas.items())
