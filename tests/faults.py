@@ -13,13 +13,18 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from producer import metrics_text
+from producer.dashboard_data import Sampler
 from producer.localfarm import LocalFarm, free_port, wait_until
+from producer.status import status_fingerprint
 from tests.conftest import CACHE, FAST_ENV, write_samples
 from worker import keys
+from worker.settings import Settings
 
 
 def text(x: bytes | str) -> str:
@@ -37,6 +42,13 @@ def count_line(out: str, what: str) -> int:
     m = re.search(rf"^{what}: (\d+)", out, re.M)
     assert m, out
     return int(m.group(1))
+
+
+def dashboard_metrics(settings: Settings) -> tuple[dict[str, Any], str]:
+    """One sample of the run as the dashboard takes it, and its ``/metrics`` text."""
+    fp, _ = status_fingerprint(settings)  # from the run's manifest, as the dashboard's
+    snapshot = Sampler(settings, fp).sample({"up": True})
+    return snapshot, metrics_text.render(snapshot)
 
 
 @contextmanager

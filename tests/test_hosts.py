@@ -31,7 +31,7 @@ import redis
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, write_samples
-from tests.faults import text
+from tests.faults import dashboard_metrics, text
 from worker import hosts, keys
 from worker.settings import Settings
 
@@ -291,6 +291,15 @@ def test_a_lost_host_s_samples_run_on_the_other_within_30_s_and_nothing_is_lost_
     assert "host hostB" in st.stdout and "server ok" in st.stdout, st.stdout
     per_host = {h["host"]: h for h in json.loads(cl.b.cli("status", "--json").stdout)["hosts"]}
     assert not per_host["hostA"]["alive"] and per_host["hostB"]["alive"], per_host
+    # And the dashboard's data and /metrics say the same per host
+    # (read from the test's namespace, where Redis answers at its own address)
+    seen_here = {**cl.b.env(), "REDIS_URL": f"redis://:{PASSWORD}@10.213.3.1:{REDIS_PORT}/0"}
+    snapshot, metrics = dashboard_metrics(Settings.from_env(seen_here))
+    assert {h["host"]: h["alive"] for h in snapshot["status"]["hosts"]} == {
+        "hostA": False, "hostB": True}, snapshot["status"]["hosts"]
+    assert re.search(r'^hsfarm_host_alive\{run="\w+",host="hostA"\} 0$', metrics, re.M), metrics
+    assert re.search(r'^hsfarm_host_alive\{run="\w+",host="hostB"\} 1$', metrics, re.M), metrics
+    assert re.search(r'^hsfarm_host_server_up\{run="\w+",host="hostB"\} 1$', metrics, re.M), metrics
 
     # When host A comes back, its workers resume
     cl.a.start()

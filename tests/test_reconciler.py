@@ -18,7 +18,7 @@ from celery import Celery
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
-from tests.faults import attempts, busy_child, enqueue, running_farm
+from tests.faults import attempts, busy_child, dashboard_metrics, enqueue, running_farm
 from worker import keys, ledger
 from worker import lease as leases
 from worker.app import celery_config
@@ -60,6 +60,10 @@ def test_lost_messages_are_published_again_by_the_run(tmp_path: Path, tiny_model
         assert sorted(done_lines) == sorted(sample_keys), "a sample done twice, or not at all"
         status = farm.cli("status")
         assert "healed    3 lost task message(s)" in status.stdout, status.stdout
+        # (the dashboard and /metrics count them too)
+        snapshot, metrics = dashboard_metrics(farm.settings())
+        assert snapshot["status"]["republished"] == 3, snapshot["status"]
+        assert re.search(r'^hsfarm_republished_total\{run="\w+"\} 3$', metrics, re.M), metrics
         ready = _log_time(logs, r" w1@\S+ ready\.")
         again = max(_log_time(logs, rf" {k} republished: ") for k in removed)
         done = max(_log_time(logs, rf" {k} a\d+ done n=") for k in removed)
