@@ -201,7 +201,32 @@ def bytes_per_token(dtype: str, h: int) -> int:
                    for tag, shape in hidden_layout(dtype, 1, h).values())
 
 
-_TAG_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+_TAG_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4, "I64": 8, "I32": 4, "U8": 1}
+# the order the safetensors library lays tensors out in: wider dtypes first, then by name
+_LAYOUT_RANK = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F8_E4M3": 4, "U8": 5}
+
+
+def safetensors_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
+                       metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """A safetensors file's leading bytes for ``{name: (dtype tag, shape)}``, and each tensor's
+    byte range after them, laid out as the library lays them out (its order; the JSON padded
+    with spaces to 8 bytes), so a file written piece by piece from this header has the bytes
+    ``safetensors.save_file`` would have written. For the hook's streamed dumps and the farm's
+    final files; both sides need it, hence here."""
+    order = sorted(tensors, key=lambda k: (_LAYOUT_RANK[tensors[k][0]], k))
+    body: dict[str, object] = {"__metadata__": dict(metadata)}
+    ranges, pos = {}, 0
+    for k in order:
+        tag, shape = tensors[k]
+        n = _TAG_BYTES[tag]
+        for d in shape:
+            n *= d
+        ranges[k] = (pos, pos + n)
+        body[k] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, ranges
 
 
 def dump_path(dump_dir: Path, rid: str) -> Path:

@@ -26,12 +26,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import save_file
 
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir, fp8, markers
@@ -81,29 +80,55 @@ class CpuStager:
 
 
 @dataclass
-class _Pending:
-    n: int
-    next_pos: int = 0
-    parts: list[Staged] = field(default_factory=list)
-    updated_s: float = 0.0
+class Rows:
+    """One request's rows of one forward pass, staged: ``staged.wait()`` gives [ids, hidden,
+    aux] (bf16 dumps) or [ids, hidden q, hidden scales, aux q, aux scales] (fp8)."""
+
+    rid: str
+    prefix: int
+    token_count: int
+    staged: Staged
+    dtype: str = c.DTYPE_BF16
 
 
 @dataclass
-class DumpJob:
-    """A finished request (parts staged) or a failure message, for the writer thread."""
+class Failed:
+    """A request of ours that cannot have a dump, and why (its ``.err``)."""
 
     rid: str
-    parts: list[Staged] | None = None
-    error: str | None = None
-    token_count: int = 0
-    dtype: str = c.DTYPE_BF16
+    error: str
+
+
+# What the writer thread is handed: the rows of ours of one forward pass, or one failure.
+Job = list[Rows] | Failed
+
+
+@dataclass
+class _Open:
+    """A dump being written: its temp file, where each tensor goes, bytes still to come."""
+
+    fd: int
+    tmp: Path
+    ranges: dict[str, tuple[int, int]]  # tensor name -> absolute [begin, end) in the file
+    meta: dict[str, str]
+    dtype: str
+    n: int
+    left: int
 
 
 class DumpWriter:
     """One background thread writing ``<rid>.safetensors`` / ``<rid>.err`` atomically.
 
-    The queue is bounded: when the disk (tmpfs) is slower than the model, ``submit`` blocks
-    the caller instead of letting host memory grow without limit.
+    A dump is written as its chunks arrive, not held until its request ends: the first chunk
+    opens a temp file of the whole dump's size (its header says every tensor's place, known
+    from the token count the rid declares), each chunk's rows go to their places, and the
+    last chunk's write renames it into place. The server therefore holds at most the passes
+    queued here, whatever the sample's length: a 128k-token prompt at Kimi's H = 7,168 is a
+    7.5 GB dump, which held whole (and then concatenated for the library's writer) cost the
+    server process twice that in (pinned) host memory.
+
+    The queue is bounded, in forward passes: when the disk (tmpfs) is slower than the model,
+    ``submit`` blocks the caller instead of letting host memory grow without limit.
     """
 
     def __init__(
@@ -120,8 +145,9 @@ class DumpWriter:
         self.dump_dir = dump_dir
         self.metadata = dict(metadata)
         self.min_free_bytes = min_free_bytes
-        self._q: queue.Queue[DumpJob | None] = queue.Queue(maxsize=max_queue)
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="hsfarm-dump-writer", daemon=True)
+        self._open: dict[str, _Open] = {}  # the writer thread's own
         self.written = 0
         self.errors = 0
         self.blocked_s = 0.0  # time callers spent waiting on a full queue (backpressure)
@@ -129,7 +155,7 @@ class DumpWriter:
         dumpdir.ensure(dump_dir)  # refuses a dir another user owns or can write to
         self._thread.start()
 
-    def submit(self, job: DumpJob) -> None:
+    def submit(self, job: Job) -> None:
         """Queue a job; blocks while the queue is full (backpressure, by design)."""
         if self._q.full():
             t0 = time.perf_counter()
@@ -154,58 +180,110 @@ class DumpWriter:
             job = self._q.get()
             try:
                 if job is None:
+                    for rid in list(self._open):  # requests cut off by the shutdown
+                        self._drop(rid)
                     return
-                self._write(job)
-            except Exception as e:  # the writer must never die: report and go on
-                log.exception("dump writer failed for %s", job.rid if job else "?")
-                if job is not None:
-                    self._write_err(job.rid, f"writer failed: {type(e).__name__}: {e}")
+                if isinstance(job, Failed):
+                    self._drop(job.rid)
+                    self._write_err(job.rid, job.error)
+                    continue
+                for rows in job:
+                    try:
+                        self._write_rows(rows)
+                    except Exception as e:  # the writer must never die: report and go on
+                        self._drop(rows.rid)
+                        if _no_space(e):
+                            self._write_err(rows.rid, f"{c.ERR_DUMP_DIR_FULL}: "
+                                            f"{type(e).__name__}: {e}")
+                        else:
+                            log.exception("dump writer failed for %s", rows.rid)
+                            self._write_err(rows.rid, f"writer failed: {type(e).__name__}: {e}")
             finally:
                 self._q.task_done()
 
-    def _write(self, job: DumpJob) -> None:
-        if job.error is not None or job.parts is None:
-            self._write_err(job.rid, job.error or "no data")
-            return
-        chunks = [p.wait() for p in job.parts]
-        tensors = _assemble(chunks, job.dtype)
-        need = sum(t.numel() * t.element_size() for t in tensors.values())
+    def _write_rows(self, rows: Rows) -> None:
+        tensors = _named(rows.staged.wait(), rows.dtype)
+        if rows.prefix == 0:
+            self._drop(rows.rid)  # a retried rid starts over
+            if not self._start(rows, tensors):
+                return
+        dump = self._open.get(rows.rid)
+        if dump is None:
+            return  # its start failed (its .err is written): the rest of its rows are dropped
+        ext = int(tensors[c.T_INPUT_IDS].shape[0])
+        for name, t in tensors.items():
+            begin, end = dump.ranges[name]
+            row = (end - begin) // dump.n
+            data = t.reshape(-1).view(torch.uint8).numpy()
+            if data.size != ext * row:
+                raise ValueError(f"{name}: {data.size} bytes for {ext} rows of {row}")
+            _pwrite_all(dump.fd, memoryview(data), begin + rows.prefix * row)
+            dump.left -= data.size
+        if rows.prefix + ext == dump.n:
+            self._finish(rows.rid, dump)
+
+    def _start(self, rows: Rows, tensors: dict[str, torch.Tensor]) -> bool:
+        """Open the temp file of ``rows``' request; False (and its .err) if it cannot fit."""
+        n = rows.token_count
+        spec = {k: (_TAGS[t.dtype], (n, *t.shape[1:])) for k, t in tensors.items()}
+        meta = {**self.metadata, c.M_RID: rows.rid, c.M_DUMP_DTYPE: rows.dtype}
+        head, ranges = c.safetensors_header(spec, meta)
+        need = len(head) + max(end for _, end in ranges.values())
+        promised = sum(d.left for d in self._open.values())  # other dumps' rows still to come
         free = free_bytes(self.dump_dir)
-        if free - need < self.min_free_bytes:
-            self._write_err(
-                job.rid,
-                f"{c.ERR_DUMP_DIR_FULL}: {free} bytes free, need {need} + reserve "
-                f"{self.min_free_bytes}",
-            )
-            return
-        meta = {**self.metadata, c.M_RID: job.rid, c.M_DUMP_DTYPE: job.dtype}
-        final = c.dump_path(self.dump_dir, job.rid)
-        tmp = self.dump_dir / f".{job.rid}{c.TMP_MARK}{os.getpid()}"
+        if free - promised - need < self.min_free_bytes:
+            self._write_err(rows.rid, f"{c.ERR_DUMP_DIR_FULL}: {free} bytes free, need {need} "
+                            f"+ {promised} promised to dumps being written + reserve "
+                            f"{self.min_free_bytes}")
+            return False
+        tmp = self.dump_dir / f".{rows.rid}{c.TMP_MARK}{os.getpid()}"
+        fd = dumpdir.create_private(tmp)
         try:
-            self._save(job.rid, tensors, tmp, meta)
-            dumpdir.seal(tmp)  # 0600 (0640 in a group dir) whatever the umask
-            os.replace(tmp, final)
-        except Exception as e:  # safetensors raises SafetensorError, not OSError, on ENOSPC
-            if not _no_space(e):
-                raise
-            self._write_err(job.rid, f"{c.ERR_DUMP_DIR_FULL}: {type(e).__name__}: {e}")
-            return
-        finally:
+            _pwrite_all(fd, memoryview(head), 0)
+            os.ftruncate(fd, need)
+        except BaseException:
+            os.close(fd)
             tmp.unlink(missing_ok=True)
+            raise
+        self._open[rows.rid] = _Open(fd, tmp, {k: (len(head) + a, len(head) + b)
+                                               for k, (a, b) in ranges.items()},
+                                     meta, rows.dtype, n, need - len(head))
+        return True
+
+    def _finish(self, rid: str, dump: _Open) -> None:
+        del self._open[rid]
+        try:
+            os.close(dump.fd)
+            self._sealing(rid, dump.tmp, dump.meta)
+            os.replace(dump.tmp, c.dump_path(self.dump_dir, rid))
+        finally:
+            dump.tmp.unlink(missing_ok=True)
         self.written += 1
 
-    def _save(self, rid: str, tensors: dict[str, torch.Tensor], path: Path,
-              metadata: dict[str, str]) -> None:
-        """Serialise one dump to ``path`` (a temp file; the caller renames it into place)."""
-        save_file(tensors, str(path), metadata=metadata)
+    def _sealing(self, rid: str, path: Path, metadata: dict[str, str]) -> None:
+        """The last step before the rename (the fault injector corrupts dumps here)."""
+
+    def _drop(self, rid: str) -> None:
+        """Forget a dump being written, its temp file removed."""
+        dump = self._open.pop(rid, None)
+        if dump is not None:
+            os.close(dump.fd)
+            dump.tmp.unlink(missing_ok=True)
 
     def _write_err(self, rid: str, message: str) -> None:
         self.errors += 1
         write_err(self.dump_dir, rid, message)
 
 
+@dataclass
+class _Pending:
+    n: int
+    next_pos: int = 0
+    updated_s: float = 0.0
+
+
 class DumpCollector:
-    """Assembles each of our requests from its chunks and hands it to the writer when whole.
+    """Follows each of our requests chunk by chunk and hands each pass's rows to the writer.
 
     Detects, and reports as ``<rid>.err`` (never a silently short file):
     - a gap: a chunk whose prefix is not where the previous chunk ended (also what a radix-cache
@@ -249,14 +327,19 @@ class DumpCollector:
                 f"batch layout: {rows} rows expected, got ids {input_ids.shape[0]}, "
                 f"hidden {hidden.shape[0]}, aux {aux.shape[0]}"
             )
-        offset = 0
+        offset, taken = 0, []
         for i in range(n_req):
             ext, prefix = int(extend_lens[i]), int(prefix_lens[i])
             start, offset = offset, offset + ext
             rid = c.parse_rid(rids[i])
             if rid is None or ext == 0:
                 continue
-            self._take_chunk(rids[i], rid, prefix, ext, now, input_ids, hidden, aux, start)
+            rows_of = self._take_chunk(rids[i], rid, prefix, ext, now, input_ids, hidden, aux,
+                                       start)
+            if rows_of is not None:
+                taken.append(rows_of)
+        if taken:
+            self.writer.submit(taken)
         if now - self._last_sweep_s > min(self.ttl_s, 30.0):
             self.sweep(now)
 
@@ -271,9 +354,9 @@ class DumpCollector:
         hidden: torch.Tensor,
         aux: torch.Tensor,
         start: int,
-    ) -> None:
+    ) -> Rows | None:
         if prefix >= rid.token_count:
-            return  # a token generated after the prompt (a decode row of a mixed batch)
+            return None  # a token generated after the prompt (a decode row of a mixed batch)
         state = self._pending.get(rid_s)
         if prefix == 0:
             state = self._pending[rid_s] = _Pending(n=rid.token_count)
@@ -282,24 +365,23 @@ class DumpCollector:
             have = ("no earlier chunk" if state is None
                     else f"earlier chunks end at {state.next_pos}")
             self._fail(rid_s, f"gap: chunk starts at {prefix}, {have} (prefix-cache hit?)")
-            return
+            return None
         end = prefix + ext
         if end > state.n:
             self._pending.pop(rid_s, None)
             self._fail(rid_s, f"overrun: {end} tokens seen, rid declares {state.n}")
-            return
+            return None
         sl = slice(start, start + ext)
         dtype = c.dump_dtype_for(rid, self.writer.dtype)
         encode = encode_fp8 if dtype == c.DTYPE_FP8 else None
-        state.parts.append(self.stager.stage([ids[sl], hidden[sl], aux[sl]], encode))
+        staged = self.stager.stage([ids[sl], hidden[sl], aux[sl]], encode)
         state.next_pos, state.updated_s = end, now
         if end == state.n:
             del self._pending[rid_s]
-            self.writer.submit(DumpJob(rid_s, parts=state.parts, token_count=state.n,
-                                       dtype=dtype))
+        return Rows(rid_s, prefix, state.n, staged, dtype)
 
     def _fail(self, rid: str, message: str) -> None:
-        self.writer.submit(DumpJob(rid, error=message))
+        self.writer.submit(Failed(rid, message))
 
     def sweep(self, now: float | None = None) -> int:
         """Drop requests with no chunk for ``ttl_s``; write their ``.err``. Returns how many."""
@@ -316,23 +398,28 @@ class DumpCollector:
         return len(self._pending)
 
 
-def _assemble(chunks: list[list[torch.Tensor]], dtype: str) -> dict[str, torch.Tensor]:
-    """One request's tensors, by name, from its staged chunks (in the dump's dtypes)."""
+_TAGS = {torch.int64: "I64", torch.bfloat16: "BF16", torch.float32: "F32",
+         fp8.FP8: "F8_E4M3"}
+
+
+def _named(tensors: list[torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """One chunk's staged tensors, by name, in the dump's dtypes, contiguous."""
     if dtype == c.DTYPE_FP8:
-        ids, hq, hs, aq, as_ = (_join([ch[i] for ch in chunks], dt) for i, dt in
-                                ((0, torch.int64), (1, torch.uint8), (2, torch.float32),
-                                 (3, torch.uint8), (4, torch.float32)))
-        return {c.T_INPUT_IDS: ids, c.T_HIDDEN: hq.view(fp8.FP8), c.T_HIDDEN_SCALE: hs,
-                c.T_AUX: aq.view(fp8.FP8), c.T_AUX_SCALE: as_}
-    ids, hidden, aux = (_join([ch[i] for ch in chunks], dt) for i, dt in
-                        ((0, torch.int64), (1, torch.bfloat16), (2, torch.bfloat16)))
-    return {c.T_INPUT_IDS: ids, c.T_HIDDEN: hidden, c.T_AUX: aux}
+        ids, hq, hs, aq, as_ = tensors
+        return {c.T_INPUT_IDS: ids.to(torch.int64).contiguous(),
+                c.T_HIDDEN: hq.contiguous().view(fp8.FP8), c.T_HIDDEN_SCALE: hs.contiguous(),
+                c.T_AUX: aq.contiguous().view(fp8.FP8), c.T_AUX_SCALE: as_.contiguous()}
+    ids, hidden, aux = tensors
+    return {c.T_INPUT_IDS: ids.to(torch.int64).contiguous(),
+            c.T_HIDDEN: hidden.to(torch.bfloat16).contiguous(),
+            c.T_AUX: aux.to(torch.bfloat16).contiguous()}
 
 
-def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Concatenate chunks (no copy for a single chunk already in ``dtype``)."""
-    t = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return t.to(dtype).contiguous()
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset`` (one call writes at most ~2 GB)."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _no_space(e: BaseException) -> bool:

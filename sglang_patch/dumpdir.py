@@ -120,14 +120,24 @@ def file_mode(dir_st: os.stat_result) -> int:
     return 0o640 if dir_st.st_mode & stat.S_ISGID else 0o600
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` (a new temp name of ours) with the dump dir's file mode,
-    whatever the umask; the caller renames it into place."""
+def create_private(path: Path) -> int:
+    """Create ``path`` (a new temp name of ours) with the dump dir's file mode, whatever the
+    umask, and return its fd, open for writing; the caller renames it into place."""
     mode = file_mode(os.stat(path.parent))
     path.unlink(missing_ok=True)  # our own temp name, left by a process that had this pid
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (``create_private``); the caller renames it into place."""
+    fd = create_private(path)
+    try:
         os.write(fd, data)
     finally:
         os.close(fd)

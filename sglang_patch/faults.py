@@ -11,9 +11,9 @@ ATTEMPTS (every attempt when omitted). KIND is one of:
 - ``shape``: the aux tensor loses a column;
 - ``truncate``: the file is cut in half.
 
-The corruption happens before the atomic rename, so a worker only ever sees the final, wrong
-file — as it would from a faulty server. For the fault tests and for trying the farm's checks
-by hand; never part of a real server.
+The finished temp file is rewritten with the corruption before the atomic rename, so a worker
+only ever sees the final, wrong file — as it would from a faulty server. For the fault tests
+and for trying the farm's checks by hand; never part of a real server.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from sglang_patch import contracts as c
+from sglang_patch import dumpdir
 from sglang_patch.dump_writer import DumpWriter
 
 KINDS = ("nan", "scale", "ids", "shape", "truncate")
@@ -57,26 +59,23 @@ class FaultyWriter(DumpWriter):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.faults = faults
 
-    def _save(self, rid: str, tensors: dict[str, torch.Tensor], path: Path,
-              metadata: dict[str, str]) -> None:
+    def _sealing(self, rid: str, path: Path, metadata: dict[str, str]) -> None:
         fault = next((f for f in self.faults if f.applies(rid)), None)
         if fault is None:
-            return super()._save(rid, tensors, path, metadata)
-        t = dict(tensors)
+            return
+        t = load_file(str(path))  # test-sized dumps: rewritten whole
         if fault.kind == "nan":
-            t[c.T_HIDDEN] = t[c.T_HIDDEN].clone()
             if t[c.T_HIDDEN].element_size() == 1:  # float8 e4m3fn: 0x7F is NaN
                 t[c.T_HIDDEN].view(torch.uint8)[0, 0] = 0x7F
             else:
                 t[c.T_HIDDEN][0, 0] = float("nan")
         elif fault.kind == "scale" and c.T_HIDDEN_SCALE in t:
-            t[c.T_HIDDEN_SCALE] = t[c.T_HIDDEN_SCALE].clone()
             t[c.T_HIDDEN_SCALE][0, 0] = 0.0
         elif fault.kind == "ids":
-            t[c.T_INPUT_IDS] = t[c.T_INPUT_IDS].clone()
             t[c.T_INPUT_IDS][0] += 1
         elif fault.kind == "shape":
             t[c.T_AUX] = t[c.T_AUX][:, :-1].contiguous()
-        super()._save(rid, t, path, metadata)
+        save_file(t, str(path), metadata=metadata)
+        dumpdir.seal(path)  # the dump dir's file mode again, whatever the umask
         if fault.kind == "truncate":
             os.truncate(path, path.stat().st_size // 2)

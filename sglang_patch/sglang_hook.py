@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
-from sglang_patch.dump_writer import DumpCollector, DumpJob, DumpWriter
+from sglang_patch.dump_writer import DumpCollector, DumpWriter, Failed
 
 log = logging.getLogger("hsfarm.sglang_hook")
 
@@ -34,8 +34,8 @@ class DumpHook:
         if aux_hidden_states is None:
             for rid in rids:
                 if c.parse_rid(rid) is not None:
-                    self.writer.submit(DumpJob(rid, error="no aux hidden states: launch with "
-                                               "--enable-return-aux-hidden-states"))
+                    self.writer.submit(Failed(rid, "no aux hidden states: launch with "
+                                              "--enable-return-aux-hidden-states"))
             return
         from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from sglang_patch import contracts as c
-from sglang_patch.dump_writer import DumpCollector, DumpJob, DumpWriter, _Done, remove_stale_files
+from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
 from sglang_patch.markers import write_ready_marker
 
 H = 8
@@ -181,6 +182,7 @@ def test_abandoned_requests_are_dropped_after_ttl(rig) -> None:
     writer.flush()
     assert "incomplete: 3 of 8 tokens" in c.err_path(d, rid).read_text()
     assert col.pending == 0
+    assert [p.name for p in d.iterdir()] == [f"{rid}.err"]  # its temp file is gone too
 
 
 def test_too_few_rows_is_a_layout_error(rig) -> None:
@@ -206,23 +208,122 @@ def test_full_dump_dir_writes_err_not_a_file(tmp_path: Path) -> None:
 
 
 def test_enospc_past_the_free_space_check_is_a_full_dump_dir(tmp_path: Path) -> None:
-    # Given a real 1 MB tmpfs and no reserve: the free-space check passes, the write fails
-    # with ENOSPC inside safetensors (which raises SafetensorError, not OSError)
+    # Given a real 1 MB tmpfs and no reserve: a dump of 64 tokens (0.5 MB) passes the free
+    # space check at its first chunk, then something else fills the tmpfs
     from tests.faults import can_mount_tmpfs, small_tmpfs
 
     if not can_mount_tmpfs(tmp_path):
         pytest.skip("this machine does not let the test mount a small tmpfs (needs root)")
     with small_tmpfs(tmp_path / "dumps", "1M") as dumps:
-        (dumps / "filler").write_bytes(b"\0" * (700 << 10))
         writer = DumpWriter(dumps, {}, min_free_bytes=0)
+        col = DumpCollector(writer)
         rid = c.make_rid("big", 1, 64)
-        rows = [torch.arange(64), torch.randn(64, 1024), torch.randn(64, 3072)]
-        writer.submit(DumpJob(rid, parts=[_Done(rows)], token_count=64))
+        r = (torch.arange(64), torch.randn(64, 1024), torch.randn(64, 3072))
+        col.on_forward(**_wide_batch(rid, 0, 8, r))
+        writer.flush()
+        with open(dumps / "filler", "wb") as f, pytest.raises(OSError):
+            f.write(b"\0" * (1 << 20))
+        # When its next chunk's write fails with ENOSPC
+        col.on_forward(**_wide_batch(rid, 8, 56, r))
         writer.flush()
         writer.close()
-        # Then the worker is told the dump dir is full (it waits), not that the dump failed
+        # Then the worker is told the dump dir is full (it waits), not that the dump failed,
+        # and the half-written temp file is gone
         assert c.err_path(dumps, rid).read_text().startswith(c.ERR_DUMP_DIR_FULL)
         assert sorted(p.name for p in dumps.iterdir()) == sorted(["filler", f"{rid}.err"])
+
+
+def _wide_batch(rid: str, prefix: int, ext: int, full: tuple[torch.Tensor, ...]):
+    """One request's chunk as collector arguments, for any hidden size."""
+    sl = slice(prefix, prefix + ext)
+    return dict(rids=[rid], prefix_lens=[prefix], extend_lens=[ext], input_ids=full[0][sl],
+                hidden=full[1][sl], aux=full[2][sl])
+
+
+@pytest.mark.parametrize("dtype", [c.DTYPE_BF16, c.DTYPE_FP8])
+def test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes(
+        tmp_path: Path, dtype: str) -> None:
+    from safetensors.torch import save_file
+
+    from sglang_patch.dump_writer import encode_fp8
+
+    # Given two requests of ours whose chunks share passes
+    writer = DumpWriter(tmp_path, {c.M_LAYERS: "[2, 4, 5]"}, min_free_bytes=0, dtype=dtype)
+    col = DumpCollector(writer)
+    a, b = c.make_rid("a", 1, 10), c.make_rid("b", 1, 7)
+    ra, rb = _request(10, 11), _request(7, 12)
+    col.on_forward(**_batch([(a, 0, 4, ra), (b, 0, 3, rb)]))
+    writer.flush()
+    # Then after the first pass each request's rows are already in its temp file, at their
+    # place in a file of the whole dump's size (the server holds no earlier chunk)
+    tmp = {p.name.split(c.TMP_MARK)[0][1:]: p for p in tmp_path.iterdir()}
+    assert set(tmp) == {a, b}
+    whole = {}
+    for rid, (ids, hid, aux) in ((a, ra), (b, rb)):
+        named = {c.T_INPUT_IDS: ids, c.T_HIDDEN: hid.to(torch.bfloat16),
+                 c.T_AUX: aux.to(torch.bfloat16)}
+        if dtype == c.DTYPE_FP8:
+            q = encode_fp8([ids, hid, aux])
+            named = {c.T_INPUT_IDS: ids, c.T_HIDDEN: q[1].view(torch.float8_e4m3fn),
+                     c.T_HIDDEN_SCALE: q[2], c.T_AUX: q[3].view(torch.float8_e4m3fn),
+                     c.T_AUX_SCALE: q[4]}
+        ref = tmp_path.parent / f"{rid}.ref"
+        save_file(named, str(ref), metadata={c.M_LAYERS: "[2, 4, 5]", c.M_RID: rid,
+                                             c.M_DUMP_DTYPE: dtype})
+        whole[rid] = ref.read_bytes()
+    assert tmp[a].stat().st_size == len(whole[a])
+    head, data = _split(tmp[a].read_bytes())
+    assert head == _split(whole[a])[0]
+    assert data[:32] == _split(whole[a])[1][:32]  # ids 0-3 (ids lead the data)
+    # When the rest arrives in later passes
+    col.on_forward(**_batch([(b, 3, 4, rb), (a, 4, 3, ra)]))
+    col.on_forward(**_batch([(a, 7, 3, ra)]))
+    writer.flush()
+    writer.close()
+    # Then each dump has what the safetensors library writes for the whole request: the same
+    # header (the library orders metadata at random, so compared parsed) and data bytes; and
+    # no temp file is left
+    for rid in (a, b):
+        got = c.dump_path(tmp_path, rid).read_bytes()
+        assert _split(got)[0] == _split(whole[rid])[0]
+        assert _split(got)[1] == _split(whole[rid])[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{r}.safetensors" for r in (a, b))
+
+
+def _split(raw: bytes) -> tuple[dict, bytes]:
+    """A safetensors file's parsed header and its data bytes."""
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def test_the_free_space_check_counts_the_dumps_being_written(tmp_path: Path) -> None:
+    # Given a real 2.5 MB tmpfs with room for one dump of 64 tokens (1.6 MB) but not two
+    from tests.faults import can_mount_tmpfs, small_tmpfs
+
+    if not can_mount_tmpfs(tmp_path):
+        pytest.skip("this machine does not let the test mount a small tmpfs (needs root)")
+    r = (torch.arange(64), torch.randn(64, 3072), torch.randn(64, 3 * 3072))
+    with small_tmpfs(tmp_path / "dumps", "2560K") as dumps:
+        writer = DumpWriter(dumps, {}, min_free_bytes=0)
+        col = DumpCollector(writer)
+        a, b = c.make_rid("a", 1, 64), c.make_rid("b", 1, 64)
+        # When both start in one pass, each with 8 of its rows written so far
+        col.on_forward(**_two(a, b, 0, 8, r))
+        col.on_forward(**_two(a, b, 8, 56, r))
+        writer.flush()
+        writer.close()
+        # Then the second is refused at its start for the bytes promised to the first, not
+        # only those on the tmpfs, and the first is whole
+        assert "promised to dumps being written" in c.err_path(dumps, b).read_text()
+        assert torch.equal(_load(dumps, a)[c.T_AUX], r[2].to(torch.bfloat16))
+        assert sorted(p.name for p in dumps.iterdir()) == [f"{a}.safetensors", f"{b}.err"]
+
+
+def _two(a: str, b: str, prefix: int, ext: int, r: tuple[torch.Tensor, ...]):
+    one = _wide_batch(a, prefix, ext, r)
+    return dict(rids=[a, b], prefix_lens=[prefix] * 2, extend_lens=[ext] * 2,
+                **{k: torch.cat([one[k], one[k]]) for k in ("input_ids", "hidden", "aux")})
 
 
 def test_bounded_queue_applies_backpressure(tmp_path: Path) -> None:

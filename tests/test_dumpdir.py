@@ -18,7 +18,7 @@ import torch
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
-from sglang_patch.dump_writer import DumpJob, DumpWriter, _Done
+from sglang_patch.dump_writer import DumpWriter, Failed, Rows, _Done
 from sglang_patch.markers import write_ready_marker
 from tests.conftest import CACHE, FAST_ENV
 from worker import dumps as worker_dumps
@@ -103,8 +103,8 @@ def _write_dump(d: Path, rid: str, n: int = 4, h: int = 8, config_sha256: str = 
                         min_free_bytes=0)
     try:
         ids = torch.arange(n)
-        writer.submit(DumpJob(rid, parts=[_Done([ids, torch.randn(n, h), torch.randn(n, 3 * h)])]))
-        writer.submit(DumpJob(rid + "x", error="a test error"))
+        writer.submit([Rows(rid, 0, n, _Done([ids, torch.randn(n, h), torch.randn(n, 3 * h)]))])
+        writer.submit(Failed(rid + "x", "a test error"))
         writer.flush()
     finally:
         writer.close()

@@ -13,7 +13,6 @@ the ones the hook wrote.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from sglang_patch import contracts as c
 from worker.errors import Corrupt
 
 # safetensors dtype tag -> numpy dtype holding the raw bytes
@@ -33,8 +33,6 @@ _DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype("<f4"),
     "F8_E4M3": np.dtype("u1"),  # float8 e4m3fn bits (fp8 storage, worker/fp8.py)
 }
-# the order the safetensors library lays tensors out in: wider dtypes first, then by name
-_LAYOUT_RANK = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F8_E4M3": 4, "U8": 5}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 _BF16_EXP_MASK = 0x7F80
 
@@ -159,20 +157,14 @@ def read_header_fd(fd: int, name: str) -> Header:
 
 def encode_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
                   metadata: dict[str, str]) -> tuple[bytes, Header]:
-    """Build a file's leading bytes (length + JSON, space-padded to 8 bytes, as safetensors
-    does) for tensors ``{name: (dtype, shape)}``, laid out in the library's order."""
-    order = sorted(tensors, key=lambda k: (_LAYOUT_RANK[tensors[k][0]], k))
-    body: dict[str, object] = {"__metadata__": dict(metadata)}
-    entries, pos = {}, 0
-    for k in order:
-        dtype, shape = tensors[k]
-        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
-        entries[k] = Entry(dtype, tuple(shape), pos, pos + nbytes)
-        body[k] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw, Header(entries, dict(metadata), 8 + len(raw))
+    """Build a file's leading bytes (``contracts.safetensors_header``: the library's layout)
+    for tensors ``{name: (dtype, shape)}``, and the header they encode."""
+    for k, (dtype, _) in tensors.items():
+        if dtype not in _DTYPES:
+            raise ValueError(f"tensor {k} has unsupported dtype {dtype}")
+    head, ranges = c.safetensors_header(tensors, metadata)
+    entries = {k: Entry(tensors[k][0], tuple(tensors[k][1]), a, b) for k, (a, b) in ranges.items()}
+    return head, Header(entries, dict(metadata), len(head))
 
 
 def write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
