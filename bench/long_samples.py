@@ -8,7 +8,9 @@ without torch, as on a worker host), ``FARM_MAX_TOKENS`` = the longest sample. T
 go one at a time (one run, one enqueue each, waited for before the next). Reported per
 sample: its tokens, the final file's bytes, the wall time from enqueue to done, the worker
 pool process's peak RSS (``VmHWM``, which counts the dump's tmpfs pages it maps) after that
-sample, and the most dump bytes held in tmpfs. The dump dir is in ``--shm`` (tmpfs), final
+sample, the server's peak RSS so far (the dump hook's host memory: since the dump writer writes
+each pass's rows as they come, it does not grow with the sample), and the most dump bytes held
+in tmpfs. The dump dir is in ``--shm`` (tmpfs), final
 files in ``--out-dir``.
 """
 
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         farm.start_worker("w1", concurrency=1)
         admission = json.loads(farm.cli("status", "--json").stdout)["admission"]
         child = farm.procs["w1"].children()[0]
+        server = farm.procs["server"].pid
         for tokens in args.tokens:
             key = f"long{tokens}"
             data = work / f"{key}.jsonl"
@@ -96,7 +99,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wall_s = time.monotonic() - t0
             final = c.final_path(out, key)
             row = {"tokens": tokens, "file_bytes": final.stat().st_size, "wall_s": wall_s,
-                   "worker_peak_rss_mb": peak_rss_mb(child), "tmpfs_peak_bytes": shm_peak[0]}
+                   "worker_peak_rss_mb": peak_rss_mb(child),
+                   "server_peak_rss_mb": peak_rss_mb(server), "tmpfs_peak_bytes": shm_peak[0],
+                   "load_avg": os.getloadavg()}
             print(json.dumps(row), flush=True)
             rows.append(row)
             final.unlink()  # disk space: the next sample is bigger
@@ -111,11 +116,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["| tokens | final file | wall (enqueue → done) | worker peak RSS | tmpfs peak |",
-             "|---|---|---|---|---|"]
+    lines = ["| tokens | final file | wall (enqueue → done) | worker peak RSS "
+             "| server peak RSS | tmpfs peak |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['tokens']:,} | {r['file_bytes'] / 1e9:.2f} GB | {r['wall_s']:.1f} s"
                      f" | {r['worker_peak_rss_mb']:.0f} MB"
+                     f" | {r['server_peak_rss_mb']:.0f} MB"
                      f" | {r['tmpfs_peak_bytes'] / 1e9:.2f} GB |")
     return "\n".join(lines)
 
