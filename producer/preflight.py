@@ -26,7 +26,7 @@ from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from sglang_patch import markers as mk
 from sglang_patch.verify import check_marker, sglang_missing
-from worker import broker, canary, weights
+from worker import broker, canary, dumps, weights
 from worker import run as runs
 from worker.client import ServerClient
 from worker.errors import ConfigError, FarmError
@@ -264,7 +264,10 @@ def check_hook(settings: Settings) -> Line:
         return fail(f"ready marker: no dump dir {settings.dump_dir}: the hook creates it when "
                     f"the server starts with SGLANG_HS_DUMP_DIR={settings.dump_dir}")
     result = check_marker(settings.dump_dir, max_age_s=3600)
-    return (ok if result.ok else fail)(f"{result.name}: {result.detail}")
+    if not result.ok:
+        return fail(f"{result.name}: {result.detail}")
+    why = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)
+    return fail(f"{result.name}: {why}") if why else ok(f"{result.name}: {result.detail}")
 
 
 # --- this host: GPUs and the SGLang plugin ----------------------------------------------------

@@ -102,12 +102,19 @@ def is_valid_sample_key(key: str) -> bool:
     return len(key) <= MAX_KEY_LEN and bool(_SAFE_KEY_RE.match(key)) and ".." not in key
 
 
+def is_user_sample_key(key: str) -> bool:
+    """A valid key that is not the farm's own (``INTERNAL_KEY_PREFIX``: the canary and the
+    probes, dumped in bf16 whatever the run stores): a record's id never becomes one."""
+    return is_valid_sample_key(key) and not key.startswith(INTERNAL_KEY_PREFIX)
+
+
 def sample_key_for(source_id: object, content_sha256: str) -> str:
     """Turn a record's id (any JSON scalar, or None) into a safe, stable sample key.
 
     An id that is already safe is kept as it is. Anything else (path separators, ``..``,
-    spaces, non-ASCII, over-long) is replaced character by character and suffixed with a
-    hash of the original, so two different ids never map to the same key by sanitising.
+    spaces, non-ASCII, over-long, the farm's own ``_hsfarm_`` prefix) is replaced character
+    by character and suffixed with a hash of the original, so two different ids never map to
+    the same key by sanitising.
     Records without an id are keyed by their content: ``rec-<content hash>``. A position
     would not do: two data files of one run both have a record 5, and inserting a record
     would shift every key after it; the same content is the same sample wherever it sits.
@@ -115,7 +122,7 @@ def sample_key_for(source_id: object, content_sha256: str) -> str:
     if source_id is None:
         return f"rec-{content_sha256[:20]}"
     text = source_id if isinstance(source_id, str) else json.dumps(source_id)
-    if is_valid_sample_key(text):
+    if is_user_sample_key(text):
         return text
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     cleaned = _UNSAFE_CHAR_RE.sub("_", text).replace("..", "__").lstrip("._-")

@@ -118,6 +118,14 @@ def markers(dump_dir: Path) -> list[Marker]:
     return sorted(found, key=lambda m: m.time)
 
 
+def newest_live(dump_dir: Path) -> Marker | None:
+    """The newest marker whose process runs, else the newest not known dead (another host's
+    or pid namespace's); None when there is neither."""
+    found = markers(dump_dir)
+    live = [m for m in found if m.state == ALIVE] or [m for m in found if m.state != DEAD]
+    return live[-1] if live else None
+
+
 def remove_dead(dump_dir: Path) -> list[Marker]:
     """Remove the markers of dead processes (never an alive or unknown one); what went."""
     gone = []

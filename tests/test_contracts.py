@@ -77,6 +77,11 @@ def test_safe_ids_are_kept_and_unsafe_ones_do_not_collide() -> None:
     assert c.sample_key_for("a/b", h) != c.sample_key_for("a_b", h)
     assert c.sample_key_for("a/b", h) != c.sample_key_for("a\\b", h)
     assert c.sample_key_for("x" * 500, h) != c.sample_key_for("x" * 501, h)
+    # a record's id never becomes one of the farm's own keys (the canary's, dumped in bf16 in
+    # an fp8 run): it is renamed like an unsafe id, and kept
+    key = c.sample_key_for(f"{c.INTERNAL_KEY_PREFIX}canary", h)
+    assert c.is_user_sample_key(key) and key != f"{c.INTERNAL_KEY_PREFIX}canary"
+    assert c.sample_key_for(f"{c.INTERNAL_KEY_PREFIX}canary", h) == key
 
 
 def test_records_without_id_are_keyed_by_content_not_position() -> None:

@@ -177,6 +177,32 @@ def test_the_worker_stores_fp8_dumps_and_refuses_nan_zero_scales_and_the_other_d
         dumps.open_dump(tmp_path / "good", ids, _fp(c.DTYPE_BF16))
 
 
+def test_a_server_of_the_other_dtype_is_named_before_the_worker_takes_work(
+        tmp_path: Path) -> None:
+    from sglang_patch.markers import write_ready_marker
+
+    # Given a dump dir whose live hook (this process) stores fp8, and one of an older hook
+    fp8_dir, old_dir = tmp_path / "fp8", tmp_path / "old"
+    for d in (fp8_dir, old_dir):
+        d.mkdir(mode=0o700)
+    write_ready_marker(fp8_dir, {"dump_dtype": c.DTYPE_FP8})
+    write_ready_marker(old_dir, {})
+    # Then a bf16 run is told which server stores what, and the fix; a run of the server's
+    # dtype, and a bf16 run against the older hook (bf16 only), start
+    why = dumps.served_dtype_problem(fp8_dir, c.DTYPE_BF16)
+    assert why is not None and "stores fp8_e4m3 hidden states" in why
+    assert f"{c.ENV_DUMP_DTYPE}=bfloat16" in why and "FARM_STORE_DTYPE" in why
+    assert dumps.served_dtype_problem(fp8_dir, c.DTYPE_FP8) is None
+    assert dumps.served_dtype_problem(old_dir, c.DTYPE_BF16) is None
+    assert "stores bfloat16" in (dumps.served_dtype_problem(old_dir, c.DTYPE_FP8) or "")
+    # And ops/preflight.sh says so on the hook's line
+    from producer.preflight import check_hook
+
+    line = check_hook(Settings(dump_dir=fp8_dir))
+    assert line.level == "FAIL" and "stores fp8_e4m3" in line.text, line
+    assert check_hook(Settings(dump_dir=fp8_dir, store_dtype="fp8_e4m3")).level == "OK"
+
+
 def test_corrupt_scales_are_caught_by_verify(tmp_path: Path) -> None:
     store = OutputStore(tmp_path / "out", _fp(h=4)).open()
     n = 6

@@ -91,6 +91,7 @@ GOOD = {"k": "ex-1", "f": "/data/x.jsonl", "o": 0, "n": 10, "h": "0" * 32, "i": 
 @pytest.mark.parametrize(("change", "reason"), [
     ({"k": "../../../models/tiny/model"}, "is not a sample key"),
     ({"k": "a/b"}, "is not a sample key"),
+    ({"k": "_hsfarm_canary"}, "one of the farm's own"),
     ({"k": 5}, "field 'k' must be str"),
     ({"f": "relative/x.jsonl"}, "not an absolute file path"),
     ({"h": "../x"}, "32-hex-digit"),

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from sglang_patch import dumpdir
+from sglang_patch import dumpdir, markers
 from worker import fp8, tensorfile
 from worker.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.finalfile import Part
@@ -167,16 +167,37 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
         raise
 
 
+def served_dtype_problem(dump_dir: Path, run_dtype: str) -> str | None:
+    """What is wrong when the server writing ``dump_dir`` stores other hidden states than the
+    run (its newest ready marker of a process not known dead says which; an older hook's says
+    nothing and stores bf16); None when they agree or no marker is there to ask.
+
+    Checked at the worker's start, so a server started without the run's dtype stops the
+    worker with the fix before it takes a sample (each dump's own check stays)."""
+    marker = markers.newest_live(dump_dir)
+    if marker is None:
+        return None
+    served = str(marker.info.get("dump_dtype") or c.DTYPE_BF16)
+    if served == run_dtype:
+        return None
+    return (f"the server writing {dump_dir} stores {served} hidden states (its ready marker "
+            f"{marker.path.name}), {_dtype_fix(run_dtype)}")
+
+
+def _dtype_fix(run_dtype: str) -> str:
+    return (f"this run stores {run_dtype}: start the server with {c.ENV_DUMP_DTYPE}={run_dtype} "
+            f"(the reference server: --dump-dtype {run_dtype}), or use the run's "
+            "FARM_STORE_DTYPE")
+
+
 def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> Dump:
     try:
         header = tensorfile.read_header_fd(f.fileno(), path.name)
         t = header.tensors
         dtype = header.metadata.get(c.M_DUMP_DTYPE, c.DTYPE_BF16)
         if dtype != fp.dtype:
-            raise ServerMisconfigured(
-                f"dump {path.name} holds {dtype} hidden states, this run stores {fp.dtype}: "
-                f"start the server with {c.ENV_DUMP_DTYPE}={fp.dtype} (the reference server: "
-                f"--dump-dtype {fp.dtype}), or use the run's FARM_STORE_DTYPE")
+            raise ServerMisconfigured(f"dump {path.name} holds {dtype} hidden states, "
+                                      f"{_dtype_fix(fp.dtype)}")
         n, h = len(sent_ids), fp.hidden_size
         want = c.hidden_layout(fp.dtype, n, h)
         missing = {c.T_INPUT_IDS, *want} - set(t)

@@ -97,8 +97,8 @@ class SampleRef:
         fid = _field(d, "d", int) if "d" in d else 0
         file = "" if "d" in d else _field(d, "f", str)
         problems = []
-        if not c.is_valid_sample_key(key):
-            problems.append(f"k: {key[:100]!r} is not a sample key")
+        if not c.is_user_sample_key(key):
+            problems.append(f"k: {key[:100]!r} is not a sample key (or one of the farm's own)")
         if "d" in d and fid < 1:
             problems.append(f"d: {fid} is not a data file id")
         if "d" not in d and (not os.path.isabs(file) or "\0" in file or len(file) > 4096):

@@ -31,7 +31,7 @@ from typing import Any
 import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker import broker, canary, liveness, reaper, run, time_limits, weights
+from worker import broker, canary, dumps, liveness, reaper, run, time_limits, weights
 from worker.app import settings
 from worker.canary_check import Outcome
 from worker.client import ServerClient
@@ -168,6 +168,9 @@ def _on_worker_init(**_: Any) -> None:
         _consume_the_runs_queue(r, CONTEXT.store.run_id)
         register_host(r, settings, CONTEXT.store.run_id, CONTEXT.fingerprint.id)
         _check_served_weights(_wait_for_hook())
+        why = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)
+        if why:
+            raise ConfigError(why)
         _wait_for_canary(r)
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:
