@@ -1,10 +1,11 @@
-"""Model-agnostic dump writer: assemble per-request rows across forward passes, write files.
+"""Model-agnostic dump writer: each request's rows, pass by pass, written into its dump file.
 
 Used unchanged by the SGLang plugin and by the reference server. The caller hands over one
 forward pass at a time as a flattened batch (rows of all requests, in request order) with the
 request ids and per-request prefix/extend lengths, exactly as SGLang's ForwardBatch carries
 them. Only rids that parse as ours (``contracts.parse_rid``) are kept; everything else
-(health checks, warm-up, other clients) is ignored without a copy.
+(health checks, warm-up, other clients) is ignored without a copy. A request's rows go to its
+file as they come (``DumpWriter``): the server never holds a whole long prompt's states.
 
 Why the staging seam: on a GPU the copy must stay off the critical path, so a ``Stager``
 starts an asynchronous device-to-host copy and returns at once; the writer thread waits for
