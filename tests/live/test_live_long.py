@@ -88,9 +88,7 @@ def long_model(module_dir: Path, tiny_model: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(module_dir: Path, long_model: Path) -> Iterator[LiveServer]:
-    # --sleep-on-idle: an idle scheduler otherwise polls its sockets on one of the two cores
-    # (9.8 CPU-s in 10 s, measured), which the reference's forward then shares
-    flags = ["--chunked-prefill-size", str(CHUNK), "--dtype", "float32", "--sleep-on-idle"]
+    flags = ["--chunked-prefill-size", str(CHUNK), "--dtype", "float32"]
     server = LiveServer(long_model, module_dir, module_dir / "dumps", extra=flags)
     with running(server, f"TP=1, context {CONTEXT}, --chunked-prefill-size {CHUNK}, float32"):
         yield server
