@@ -248,7 +248,9 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
         entry = job.ledger.entries.get(key)
         if entry is not None and not _dest_problems(job, entry, src_sums):
             return _Outcome(0, job.delete_source and _delete_verified(src, src_sums, seen))
-        arrays = src.read_all(_buffer(src.size_bytes))
+        # mapped, asked for whole: the save writes from the page cache's pages (no buffer
+        # of the sample's size allocated, zero-filled and copied into per export thread)
+        arrays = src.map_all(prefetch=True)
         _same_file(src_path, seen)
         arrays, want = fp8.as_exported(job.info, arrays, src_sums)  # fp8 runs: bf16 out
         tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
@@ -264,19 +266,6 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
     finally:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-
-
-_buffers = threading.local()
-
-
-def _buffer(size_bytes: int) -> bytearray:
-    """This thread's buffer for reading a source, at least ``size_bytes`` (reused: filling
-    freshly allocated memory cost more than the disk read on this project's VM)."""
-    buf: bytearray | None = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < size_bytes:
-        _buffers.buf = None  # the old one is freed before the new one is allocated
-        buf = _buffers.buf = bytearray(size_bytes)
-    return buf
 
 
 def _dest_problems(job: _Job, entry: dict[str, object], src_sums: checksums.Recorded) -> list[str]:
