@@ -2,16 +2,19 @@
 
 For each ``--tokens`` size (default 1,500 and 8,192 tokens at H = 7168: 86 MB and 470 MB
 samples), writes about ``--bytes-per-size`` of real output files (the farm's own
-``OutputStore.write``: checksums, fsync, rename), then measures, alternating the two sides of
-each pair ``--rounds`` times, with every source file's pages dropped from the page cache
-before each pass:
+``OutputStore.write``: checksums, fsync, rename), then measures pairs, each pass from a cold
+page cache (every source file's pages dropped, the disk given all pending work first) and
+its output removed after it:
 
-- export (``training.export.runner.export``, ``--jobs``) bytes/s vs the same work its guarantee
-  needs done plainly on the same files: ``cp``, fsync, drop the copy's pages, read it back
-  (one copy before each export, the formats taking turns, every format against the median
-  of all the size's copies);
+- export (``training.export.runner.export``, at each ``--jobs``) against the same work its
+  guarantee needs done plainly on the same files, right before or after it: ``cp``, fsync,
+  drop the copy's pages, read it back;
 - the loader (``training.loader.HiddenStates``, every tensor copied into a buffer, as a
-  pinned-memory stage would) samples/s vs reading each file whole into a buffer.
+  pinned-memory stage would) against reading each file whole into a buffer.
+
+Which side of a pair runs first alternates (on this project's VM a pass right after another
+ran slower); each pair gives a ratio, and the figure quoted is the geometric mean of the two
+orders' median ratios (``summary``), with the range of single pairs beside it.
 
     python bench/training_io.py --work-dir /tmp/bench --json out.json
 """
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sglang_patch import contracts as c
 from training import checksums, index
 from training.durable import drop_cache
-from training.export.runner import export
+from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
 from worker import tensorfile
 from worker.final_norm import FinalNorm, write_final_norm
@@ -137,8 +140,8 @@ def main() -> int:
                     help="about this much of samples per size (at least 2 samples)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2],
-                    help="export's --jobs values to measure")
+    ap.add_argument("--jobs", type=int, nargs="+", default=sorted({1, DEFAULT_JOBS}),
+                    help="export's --jobs values to measure (default: 1 and the CLI's)")
     ap.add_argument("--formats", default="specforge,modelopt,speculators")
     ap.add_argument("--no-loader", action="store_true")
     ap.add_argument("--json", type=Path, default=None)

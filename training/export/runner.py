@@ -46,6 +46,12 @@ from worker.store import _writer_dead as writer_dead  # the store's own temp-nam
 from worker.store import free_bytes
 
 MARGIN_BYTES = 64 << 20
+# Samples exported at once: one sample's CPU work (the save's page faults, speculators'
+# derivation, the read-back's hashing) overlaps the other's disk I/O. Measured against one
+# stream at 86 and 470 MB samples (bench/training_io.py, docs/benchmarks.md): 2 was faster
+# in every run at both sizes (1.02-1.47x, median 1.27x) on this project's VM disk, so one
+# default fits both; a disk that two streams slow down is the case for --jobs 1.
+DEFAULT_JOBS = 2
 
 
 @dataclass
@@ -97,8 +103,8 @@ class _Outcome:
     deleted: bool = False
 
 
-def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: bool = False,
-           progress: Callable[[int], None] | None = None,
+def export(out_dir: Path, to: str, dest: Path, jobs: int = DEFAULT_JOBS,
+           delete_source: bool = False, progress: Callable[[int], None] | None = None,
            throttle_s: float = 0.0, also: Sequence[Path] = ()) -> ExportSummary:
     """Export every sample of ``out_dir`` not yet in DEST as it is now.
 
