@@ -2,16 +2,19 @@
 
 For each ``--tokens`` size (default 1,500 and 8,192 tokens at H = 7168: 86 MB and 470 MB
 samples), writes about ``--bytes-per-size`` of real output files (the farm's own
-``OutputStore.write``: checksums, fsync, rename), then measures, alternating the two sides of
-each pair ``--rounds`` times, with every source file's pages dropped from the page cache
-before each pass:
+``OutputStore.write``: checksums, fsync, rename), then measures pairs, each pass from a cold
+page cache (every source file's pages dropped, the disk given all pending work first) and
+its output removed after it:
 
-- export (``training.export.runner.export``, ``--jobs``) bytes/s vs the same work its guarantee
-  needs done plainly on the same files: ``cp``, fsync, drop the copy's pages, read it back
-  (one copy before each export, the formats taking turns, every format against the median
-  of all the size's copies);
+- export (``training.export.runner.export``, at each ``--jobs``) against the same work its
+  guarantee needs done plainly on the same files, right before or after it: ``cp``, fsync,
+  drop the copy's pages, read it back;
 - the loader (``training.loader.HiddenStates``, every tensor copied into a buffer, as a
-  pinned-memory stage would) samples/s vs reading each file whole into a buffer.
+  pinned-memory stage would) against reading each file whole into a buffer.
+
+Which side of a pair runs first alternates (on this project's VM a pass right after another
+ran slower); each pair gives a ratio, and the figure quoted is the geometric mean of the two
+orders' median ratios (``summary``), with the range of single pairs beside it.
 
     python bench/training_io.py --work-dir /tmp/bench --json out.json
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sglang_patch import contracts as c
 from training import checksums, index
 from training.durable import drop_cache
-from training.export.runner import export
+from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
 from worker import tensorfile
 from worker.final_norm import FinalNorm, write_final_norm
@@ -114,11 +118,18 @@ def loader_reads(ds: HiddenStates, buf: torch.Tensor) -> int:
     return len(ds)
 
 
-def timed(fn: Callable[[], object], out: Path) -> float:
+def timed(fn: Callable[[], object], out: Path, then_remove: Path | None = None) -> float:
+    """Seconds ``fn`` takes from a cold page cache, after the disk was given everything
+    pending (the last pass's deletions: this file system discards freed blocks); then
+    ``then_remove`` is removed, so every pass starts from the same state."""
+    os.sync()
     cold(out)
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    s = time.perf_counter() - t0
+    if then_remove is not None:
+        shutil.rmtree(then_remove)
+    return s
 
 
 def main() -> int:
@@ -129,17 +140,51 @@ def main() -> int:
                     help="about this much of samples per size (at least 2 samples)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--jobs", type=int, nargs="+", default=sorted({1, DEFAULT_JOBS}),
+                    help="export's --jobs values to measure (default: 1 and the CLI's)")
     ap.add_argument("--formats", default="specforge,modelopt,speculators")
+    ap.add_argument("--no-loader", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     res: dict[str, object] = {"machine": f"{platform.node()} {os.cpu_count()} cpus",
-                              "date": time.strftime("%Y-%m-%d"), "hidden": a.hidden,
-                              "sizes": [bench_size(a, t) for t in a.tokens]}
+                              "date": time.strftime("%Y-%m-%d %H:%M"), "hidden": a.hidden,
+                              "load_before": os.getloadavg(), "argv": sys.argv[1:],
+                              "sizes": [bench_size(a, t) for t in a.tokens],
+                              "load_after": os.getloadavg()}
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
     shutil.rmtree(a.work_dir, ignore_errors=True)
     return 0
+
+
+def pair(first: Callable[[], float], second: Callable[[], float],
+         swap: bool) -> tuple[float, float]:
+    """Time both sides back to back, ``second`` first when ``swap``: neither side always
+    gets the disk's state left by the other."""
+    if swap:
+        s = second()
+        return first(), s
+    f = first()
+    return f, second()
+
+
+def summary(baseline_s: list[float], ours_s: list[float], ours_first: list[bool],
+            nbytes: float) -> dict[str, object]:
+    """Per-pair ratios (baseline time / ours: > 1 means ours is faster): their median and
+    range, and the median of each order. Which side ran second mattered on this VM (a pass
+    right after another ran slower), so the figure quoted is the geometric mean of the two
+    orders' medians: a factor that slows whichever side runs second cancels out of it."""
+    ratios = [b / o for b, o in zip(baseline_s, ours_s, strict=True)]
+    by_order = {first: [r for r, f in zip(ratios, ours_first, strict=True) if f == first]
+                for first in (False, True)}
+    medians = {k: statistics.median(v) for k, v in by_order.items() if v}
+    return {"ratio": math.prod(medians.values()) ** (1 / len(medians)),
+            "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "ratio_baseline_first": medians.get(False), "ratio_ours_first": medians.get(True),
+            "ratios": ratios, "ours_first": ours_first,
+            "baseline_per_s": nbytes / statistics.median(baseline_s),
+            "ours_per_s": nbytes / statistics.median(ours_s),
+            "baseline_s": baseline_s, "ours_s": ours_s}
 
 
 def bench_size(a: argparse.Namespace, tokens: int) -> dict[str, object]:
@@ -154,44 +199,55 @@ def bench_size(a: argparse.Namespace, tokens: int) -> dict[str, object]:
     norm = FinalNorm("model.norm.weight", tensorfile.Tensor("F32", np.ones(a.hidden, np.float32)),
                      1e-6, "bench")
     write_final_norm(out, norm, checksums.as_metadata({"weight": checksums.of(norm.weight.array)}))
-    # One baseline for every format: a copy before each export, the formats taking turns
-    # within each round, so no format's ratio rests on copies made in one stretch of this
-    # virtual disk's moods (they moved ±40% between stretches of one run).
+    # Every export is paired with its own copy, made right before or right after it (in
+    # turn), and judged by that pair's ratio: single passes of the same copy on this virtual
+    # disk moved 2-3x between stretches of one run, so only neighbours compare.
     formats = a.formats.split(",")
-    copies: list[float] = []
-    exports: dict[str, list[float]] = {fmt: [] for fmt in formats}
+    runs = [(fmt, jobs) for fmt in formats for jobs in a.jobs]
+    copies: dict[str, list[float]] = {f"{f} jobs {j}": [] for f, j in runs}
+    exports: dict[str, list[float]] = {f"{f} jobs {j}": [] for f, j in runs}
+    swapped: dict[str, list[bool]] = {f"{f} jobs {j}": [] for f, j in runs}
     for r in range(a.rounds):
-        for fmt in formats[r % len(formats):] + formats[: r % len(formats)]:
-            dest = a.work_dir / f"copy{r}{fmt}"
-            copies.append(timed(partial(copy_fsync_readback, out, dest), out))
-            shutil.rmtree(dest)
-            dest = a.work_dir / f"{fmt}{r}"
-            exports[fmt].append(timed(partial(export, out, fmt, dest, jobs=a.jobs), out))
-            shutil.rmtree(dest)
-    c_s = statistics.median(copies)
-    res["copy_fsync_readback_MBps"] = total / c_s / 1e6
-    res["copy_fsync_readback_MBps_range"] = [total / max(copies) / 1e6, total / min(copies) / 1e6]
-    print("copy + fsync + read-back", res["copy_fsync_readback_MBps"],
-          res["copy_fsync_readback_MBps_range"], flush=True)
-    for fmt in formats:
-        e_s = statistics.median(exports[fmt])
-        res[f"export_{fmt}"] = {"export_MBps": total / e_s / 1e6, "ratio": c_s / e_s,
-                                "ratio_range": [min(copies) / max(exports[fmt]),
-                                                max(copies) / min(exports[fmt])]}
-        print(fmt, res[f"export_{fmt}"], flush=True)
+        for fmt, jobs in runs[r % len(runs):] + runs[: r % len(runs)]:
+            name = f"{fmt} jobs {jobs}"
+            swap = (r + runs.index((fmt, jobs))) % 2 == 1  # export first every other round
+            dest, cdest = a.work_dir / f"{fmt}{r}", a.work_dir / f"copy{r}{fmt}"
+            c_s, e_s = pair(partial(timed, partial(copy_fsync_readback, out, cdest), out, cdest),
+                            partial(timed, partial(export, out, fmt, dest, jobs=jobs), out, dest),
+                            swap)
+            copies[name].append(c_s)
+            exports[name].append(e_s)
+            swapped[name].append(swap)
+            print(f"  {name}: {'export' if swap else 'copy'} first: copy "
+                  f"{total / c_s / 1e6:.0f} MB/s, export {total / e_s / 1e6:.0f} MB/s, "
+                  f"ratio {c_s / e_s:.2f}", flush=True)
+    for name in exports:
+        res[f"export {name}"] = s = summary(copies[name], exports[name], swapped[name],
+                                            total / 1e6)
+        print(f"export {name}: ratio {s['ratio']:.2f} {s['ratio_range']}", flush=True)
+    if not a.no_loader:
+        res["loader"] = bench_loader(a, out, samples)
+    return res
+
+
+def bench_loader(a: argparse.Namespace, out: Path, samples: int) -> dict[str, object]:
+    """The loader against one ``readinto`` per file, each pass paired with a raw pass made
+    right before or after it (in turn)."""
     index.refresh(out)  # the loader's order and lengths come from the index
     ds, lazy = HiddenStates(out, "hsfarm"), HiddenStates(out, "hsfarm", lazy=True)
     buf = torch.empty(max(p.stat().st_size for p in index.sample_files(out)), dtype=torch.uint8)
-    raws, loads, lazies = [], [], []
-    for _ in range(a.rounds):
-        raws.append(timed(partial(raw_reads, out, buf), out))
-        loads.append(timed(partial(loader_reads, ds, buf), out))
-        lazies.append(timed(partial(loader_reads, lazy, buf), out))
-    r_s, l_s, z_s = (statistics.median(x) for x in (raws, loads, lazies))
-    res["loader"] = {"raw_samples_per_s": samples / r_s,
-                     "loader_samples_per_s": samples / l_s, "ratio": r_s / l_s,
-                     "lazy_samples_per_s": samples / z_s, "lazy_ratio": r_s / z_s}
-    print("loader", res["loader"], flush=True)
+    raw = partial(timed, partial(raw_reads, out, buf), out)
+    res: dict[str, object] = {}
+    for name, loader in (("eager", ds), ("lazy", lazy)):
+        raws, loads = [], []
+        order = [r % 2 == 1 for r in range(a.rounds * 2)]
+        for swap in order:
+            r_s, l_s = pair(raw, partial(timed, partial(loader_reads, loader, buf), out), swap)
+            raws.append(r_s)
+            loads.append(l_s)
+        res[name] = s = summary(raws, loads, order, samples)
+        print(f"loader {name}: {s['ours_per_s']:.2f} vs raw {s['baseline_per_s']:.2f} "
+              f"samples/s, ratio {s['ratio']:.2f} {s['ratio_range']}", flush=True)
     return res
 
 

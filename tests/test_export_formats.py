@@ -3,6 +3,7 @@ aux slots hashed in place (training/export/formats.py)."""
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,36 @@ def test_speculators_check_refuses_a_cut_short_file(tmp_path: Path) -> None:
     path.write_bytes(data[:-10])
     with pytest.raises(Corrupt):
         FORMATS["speculators"].check(path, sums, derived)
+
+
+def test_torch_saves_skip_the_zip_crc_while_any_export_saves_and_load_as_before(
+        tmp_path: Path) -> None:
+    # Given torch's CRC setting on (its default) and two export threads whose saves overlap,
+    # the first to start ending first
+    import torch
+
+    from training.export.formats import _no_zip_crc32
+
+    assert torch.serialization.get_crc32_options()
+    first, second = _no_zip_crc32(), _no_zip_crc32()
+    first.__enter__()
+    second.__enter__()
+    # When a sample is saved meanwhile, then the setting is off until the last save ends
+    src: dict[str, np.ndarray] = {
+        c.T_INPUT_IDS: np.arange(4), c.T_LOSS_MASK: np.ones(4, np.int64),
+           c.T_HIDDEN: np.arange(8, dtype=np.uint16).reshape(4, 2),
+           c.T_AUX: np.arange(24, dtype=np.uint16).reshape(4, 6)}
+    path = tmp_path / "k.ckpt"
+    FORMATS["specforge"].write(path, "k", src, checksums.compute(src), None)
+    assert not torch.serialization.get_crc32_options()
+    with zipfile.ZipFile(path) as z:  # a zip tool sees the missing CRCs
+        assert z.testzip() is not None
+    first.__exit__(None, None, None)
+    assert not torch.serialization.get_crc32_options()
+    second.__exit__(None, None, None)
+    assert torch.serialization.get_crc32_options()
+    # And the file written without CRCs loads with torch.load, mapped or not, and checks
+    for mmap in (False, True):
+        back = torch.load(path, weights_only=True, mmap=mmap)
+        assert back[c.T_HIDDEN].shape == (1, 4, 2)
+    assert FORMATS["specforge"].check(path, checksums.compute(src), {}) == []

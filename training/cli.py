@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from training import index, vocab
 from training.export.formats import FORMATS
-from training.export.runner import export
+from training.export.runner import DEFAULT_JOBS, export
 from worker import store
 from worker.errors import ConfigError, Corrupt
 
@@ -39,7 +39,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     e.add_argument("--from", dest="out", type=Path, action="append", default=None,
                    help="the output dir (default: FARM_OUTPUT_DIR); repeat it for a run over "
                         "several hosts (each host's dir, or copies): each sample is taken once")
-    e.add_argument("--jobs", type=int, default=2, help="samples exported in parallel")
+    e.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
+                   help=f"samples exported in parallel (default {DEFAULT_JOBS})")
     e.add_argument("--delete-source", action="store_true",
                    help="remove each source file once its export verified")
     e.add_argument("--no-progress", action="store_true")

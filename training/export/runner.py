@@ -46,6 +46,12 @@ from worker.store import _writer_dead as writer_dead  # the store's own temp-nam
 from worker.store import free_bytes
 
 MARGIN_BYTES = 64 << 20
+# Samples exported at once: one sample's CPU work (the save's page faults, speculators'
+# derivation, the read-back's hashing) overlaps the other's disk I/O. Measured against one
+# stream at 86 and 470 MB samples (bench/training_io.py, docs/benchmarks.md): 2 was faster
+# in every run at both sizes (1.02-1.47x, median 1.27x) on this project's VM disk, so one
+# default fits both; a disk that two streams slow down is the case for --jobs 1.
+DEFAULT_JOBS = 2
 
 
 @dataclass
@@ -97,8 +103,8 @@ class _Outcome:
     deleted: bool = False
 
 
-def export(out_dir: Path, to: str, dest: Path, jobs: int = 2, delete_source: bool = False,
-           progress: Callable[[int], None] | None = None,
+def export(out_dir: Path, to: str, dest: Path, jobs: int = DEFAULT_JOBS,
+           delete_source: bool = False, progress: Callable[[int], None] | None = None,
            throttle_s: float = 0.0, also: Sequence[Path] = ()) -> ExportSummary:
     """Export every sample of ``out_dir`` not yet in DEST as it is now.
 
@@ -248,7 +254,9 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
         entry = job.ledger.entries.get(key)
         if entry is not None and not _dest_problems(job, entry, src_sums):
             return _Outcome(0, job.delete_source and _delete_verified(src, src_sums, seen))
-        arrays = src.read_all(_buffer(src.size_bytes))
+        # mapped, asked for whole: the save writes from the page cache's pages (no buffer
+        # of the sample's size allocated, zero-filled and copied into per export thread)
+        arrays = src.map_all(prefetch=True)
         _same_file(src_path, seen)
         arrays, want = fp8.as_exported(job.info, arrays, src_sums)  # fp8 runs: bf16 out
         tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
@@ -264,19 +272,6 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
     finally:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-
-
-_buffers = threading.local()
-
-
-def _buffer(size_bytes: int) -> bytearray:
-    """This thread's buffer for reading a source, at least ``size_bytes`` (reused: filling
-    freshly allocated memory cost more than the disk read on this project's VM)."""
-    buf: bytearray | None = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < size_bytes:
-        _buffers.buf = None  # the old one is freed before the new one is allocated
-        buf = _buffers.buf = bytearray(size_bytes)
-    return buf
 
 
 def _dest_problems(job: _Job, entry: dict[str, object], src_sums: checksums.Recorded) -> list[str]:
