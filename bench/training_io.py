@@ -29,6 +29,7 @@ import platform
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -115,6 +116,9 @@ def loader_reads(ds: HiddenStates, buf: torch.Tensor) -> int:
             raw = t.reshape(-1).view(torch.uint8).numpy()
             dst[offset : offset + raw.size] = raw
             offset += raw.size
+    for t in threading.enumerate():  # the loader's read-ahead is its work too: timed, and
+        if t.name == "hsfarm-read-ahead":  # never left to run into the next pass
+            t.join()
     return len(ds)
 
 
@@ -144,6 +148,7 @@ def main() -> int:
                     help="export's --jobs values to measure (default: 1 and the CLI's)")
     ap.add_argument("--formats", default="specforge,modelopt,speculators")
     ap.add_argument("--no-loader", action="store_true")
+    ap.add_argument("--no-export", action="store_true", help="the loader's pairs only")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     res: dict[str, object] = {"machine": f"{platform.node()} {os.cpu_count()} cpus",
@@ -203,11 +208,11 @@ def bench_size(a: argparse.Namespace, tokens: int) -> dict[str, object]:
     # turn), and judged by that pair's ratio: single passes of the same copy on this virtual
     # disk moved 2-3x between stretches of one run, so only neighbours compare.
     formats = a.formats.split(",")
-    runs = [(fmt, jobs) for fmt in formats for jobs in a.jobs]
+    runs = [] if a.no_export else [(fmt, jobs) for fmt in formats for jobs in a.jobs]
     copies: dict[str, list[float]] = {f"{f} jobs {j}": [] for f, j in runs}
     exports: dict[str, list[float]] = {f"{f} jobs {j}": [] for f, j in runs}
     swapped: dict[str, list[bool]] = {f"{f} jobs {j}": [] for f, j in runs}
-    for r in range(a.rounds):
+    for r in range(a.rounds if runs else 0):
         for fmt, jobs in runs[r % len(runs):] + runs[: r % len(runs)]:
             name = f"{fmt} jobs {jobs}"
             swap = (r + runs.index((fmt, jobs))) % 2 == 1  # export first every other round
