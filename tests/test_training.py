@@ -142,6 +142,24 @@ def test_index_refresh_with_nothing_new_reads_no_tensor_data(out: Path) -> None:
     assert len(third.rejected) == 1 and "checksum" in third.rejected[0][1]
 
 
+def test_the_loaders_read_ahead_runs_beside_it_and_leaves_no_descriptor(out: Path) -> None:
+    import threading
+
+    index.refresh(out)
+    ds = HiddenStates(out)
+    fds = len(os.listdir("/proc/self/fd"))
+    # When every sample is read (each asks for its whole file from a thread of its own)
+    items = [ds[i] for i in range(len(ds))]
+    for t in threading.enumerate():
+        if t.name == "hsfarm-read-ahead":
+            t.join(timeout=30)
+    # Then the tensors are readable, and once they are dropped no descriptor is left: each
+    # read-ahead closed its own (a map holds one while its tensors live: Python's mmap)
+    assert all(int(item[c.T_INPUT_IDS].numel()) > 0 for item in items)
+    del items
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
 def test_loader_views_hold_our_tensors_without_a_copy(out: Path) -> None:
     index.refresh(out)
     ours, lazy = HiddenStates(out), HiddenStates(out, lazy=True)
