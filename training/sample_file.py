@@ -88,10 +88,11 @@ class SampleFile:
         return self._arrays(mm)
 
     def read_all(self, buf: bytearray | None = None) -> dict[str, np.ndarray]:
-        """Every tensor, over one buffer filled by one sequential read of the file (for a
-        consumer that reads it all: measured faster here than faulting a map in page by page).
-        ``buf``: a buffer to read into (at least the file's size; the arrays are views of it,
-        valid until it is reused). Raises Corrupt if the file is shorter than its header says."""
+        """Every tensor, over one buffer filled by one sequential read of the file (a file read
+        once and dropped: export's check of a skipped source before deleting it; the loader and
+        the export's sources map the file instead, ``map_all``). ``buf``: a buffer to read
+        into (at least the file's size; the arrays are views of it, valid until it is reused).
+        Raises Corrupt if the file is shorter than its header says."""
         if buf is None:
             buf = bytearray(self.size_bytes)
         if len(buf) < self.size_bytes:
