@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 from dataclasses import asdict, dataclass
@@ -217,17 +218,16 @@ def safetensors_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
                        metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """A safetensors file's leading bytes for ``{name: (dtype tag, shape)}``, and each tensor's
     byte range after them, laid out as the library lays them out (its order; the JSON padded
-    with spaces to 8 bytes), so a file written piece by piece from this header has the bytes
-    ``safetensors.save_file`` would have written. For the hook's streamed dumps and the farm's
-    final files; both sides need it, hence here."""
+    with spaces to 8 bytes), so a file written piece by piece from this header holds what
+    ``safetensors.save_file`` would have written: the same header (the library orders the
+    metadata as its hash map does, so only up to that order) and the same data bytes. For the
+    hook's streamed dumps and the farm's final files; both sides need it, hence here."""
     order = sorted(tensors, key=lambda k: (_LAYOUT_RANK[tensors[k][0]], k))
     body: dict[str, object] = {"__metadata__": dict(metadata)}
     ranges, pos = {}, 0
     for k in order:
         tag, shape = tensors[k]
-        n = _TAG_BYTES[tag]
-        for d in shape:
-            n *= d
+        n = _TAG_BYTES[tag] * math.prod(shape)
         ranges[k] = (pos, pos + n)
         body[k] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n

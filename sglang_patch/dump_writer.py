@@ -112,7 +112,6 @@ class _Open:
     tmp: Path
     ranges: dict[str, tuple[int, int]]  # tensor name -> absolute [begin, end) in the file
     meta: dict[str, str]
-    dtype: str
     n: int
     left: int
 
@@ -248,7 +247,7 @@ class DumpWriter:
             raise
         self._open[rows.rid] = _Open(fd, tmp, {k: (len(head) + a, len(head) + b)
                                                for k, (a, b) in ranges.items()},
-                                     meta, rows.dtype, n, need - len(head))
+                                     meta, n, need - len(head))
         return True
 
     def _finish(self, rid: str, dump: _Open) -> None:

@@ -118,12 +118,16 @@ def markers(dump_dir: Path) -> list[Marker]:
     return sorted(found, key=lambda m: m.time)
 
 
+def live(found: list[Marker]) -> list[Marker]:
+    """Of ``found`` (oldest first), those whose process runs, else those not known dead
+    (another host's or pid namespace's)."""
+    return [m for m in found if m.state == ALIVE] or [m for m in found if m.state != DEAD]
+
+
 def newest_live(dump_dir: Path) -> Marker | None:
-    """The newest marker whose process runs, else the newest not known dead (another host's
-    or pid namespace's); None when there is neither."""
-    found = markers(dump_dir)
-    live = [m for m in found if m.state == ALIVE] or [m for m in found if m.state != DEAD]
-    return live[-1] if live else None
+    """The newest of ``live`` markers in ``dump_dir``; None when there is none."""
+    found = live(markers(dump_dir))
+    return found[-1] if found else None
 
 
 def remove_dead(dump_dir: Path) -> list[Marker]:

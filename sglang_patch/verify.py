@@ -132,8 +132,7 @@ def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0) -> Check:
         return Check("ready marker", False,
                      f"none{when} in {dump_dir}: start the server with {ENV_DUMP_DIR}="
                      f"{dump_dir} and wait until it has loaded the model")
-    live = [m for m in found if m.state == mk.ALIVE] or [m for m in found if m.state != mk.DEAD]
-    newest = (live or found)[-1]
+    newest = (mk.live(found) or found)[-1]
     info = newest.info
     age = time.time() - newest.time
     pid_alive = Path(f"/proc/{info.get('pid')}").exists()

@@ -87,18 +87,14 @@ class SampleFile:
                                  name="hsfarm-read-ahead", daemon=True).start()
         return self._arrays(mm)
 
-    def read_all(self, buf: bytearray | None = None) -> dict[str, np.ndarray]:
+    def read_all(self) -> dict[str, np.ndarray]:
         """Every tensor, over one buffer filled by one sequential read of the file (a file read
         once and dropped: export's check of a skipped source before deleting it; the loader and
-        the export's sources map the file instead, ``map_all``). ``buf``: a buffer to read
-        into (at least the file's size; the arrays are views of it, valid until it is reused).
-        Raises Corrupt if the file is shorter than its header says."""
-        if buf is None:
-            buf = bytearray(self.size_bytes)
-        if len(buf) < self.size_bytes:
-            raise ValueError(f"a {len(buf)}-byte buffer for {self.size_bytes} bytes")
+        the export's sources map the file instead, ``map_all``). Raises Corrupt if the file is
+        shorter than its header says."""
+        buf = bytearray(self.size_bytes)
         with open(self.path, "rb", buffering=0) as f:
-            n = f.readinto(memoryview(buf)[: self.size_bytes])
+            n = f.readinto(buf)
         if n != self.size_bytes:
             raise Corrupt(f"{self.path}: read {n} of {self.size_bytes} bytes")
         return self._arrays(buf)
