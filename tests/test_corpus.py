@@ -60,7 +60,9 @@ def _done_keys(farm: LocalFarm) -> set[str]:
 
 def test_a_data_file_moved_mid_run_parks_its_samples_and_is_found_again(
         tmp_path: Path, tiny_model: Path) -> None:
-    with running_farm(tmp_path) as farm:
+    # Each forward pass lasts 0.5 s, so the move lands while part1's rest is still unread: a
+    # fast machine finished all 8 between the poll and the rename, and nothing parked.
+    with running_farm(tmp_path, ["--forward-delay-s", "0.5"]) as farm:
         # Given part1 and part2 (8 samples each) enqueued, part1 first in the queue
         part1 = write_jsonl(tmp_path / "part1.jsonl", [_record(i, "a") for i in range(8)])
         part2 = write_jsonl(tmp_path / "part2.jsonl", [_record(i, "b") for i in range(8)])
