@@ -10,7 +10,8 @@ with two changes, read by the server and the reference alike:
   In the config rather than with ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``, so both sides
   read one file; with the default RoPE (``rope_theta`` only) the angles do not depend on
   ``max_position_embeddings`` in either, so positions 0..32,767 are the model's own.
-- the attention projections redrawn with std ``1/sqrt(fan_in)``. With the tiny Llama's own
+- the attention projections redrawn with std ``1/sqrt(fan_in)`` (``conftest.attending_model``,
+  which the chunked and TP=2 modules run on too). With the tiny Llama's own
   (std 0.02) attention is nearly uniform and moves the residual by a few percent, and at 32k the
   far prefix cannot be seen: measured in transformers, the last chunk's rows with the first
   2,048 tokens left out of its prefix, or with its positions shifted by one, are within 0.03%
@@ -41,8 +42,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from tests.live.conftest import measured, running
 from tests.live.reference import check_dump, layer_errors
@@ -66,23 +65,15 @@ def timed() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def long_model(module_dir: Path, tiny_model: Path) -> Path:
-    """The tiny Llama with a context of CONTEXT tokens and attention that counts (above)."""
+def long_model(module_dir: Path, attending_model: Path) -> Path:
+    """The attending tiny Llama (``conftest.attending_model``) with a context of CONTEXT."""
     copy = module_dir / "tiny-llama-long"
-    shutil.copytree(tiny_model, copy)
+    shutil.copytree(attending_model, copy)
     config = json.loads((copy / "config.json").read_text())
     assert config["max_position_embeddings"] < CONTEXT, config
     assert config["rope_parameters"]["rope_type"] == "default", config
     config["max_position_embeddings"] = CONTEXT
     (copy / "config.json").write_text(json.dumps(config, indent=2))
-    weights = load_file(str(copy / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    attention = [k for k in weights if ".self_attn." in k]
-    assert len(attention) == 4 * config["num_hidden_layers"], attention  # q, k, v, o
-    for k in attention:
-        fan_in = weights[k].shape[1]
-        weights[k] = torch.randn(weights[k].shape, generator=gen) / fan_in**0.5
-    save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
     return copy
 
 

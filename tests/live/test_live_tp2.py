@@ -1,5 +1,6 @@
 """A live TP=2 server on CPU (gloo), unchunked: one ready marker, only the attention-TP rank 0
-writes (seen with strace on both ranks), and the dumps equal transformers' states."""
+writes (seen with strace on both ranks), and the dumps equal transformers' states (on
+``conftest.attending_model``: attention whose heads, split over the two ranks, count)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ STRACE = shutil.which("strace") or "strace"
 
 
 @pytest.fixture(scope="module")
-def server(module_dir: Path, tiny_model: Path) -> Iterator[LiveServer]:
-    server = LiveServer(tiny_model, module_dir, module_dir / "dumps", tp=2,
+def server(module_dir: Path, attending_model: Path) -> Iterator[LiveServer]:
+    server = LiveServer(attending_model, module_dir, module_dir / "dumps", tp=2,
                         extra=["--chunked-prefill-size", "8192"])
     with running(server, "TP=2, --chunked-prefill-size 8192 (unchunked here)"):
         yield server
@@ -56,7 +57,7 @@ def traced(pid: int, out: Path) -> Iterator[None]:
 
 
 def test_tp2_one_marker_only_rank0_writes_and_values_equal_transformers(
-        server: LiveServer, tiny_model: Path, tmp_path: Path) -> None:
+        server: LiveServer, attending_model: Path, tmp_path: Path) -> None:
     # Given the two scheduler processes of a TP=2 server
     ranks = scheduler_pids(server)
     assert sorted(ranks) == [0, 1], ranks
@@ -65,7 +66,7 @@ def test_tp2_one_marker_only_rank0_writes_and_values_equal_transformers(
     assert [m.name for m in markers] == [f".ready.{ranks[0]}"]
     assert json.loads(markers[0].read_text())["tp_size"] == 2
     # When three prompts of ours are prefilled while both ranks are traced
-    vocab = vocab_size(tiny_model)
+    vocab = vocab_size(attending_model)
     reqs = [ours(f"tp2-{n}", n, n, vocab) for n in (300, 700, 50)]
     offset = server.log.stat().st_size
     trace = {r: tmp_path / f"rank{r}.strace" for r in ranks}
@@ -84,6 +85,6 @@ def test_tp2_one_marker_only_rank0_writes_and_values_equal_transformers(
     # And the prompts ran unchunked, and the dumps equal transformers' states
     batches = log_lines_since(server, offset, PREFILL_LINE)
     assert max(int(b["tokens"]) for b in batches) >= 700
-    errors = [check_dump(d, tiny_model, r.ids, [2, 4, 5]) for d, r in zip(dumps, reqs,
+    errors = [check_dump(d, attending_model, r.ids, [2, 4, 5]) for d, r in zip(dumps, reqs,
                                                                            strict=True)]
     measured(f"TP=2 unchunked, prompts of 300/700/50 tokens: worst error {max(errors):.4f}")
