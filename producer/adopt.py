@@ -201,6 +201,8 @@ def _adopt_all(run: Run, store: st.OutputStore, index: RunIndex, found: am.Scan,
             return name, *_adopt_one(run, store, index, path, ref, fmt, keys, check)
         except SourceFileRefused as e:
             return name, "refused", str(e)
+        except leases.LeaseLost:  # an attempt took the sample while it was written
+            return name, "busy", "an attempt that took its lease while it was written"
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
             _bar(progress, "adopt", len(items)) as bar:

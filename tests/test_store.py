@@ -120,6 +120,50 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
     store.verify("done", "h")
 
 
+def test_a_write_removes_the_sample_s_temp_files_of_writers_without_its_lease(
+        tmp_path: Path) -> None:
+    # Given temp files of sample x left by a writer of another pid namespace or host and by a
+    # live process of this machine (both lost x's lease: the write below holds it), and one
+    # of sample y
+    from worker import liveness
+
+    store = OutputStore(tmp_path, _fp()).open()
+    shard = store.final_path("x").parent
+    elsewhere = shard / (f".x.safetensors{c.TMP_MARK}{liveness.HOST}.m0123456789abcdef-1."
+                         "4242.abcd1234")
+    live = shard / f".x.safetensors{c.TMP_MARK}{liveness.temp_tag('abcd1234')}"
+    other = store.final_path("y").with_name(f".y.safetensors{c.TMP_MARK}"
+                                            f"{liveness.temp_tag('abcd1234')}")
+    for p in (elsewhere, live, other):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"partial")
+    # When x is written
+    store.write("x", _tensors(), {M_CONTENT: "h"})
+    # Then x's temp files are gone, y's is not, and x's file is whole
+    assert not elsewhere.exists() and not live.exists() and other.exists()
+    store.verify("x", "h")
+
+
+def test_a_write_whose_temp_file_was_removed_writes_nothing_and_says_the_lease_is_lost(
+        tmp_path: Path) -> None:
+    from worker.lease import LeaseLost
+
+    # Given a write whose temp file another attempt removes before its rename (it took the
+    # sample's lease: this writer stopped renewing)
+    store = OutputStore(tmp_path, _fp()).open()
+    shard = store.final_path("x").parent
+
+    def taken() -> None:
+        for p in shard.glob(f".x.safetensors{c.TMP_MARK}*"):
+            p.unlink()
+
+    # When it renames, Then it raises LeaseLost (the task hands the message back, no attempt
+    # spent) and leaves no file
+    with pytest.raises(LeaseLost, match="another attempt of x holds its lease now"):
+        store.write("x", _tensors(), {M_CONTENT: "h"}, validate=taken)
+    assert not list(shard.iterdir())
+
+
 def _legacy_file(store: OutputStore, key: str, content: str) -> Path:
     """A final file as the worker wrote it before issue 9: serialize_file, sha256 under
     ``sha256``, no ``checksum_algorithm``."""

@@ -30,6 +30,7 @@ from sglang_patch import contracts as c
 from worker import checksums, diskio, final_norm, fp8, liveness, run, tensorfile, weights
 from worker.errors import ConfigError, Corrupt, NoSpace, OutputUnavailable, Transient
 from worker.finalfile import Part, read_back, write_parts
+from worker.lease import LeaseLost
 from worker.semantics import tensor_semantics
 
 log = logging.getLogger("hsfarm.store")
@@ -241,20 +242,32 @@ class OutputStore:
 
         ``validate`` runs once every byte went through the parts' checks (``write_parts``).
 
+        The caller holds the sample's lease (``worker/lease.py``; every caller does: an
+        attempt, ``adopt``), so any other temp file of this sample is a writer's that no longer
+        holds it: removed first (``_remove_other_temps``).
+
         Raises:
             NoSpace: ENOSPC/EDQUOT, whichever call hit it.
             OutputUnavailable: any other I/O error (read-only, EIO, a stale NFS handle...).
             Corrupt: from ``validate`` (nothing is left on disk then).
+            LeaseLost: this write's temp file was removed before its rename: the sample's
+                lease is another attempt's now (it removed the file), so nothing is written.
         """
         final = self.final_path(key)
         tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
             final.parent.mkdir(parents=True, exist_ok=True)
-            self._remove_dead_temps(final)
+            self._remove_other_temps(final)
             try:
                 self._write_tmp(tmp, parts, meta, validate)
-                os.replace(tmp, final)
+                try:
+                    os.replace(tmp, final)
+                except FileNotFoundError as e:
+                    if not final.parent.is_dir():
+                        raise  # the directory went: the disk's fault (OutputUnavailable)
+                    raise LeaseLost(f"{tmp.name} was removed before its rename: another "
+                                    f"attempt of {key} holds its lease now") from e
                 fsync_dir(final.parent)
             finally:
                 with contextlib.suppress(OSError):  # gone, or the disk refuses: a dead
@@ -311,11 +324,20 @@ class OutputStore:
         return out + [f"{k} shape {t[k].shape} != {s}" for k, (_, s) in want.items()
                       if t[k].shape != s]
 
-    def _remove_dead_temps(self, final: Path) -> None:
-        """Temp files of this sample left by writers that were killed (a redelivered task)."""
+    @staticmethod
+    def _remove_other_temps(final: Path) -> None:
+        """Every other temp file of this sample: its writer no longer holds the lease we hold.
+
+        Either it is gone: killed mid-write, here or where our /proc cannot tell (another pid
+        namespace, another host on a shared output dir; a temp file of 86-470 MB otherwise
+        left until a worker's start-up removes it by age). Or it is alive and lost the lease
+        (it stopped renewing for a whole TTL): without its temp file its rename fails and it
+        writes nothing (``LeaseLost`` above), instead of replacing our file after us.
+        """
         for p in final.parent.glob(f".{final.name}{c.TMP_MARK}*"):
-            if _writer_dead(p.name):
-                p.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                log.info("removed %s: its writer no longer holds the sample's lease", p.name)
 
     def clean_stale_temp(self, max_age_s: float) -> int:
         """Remove temp files left by crashed writers; never touch finished files.
