@@ -146,7 +146,7 @@ def test_a_write_removes_the_sample_s_temp_files_of_writers_without_its_lease(
 
 def test_a_write_whose_temp_file_was_removed_writes_nothing_and_says_the_lease_is_lost(
         tmp_path: Path) -> None:
-    from worker.lease import LeaseLost
+    from worker.errors import LeaseLost
 
     # Given a write whose temp file another attempt removes before its rename (it took the
     # sample's lease: this writer stopped renewing)

@@ -90,6 +90,11 @@ class OutputUnavailable(Transient):
     nothing about the sample. Nothing partial remains."""
 
 
+class LeaseLost(Transient):
+    """This attempt's sample lease expired or was taken over: it must not write anything
+    (``worker/lease.py``; here so that the store, which runs without Redis, can raise it)."""
+
+
 class NoSpace(Transient):
     """A disk (output) or tmpfs (dumps) ran out of space mid-write. Nothing partial remains.
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import redis
 
 from worker import keys, liveness
-from worker.errors import Transient
+from worker.errors import LeaseLost
 
 log = logging.getLogger("hsfarm.lease")
 
@@ -34,10 +34,6 @@ _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
            "return redis.call('DEL', KEYS[1]) else return 0 end"
 _TAKE_OVER = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
              "return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return nil end"
-
-
-class LeaseLost(Transient):
-    """This attempt's lease expired or was taken over: it must not write anything."""
 
 
 class Lease:

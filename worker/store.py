@@ -28,9 +28,8 @@ import numpy as np
 
 from sglang_patch import contracts as c
 from worker import checksums, diskio, final_norm, fp8, liveness, run, tensorfile, weights
-from worker.errors import ConfigError, Corrupt, NoSpace, OutputUnavailable, Transient
+from worker.errors import ConfigError, Corrupt, LeaseLost, NoSpace, OutputUnavailable, Transient
 from worker.finalfile import Part, read_back, write_parts
-from worker.lease import LeaseLost
 from worker.semantics import tensor_semantics
 
 log = logging.getLogger("hsfarm.store")
