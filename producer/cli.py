@@ -88,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sample-s", type=float, default=10.0, metavar="S",
                    help="how often disks, server, broker and workers are sampled")
     add_adopt_parser(sub)
-    sub.add_parser("settings", help="print the effective settings")
+    st = sub.add_parser("settings", help="print the effective settings")
+    st.add_argument("--reference", action="store_true",
+                    help="print every setting's default and meaning as Markdown instead "
+                         "(the table of docs/settings.md)")
     training_cli.add_commands(sub)
     return p
 
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         if args.cmd == "settings":
-            print("\n".join(settings.describe()))
+            print(Settings.reference() if args.reference else "\n".join(settings.describe()))
             return EXIT_OK
         if args.cmd == "demo":
             from producer.demo import main_demo

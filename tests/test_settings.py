@@ -44,3 +44,13 @@ def test_invalid_settings_say_what_is_wrong(env: dict[str, str], message: str) -
 def test_settings_are_frozen() -> None:
     with pytest.raises(AttributeError):
         Settings().max_tokens = 3  # type: ignore[misc]
+
+
+def test_the_settings_reference_page_is_the_one_the_code_generates() -> None:
+    # Given docs/settings.md, whose table is generated from the settings object
+    page = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text()
+    # When the table is generated again from the code
+    table = Settings.reference()
+    # Then the page holds it unchanged, and every field has a meaning
+    assert table in page, "docs/settings.md is stale: python -m producer settings --reference"
+    assert "|  |" not in table and table.count("\n") == len(Settings.__dataclass_fields__) + 2

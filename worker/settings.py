@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,90 +17,108 @@ from worker.errors import ConfigError
 from worker.redis_url import is_tls, masked
 
 _GiB = 1 << 30
+_DUMP_DIR = Path("/dev/shm/hsfarm-dumps")
+_OUTPUT_DIR = Path("hsfarm-out")
 
 
 # FARM_STORE_DTYPE's values -> the fingerprint's dtype (contracts.STORE_DTYPES)
 STORE_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8_e4m3": "fp8_e4m3"}
 
 
+def _doc(default: Any, doc: str) -> Any:
+    """A field's default and its one-line meaning (``Settings.reference()``, docs/settings.md)."""
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every knob of the farm. Field name ``x_y`` ↔ environment variable ``FARM_X_Y``."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    server_url: str = "http://127.0.0.1:30000"
-    dump_dir: Path = Path("/dev/shm/hsfarm-dumps")
-    output_dir: Path = Path("hsfarm-out")
-    model_path: str = ""  # empty: ask the server (/model_info)
-    # Run the tokenizer code shipped with the model (Kimi-K2.5's is tiktoken-based remote code)
-    trust_remote_code: bool = False
-    layers_to_capture: tuple[int, ...] = ()  # empty: SGLang's default for the model
-    max_tokens: int = 8192
-    overlong: str = "reject"  # or "truncate"
-    # Hidden states on disk: "bf16" or "fp8_e4m3" (a scale per token per layer; the server's
-    # hook must write the same: SGLANG_HS_DUMP_DTYPE). Part of the run's fingerprint.
-    store_dtype: str = "bf16"
-    # Empty: the run's own queue, hsfarm.<run id> (worker/run.py). Set it only to name one
-    # yourself: two runs given the same name share it (each hands the other's messages back)
-    queue: str = ""
-    max_attempts: int = 5
-    request_timeout_s: float = 600.0
-    dump_timeout_s: float = 120.0
-    # A delivery's time limit: this, plus its sample's bytes at the floor rate below
-    # (worker/time_limits.py: a 64k-token sample gets more time than a 2k one)
-    task_time_limit_s: float = 900.0
-    min_sample_bytes_per_s: float = 50e6
-    visibility_timeout_s: float = 1200.0
-    restore_interval_s: float = 10.0
-    retry_backoff_s: float = 2.0
-    retry_backoff_max_s: float = 60.0
-    min_free_output_bytes: int = 2 * _GiB
-    min_free_dump_bytes: int = 256 << 20
-    pause_poll_s: float = 10.0
-    soft_shutdown_s: float = 30.0  # on SIGTERM (REMAP_SIGTERM=SIGQUIT): time to finish tasks
-    janitor_interval_s: float = 30.0  # how often orphaned dumps are swept from the dump dir
-    max_record_bytes: int = 4 << 20  # a record larger than this is rejected at enqueue
-    # A Redis that keeps nothing on disk loses the queue on restart: refused unless allowed
-    allow_volatile_redis: bool = False
-    # A REDIS_URL off this machine needs a password (worker/broker.py): or this, on a private
-    # network that you trust
-    allow_unauthenticated_redis: bool = False
-    # TLS for a rediss:// REDIS_URL: the CA that signed Redis's certificate (empty: the
-    # system's CAs), and this client's certificate and key when Redis checks clients
-    redis_ca_file: str = ""
-    redis_cert_file: str = ""
-    redis_key_file: str = ""
-    # A sample's lease outlives a dead attempt by at most this: with the heartbeat's TTL, a
-    # lost host's samples run elsewhere within 30 s (heartbeat + reaper interval + 2 s)
-    lease_ttl_s: float = 20.0
-    heartbeat_ttl_s: float = 20.0  # a worker whose heartbeat is this old is dead
-    reaper_interval_s: float = 5.0  # how often a worker returns dead workers' messages
-    # This host's name in the run (worker/hosts.py); empty: the hostname. Set it where two
-    # hosts share a hostname (containers with host networking, cloned VMs)
-    host_id: str = ""
-    # The reconciler (worker/reconciler.py): how often one worker looks for samples in no state
-    # (a lost task message), and how long a sample must stay so before it is published again
-    reconcile_interval_s: float = 60.0
-    reconcile_confirm_s: float = 10.0
-    log_level: str = "INFO"
-    # The canary (worker/canary.py): how often each worker re-checks it, and the tolerance per
-    # layer: a token's relative error |new - recorded| / |recorded|, at most this (max over
-    # tokens) and on average this (mean). Margins measured in docs/canary.md.
-    canary_interval_s: float = 600.0
-    # One process of a host checks the canary at a time; a lock whose holder died elsewhere
-    # (another machine or pid namespace) is free after this (on this machine: at once)
-    canary_lock_ttl_s: float = 30.0
-    canary_max_rel_err: float = 0.01
-    canary_mean_rel_err: float = 0.0025
-    # Host-wide admission (worker/admission.py), 0 = sized from the server and tmpfs: requests
-    # in flight to the server at once, and tmpfs bytes their dumps may take until collected.
-    max_in_flight: int = 0
-    dump_budget_bytes: int = 0
-    # Under DP attention, which group each request goes to (worker/dp_routing.py)
-    dp_routing: str = "server"
-    # Fault injection for the crash tests only: sleep between writing a final file's temp file
-    # and its rename, so a test can kill a process mid-copy. Never set it in production.
-    debug_write_delay_s: float = 0.0
+    redis_url: str = _doc("redis://127.0.0.1:6379/0",
+                          "the broker and the run's index (read from `REDIS_URL`)")
+    server_url: str = _doc("http://127.0.0.1:30000", "the inference server on this host")
+    dump_dir: Path = _doc(_DUMP_DIR,
+                          "where the server's hook writes dumps: the same directory as the "
+                          "server's `SGLANG_HS_DUMP_DIR`")
+    output_dir: Path = _doc(_OUTPUT_DIR, "where final files and the manifest go")
+    model_path: str = _doc("", "the local model dir, for the tokenizer and the fingerprint "
+                           "(empty: ask the server, `/model_info`)")
+    trust_remote_code: bool = _doc(False, "run the tokenizer code shipped with the model "
+                                   "(Kimi-K2.5's tiktoken tokenizer needs it)")
+    layers_to_capture: tuple[int, ...] = _doc((), "the three aux layers, as on the server "
+                                              "(empty: SGLang's default for the model, "
+                                              "`[2, L//2, L-3]`)")
+    max_tokens: int = _doc(8192, "the longest sample; checked at start against what the server "
+                           "takes (`/server_info`)")
+    overlong: str = _doc("reject", "`reject` (a shorter server context refuses the start, a "
+                         "longer sample is rejected) or `truncate` (cut to `FARM_MAX_TOKENS`)")
+    store_dtype: str = _doc("bf16", "hidden states on disk: `bf16` or `fp8_e4m3` (docs/fp8.md); "
+                            "the server's hook must dump the same (`SGLANG_HS_DUMP_DTYPE`); part "
+                            "of the run's fingerprint")
+    queue: str = _doc("", "the Celery queue (empty: the run's own, `hsfarm.<run id>`); runs "
+                      "given one name share it, slowly and with a warning")
+    max_attempts: int = _doc(5, "attempts of a sample, then it is recorded failed with its "
+                             "last error")
+    request_timeout_s: float = _doc(600.0, "one request to the server")
+    dump_timeout_s: float = _doc(120.0, "how long a worker waits for a request's dump")
+    task_time_limit_s: float = _doc(900.0, "one delivery's base time limit, plus its sample's "
+                                    "bytes at `FARM_MIN_SAMPLE_BYTES_PER_S` "
+                                    "(worker/time_limits.py)")
+    min_sample_bytes_per_s: float = _doc(50e6, "the floor rate a delivery's limit grows by: "
+                                         "2k tokens at H = 7,168 +2 s, 128k +150 s")
+    visibility_timeout_s: float = _doc(1200.0, "kombu's last-resort redelivery of a message "
+                                       "nobody holds; must exceed the longest delivery's limit "
+                                       "+ `FARM_RETRY_BACKOFF_MAX_S`")
+    restore_interval_s: float = _doc(10.0, "how often kombu restores unacknowledged messages")
+    retry_backoff_s: float = _doc(2.0, "the first retry's backoff (doubling)")
+    retry_backoff_max_s: float = _doc(60.0, "the longest retry backoff")
+    min_free_output_bytes: int = _doc(2 * _GiB, "the output disk's free space under which "
+                                      "workers pause")
+    min_free_dump_bytes: int = _doc(256 << 20, "the dump dir's free space under which workers "
+                                    "pause")
+    pause_poll_s: float = _doc(10.0, "how often a paused task checks whether its cause cleared")
+    soft_shutdown_s: float = _doc(30.0, "on SIGTERM: time to finish the tasks in flight")
+    janitor_interval_s: float = _doc(30.0, "how often orphaned dumps are swept from the dump dir "
+                                     "and parked samples retried")
+    max_record_bytes: int = _doc(4 << 20, "a larger record is rejected at enqueue, unread")
+    allow_volatile_redis: bool = _doc(False, "accept a Redis that keeps nothing on disk (a "
+                                      "restart loses the queue)")
+    allow_unauthenticated_redis: bool = _doc(False, "accept a `REDIS_URL` off this machine "
+                                             "without a password (a private network you trust)")
+    redis_ca_file: str = _doc("", "for a `rediss://` URL: the CA that signed Redis's "
+                              "certificate (empty: the system's CAs; always verified)")
+    redis_cert_file: str = _doc("", "for a `rediss://` URL: this client's certificate, when "
+                                "Redis has `tls-auth-clients yes`")
+    redis_key_file: str = _doc("", "the key of `FARM_REDIS_CERT_FILE`")
+    lease_ttl_s: float = _doc(20.0, "a sample's lease outlives a dead attempt by at most this; "
+                              "with the heartbeat's TTL a lost host's samples run elsewhere "
+                              "within 30 s")
+    heartbeat_ttl_s: float = _doc(20.0, "a worker whose heartbeat is this old is dead")
+    reaper_interval_s: float = _doc(5.0, "how often a worker returns dead workers' messages")
+    host_id: str = _doc("", "this host's name in a run over several hosts (empty: the "
+                        "hostname); set it where hostnames are not unique")
+    reconcile_interval_s: float = _doc(60.0, "how often one worker looks for samples in no "
+                                       "state (a lost task message, a record Redis lost)")
+    reconcile_confirm_s: float = _doc(10.0, "how long a sample must stay in no state before it "
+                                      "is published again")
+    log_level: str = _doc("INFO", "the workers' log level")
+    canary_interval_s: float = _doc(600.0, "how often a host re-checks the canary (also after "
+                                    "a server restart or outage)")
+    canary_lock_ttl_s: float = _doc(30.0, "one process of a host checks the canary at a time; a "
+                                    "lock whose holder died elsewhere is free after this")
+    canary_max_rel_err: float = _doc(0.01, "per layer, the canary tokens' largest relative "
+                                     "error (docs/canary.md)")
+    canary_mean_rel_err: float = _doc(0.0025, "per layer, the canary tokens' mean relative "
+                                      "error")
+    max_in_flight: int = _doc(0, "requests per host at the server at once, all worker processes "
+                              "together (0: from `/server_info`)")
+    dump_budget_bytes: int = _doc(0, "tmpfs bytes the host's dumps may take until collected "
+                                  "(0: in-flight × max tokens × bytes/token, at most half the "
+                                  "tmpfs)")
+    dp_routing: str = _doc("server", "under DP attention, which group each request goes to: "
+                           "`server` (SGLang's choice), `least-tokens` or `least-bytes`")
+    debug_write_delay_s: float = _doc(0.0, "crash tests only: a sleep between a final file's "
+                                      "temp file and its rename; never set it in production")
 
     @property
     def hidden_dtype(self) -> str:
@@ -187,6 +205,14 @@ class Settings:
                 raise ConfigError(f"{name}={raw!r}: {e}") from e
         return cls(**values)
 
+    @classmethod
+    def reference(cls) -> str:
+        """Every setting as a Markdown table: variable, default, meaning (docs/settings.md)."""
+        rows = ["| variable | default | meaning |", "|---|---|---|"]
+        for f in fields(cls):
+            rows.append(f"| `{_env_name(f.name)}` | {_shown(f.default)} | {f.metadata['doc']} |")
+        return "\n".join(rows) + "\n"
+
     def describe(self) -> list[str]:
         """``NAME=value`` per setting, the Redis password masked."""
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -196,6 +222,18 @@ class Settings:
 
 def _env_name(field_name: str) -> str:
     return "REDIS_URL" if field_name == "redis_url" else f"FARM_{field_name.upper()}"
+
+
+def _shown(default: object) -> str:
+    """A default as the reference table shows it: empty, 0/1 for flags, bytes with their unit."""
+    if default in ("", ()):
+        return "empty"
+    if isinstance(default, bool):
+        return f"`{int(default)}`"
+    if isinstance(default, int) and default >= 1 << 20:
+        unit, div = ("GiB", _GiB) if default >= _GiB else ("MiB", 1 << 20)
+        return f"`{default}` ({default / div:g} {unit})"
+    return f"`{default}`"
 
 
 def _int_list(raw: str) -> tuple[int, ...]:
