@@ -3,7 +3,7 @@
 An aiohttp app (aiohttp is already the farm's HTTP library). HTTP basic auth on every path,
 ``/metrics`` included, as Flower's ``--basic-auth``; it listens on loopback by default and
 refuses to serve without a password unless told to (``--no-auth``), and then only on loopback.
-The plots are drawn in the browser by uPlot (``producer/static/``; see README, Dependencies).
+The plots are drawn in the browser by uPlot (``producer/static/``; see docs/dependencies.md).
 
 Routes: ``/`` the page, ``/static/<file>``, ``/api/run`` (the snapshot as JSON), ``/metrics``
 (Prometheus text).

@@ -5,7 +5,7 @@ with three samples broken by its NaN fault and one sample too long for the run (
 two real ``celery worker`` processes, a real Flower
 and the dashboard (``python -m producer dashboard``), all on loopback. The page is rendered
 by headless Debian Chromium; its numbers and ``/metrics`` are checked against the run index.
-Set HSFARM_SCREENSHOT_DIR to keep the screenshots (``docs/img`` holds the README's).
+Set HSFARM_SCREENSHOT_DIR to keep the screenshots (``docs/img`` holds those of docs/monitoring.md).
 """
 
 from __future__ import annotations

@@ -326,6 +326,7 @@ def test_launcher_dry_run_without_a_model_dir_or_a_port(tmp_path: Path) -> None:
 # --- deployment files agree with the settings table ----------------------------------------
 
 DEPLOY_FILES = ["README.md", "ops/RUNBOOK.md", "ops/systemd/env.example", "docker-compose.yml",
+                *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md"))),
                 *(str(p.relative_to(ROOT)) for p in sorted((OPS / "systemd").glob("*.service"))),
                 "ops/launch-sglang.sh", "ops/preflight.sh"]
 
