@@ -4,6 +4,8 @@ fingerprint, and one run end to end through real workers, read back by the train
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -411,3 +413,97 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
         assert export(out, name, tmp_path / name).skipped == 3  # the ledger's sums hold
     summary = export(out, "speculators", tmp_path / "speculators")
     assert summary.ok and summary.exported == 3, summary.lines()
+
+
+# --- export of an fp8 run into a small file system -------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A real fp8 run's output dir: 8 example samples through a local farm."""
+    from tests.conftest import CACHE
+    from tests.training_data import produce
+
+    return produce(tmp_path_factory.mktemp("fp8run"), 8, CACHE, store_dtype="fp8_e4m3")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A real tmpfs of 4 MB, unmounted afterwards; the export's free-space margin (64 MB, for
+    real disks) scaled down to it: 0."""
+    import subprocess
+
+    from training.export import runner
+
+    monkeypatch.setattr(runner, "MARGIN_BYTES", 0)
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                         capture_output=True, text=True, check=False)
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _leave_free(fs: Path, free_bytes: int) -> Path:
+    """Fill ``fs`` with a ballast file until ``free_bytes`` (rounded to pages) are left."""
+    ballast = fs / "ballast"
+    with open(ballast, "ab") as f:
+        while (left := shutil.disk_usage(fs).free - free_bytes) > 0:
+            f.write(b"\0" * min(left, 1 << 20))
+            f.flush()
+    return ballast
+
+
+def test_an_fp8_exports_budget_counts_the_bf16_it_writes(fp8_run: Path, small_fs: Path) -> None:
+    from training import fp8
+    from training.export.runner import export
+    from training.manifest import load_run_info
+
+    # Given a DEST with room for the run's stored (fp8) bytes, not for the bf16 it writes
+    stored = sum(p.stat().st_size for p in (fp8_run / "samples").rglob("*.safetensors"))
+    _leave_free(small_fs, stored + stored // 10)
+    # Then the export refuses up front, with what it needs (bf16: ~1.9x), and writes nothing
+    with pytest.raises(ConfigError, match="GB missing"):
+        export(fp8_run, "specforge", small_fs / "dest")
+    assert not list((small_fs / "dest").rglob("*.ckpt"))
+    # (what it counts: the bf16 the export writes, ~1.9x the fp8 sources)
+    info = load_run_info(fp8_run)
+    counted = sum(fp8.exported_bytes(info, p) for p in (fp8_run / "samples").rglob("*.safetensors"))
+    assert 1.7 * stored < counted < 2 * stored, (counted, stored)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_full_dest_is_named_whichever_writer_hits_it(fp8_run: Path, small_fs: Path,
+                                                        fmt: str) -> None:
+    from training.export.runner import export
+
+    dest = small_fs / "dest"
+    seen = []
+
+    def fill_after(first: int) -> Callable[[int], None]:
+        def progress(n: int) -> None:  # the export's main thread, after each sample
+            seen.append(n)
+            if len(seen) == first:
+                _leave_free(small_fs, 64 << 10)  # room for a directory, not for a sample
+        return progress
+
+    # Given a DEST that fills up after the first sample (specforge: torch.save's write fails,
+    # which torch reports as "unexpected pos"), or after the last one (speculators: pyarrow's
+    # dataset write fails)
+    first, raised_by = (1, "unexpected pos") if fmt == "specforge" else (8, "Error writing")
+    with pytest.raises(ConfigError) as e:
+        export(fp8_run, fmt, dest, jobs=1, throttle_s=0.2, progress=fill_after(first))
+    assert raised_by in str(e.value.__cause__), repr(e.value.__cause__)
+    # Then the export stops with "DEST is full" and the fix, never torch's or pyarrow's words
+    msg = str(e.value)
+    assert msg.startswith(f"DEST is full: {dest}"), msg
+    assert raised_by not in msg and "Free space" in msg, msg
+    assert not [p for p in dest.rglob("*") if c.TMP_MARK in p.name]
+    # And once there is room, the same export finishes and keeps what verified before
+    (small_fs / "ballast").unlink()
+    summary = export(fp8_run, fmt, dest, jobs=1)
+    assert summary.ok and summary.exported + summary.skipped == 8, summary.lines()
+    assert summary.skipped >= 1, summary.lines()
