@@ -37,7 +37,7 @@ class Settings:
     layers_to_capture: tuple[int, ...] = ()  # empty: SGLang's default for the model
     max_tokens: int = 8192
     overlong: str = "reject"  # or "truncate"
-    # Hidden states on disk: "bf16" or "fp8_e4m3" (a scale per token per layer; the server's
+    # Hidden states on disk: "bf16" or "fp8_e4m3" (a scale per block of 128 values; the server's
     # hook must write the same: SGLANG_HS_DUMP_DTYPE). Part of the run's fingerprint.
     store_dtype: str = "bf16"
     # Empty: the run's own queue, hsfarm.<run id> (worker/run.py). Set it only to name one
