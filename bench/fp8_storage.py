@@ -1,6 +1,14 @@
 """fp8 storage against bf16: bytes per sample, the error per layer, CPU per sample.
 
     python bench/fp8_storage.py [--tokens 2048] [--hidden 7168] [--sglang] [--json out.json]
+    python bench/fp8_storage.py --outliers-only   # the per-value table alone (seconds)
+
+- **outliers** (H = ``--hidden``, 64 rows each): Gaussian rows, and rows whose channel 1234
+  is 10^3, 10^4, 10^5 (the rest ~N(0, 1), bf16-rounded): a residual stream's massive
+  activation. For one scale per token per layer (the layout before the blocks), blocks of
+  128 (the layout written now) and, for comparison, blocks of 32: the per-value error
+  ``|x - x'| / |x|`` over nonzero values (median, p99, max), the values flushed to zero, the
+  per-row L2 error, and the bytes per value (e4m3 plus the float32 scales).
 
 - **synthetic** (``sglang_patch/synthetic.py``, H = ``--hidden``, one sample of ``--tokens``):
   the same bf16 states dumped by the hook's own writer (``DumpWriter``, CPU stager) in bf16
@@ -56,14 +64,65 @@ def layer_errors(bf16: dict[str, torch.Tensor],
     """Per layer (three aux, then final): max and mean over tokens of the relative L2 error."""
     want = torch.cat([bf16[c.T_AUX], bf16[c.T_HIDDEN]], dim=1).float()
     got = torch.cat([codec.dequantize(fp8[c.T_AUX].view(torch.uint8), fp8[c.T_AUX_SCALE],
-                                      torch.float32),
+                                      torch.float32, layers=c.AUX_LAYERS),
                      codec.dequantize(fp8[c.T_HIDDEN].view(torch.uint8), fp8[c.T_HIDDEN_SCALE],
-                                      torch.float32)], dim=1)
+                                      torch.float32, layers=1)], dim=1)
     t = want.shape[0]
     a, b = want.view(t, 4, -1), got.view(t, 4, -1)
     err = (a - b).norm(dim=2) / a.norm(dim=2).clamp_min(1e-30)
     return [{"layer": LAYER_NAMES[i], "max": float(err[:, i].max()),
              "mean": float(err[:, i].mean())} for i in range(4)]
+
+
+SCHEMES = (("per row (before)", 0), ("blocks of 128 (now)", c.FP8_BLOCK), ("blocks of 32", 32))
+
+
+def _blockwise(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` [T, H] quantized and back (float32) with a scale per ``block`` values."""
+    q, s = codec.quantize(x, 1, block=block)
+    nb = s.shape[1]
+    v = torch.nn.functional.pad(q.view(codec.FP8).float(), (0, nb * block - x.shape[1]))
+    return (v.view(x.shape[0], nb, block) * s[:, :, None]).view(x.shape[0], -1)[:, :x.shape[1]]
+
+
+def per_value_errors(x: torch.Tensor, block: int) -> dict[str, float]:
+    """One scheme on rows ``x`` [T, H]: per-value and per-row errors, zeros, bytes/value."""
+    h = x.shape[1]
+    back = _blockwise(x, block or h)
+    nz = x != 0
+    rel = ((back - x).abs() / x.abs())[nz]
+    row = (back - x).norm(dim=1) / x.norm(dim=1)
+    return {"median": float(rel.median()), "p99": float(rel.quantile(0.99)),
+            "max": float(rel.max()),
+            "flushed_per_row": float(((back == 0) & nz).sum(1).float().mean()),
+            "flushed_max_row": int(((back == 0) & nz).sum(1).max()),
+            "row_l2_max": float(row.max()), "row_l2_mean": float(row.mean()),
+            "bytes_per_value": 1 + 4 * c.fp8_blocks(h, block or h) / h}
+
+
+def outliers(hidden_size: int, rows: int = 64) -> list[dict[str, Any]]:
+    """The per-value table: Gaussian rows and rows with a massive channel, every scheme."""
+    out = []
+    for magnitude in (0.0, 1e3, 1e4, 1e5):
+        x = torch.randn(rows, hidden_size, generator=torch.Generator().manual_seed(0))
+        if magnitude:
+            x[:, 1234 % hidden_size] = magnitude
+        x = x.to(torch.bfloat16).float()
+        for name, block in SCHEMES:
+            out.append({"rows": f"massive channel {magnitude:.0e}" if magnitude else "Gaussian",
+                        "scheme": name, **per_value_errors(x, block)})
+    return out
+
+
+def print_outliers(table: list[dict[str, Any]]) -> None:
+    print("| rows | scheme | bytes/value | median | p99 | max | flushed to 0 per row (max) "
+          "| row L2 max / mean |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['rows']} | {r['scheme']} | {r['bytes_per_value']:.3f} | "
+              f"{r['median']:.2%} | {r['p99']:.2%} | {r['max']:.0%} | "
+              f"{r['flushed_per_row']:.1f} ({r['flushed_max_row']}) | "
+              f"{r['row_l2_max']:.3%} / {r['row_l2_mean']:.3%} |", flush=True)
 
 
 def _dump(dump_dir: Path, dtype: str, key: str, ids: list[int], hidden: torch.Tensor,
@@ -186,14 +245,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sglang", action="store_true", help="also a live SGLang server (CPU)")
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny model")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--outliers-only", action="store_true", help="only the per-value table")
     args = p.parse_args(argv)
+    table = outliers(args.hidden)
+    print_outliers(table)
+    if args.outliers_only:
+        if args.json:
+            args.json.write_text(json.dumps({"outliers": table}, indent=1) + "\n")
+        return 0
     shm = Path("/dev/shm")
     need = 3 * args.tokens * c.bytes_per_token(c.DTYPE_BF16, args.hidden)
     dump_root = Path(tempfile.mkdtemp(prefix="hsfarm-fp8-",
                                       dir=shm if shutil.disk_usage(shm).free > need else None))
     out_dir = Path(tempfile.mkdtemp(prefix="hsfarm-fp8-out-", dir=args.out_dir))
     try:
-        res: dict[str, Any] = {"synthetic": synthetic(args.cache_dir, args.tokens, args.hidden,
+        res: dict[str, Any] = {"outliers": table,
+                               "synthetic": synthetic(args.cache_dir, args.tokens, args.hidden,
                                                       out_dir, dump_root)}
         print(json.dumps(res["synthetic"], indent=1), flush=True)
         if not args.no_tiny:

@@ -18,6 +18,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -167,18 +168,27 @@ M_WEIGHTS = "weights_identity"  # JSON: ``served_weights`` of the weights the se
 
 # --- storage dtype ---------------------------------------------------------------------------
 #
-# Hidden states are stored as bf16 (the default) or, opt-in, as float8 e4m3 with one float32
-# scale per token per layer: ``x ≈ float(q) * scale``, ``scale = max|x| / 448`` over the
-# layer's row. The hook quantizes (on the GPU, before the copy to the host), so the dump and
-# the final file hold the same bytes. The run's fingerprint names the dtype: one output dir
-# never mixes the two.
+# Hidden states are stored as bf16 (the default) or, opt-in, as float8 e4m3 with float32
+# scales per block of ``FP8_BLOCK`` values of each token's row of each layer (DeepSeek's FP8
+# layout): ``x ≈ float(q) * scale``, ``scale = max|block| / 448``. A massive channel (10^3-10^5
+# above the rest, as residual streams have) then coarsens only its own block, where one scale
+# per row flushed the small values of the whole row to zero. The hook quantizes (on the GPU,
+# before the copy to the host), so the dump and the final file hold the same bytes. The run's
+# fingerprint names the dtype: one output dir never mixes the two.
+#
+# The block is not part of the fingerprint nor of the ready marker: a file says its own layout
+# by its scales' shape ([T, layers * ceil(H / FP8_BLOCK)], or [T, layers]: one scale per token
+# per layer, as files were written before), every reader takes both, and both hold the same
+# states up to e4m3's rounding. Naming it in the fingerprint would change every fp8 run's id
+# and refuse the output dirs of runs in flight.
 
 DTYPE_BF16 = "bfloat16"
 DTYPE_FP8 = "fp8_e4m3"
 STORE_DTYPES = (DTYPE_BF16, DTYPE_FP8)
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
-T_HIDDEN_SCALE = "hidden_state_scale"  # F32 [T, 1]
-T_AUX_SCALE = "aux_hidden_state_scale"  # F32 [T, 3]: one column per aux layer
+FP8_BLOCK = 128  # values per scale along a layer's row (the last block of a row may be shorter)
+T_HIDDEN_SCALE = "hidden_state_scale"  # F32 [T, ceil(H / FP8_BLOCK)]
+T_AUX_SCALE = "aux_hidden_state_scale"  # F32 [T, 3 * ceil(H / FP8_BLOCK)]: layer by layer
 M_DUMP_DTYPE = "hidden_dtype"  # in a dump's metadata; a dump without it is bf16
 # Requests the farm sends for itself (the canary, ``sglang_patch verify``) are dumped in bf16
 # whatever the server stores: the canary compares unquantized states, as sensitive as in a
@@ -192,14 +202,40 @@ def dump_dtype_for(rid: Rid, server_dtype: str) -> str:
     return DTYPE_BF16 if rid.sample_key.startswith(INTERNAL_KEY_PREFIX) else server_dtype
 
 
-def hidden_layout(dtype: str, n: int, h: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def fp8_blocks(h: int, block: int = FP8_BLOCK) -> int:
+    """Scales per token per layer of hidden size ``h``: one per ``block`` values."""
+    return -(-h // block)
+
+
+def fp8_block_of(h: int, blocks: int) -> int:
+    """The block of a layer's row of ``h`` values that holds ``blocks`` scales per token:
+    ``FP8_BLOCK``, or ``h`` (one scale per row: files written before). Raises ValueError for
+    any other count."""
+    if blocks == 1:
+        return h
+    if blocks == fp8_blocks(h):
+        return FP8_BLOCK
+    raise ValueError(f"{blocks} fp8 scales per token per layer of {h} values: expected "
+                     f"{fp8_blocks(h)} (one per {FP8_BLOCK}) or 1")
+
+
+def hidden_layout(dtype: str, n: int, h: int, found: Mapping[str, tuple[int, ...]] | None = None
+                  ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The hidden-state tensors of a dump or final file of ``n`` tokens, hidden size ``h``:
-    name -> (safetensors dtype tag, shape). Raises ValueError for an unknown dtype."""
+    name -> (safetensors dtype tag, shape). Raises ValueError for an unknown dtype.
+
+    ``found`` (a file's tensor shapes, for a reader's check): an fp8 file whose scales are one
+    per token per layer (written before the block layout) gets that layout; any other the
+    block layout written now."""
     if dtype == DTYPE_BF16:
         return {T_HIDDEN: ("BF16", (n, h)), T_AUX: ("BF16", (n, AUX_LAYERS * h))}
     if dtype == DTYPE_FP8:
+        per_row = found is not None and found.get(T_HIDDEN_SCALE) == (n, 1) \
+            and found.get(T_AUX_SCALE) == (n, AUX_LAYERS)
+        blocks = 1 if per_row else fp8_blocks(h)
         return {T_HIDDEN: ("F8_E4M3", (n, h)), T_AUX: ("F8_E4M3", (n, AUX_LAYERS * h)),
-                T_HIDDEN_SCALE: ("F32", (n, 1)), T_AUX_SCALE: ("F32", (n, AUX_LAYERS))}
+                T_HIDDEN_SCALE: ("F32", (n, blocks)),
+                T_AUX_SCALE: ("F32", (n, AUX_LAYERS * blocks))}
     raise ValueError(f"unknown storage dtype {dtype!r}: one of {', '.join(STORE_DTYPES)}")
 
 

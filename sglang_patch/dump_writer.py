@@ -12,9 +12,10 @@ starts an asynchronous device-to-host copy and returns at once; the writer threa
 it. On CPU the stager is a plain clone.
 
 Storage dtype: with ``dtype`` fp8_e4m3 (``contracts.DTYPE_FP8``) each chunk's rows are
-quantized (``fp8.quantize``, a scale per token per layer) by the stager's ``encode`` before the
-copy: on a GPU on the copy's side stream, so the forward's stream does not wait for it and the
-device-to-host copy, tmpfs and the worker carry half the bytes. The farm's own requests
+quantized (``fp8.quantize``, a scale per block of 128 values of a token's row) by the
+stager's ``encode`` before the copy: on a GPU on the copy's side stream, so the forward's
+stream does not wait for it and the device-to-host copy, tmpfs and the worker carry half the
+bytes. The farm's own requests
 (``contracts.dump_dtype_for``: the canary) stay bf16.
 """
 

@@ -4,6 +4,8 @@ fingerprint, and one run end to end through real workers, read back by the train
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,22 +52,81 @@ def _rel_err(x: torch.Tensor, y: torch.Tensor, layers: int) -> torch.Tensor:
 def test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree() -> None:
     # Given model-like rows (outlier channels, a row of zeros)
     x = _states(64)
-    # When quantized with a scale per token per layer and dequantized
+    # When quantized with a scale per block of 128 values of each row and dequantized
     q, s = codec.quantize(x, 4)
-    back = codec.dequantize(q, s, torch.float32)
+    assert s.shape == (64, 4 * H // c.FP8_BLOCK)
+    back = codec.dequantize(q, s, torch.float32, layers=4)
     # Then every value is within half a step of e4m3 (3 mantissa bits: 2^-4 relative, and
     # the subnormal step below 2^-6), every scale is finite and > 0, zeros stay zeros
-    step = (x.abs() * 2.0 ** -4).view(64, 4, H) + (s * 2.0 ** -10)[:, :, None]
-    assert ((back - x).abs().view(64, 4, H) <= step).all()
+    per_value = s.repeat_interleave(c.FP8_BLOCK, dim=1)
+    step = x.abs() * 2.0 ** -4 + per_value * 2.0 ** -10
+    assert ((back - x).abs() <= step).all()
     assert checks.bad_scales(s.numpy()) == 0 and not back[3].any()
     err = _rel_err(x, back, 4)
     assert err.max() < 0.05 and err.mean() < 0.03, (err.max(), err.mean())
     # And the worker's table (numpy, no torch) reads the same values as torch
-    assert np.array_equal(checks.dequantize(q.numpy(), s.numpy()), back.numpy())
+    assert np.array_equal(checks.dequantize(q.numpy(), s.numpy(), layers=4), back.numpy())
     # And a chunked prefill quantizes the same bytes as one pass (scales are per token)
     q1, s1 = codec.quantize(x[:7], 4)
     q2, s2 = codec.quantize(x[7:], 4)
     assert torch.equal(torch.cat([q1, q2]), q) and torch.equal(torch.cat([s1, s2]), s)
+
+
+@pytest.mark.parametrize("h", [256, 200, 64])
+@pytest.mark.parametrize("per_row", [False, True], ids=["blocks", "per-row"])
+def test_the_torch_and_numpy_codecs_agree_bit_for_bit_in_both_layouts(h: int,
+                                                                        per_row: bool) -> None:
+    # Given rows of 3 layers of h values (200: a last block of 72), quantized in blocks of 128
+    # or with one scale per token per layer (the layout of files written before the blocks)
+    g = torch.Generator().manual_seed(h)
+    x = torch.randn(9, 3 * h, generator=g) * torch.logspace(-3, 3, 3 * h)
+    q, s = codec.quantize(x, 3, block=h if per_row else c.FP8_BLOCK)
+    assert s.shape == (9, 3 * (1 if per_row else c.fp8_blocks(h)))
+    # Then numpy's float32 values are torch's, bit for bit, and so are the bf16 roundings
+    back = codec.dequantize(q, s, torch.float32, layers=3)
+    np_back = checks.dequantize(q.numpy(), s.numpy(), layers=3)
+    assert np_back.dtype == np.float32
+    assert np.array_equal(np_back.view(np.uint32), back.numpy().view(np.uint32))
+    assert torch.equal(codec.dequantize(q, s, layers=3), back.to(torch.bfloat16))
+    # And each value is read with its own block's scale: within half an e4m3 step
+    per_value = s.view(9, 3, -1).repeat_interleave(h if per_row else c.FP8_BLOCK, dim=2)
+    per_value = per_value[:, :, :h].reshape(9, 3 * h)
+    assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + per_value * 2.0 ** -10).all()
+    # And a scale tensor of neither layout is refused, not misread
+    with pytest.raises(ValueError, match="7 fp8 scales per token per layer"):
+        checks.dequantize(q.numpy(), np.ones((9, 3 * 7), np.float32), layers=3)
+
+
+def _massive_row(magnitude: float, seed: int = 0, h: int = 7168) -> torch.Tensor:
+    """Gaussian rows of ``h`` values (bf16-rounded, as states are) whose channel 1234 is
+    ``magnitude`` (the rest ~N(0, 1)): a residual stream's massive activation."""
+    x = torch.randn(8, h, generator=torch.Generator().manual_seed(seed))
+    x[:, 1234] = magnitude
+    return x.to(torch.bfloat16).float()
+
+
+def test_a_massive_channel_no_longer_flushes_its_rows_small_values_to_zero() -> None:
+    # Given rows with one channel 10^4 above the rest (H = 7168)
+    x = _massive_row(1e4)
+    nonzero = x != 0
+    block_of_massive = slice(1234 // 128 * 128, 1234 // 128 * 128 + 128)
+    flushed = {}
+    for name, block in (("per-row", 7168), ("blocks", c.FP8_BLOCK)):
+        q, s = codec.quantize(x, 1, block=block)
+        back = codec.dequantize(q, s, torch.float32, layers=1)
+        flushed[name] = (back == 0) & nonzero
+        rel = ((back - x).abs() / x.abs())[nonzero]
+        flushed[name + " p99"] = float(rel.quantile(0.99))
+    # Then one scale per row flushed ~130 of each row's 7,167 other values to zero (p99 100%)
+    assert flushed["per-row"].sum(1).min() > 100 and flushed["per-row p99"] == 1.0
+    # And blocks of 128 flush none outside the massive channel's own block, and a few of the
+    # 127 inside it (e4m3 spans 2^17.8 with subnormals: |x| < 2^-10 * 10^4 / 448 = 0.022 of a
+    # N(0, 1) value is 1.7%); the p99 error is e4m3's rounding, as on a Gaussian row
+    outside = flushed["blocks"].clone()
+    outside[:, block_of_massive] = False
+    assert not outside.any()
+    assert flushed["blocks"].sum(1).max() <= 6, flushed["blocks"].sum(1)
+    assert flushed["blocks p99"] < 0.06
 
 
 def test_nan_and_inf_reach_the_worker_as_nan_bytes_or_bad_scales() -> None:
@@ -74,6 +135,8 @@ def test_nan_and_inf_reach_the_worker_as_nan_bytes_or_bad_scales() -> None:
     q, s = codec.quantize(x, 4)
     assert checks.nan_count(q.numpy()) >= 2
     assert checks.bad_scales(s.numpy()) == 2  # row 0's layer 0 (NaN), row 1's layer 1 (Inf)
+    nb = c.fp8_blocks(H)
+    assert not s[0, 0].isfinite() and not s[1, nb + 7 // c.FP8_BLOCK].isfinite()
 
 
 def test_the_hook_dumps_fp8_and_the_farms_own_requests_bf16(tmp_path: Path) -> None:
@@ -125,11 +188,13 @@ def test_the_synthetic_servers_stager_quantizes_without_holding_the_pool() -> No
 
 
 def _fp8_dump(path: Path, ids: list[int], x: torch.Tensor, dtype: str = c.DTYPE_FP8,
-              nan: tuple[int, int] | None = None, scale: tuple[int, int] | None = None) -> Path:
+              nan: tuple[int, int] | None = None, scale: tuple[int, int] | None = None,
+              block: int = c.FP8_BLOCK) -> Path:
     """A dump as the fp8 hook writes it; ``nan`` (row, col) of aux gets the NaN byte,
-    ``scale`` (row, layer) of aux's scales becomes 0."""
-    hq, hs = codec.quantize(x[:, :H], 1)
-    aq, as_ = codec.quantize(x[:, H:], 3)
+    ``scale`` (row, column) of aux's scales becomes 0; ``block`` = H: one scale per token per
+    layer, as the hook wrote before the blocks."""
+    hq, hs = codec.quantize(x[:, :H], 1, block=block)
+    aq, as_ = codec.quantize(x[:, H:], 3, block=block)
     if nan is not None:
         aq[nan] = 0x7F
     if scale is not None:
@@ -175,6 +240,49 @@ def test_the_worker_stores_fp8_dumps_and_refuses_nan_zero_scales_and_the_other_d
     with pytest.raises(ServerMisconfigured, match="holds fp8_e4m3 hidden states, this run "
                                                   "stores bfloat16"):
         dumps.open_dump(tmp_path / "good", ids, _fp(c.DTYPE_BF16))
+
+
+def test_files_of_one_scale_per_row_are_still_read_by_every_reader(tmp_path: Path) -> None:
+    from training.export.formats import FORMATS
+    from training.export.runner import export
+    from training.loader import HiddenStates
+
+    # Given an fp8 run's dir holding a file of the block layout and one of the per-row layout
+    # (written before the blocks, by a hook of a run in flight), each stored from a real dump
+    n = 12
+    ids = list(range(n))
+    x = _states(n)
+    x[:, 5] = 3e4  # a massive channel: the two layouts differ
+    store = OutputStore(tmp_path / "out", _fp()).open()
+    for key, block in (("blocks", c.FP8_BLOCK), ("rows", H)):
+        with dumps.open_dump(_fp8_dump(tmp_path / key, ids, x, block=block), ids, _fp()) as d:
+            _copy(store, d, key)
+    shapes = {k: tensorfile.read_header(store.final_path(k)).tensors[c.T_AUX_SCALE].shape
+              for k in ("blocks", "rows")}
+    assert shapes == {"blocks": (n, 3 * H // c.FP8_BLOCK), "rows": (n, 3)}
+    # Then the worker's read-back (and audit's) verifies both
+    for key in shapes:
+        store.verify(key, "h")
+    # And the loader hands out each file's own dequantization, in bf16
+    ds = HiddenStates(store.out_dir, verify=True)
+    got = {k: ds[i] for i, k in enumerate(ds.keys)}
+    for key, block in (("blocks", c.FP8_BLOCK), ("rows", H)):
+        aq, as_ = codec.quantize(x[:, H:], 3, block=block)
+        want = codec.dequantize(aq, as_, layers=3)
+        assert torch.equal(got[key][c.T_AUX], want)
+    flushed = {k: int(((got[k][c.T_HIDDEN] == 0) & (x[:, :H] != 0)).sum()) for k in got}
+    assert flushed["blocks"] < flushed["rows"], flushed  # the massive channel's layer
+    # And an export writes both as bf16 and verifies them
+    summary = export(store.out_dir, "specforge", tmp_path / "sf")
+    assert summary.ok and summary.exported == 2, summary.lines()
+    for key in shapes:
+        back = FORMATS["specforge"].read_back(tmp_path / "sf" / FORMATS["specforge"].rel_path(key))
+        assert np.array_equal(back[c.T_AUX].reshape(n, 3 * H),
+                              got[key][c.T_AUX].view(torch.int16).numpy().view(np.uint16))
+    # And a scale tensor of neither layout is corrupt for the worker's dump check
+    bad = _fp8_dump(tmp_path / "odd", ids, x, block=64)
+    with pytest.raises(Corrupt, match=r"hidden_state_scale is F32\[12, 4\], expected F32\[12, 2\]"):
+        dumps.open_dump(bad, ids, _fp())
 
 
 def test_a_server_of_the_other_dtype_is_named_before_the_worker_takes_work(
@@ -305,3 +413,97 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
         assert export(out, name, tmp_path / name).skipped == 3  # the ledger's sums hold
     summary = export(out, "speculators", tmp_path / "speculators")
     assert summary.ok and summary.exported == 3, summary.lines()
+
+
+# --- export of an fp8 run into a small file system -------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A real fp8 run's output dir: 8 example samples through a local farm."""
+    from tests.conftest import CACHE
+    from tests.training_data import produce
+
+    return produce(tmp_path_factory.mktemp("fp8run"), 8, CACHE, store_dtype="fp8_e4m3")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A real tmpfs of 4 MB, unmounted afterwards; the export's free-space margin (64 MB, for
+    real disks) scaled down to it: 0."""
+    import subprocess
+
+    from training.export import runner
+
+    monkeypatch.setattr(runner, "MARGIN_BYTES", 0)
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                         capture_output=True, text=True, check=False)
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _leave_free(fs: Path, free_bytes: int) -> Path:
+    """Fill ``fs`` with a ballast file until ``free_bytes`` (rounded to pages) are left."""
+    ballast = fs / "ballast"
+    with open(ballast, "ab") as f:
+        while (left := shutil.disk_usage(fs).free - free_bytes) > 0:
+            f.write(b"\0" * min(left, 1 << 20))
+            f.flush()
+    return ballast
+
+
+def test_an_fp8_exports_budget_counts_the_bf16_it_writes(fp8_run: Path, small_fs: Path) -> None:
+    from training import fp8
+    from training.export.runner import export
+    from training.manifest import load_run_info
+
+    # Given a DEST with room for the run's stored (fp8) bytes, not for the bf16 it writes
+    stored = sum(p.stat().st_size for p in (fp8_run / "samples").rglob("*.safetensors"))
+    _leave_free(small_fs, stored + stored // 10)
+    # Then the export refuses up front, with what it needs (bf16: ~1.9x), and writes nothing
+    with pytest.raises(ConfigError, match="GB missing"):
+        export(fp8_run, "specforge", small_fs / "dest")
+    assert not list((small_fs / "dest").rglob("*.ckpt"))
+    # (what it counts: the bf16 the export writes, ~1.9x the fp8 sources)
+    info = load_run_info(fp8_run)
+    counted = sum(fp8.exported_bytes(info, p) for p in (fp8_run / "samples").rglob("*.safetensors"))
+    assert 1.7 * stored < counted < 2 * stored, (counted, stored)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_full_dest_is_named_whichever_writer_hits_it(fp8_run: Path, small_fs: Path,
+                                                        fmt: str) -> None:
+    from training.export.runner import export
+
+    dest = small_fs / "dest"
+    seen = []
+
+    def fill_after(first: int) -> Callable[[int], None]:
+        def progress(n: int) -> None:  # the export's main thread, after each sample
+            seen.append(n)
+            if len(seen) == first:
+                _leave_free(small_fs, 64 << 10)  # room for a directory, not for a sample
+        return progress
+
+    # Given a DEST that fills up after the first sample (specforge: torch.save's write fails,
+    # which torch reports as "unexpected pos"), or after the last one (speculators: pyarrow's
+    # dataset write fails)
+    first, raised_by = (1, "unexpected pos") if fmt == "specforge" else (8, "Error writing")
+    with pytest.raises(ConfigError) as e:
+        export(fp8_run, fmt, dest, jobs=1, throttle_s=0.2, progress=fill_after(first))
+    assert raised_by in str(e.value.__cause__), repr(e.value.__cause__)
+    # Then the export stops with "DEST is full" and the fix, never torch's or pyarrow's words
+    msg = str(e.value)
+    assert msg.startswith(f"DEST is full: {dest}"), msg
+    assert raised_by not in msg and "Free space" in msg, msg
+    assert not [p for p in dest.rglob("*") if c.TMP_MARK in p.name]
+    # And once there is room, the same export finishes and keeps what verified before
+    (small_fs / "ballast").unlink()
+    summary = export(fp8_run, fmt, dest, jobs=1)
+    assert summary.ok and summary.exported + summary.skipped == 8, summary.lines()
+    assert summary.skipped >= 1, summary.lines()

@@ -1,7 +1,8 @@
 """fp8 runs on the training side: float8 e4m3 hidden states and their scales back to bf16.
 
 Every trainer reads bf16 (speculators 0.9.0 included: its loader has no fp8 path), so the
-loader and ``export`` hand out ``float(q) * scale`` rounded to bf16 (torch, round to nearest
+loader and ``export`` hand out ``float(q) * scale`` (per block of a row, or per row in files
+written before the blocks: the scales' shape says which) rounded to bf16 (torch, round to nearest
 even: the same bytes on every machine). What a file's checksums cover are its stored bytes
 (fp8 and scales): they are checked before anything is dequantized, and an export's outputs
 are compared with the checksums of the bf16 tensors computed here (``as_exported``), which
@@ -11,16 +12,19 @@ imported only when a sample is dequantized.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
 from sglang_patch import contracts as c
 from training import checksums
 from training.manifest import RunInfo
+from training.sample_file import SampleFile
 from worker.errors import Corrupt
 
-_PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE), (c.T_AUX, c.T_AUX_SCALE))
+_PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1), (c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS))
 STORED = (c.T_HIDDEN, c.T_HIDDEN_SCALE, c.T_AUX, c.T_AUX_SCALE)
 
 
@@ -32,10 +36,10 @@ def to_bf16(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     from sglang_patch import fp8 as codec
 
     out = {k: v for k, v in arrays.items() if k not in (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)}
-    for name, scale in _PAIRS:
+    for name, scale, layers in _PAIRS:
         q = torch.from_numpy(np.ascontiguousarray(arrays[name]))
         s = torch.from_numpy(np.ascontiguousarray(arrays[scale]))
-        out[name] = codec.dequantize(q, s).view(torch.int16).numpy().view(np.uint16)
+        out[name] = codec.dequantize(q, s, layers=layers).view(torch.int16).numpy().view(np.uint16)
     return out
 
 
@@ -55,5 +59,21 @@ def as_exported(info: RunInfo, arrays: Mapping[str, np.ndarray],
         raise Corrupt(f"source checksum of {', '.join(bad)}")
     out = to_bf16(arrays)
     sums = {k: v for k, v in src_sums.sums.items() if k not in STORED}
-    sums.update({name: checksums.of(out[name]) for name, _ in _PAIRS})
+    sums.update({name: checksums.of(out[name]) for name, _, _ in _PAIRS})
     return out, checksums.Recorded(checksums.ck.DEFAULT_ALGORITHM, sums)
+
+
+def exported_bytes(info: RunInfo, path: Path) -> int:
+    """About what an export of the file at ``path`` writes: its size, an fp8 run's with its
+    states in bf16 (2 bytes a value, no scales: ~1.9x). A header that cannot be read counts
+    as its size (the export fails that file)."""
+    size = path.stat().st_size
+    if not info.fp8:
+        return size
+    try:
+        entries = SampleFile.open(path).entries
+    except (Corrupt, OSError):
+        return size
+    stored = sum(entries[k].end - entries[k].start for k in STORED if k in entries)
+    values = sum(math.prod(entries[k].shape) for k in (c.T_HIDDEN, c.T_AUX) if k in entries)
+    return size - stored + 2 * values

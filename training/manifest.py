@@ -46,7 +46,7 @@ class RunInfo:
             problems.append(f"sample_key {sf.metadata.get(M_KEY)!r} != {key!r}")
         ids = sf.entries.get(c.T_INPUT_IDS)
         t = ids.shape[0] if ids is not None and ids.shape else 0
-        want = final_layout(self.fingerprint, t)
+        want = final_layout(self.fingerprint, t, {k: e.shape for k, e in sf.entries.items()})
         missing = set(want) - set(sf.entries)
         if missing:
             raise Corrupt(f"{sf.path}: missing tensors {sorted(missing)}")

@@ -199,7 +199,7 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
             raise ServerMisconfigured(f"dump {path.name} holds {dtype} hidden states, "
                                       f"{_dtype_fix(fp.dtype)}")
         n, h = len(sent_ids), fp.hidden_size
-        want = c.hidden_layout(fp.dtype, n, h)
+        want = c.hidden_layout(fp.dtype, n, h, {k: e.shape for k, e in t.items()})
         missing = {c.T_INPUT_IDS, *want} - set(t)
         if missing:
             raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")

@@ -2,13 +2,17 @@
 
 The hook quantizes (``sglang_patch/fp8.py``); the worker checks what it copies, as it checks
 bf16 for NaN/Inf: e4m3fn has no infinities and two NaN encodings (``0x7F``, ``0xFF``), and
-every scale must be finite and > 0 (a NaN or Inf in a row makes its scale non-finite). The
-training side dequantizes: ``float(q) * scale``, per token and layer.
+every scale must be finite and > 0 (a NaN or Inf in a block makes its scale non-finite). The
+training side dequantizes: ``float(q) * scale``, per block of each token's row of each layer
+(``contracts.FP8_BLOCK`` values, or the whole row in files written before the blocks), with the
+same float32 products as the hook's torch ``dequantize``.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from sglang_patch import contracts as c
 
 _NAN_BITS = 0x7F  # exponent and mantissa all ones; the sign bit either way
 
@@ -39,9 +43,17 @@ def _e4m3_table() -> np.ndarray:
 E4M3_VALUES = _e4m3_table()  # the float32 value of every byte
 
 
-def dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """uint8 [T, L*H] (e4m3fn bits) and float32 [T, L] -> float32 [T, L*H]."""
+def dequantize(q: np.ndarray, scales: np.ndarray, *, layers: int) -> np.ndarray:
+    """uint8 [T, layers*H] (e4m3fn bits) and float32 [T, layers*blocks] -> float32
+    [T, layers*H]. Raises ValueError for a scale shape of neither layout."""
     t, width = q.shape
-    layers = scales.shape[1]
-    v = E4M3_VALUES[q].reshape(t, layers, width // layers) * scales[:, :, None]
-    return v.reshape(t, width)
+    h = width // layers
+    nb = scales.shape[1] // layers
+    if scales.shape[1] != layers * nb:
+        raise ValueError(f"{scales.shape[1]} scales per token for {layers} layers")
+    block = c.fp8_block_of(h, nb)
+    v = E4M3_VALUES[q].reshape(t, layers, h)
+    if nb * block != h:
+        v = np.pad(v, ((0, 0), (0, 0), (0, nb * block - h)))
+    v = v.reshape(t, layers, nb, block) * scales.reshape(t, layers, nb, 1)
+    return np.ascontiguousarray(v.reshape(t, layers, nb * block)[:, :, :h]).reshape(t, width)

@@ -15,11 +15,16 @@ def tensor_semantics(fp: c.Fingerprint) -> dict[str, object]:
     sglang_ids = list(fp.layers_to_capture)
     output_ids = [i - 1 for i in sglang_ids]
     kind = "bf16" if fp.dtype == c.DTYPE_BF16 else "float8 e4m3fn"
+    nb, block = c.fp8_blocks(fp.hidden_size), c.FP8_BLOCK
     scales = {} if fp.dtype == c.DTYPE_BF16 else {
-        c.T_HIDDEN_SCALE: "float32 [T, 1]: hidden_state's scale per token: value = "
-                          "float(e4m3) * scale, scale = max|row| / 448",
-        c.T_AUX_SCALE: "float32 [T, 3]: aux_hidden_state's scale per token, one column per "
-                       "layer (column i scales the i-th block of the hidden size)"}
+        c.T_HIDDEN_SCALE: f"float32 [T, {nb}]: hidden_state's scales, one per block of {block} "
+                          "values of a token's row (the last block may be shorter): value = "
+                          "float(e4m3) * scale, scale = max|block| / 448; a file whose scales "
+                          "are [T, 1] (written before the blocks) has one per row",
+        c.T_AUX_SCALE: f"float32 [T, {3 * nb}]: aux_hidden_state's scales, {nb} per layer, "
+                       f"layer by layer, as hidden_state's (columns i*{nb} to (i+1)*{nb} - 1 "
+                       "scale the i-th layer); a file whose scales are [T, 3] has one per "
+                       "token per layer"}
     return {
         c.T_INPUT_IDS: "int64 [T]: the token ids sent to the server (chat template applied)",
         c.T_LOSS_MASK: "int64 [T]: 1 on tokens an assistant message adds (content and end of "

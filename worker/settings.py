@@ -52,7 +52,8 @@ class Settings:
                            "takes (`/server_info`)")
     overlong: str = _doc("reject", "`reject` (a shorter server context refuses the start, a "
                          "longer sample is rejected) or `truncate` (cut to `FARM_MAX_TOKENS`)")
-    store_dtype: str = _doc("bf16", "hidden states on disk: `bf16` or `fp8_e4m3` (docs/fp8.md); "
+    store_dtype: str = _doc("bf16", "hidden states on disk: `bf16` or `fp8_e4m3` (float8 with a "
+                            "float32 scale per block of 128 values, docs/fp8.md); "
                             "the server's hook must dump the same (`SGLANG_HS_DUMP_DTYPE`); part "
                             "of the run's fingerprint")
     queue: str = _doc("", "the Celery queue (empty: the run's own, `hsfarm.<run id>`); runs "

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +44,13 @@ FINAL_TENSORS = {  # name -> dtype of the final file (bf16 storage; ``final_layo
 SCALES = (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)  # fp8 storage: checked by value at verify
 
 
-def final_layout(fp: c.Fingerprint, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor of a final file of ``n`` tokens of run ``fp``: name -> (dtype, shape)."""
+def final_layout(fp: c.Fingerprint, n: int, found: Mapping[str, tuple[int, ...]] | None = None
+                 ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of a final file of ``n`` tokens of run ``fp``: name -> (dtype, shape).
+    ``found``: the file's shapes, when checking one (``contracts.hidden_layout``: an fp8 file
+    of one scale per token per layer, written before the blocks, is checked as one)."""
     return {c.T_INPUT_IDS: ("I64", (n,)), c.T_LOSS_MASK: ("I64", (n,)),
-            **c.hidden_layout(fp.dtype, n, fp.hidden_size)}
+            **c.hidden_layout(fp.dtype, n, fp.hidden_size, found)}
 
 
 @dataclass(frozen=True)
@@ -315,7 +318,7 @@ class OutputStore:
     def _shape_problems(self, header: tensorfile.Header) -> list[str]:
         t = header.tensors
         n = t[c.T_INPUT_IDS].shape[0] if c.T_INPUT_IDS in t and t[c.T_INPUT_IDS].shape else -1
-        want = final_layout(self.fingerprint, n)
+        want = final_layout(self.fingerprint, n, {k: e.shape for k, e in t.items()})
         missing = set(want) - set(t)
         if missing:
             return [f"missing tensors {sorted(missing)}"]

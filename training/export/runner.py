@@ -43,7 +43,7 @@ from training.sample_file import SampleFile
 from worker.errors import ConfigError, Corrupt
 from worker.setaside import removed_by_key
 from worker.store import _writer_dead as writer_dead  # the store's own temp-name parser
-from worker.store import free_bytes
+from worker.store import free_bytes, is_no_space
 
 MARGIN_BYTES = 64 << 20
 # Samples exported at once: one sample's CPU work (the save's page faults, speculators'
@@ -95,6 +95,39 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
     shared: set[int] = field(default_factory=set)  # numbers more than one key claims
     next_number: int = 0
+    # the first write into DEST that found no space: the samples left are not tried
+    full: BaseException | None = None
+
+
+class DestFull(ConfigError):
+    """DEST ran out of space mid-export, whichever writer found it (torch.save, pyarrow, the
+    ledger's or our own writes): the export stops; what verified stays for the next run."""
+
+
+_NOT_TRIED = "not exported: DEST is full"
+
+
+def no_space(e: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT anywhere in ``e``'s chain. torch.save's zip writer reports a failed write
+    of its file object as "unexpected pos", with the OSError as its context; pyarrow raises an
+    OSError with the errno; safetensors names it in its message (``store.is_no_space``)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if is_no_space(e):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _dest_full(job: _Job, summary: ExportSummary) -> DestFull:
+    left = sum(1 for _, why in summary.failed if why in (_NOT_TRIED, "DEST is full"))
+    return DestFull(
+        f"DEST is full: {job.dest} ran out of space ({free_bytes(job.dest) / 1e6:.1f} MB free) "
+        f"with {summary.exported} samples exported and verified in this run "
+        f"({summary.skipped} were already there), {left} not exported. Free space on it (or "
+        "pass --delete-source), then run the same export again: it keeps what verified and "
+        "exports the rest")
 
 
 @dataclass(frozen=True)
@@ -111,6 +144,8 @@ def export(out_dir: Path, to: str, dest: Path, jobs: int = DEFAULT_JOBS,
     Raises:
         ConfigError: up front: bad arguments, not an output dir, no room, or another export
             into DEST is running.
+        DestFull: (a ConfigError) DEST ran out of space mid-export, whichever writer found
+            it; the samples not yet exported are not tried.
     """
     if to not in FORMATS:
         raise ConfigError(f"unknown export format {to!r}: one of {', '.join(FORMATS)}")
@@ -131,8 +166,8 @@ def _export(job: _Job, out_dirs: list[Path], jobs: int,
     roots.check_same_run(out_dirs)
     gathered = roots.gather(out_dirs)
     sources = gathered.files
-    check_space(job.dest, out_dirs[0], [p for k, p in sources.items() if _changed(job, k, p)],
-                job.delete_source, jobs)
+    pending = [p for k, p in sources.items() if _changed(job, k, p)]
+    check_space(job.info, job.dest, out_dirs[0], pending, job.delete_source, jobs)
     if job.fmt.numbered:
         numbers = job.ledger.numbers()
         job.shared = {n for n, keys in numbers.items() if len(keys) > 1}
@@ -149,7 +184,7 @@ def _export(job: _Job, out_dirs: list[Path], jobs: int,
     summary.withdrawn = len(withdrawn)
     kept = [k for k in kept if k not in withdrawn]
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # _one: ENOSPC sets job.full
         for key, result in zip(sources, pool.map(lambda p: _one(job, p), sources.values()),
                                strict=True):
             _count(summary, key, result)
@@ -160,11 +195,18 @@ def _export(job: _Job, out_dirs: list[Path], jobs: int,
                 summary.skipped += 1
             else:
                 summary.failed.append((key, why))
+    if job.full is not None:
+        raise _dest_full(job, summary) from job.full
     if job.fmt.numbered:
         from training.export.speculators_dataset import write_dataset
 
-        close_gaps(job.ledger, job.fmt, job.dest)
-        write_dataset(job.dest, job.ledger)
+        try:
+            close_gaps(job.ledger, job.fmt, job.dest)
+            write_dataset(job.dest, job.ledger)
+        except (OSError, RuntimeError) as e:
+            if no_space(e):
+                raise _dest_full(job, summary) from e
+            raise
     summary.seconds = time.monotonic() - t0
     return summary
 
@@ -223,14 +265,15 @@ def _changed(job: _Job, key: str, path: Path) -> bool:
     return now != checksums.Recorded.from_json(entry["source_checksums"])
 
 
-def check_space(dest: Path, out_dir: Path, pending: list[Path], delete_source: bool,
-                jobs: int) -> None:
+def check_space(info: RunInfo, dest: Path, out_dir: Path, pending: list[Path],
+                delete_source: bool, jobs: int) -> None:
     """Refuse to start when DEST cannot hold what is left to export; say how much is missing.
 
-    With ``delete_source`` on the same file system, each source is removed after its export
+    What an export writes is counted (an fp8 run's states in bf16: ~1.9x its sources). With
+    ``delete_source`` on the same file system, each source is removed after its export
     verified, so only ``jobs`` samples in flight need room.
     """
-    sizes = sorted((p.stat().st_size for p in pending), reverse=True)
+    sizes = sorted((fp8.exported_bytes(info, p) for p in pending), reverse=True)
     same_fs = os.stat(dest).st_dev == os.stat(out_dir).st_dev
     need = sum(sizes[:jobs] if delete_source and same_fs else sizes) + MARGIN_BYTES
     free = free_bytes(dest)
@@ -245,6 +288,8 @@ def check_space(dest: Path, out_dir: Path, pending: list[Path], delete_source: b
 def _one(job: _Job, src_path: Path) -> _Outcome | str:
     """Skip or export one sample; what happened, or the reason it failed (never raises)."""
     key = _key(src_path)
+    if job.full is not None:
+        return _NOT_TRIED
     tmp = None
     try:
         seen = os.stat(src_path)
@@ -268,6 +313,9 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
         size = _commit(job, key, tmp, src_sums, derived_sums, entry, want)
         return _Outcome(size, job.delete_source and _delete_if_same(src_path, seen))
     except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
+        if no_space(e):
+            job.full = job.full or e
+            return "DEST is full"
         return str(e) or type(e).__name__
     finally:
         if tmp is not None:

@@ -12,6 +12,8 @@ loss-masked tokens, as its ``save_token_frequency_distribution`` writes it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -60,24 +62,34 @@ def write_dataset(dest: Path, ledger: Ledger) -> None:
     _write_token_freq(dest / TOKEN_FREQ, vocab.token_freq(counts))
 
 
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temp file to write ``path``'s new content into: committed over ``path`` when the
+    block ends, removed when it raises (a full DEST keeps no temp file)."""
+    tmp = durable.tmp_for(path)
+    try:
+        yield tmp
+        durable.commit(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _write_arrow(path: Path, table: object) -> None:
     import pyarrow as pa
 
-    tmp = durable.tmp_for(path)
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:  # type: ignore[attr-defined]
+    with _replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, \
+            pa.ipc.new_stream(sink, table.schema) as w:  # type: ignore[attr-defined]
         w.write_table(table)
-    durable.commit(tmp, path)
 
 
 def _write_json(path: Path, body: dict[str, object]) -> None:
-    tmp = durable.tmp_for(path)
-    tmp.write_text(json.dumps(body, indent=2, sort_keys=True))
-    durable.commit(tmp, path)
+    with _replacing(path) as tmp:
+        tmp.write_text(json.dumps(body, indent=2, sort_keys=True))
 
 
 def _write_token_freq(path: Path, freq: dict[int, int]) -> None:
     import torch
 
-    tmp = durable.tmp_for(path)
-    torch.save(freq, tmp)
-    durable.commit(tmp, path)
+    # a file object: torch.save's failed write then carries the OSError (ENOSPC) as context
+    with _replacing(path) as tmp, open(tmp, "wb") as f:
+        torch.save(freq, f)
