@@ -31,15 +31,16 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # System packages, installed only where missing: redis-server (the broker) for everything;
-# for the tests also strace (the live TP=2 test watches which rank writes) and chromium
-# (tests/test_dashboard.py renders the dashboard headless), which the demo does not need.
+# for the tests also strace (the live TP=2 test watches which rank writes), chromium
+# (tests/test_dashboard.py renders the dashboard headless) and nftables (a host's firewall cuts
+# it off from Redis in tests/test_lease_partition.py), which the demo does not need.
 system-deps:
 	@command -v redis-server >/dev/null || \
 		{ apt-get update -qq && apt-get install -y -qq redis-server; }
 
 test-system-deps: system-deps
-	@command -v strace >/dev/null && command -v chromium >/dev/null || \
-		{ apt-get update -qq && apt-get install -y -qq strace chromium; }
+	@command -v strace >/dev/null && command -v chromium >/dev/null && command -v nft >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq strace chromium nftables; }
 
 demo: $(STAMP) system-deps
 	$(PY) -m producer demo

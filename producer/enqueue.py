@@ -370,8 +370,8 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
         if _file_version(path) != plan.version:
             summary.problems.append(("the file", "changed while it was enqueued; run enqueue "
                                                  "again once it is complete"))
-        if not dry_run and limit is None:  # what restores the run's record (ledger.py)
-            ledger.record(r, run_id, settings.output_dir, abs_path)
+        if not dry_run:  # what restores the run's record (ledger.py)
+            ledger.record(r, run_id, settings.output_dir, abs_path, limit)
     return summary
 
 

@@ -392,3 +392,52 @@ def test_a_file_done_on_two_hosts_is_set_aside_where_it_was_not_recorded(
     assert (a_out / hosts.SET_ASIDE / copy.name).is_file()
     assert hosts.held_twice(cl.r, cl.run_id())[key]["kept"] == "hostB"
     assert _held_by(cl, key) == "hostB"
+
+
+def _cut_off(host: Host, on: bool) -> None:
+    """The host's own firewall drops (``on``) or passes everything on its veth to Redis."""
+    veth = {"hostA": f"hv{TAG}a", "hostB": f"hv{TAG}b"}[host.name]
+    if on:
+        rules = (f"table inet cut{TAG} {{\n"
+                 f"  chain i {{ type filter hook input priority 0; iifname \"{veth}\" drop; }}\n"
+                 f"  chain o {{ type filter hook output priority 0; oifname \"{veth}\" drop; }}\n"
+                 "}\n")
+        subprocess.run(["ip", "netns", "exec", host.netns, "nft", "-f", "-"], input=rules,
+                       text=True, check=True, capture_output=True, timeout=60)
+    else:
+        sh("ip", "netns", "exec", host.netns, "nft", "delete", "table", "inet", f"cut{TAG}")
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="needs nft(8) for a host's firewall")
+def test_a_host_cut_off_from_redis_for_60_s_leaves_no_outcome_after_done(
+        cluster: Cluster) -> None:
+    cl = cluster
+    # Given samples of a second data file running on both hosts
+    data = cl.data.with_name("data-cut.json")
+    sample_keys = {str(s["id"]) for s in write_samples(data, 12, start=N_SAMPLES)}
+    res = cl.a.cli("enqueue", str(data), "--no-progress")
+    assert res.returncode == 0, res.stdout + res.stderr
+    wait_until(lambda: bool(_running_on(cl, "hostA") & sample_keys), 120,
+               "host A to run samples of the file")
+    # When host A's firewall cuts it off from Redis for 60 s
+    _cut_off(cl.a, True)
+    try:
+        time.sleep(60)
+    finally:
+        _cut_off(cl.a, False)
+    # Then every sample is done, and none has an outcome beside done: status --check passes
+    def index_done() -> set[str]:
+        return {text(k) for k in cl.r.zrange(cl.k(keys.DONE), 0, -1)}  # type: ignore[arg-type]
+
+    wait_until(lambda: sample_keys <= index_done(), 300, "every sample of the file done")
+    wait_until(lambda: not _running_on(cl, "hostA") and not _running_on(cl, "hostB"), 120,
+               "nothing running")
+    time.sleep(5)  # what host A still had to say once it reached Redis again
+    done = index_done()
+    late = {name: sorted({text(k) for k in cl.r.hkeys(cl.k(name))} & done)
+            for name in (keys.RETRYING, keys.FAILED, keys.REJECTED, keys.STALE)}
+    st = cl.b.cli("status", "--check")
+    print(f"\n$ python -m producer status --check  # host A was cut off 60 s\n{st.stdout}"
+          f"outcomes after done: {late}")
+    assert not any(late.values()), late
+    assert st.returncode == 0, st.stdout + st.stderr

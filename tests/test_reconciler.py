@@ -4,6 +4,7 @@ and nothing that runs, is queued or is about to be acknowledged ever is."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -17,7 +18,7 @@ from celery import Celery
 
 from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
-from tests.conftest import CACHE, assert_farm_invariants, wait_finished
+from tests.conftest import CACHE, assert_farm_invariants, wait_finished, write_samples
 from tests.faults import attempts, busy_child, dashboard_metrics, enqueue, running_farm
 from worker import keys, ledger
 from worker import lease as leases
@@ -131,6 +132,71 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
             assert set(spent.values()) == {1}, (spent, failures)
 
 
+@pytest.mark.timeout(300)
+def test_an_enqueue_with_a_limit_is_restored_with_it_after_redis_lost_everything(
+        tmp_path: Path, tiny_model: Path) -> None:
+    with running_farm(tmp_path, env=HEAL_ENV) as farm:
+        # Given the first 30 records of a data file of 100 enqueued (``--limit 30``)
+        data = tmp_path / "data.json"
+        first = [str(s["id"]) for s in write_samples(data, 100)][:30]
+        res = farm.cli("enqueue", str(data), "--no-progress", "--limit", "30")
+        assert res.returncode == 0 and "published: 30" in res.stdout, res.stdout + res.stderr
+        index = RunIndex(farm.redis(), farm.run_id())
+        # When Redis loses everything, and a worker runs
+        farm.redis().flushall()
+        farm.start_worker("w1", concurrency=2)
+        # Then the reconciler enqueues the file again with its limit: the run holds the 30
+        wait_until(lambda: index.r.hlen(index.k(keys.SAMPLES)) >= 30, 60,
+                   "the run's record of the 30 samples restored", poll_s=0.2)
+        wait_finished(farm, 30, timeout_s=180)
+        assert sorted(index.all_registered()) == sorted(first)
+        assert sorted(index.done_keys()) == sorted(first)
+        logs = farm.procs["w1"].log.read_text()
+        assert f"record of {data} (its first 30 records): enqueueing it again" in logs, logs
+        # And status says the run is finished: 30 done of 30, nothing remaining
+        status = farm.cli("status", "--check")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "progress  30/30 done (100.0%), failed 0, rejected 0, remaining 0" in \
+            status.stdout, status.stdout
+        assert "finished: every sample has an outcome (30 done" in status.stdout, status.stdout
+
+
+@pytest.mark.timeout(400)
+def test_a_run_cut_off_from_redis_for_60_s_finishes_with_no_outcome_after_done(
+        tmp_path: Path, tiny_model: Path) -> None:
+    n = 12
+    with running_farm(tmp_path, ["--forward-delay-s", "1.5"], env=HEAL_ENV, chunk=4096) as farm:
+        # Given a run in full swing: two workers, each with attempts in flight
+        farm.start_worker("w1", concurrency=2)
+        farm.start_worker("w2", concurrency=2)
+        sample_keys = enqueue(farm, tmp_path, n)
+        busy_child(farm, "w1")
+        time.sleep(1.0)
+        # When Redis stops answering for 60 s (SIGSTOP: what it was sent waits in its
+        # sockets, and runs when it answers again), then answers
+        redis_pid = farm.procs["redis"].pid
+        os.kill(redis_pid, signal.SIGSTOP)
+        try:
+            time.sleep(60)
+        finally:
+            os.kill(redis_pid, signal.SIGCONT)
+        # Then the run finishes, and status --check says so: no sample done and retrying
+        wait_finished(farm, n, timeout_s=240)
+        wait_until(lambda: not farm.redis().hlen(f"{keys.PREFIX}:{farm.run_id()}:{keys.RUNNING}"),
+                   60, "nothing running")
+        index = RunIndex(farm.redis(), farm.run_id())
+        done = index.done_keys()
+        retrying_done = sorted(set(index.outcomes(keys.RETRYING)) & done)
+        failed_done = sorted(set(index.outcomes(keys.FAILED)) & done)
+        status = farm.cli("status", "--check")
+        print(f"\nREDIS-STOPPED-60S done {len(done)}/{n}, retrying and done "
+              f"{len(retrying_done)}, failed and done {len(failed_done)}, status --check "
+              f"exit {status.returncode}\n{status.stdout}")
+        assert retrying_done == [] and failed_done == []
+        assert len(done) == n and set(sample_keys) == done
+        assert status.returncode == 0, status.stdout + status.stderr
+
+
 def _log_time(logs: str, pattern: str) -> float:
     """The time of the first log line matching ``pattern`` (seconds since the epoch)."""
     m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*" + pattern, logs, re.M)
@@ -213,10 +279,20 @@ def test_the_output_dir_tells_which_enqueues_redis_lost(tmp_path: Path) -> None:
         # When Redis loses the last write of b's enqueue (an earlier token is what it kept),
         # and later everything
         r.hset(keys.run_key("run1", keys.ENQUEUED), "/data/b.json", "an-older-token")
-        assert ledger.not_in_redis(r, "run1", out) == ["/data/b.json"]
+        assert [e.path for e in ledger.not_in_redis(r, "run1", out)] == ["/data/b.json"]
         r.flushall()
         # Then the output dir names every file whose record must be restored
-        assert sorted(ledger.not_in_redis(r, "run1", out)) == ["/data/a.json", "/data/b.json"]
+        assert sorted(e.path for e in ledger.not_in_redis(r, "run1", out)) == [
+            "/data/a.json", "/data/b.json"]
         assert ledger.not_in_redis(r, "run1", tmp_path) == []  # no record: nothing to restore
+        # And an enqueue with a limit is recorded with the widest limit of the file's
+        # enqueues; a whole enqueue records none
+        ledger.record(r, "run1", out, "/data/c.json", 30)
+        ledger.record(r, "run1", out, "/data/c.json", 10)
+        assert {e.path: e.limit for e in ledger.read(out)}["/data/c.json"] == 30
+        ledger.record(r, "run1", out, "/data/c.json")
+        ledger.record(r, "run1", out, "/data/c.json", 5)
+        assert {e.path: e.limit for e in ledger.read(out)} == dict.fromkeys(
+            ["/data/a.json", "/data/b.json", "/data/c.json"])
     finally:
         farm.close(kill=True)

@@ -139,3 +139,38 @@ def test_check_fails_while_samples_are_rejected_for_the_environment(tmp_path: Pa
         assert ids[0] not in index.outcomes(keys.REJECTED)
     finally:
         farm.close(kill=True)
+
+
+def test_an_outcome_that_reaches_redis_after_done_leaves_the_run_finished(
+        tmp_path: Path, tiny_model: Path) -> None:
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)  # Redis only: no server, no workers
+    try:
+        farm.start_redis()
+        fp = compute_fingerprint(farm.settings(), tiny_model)
+        run = OutputStore(farm.output_dir, fp).open().run_id
+        index = RunIndex(farm.redis(), run)
+        index.register({k: Registered(1, i * 10, 10, "0" * 64, i) for i, k in enumerate("ab")})
+        index.mark_started()
+        # Given both samples done (their files verified, by this attempt or another)
+        index.mark_done("a", 100, 10)
+        index.mark_done("b", 100, 10)
+        # When outcomes of attempts reach Redis after that, in the order a worker cut off
+        # from Redis sends them once it answers again: "a" failed an attempt (its mark_done
+        # timed out), "b" failed its last one
+        index.mark_retrying("a", 1, "Transient: redis: TimeoutError: Timeout reading from socket")
+        index.mark_failed("b", "Transient: redis: TimeoutError", 5)
+        index.mark_stale("b", "the record changed")
+        # Then neither is recorded: the run is finished, and status says so (``--check``
+        # also reads the files, which this index-only run has not)
+        assert index.outcomes(keys.RETRYING) == {} and index.outcomes(keys.FAILED) == {}
+        assert index.outcomes(keys.STALE) == {}
+        res = farm.cli("status")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "progress  2/2 done (100.0%), failed 0, rejected 0, remaining 0" in res.stdout
+        assert "running 0, retrying 0" in res.stdout and "finished: " in res.stdout
+        # And a sample not done still records its outcomes
+        index.register({"c": Registered(1, 20, 10, "0" * 64, 2)})
+        index.mark_retrying("c", 1, "Corrupt: x")
+        assert set(index.outcomes(keys.RETRYING)) == {"c"}
+    finally:
+        farm.close(kill=True)

@@ -33,6 +33,18 @@ local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= ARGV[3] then return 0 end
 return redis.call('HDEL', KEYS[1], ARGV[1])
 """
+# Record an outcome (failed, rejected, stale, retrying) only while the sample is not done: an
+# outcome of an attempt reaches Redis late when Redis was away (a command sent before it
+# stopped answering runs when it answers again; a host's TCP sends what a partition held back),
+# after the sample was marked done by that attempt or another. The file on disk is the truth.
+# KEYS: done, the outcome's hash, running, retrying (or '' for none); ARGV: key, body.
+_SET_OUTCOME = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[1])
+if KEYS[4] ~= KEYS[2] then redis.call('HDEL', KEYS[4], ARGV[1]) end
+return 1
+"""
 MAX_TEXT_CHARS = 500  # longest reason or record description kept in Redis
 MAX_MALFORMED = 100  # refused task messages remembered (the newest)
 
@@ -210,31 +222,24 @@ class RunIndex:
                              "sha": bounded(sha, 64), "at": time.time()})
         self._set_outcome(keys.REJECTED, key, body)
 
-    def _set_outcome(self, name: str, key: str, body: bytes) -> None:
-        p = self.r.pipeline()
-        p.hset(self.k(name), key, body)
-        p.hdel(self.k(keys.RUNNING), key)
-        p.hdel(self.k(keys.RETRYING), key)
-        p.execute()
+    def _set_outcome(self, name: str, key: str, body: bytes) -> bool:
+        """Record outcome ``name`` of ``key``, unless the sample is done (False then): a done
+        sample's file verified on disk, so an outcome arriving after it is a late one."""
+        return bool(self.r.eval(_SET_OUTCOME, 4, self.k(keys.DONE), self.k(name),
+                                self.k(keys.RUNNING), self.k(keys.RETRYING), key, body))
 
     @redis_errors
     def mark_retrying(self, key: str, attempt: int, reason: str) -> None:
-        """An attempt failed and the sample will be tried again: visible in ``status`` now."""
+        """An attempt failed and the sample will be tried again: visible in ``status`` now
+        (unless the sample is done: ``_set_outcome``)."""
         body = orjson.dumps({"attempt": attempt, "reason": bounded(reason), "at": time.time()})
-        p = self.r.pipeline()
-        p.hset(self.k(keys.RETRYING), key, body)
-        p.hdel(self.k(keys.RUNNING), key)
-        p.execute()
+        self._set_outcome(keys.RETRYING, key, body)
 
     @redis_errors
     def mark_stale(self, key: str, reason: str) -> None:
         """The record this message points at changed after enqueue: no outcome; re-enqueue."""
         body = orjson.dumps({"reason": bounded(reason), "at": time.time()})
-        p = self.r.pipeline()
-        p.hset(self.k(keys.STALE), key, body)
-        p.hdel(self.k(keys.RUNNING), key)
-        p.hdel(self.k(keys.RETRYING), key)
-        p.execute()
+        self._set_outcome(keys.STALE, key, body)
 
     @redis_errors
     def record_malformed(self, reason: str) -> None:

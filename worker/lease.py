@@ -9,6 +9,14 @@ takes the sample's lease: ``SET NX`` with a TTL, renewed by a thread while the a
 A second attempt waits, holding its message, until the lease is free; it takes a lease over
 only from a holder that is gone (on this machine, same boot and pid namespace: its process no
 longer runs; elsewhere, whatever its hostname: it stopped renewing, so its TTL ran out).
+
+A holder cut off from Redis cannot renew, and cannot learn that its TTL ran out and another
+host took the sample over. So a lease is trusted only until its TTL, less a margin
+(``TRUST_MARGIN``), counted on this process's monotonic clock from the moment the last
+successful renewal (or the take) was sent: past that, ``check`` raises ``LeaseLost`` whether
+Redis answers or not, before Redis can have handed the sample to anyone else. The margin
+covers the step from ``check`` to the write it guards and the clocks' rates; renewals run
+every third of the TTL, so a lease that Redis renews is never refused.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
          "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
            "return redis.call('DEL', KEYS[1]) else return 0 end"
+# The part of the TTL not trusted: a check this close to the lease's expiry in Redis fails.
+TRUST_MARGIN = 0.25
 _TAKE_OVER = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
              "return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return nil end"
 
@@ -39,8 +49,11 @@ _TAKE_OVER = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
 class Lease:
     """One held lease; ``check`` before anything destructive, ``release`` when done."""
 
-    def __init__(self, r: redis.Redis, name: str, token: str, ttl_s: float) -> None:
+    def __init__(self, r: redis.Redis, name: str, token: str, ttl_s: float,
+                 taken_at: float) -> None:
+        """``taken_at``: when the command that took the lease was sent (monotonic)."""
         self.r, self.name, self.token, self.ttl_s = r, name, token, ttl_s
+        self.renewed_at = taken_at  # when the last successful renewal was sent (monotonic)
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="hsfarm-lease", daemon=True)
@@ -48,18 +61,30 @@ class Lease:
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
+            sent_at = time.monotonic()
             try:
                 if not self.r.eval(_RENEW, 1, self.name, self.token, int(self.ttl_s * 1000)):
                     self.lost.set()
                     return
+                self.renewed_at = sent_at
             except redis.RedisError as e:  # renewal resumes when Redis answers again
                 log.warning("cannot renew lease %s: %s", self.name, e)
 
+    def trusted_for_s(self) -> float:
+        """Seconds the lease is still this holder's for sure (negative: no longer)."""
+        return self.renewed_at + self.ttl_s * (1 - TRUST_MARGIN) - time.monotonic()
+
     def check(self) -> None:
-        """Raises LeaseLost when the lease is no longer this attempt's."""
+        """Raises LeaseLost when the lease is no longer this attempt's, or may not be: it
+        was not renewed for its TTL less the margin (Redis away, or this process stalled)."""
         if self.lost.is_set():
             raise LeaseLost(f"lease {self.name} was lost (this attempt stalled past "
                             f"{self.ttl_s:.0f}s); another attempt owns the sample now")
+        if self.trusted_for_s() < 0:
+            unrenewed_s = time.monotonic() - self.renewed_at
+            raise LeaseLost(f"lease {self.name} not renewed for {unrenewed_s:.1f}s (Redis "
+                            f"unreachable?) of its {self.ttl_s:.0f}s TTL: another host may "
+                            "hold the sample now, so this attempt writes nothing")
 
     def release(self) -> None:
         self._stop.set()
@@ -85,15 +110,17 @@ def try_acquire(r: redis.Redis, name: str, ttl_s: float) -> Lease | str:
     """The lease, or who holds it now. A holder gone from this machine is taken over."""
     token = f"{liveness.identity()}#{uuid.uuid4().hex[:12]}"
     ttl_ms = int(ttl_s * 1000)
+    sent_at = time.monotonic()
     if r.set(name, token, nx=True, px=ttl_ms):
-        return Lease(r, name, token, ttl_s)
+        return Lease(r, name, token, ttl_s, sent_at)
     current = holder(r, name)
     if current is None:
         return "nobody (expired just now)"
+    sent_at = time.monotonic()
     if liveness.gone_here(current.split("#", 1)[0]) and r.eval(
             _TAKE_OVER, 1, name, current, token, ttl_ms):
         log.info("took over %s from %s, which is gone", name, current)
-        return Lease(r, name, token, ttl_s)
+        return Lease(r, name, token, ttl_s, sent_at)
     return current
 
 

@@ -18,7 +18,8 @@ any number of hosts carry the thread) runs a pass every ``FARM_RECONCILE_INTERVA
    (``<key> republished``) and counted (``REPUBLISHED``: ``status``, dashboard, /metrics).
 
 Before that, the pass restores the run's record of each data file whose record Redis lost
-(``ledger``: the output dir's record of complete enqueues) by running ``enqueue`` for it.
+(``ledger``: the output dir's record of complete enqueues) by running ``enqueue`` for it
+(with its ``--limit``, when it was enqueued with one).
 
 Why this never publishes a sample twice at once, one that runs, or one about to be acked:
 
@@ -153,11 +154,14 @@ class Reconciler:
         lost = ledger.not_in_redis(self.r, self.run_id, self.settings.output_dir)
         if not lost or self.r.exists(self.index.k(keys.ENQUEUE_LOCK)):
             return  # an enqueue running now writes its record when it is done
-        for path in lost:
-            log.warning("Redis no longer holds the run's record of %s: enqueueing it again",
-                        path)
+        for entry in lost:
+            path = entry.path
+            limit = [] if entry.limit is None else ["--limit", str(entry.limit)]
+            log.warning("Redis no longer holds the run's record of %s%s: enqueueing it again",
+                        path, f" (its first {entry.limit} records)" if limit else "")
             res = subprocess.run([sys.executable, "-m", "producer", "enqueue", path,
-                                  "--no-progress"], capture_output=True, text=True, check=False)
+                                  "--no-progress", *limit],
+                                 capture_output=True, text=True, check=False)
             out = " | ".join((res.stdout + res.stderr).strip().splitlines()[-8:])
             if res.returncode == 0:
                 log.warning("re-enqueued %s: %s", path, out)
