@@ -94,6 +94,22 @@ def test_adopt_as_first_command_refuses_a_server_on_another_checkpoint(
         assert not finals(farm.output_dir)
 
 
+def test_adopt_refuses_a_server_capturing_other_layers(tmp_path: Path, tiny_model: Path) -> None:
+    # Given the run's model served with other --layers-to-capture than the run's (2, 4, 5)
+    with running_farm(tmp_path, server_args=["--layers-to-capture", "1", "2", "3"]) as farm:
+        data, records = _data(tmp_path)
+        src = tmp_path / "sf"
+        srcs.write_specforge(src, srcs.extract(tiny_model, records[:4], _chat(tiny_model)))
+        # When adopt runs, Then it exits 2 naming both layer sets, and writes nothing
+        res = adopt(farm, src, data)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "server captures layers [1, 2, 3], this run expects [2, 4, 5]" in res.stderr, (
+            res.stderr)
+        assert "Nothing was adopted." in res.stderr and "--layers-to-capture" in res.stderr
+        assert not finals(farm.output_dir)
+        assert not (farm.output_dir / "manifest.json").exists()
+
+
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalFarm]:
     f = LocalFarm(tmp_path_factory.mktemp("adoptchecks") / "farm", cache_dir=CACHE,
