@@ -27,6 +27,7 @@ from worker.store import MANIFEST, OutputStore
 
 ADOPT_REFUSES = "Nothing was adopted."
 PROBE_TIMEOUT_S = 60.0
+PROBE_TRIES = 3  # a busy server may miss one probe's dump deadline
 
 
 def served_check(settings: Settings, fingerprint: c.Fingerprint, model_path: Path) -> str:
@@ -42,12 +43,15 @@ def served_check(settings: Settings, fingerprint: c.Fingerprint, model_path: Pat
 
     manifest = settings.output_dir / MANIFEST
     local = weights.weights_identity(model_path)
-    try:
-        result = probe(settings.server_url, settings.dump_dir,
-                       timeout_s=min(PROBE_TIMEOUT_S, settings.dump_timeout_s))
-    except (ProbeFailed, DumpDirUnsafe) as e:
-        raise ConfigError(f"the server at {settings.server_url} cannot show which model it "
-                          f"serves: {e}. {ADOPT_REFUSES}") from e
+    for attempt in range(1, PROBE_TRIES + 1):
+        try:
+            result = probe(settings.server_url, settings.dump_dir,
+                           timeout_s=min(PROBE_TIMEOUT_S, settings.dump_timeout_s))
+            break
+        except (ProbeFailed, DumpDirUnsafe) as e:
+            if attempt == PROBE_TRIES or isinstance(e, DumpDirUnsafe):
+                raise ConfigError(f"the server at {settings.server_url} cannot show which model "
+                                  f"it serves: {e}. {ADOPT_REFUSES}") from e
     served_identity.check(settings, fingerprint, result.metadata,
                           recorded=_recorded_weights(manifest), local=local,
                           model_path=model_path, manifest=manifest,
