@@ -1,10 +1,16 @@
 """``python -m producer adopt SOURCE --data DATA``: take an earlier run's files into this run.
 
+0. Before a source file is read or anything is written, the server must be the run's, as a
+   worker's start checks it (``adopt_canary.served_check``: weights, layers, config, dtype).
 1. DATA is tokenized as this run's tasks tokenize it; each source file is opened (its ids and
    shapes, never its states) and matched to the record with exactly its ``input_ids``
-   (``adopt_match``). Files that match nothing, or a sample already done, are reported.
+   (``adopt_match``). Files that match nothing, or a sample already done, are reported; an
+   hsfarm file whose header names another run's layers, fingerprint, weights or dtype is
+   refused (``adopt_header``).
 2. K of the matched files are extracted again through the live server and compared per layer
    with the canary's tolerance (``adopt_check``); if any layer is over it, nothing is adopted.
+   Then every matched file's first rows are compared with the server's, file by file
+   (``adopt_rows``); a file that differs is refused on its own.
 3. Each matched file is written as this run's own final file under the sample's lease (the
    one a task holds: a worker and ``adopt`` never write one sample at once): the store's
    durable write, read back from the device and every checksum compared, then marked done in
@@ -34,8 +40,10 @@ import numpy as np
 from tqdm import tqdm
 
 from producer import adopt_check as ck
+from producer import adopt_header as ah
 from producer import adopt_match as am
-from producer.adopt_canary import canary_outcome
+from producer import adopt_rows as ar
+from producer.adopt_canary import canary_outcome, served_check
 from producer.adopt_formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import _run_lock_name, open_run
@@ -80,6 +88,9 @@ class Report:
     records: int = 0
     check: ck.CheckResult | None = None
     canary: Outcome | None = None  # the run's canary, when one was recorded
+    served: str = ""  # what the probe of the server's identity found
+    headers_checked: int = 0  # hsfarm files whose own header was compared with the run
+    rows: ar.RowsResult | None = None  # the per-file check of every matched file
     dry_run: bool = False
     would_adopt: int = 0
 
@@ -93,6 +104,29 @@ class Report:
         return ((self.canary is None or self.canary.passed)
                 and (self.check is None or self.check.passed))
 
+    def _checked(self) -> list[str]:
+        """What was checked, per run and per file, and what that guarantees."""
+        if not self.served:
+            return []
+        out = [f"checked per run: served identity (weights, layers, config, dtype): "
+               f"{self.served}"]
+        if self.canary is not None:
+            out.append("checked per run: the run's canary")
+        if self.check is not None:
+            out.append(f"checked per run: {len(self.check.files)} files extracted again whole")
+        per_file = [f"ids and shapes of all {self.files}"]
+        if self.headers_checked:
+            per_file.append(f"own header (layers, fingerprint id, weights identity, dtype) of "
+                            f"{self.headers_checked}")
+        if self.rows is not None:
+            per_file.append(f"states at {ar.ROWS} rows of the first {ar.PREFIX_TOKENS} tokens "
+                            f"of all {self.rows.checked} matched, against the server "
+                            f"({len(self.rows.refused)} differ)")
+        out.append(f"checked per file: {'; '.join(per_file)}")
+        if self.rows is not None and self.check is not None:
+            out += ar.guarantee(self.rows.checked, len(self.check.files))
+        return out
+
     def lines(self) -> list[str]:
         out = [f"  {name}: {why}" for name, why in self.refused]
         out += [f"  {name}: being extracted by a worker ({who}); left to it"
@@ -103,6 +137,7 @@ class Report:
                        f"nothing adopted:\n{self.canary.text}")
         if self.check is not None:
             out += self.check.lines()
+        out += self._checked()
         if self.unmatched and not self.done and self.check is None:
             out.append("no file matches a record: the source was tokenized otherwise (another "
                        "chat template, tokenizer or FARM_MAX_TOKENS) or holds another data "
@@ -132,13 +167,14 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     """
     s = run.settings
     fmt = detect(source) if fmt == "auto" else fmt
+    served = served_check(s, run.fingerprint, run.model_path)  # before a source is read
     store = st.OutputStore(s.output_dir, run.fingerprint)
     if not dry_run or (s.output_dir / st.MANIFEST).exists():
         store = open_run(s, run.fingerprint, run.model_path)
         store.debug_write_delay_s = s.debug_write_delay_s
     run_id = store.run_id or c.NO_RUN
     r = broker.client(s)
-    report = Report(dry_run=dry_run)
+    report = Report(dry_run=dry_run, served=served)
     with leases.held(r, _run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
         with _bar(progress, "tokenize", None) as bar:
             records = am.tokenize_records(data, run.chat, s.max_record_bytes, bar.update)
@@ -148,6 +184,8 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
             found = am.scan(files, fmt, keys, records, store, source, bar.update)
         report.refused, report.done = list(found.refused), len(found.done)
         report.unmatched = found.unmatched
+        if fmt == "hsfarm":
+            report.headers_checked = _screen_headers(run, store, found, source, report)
         if not found.matched:
             return report
         report.canary = canary_outcome(s, store, run.model_path, run.chat)
@@ -156,6 +194,8 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
         report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
         if not report.check.passed:
             return report
+        report.rows = _check_rows(run, run_id, found, fmt, keys, source, progress)
+        _drop(found, source, report.rows.refused, report)
         report.would_adopt = len(found.matched)
         if dry_run:
             return report
@@ -183,6 +223,45 @@ def _check(run: Run, store: st.OutputStore, run_id: str, found: am.Scan, fmt: st
         picked.append(ck.Picked(str(path.relative_to(source)), s.input_ids.tolist(), rows,
                                 ck.states_at(s.hidden, s.aux, rows)))
     return ck.run_check(run.settings, run_id, run.fingerprint, store.out_dir, picked)
+
+
+def _screen_headers(run: Run, store: st.OutputStore, found: am.Scan, source: Path,
+                    report: Report) -> int:
+    """Refuse the matched hsfarm files whose header names another run; how many were read."""
+    refused = []
+    for path, _, _ in found.matched.values():
+        try:
+            meta = tensorfile.header_metadata(path)
+        except (Corrupt, OSError) as e:
+            refused.append((str(path.relative_to(source)), f"unreadable: {e}"))
+            continue
+        why = ah.refusal(meta, run.fingerprint, store.weights_id)
+        if why:
+            refused.append((str(path.relative_to(source)), why))
+    n = len(found.matched)
+    _drop(found, source, refused, report)
+    return n
+
+
+def _check_rows(run: Run, run_id: str, found: am.Scan, fmt: str,
+                keys: dict[str, tuple[str, ...]] | None, source: Path,
+                progress: bool) -> ar.RowsResult:
+    """Every matched file's first rows against the server (``adopt_rows``)."""
+    files = [(str(path.relative_to(source)), path)
+             for _, (path, _, _) in sorted(found.matched.items())]
+    with _bar(progress, "check rows", len(files)) as bar:
+        return ar.check_files(run.settings, run_id, run.fingerprint, files,
+                              lambda p: open_sample(p, fmt, keys), bar.update)
+
+
+def _drop(found: am.Scan, source: Path, refused: list[tuple[str, str]],
+          report: Report) -> None:
+    """Take the ``refused`` files (name, reason) out of the matched ones, into the report."""
+    names = {name for name, _ in refused}
+    for key, (path, _, _) in list(found.matched.items()):
+        if str(path.relative_to(source)) in names:
+            del found.matched[key]
+    report.refused += refused
 
 
 def _adopt_all(run: Run, store: st.OutputStore, index: RunIndex, found: am.Scan, fmt: str,

@@ -106,17 +106,27 @@ def run_check(settings: Settings, run_id: str, fingerprint: c.Fingerprint, out_d
     Raises:
         ServerUnavailable, Transient, Corrupt: the server could not answer for a file.
     """
-    loop = asyncio.new_event_loop()
-    try:
-        new = loop.run_until_complete(_extract_all(settings, run_id, picked))
-    finally:
-        loop.close()
+    new = extract_again(settings, run_id, picked)
     names = cn.layer_names(fingerprint.layers_to_capture)
     recorded = [cn.Canary(np.asarray(p.input_ids), p.rows, p.states) for p in picked]
     cmp = cn.compare(recorded, new, names, settings.canary_max_rel_err,
                      settings.canary_mean_rel_err)
     why = "" if cmp.passed else diagnose(cmp, recorded, new, fingerprint, _norm(out_dir))
     return CheckResult(cmp, [p.name for p in picked], why)
+
+
+def extract_again(settings: Settings, run_id: str, picked: list[Picked]) -> list[np.ndarray]:
+    """``picked``'s ids sent to the server at once (the canary's request); the dumps' states
+    at each one's rows, float32 [4, R, H].
+
+    Raises:
+        ServerUnavailable, Transient, Corrupt: the server could not answer for a file.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(_extract_all(settings, run_id, picked))
+    finally:
+        loop.close()
 
 
 async def _extract_all(settings: Settings, run_id: str, picked: list[Picked]

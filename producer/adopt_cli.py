@@ -1,8 +1,9 @@
 """The ``adopt`` subcommand's arguments and output (the work is ``producer.adopt``).
 
 Exit codes: 0 every file adopted or already done; 1 some files refused (the rest adopted);
-2 the run's canary or the compatibility check failed (nothing adopted), or the command
-could not run.
+2 the server is not the run's (weights, layers, config, dtype: checked before any source file
+is read), the run's canary or the compatibility check failed (nothing adopted), or the
+command could not run.
 """
 
 from __future__ import annotations

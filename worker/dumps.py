@@ -218,7 +218,7 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
                                 f"{tag}{list(shape)}")
     except OSError as e:
         raise Transient(f"reading dump {path.name}: {e}") from e
-    problems += _metadata_problems(header.metadata, fp)
+    problems += metadata_problems(header.metadata, fp)
     if problems:
         raise Corrupt(f"dump {path.name}: " + "; ".join(problems))
     return Dump(path, f, header, raw_ids)
@@ -251,7 +251,8 @@ def _count_fp8_nan(piece: memoryview) -> int:
         del values  # no array may outlive the mapping it views
 
 
-def _metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
+def metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
+    """What a dump's metadata says that is not the run's: the layers captured, the config."""
     out = []
     try:
         layers = tuple(json.loads(meta.get(c.M_LAYERS, "null")) or ())

@@ -8,7 +8,8 @@ the model; the longest input it takes is checked against ``FARM_MAX_TOKENS``,
 run; temp files of dead writers go; and one probe request of ours comes back as a dump in this
 worker's dump dir (``sglang_patch.probe``: while the server runs without the hook, or writes
 elsewhere, the worker waits and says why), saying which weights the server serves: the run's
-and FARM_MODEL_PATH's, or the worker stops (``weights.served_mismatch``); and the canary
+and FARM_MODEL_PATH's, captured with the run's layers and config, stored in its dtype, or the
+worker stops (``served_identity``: the check ``adopt`` runs too); and the canary
 (``canary_check``) is recorded, or matches the run's recording (while it does not, the worker
 waits, says per layer what differs, and shows the pause in ``status``).
 Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
@@ -31,7 +32,7 @@ from typing import Any
 import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker import broker, canary, dumps, liveness, reaper, run, time_limits, weights
+from worker import broker, canary, liveness, reaper, run, served_identity, time_limits
 from worker.app import settings
 from worker.canary_check import Outcome
 from worker.client import ServerClient
@@ -81,9 +82,9 @@ def _wait_for_redis() -> redis.Redis:
             time.sleep(1.0)
 
 
-def _wait_for_hook() -> dict[str, Any] | None:
-    """Until a probe request of ours comes back as a dump in this worker's dump dir; what the
-    server says about the weights it serves (None: its hook does not say)."""
+def _wait_for_hook() -> dict[str, str]:
+    """Until a probe request of ours comes back as a dump in this worker's dump dir; the dump's
+    metadata (what the server says about the weights, layers and config it serves)."""
     from sglang_patch.dumpdir import DumpDirUnsafe
     from sglang_patch.probe import ProbeFailed, probe
 
@@ -93,7 +94,7 @@ def _wait_for_hook() -> dict[str, Any] | None:
             result = probe(settings.server_url, settings.dump_dir,
                            timeout_s=min(60.0, settings.dump_timeout_s))
             log.info("probe: %s", result.summary)
-            return result.weights
+            return result.metadata
         except DumpDirUnsafe as e:
             raise ConfigError(str(e)) from e
         except ProbeFailed as e:
@@ -138,17 +139,16 @@ def _wait_for_canary(r: redis.Redis) -> None:
         time.sleep(settings.pause_poll_s)
 
 
-def _check_served_weights(served: dict[str, Any] | None) -> None:
+def _check_served(probe_meta: dict[str, str]) -> None:
     """Raises ConfigError when the server serves other weights than the run's or than
-    FARM_MODEL_PATH's, naming the side to change."""
+    FARM_MODEL_PATH's, other layers, config or dtype (``served_identity``), with the fix."""
     assert CONTEXT is not None
     store = CONTEXT.store
-    why = weights.served_mismatch(
-        served, store.weights_recorded, store.weights_local, server_url=settings.server_url,
-        model_path=CONTEXT.model_path, manifest=settings.output_dir / MANIFEST,
+    served_identity.check(
+        settings, CONTEXT.fingerprint, probe_meta, recorded=store.weights_recorded,
+        local=store.weights_local, model_path=CONTEXT.model_path,
+        manifest=settings.output_dir / MANIFEST,
         started=canary.path_in(settings.output_dir).exists())
-    if why:
-        raise ConfigError(why)
 
 
 @worker_init.connect
@@ -167,10 +167,7 @@ def _on_worker_init(**_: Any) -> None:
         CONTEXT.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
         _consume_the_runs_queue(r, CONTEXT.store.run_id)
         register_host(r, settings, CONTEXT.store.run_id, CONTEXT.fingerprint.id)
-        _check_served_weights(_wait_for_hook())
-        why = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)
-        if why:
-            raise ConfigError(why)
+        _check_served(_wait_for_hook())
         _wait_for_canary(r)
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:

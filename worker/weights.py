@@ -23,6 +23,7 @@ SCHEME = c.WEIGHTS_SCHEME
 SAMPLES = c.WEIGHTS_SAMPLES
 SAMPLE_BYTES = c.WEIGHTS_SAMPLE_BYTES
 M_WEIGHTS_ID = "weights_id"  # final-file metadata key: the identity it was written under
+WORKER_REFUSES = "This worker takes no work."  # what a worker does while its server is wrong
 sample_offsets = c.sample_offsets
 
 
@@ -108,13 +109,14 @@ def mismatch(recorded: dict[str, Any], current: dict[str, Any], model_path: Path
 
 def served_mismatch(served: dict[str, Any] | None, recorded: dict[str, Any] | None,
                     local: dict[str, Any] | None, *, server_url: str, model_path: Path,
-                    manifest: Path, started: bool) -> str | None:
+                    manifest: Path, started: bool, refusing: str = WORKER_REFUSES) -> str | None:
     """Why the server must be refused: the weights it serves (``served``: what its dumps and
     ready marker say, ``contracts.served_weights``) are not the run's (``recorded``) or those in
     FARM_MODEL_PATH (``local``); None when they are, or when nothing can be compared (logged).
 
     ``started``: hidden states of the run exist (its canary is recorded). Before that, either
-    side may be the wrong one; after, the run's checkpoint is the right one.
+    side may be the wrong one; after, the run's checkpoint is the right one. ``refusing``:
+    what the caller does meanwhile (one sentence).
     """
     if not served or not served.get("id"):
         log.warning("the server at %s does not say which weights it serves (its hsfarm hook is "
@@ -138,17 +140,18 @@ def served_mismatch(served: dict[str, Any] | None, recorded: dict[str, Any] | No
     if run is not None and run["id"] != sid and started:
         holds = f", as FARM_MODEL_PATH={model_path} holds" if mine is not None else ""
         return (head + f"but the run's weights are {run['id']}{holds}: its hidden states must "
-                "not be mixed with another checkpoint's. This worker takes no work. Fix the "
-                "server: restart the server with the run's checkpoint (the same revision as "
+                f"not be mixed with another checkpoint's. {refusing} Fix the server: restart "
+                "the server with the run's checkpoint (the same revision as "
                 f"FARM_MODEL_PATH); or, to keep the server's checkpoint, start a new run for it "
                 "(a new FARM_OUTPUT_DIR, with FARM_MODEL_PATH holding that checkpoint on every "
                 "worker host).")
     ours = mine or run
     assert ours is not None
-    fix = (f"copy the server's checkpoint into FARM_MODEL_PATH and remove {manifest} (it records "
-           "the other weights; no hidden states were written under it yet)" if not started
+    fix = ("copy the server's checkpoint into FARM_MODEL_PATH" + (
+        f" and remove {manifest} (it records the other weights; no hidden states were written "
+        "under it yet)" if manifest.exists() else "") if not started
            else "point FARM_MODEL_PATH at the server's checkpoint")
     return (head + f"FARM_MODEL_PATH={model_path} holds {ours['id']}: the server and the "
-            "workers must have one checkpoint (the same revision on both hosts). This worker "
-            "takes no work. Change the side that is wrong: serve the checkpoint of "
+            f"workers must have one checkpoint (the same revision on both hosts). {refusing} "
+            "Change the side that is wrong: serve the checkpoint of "
             f"FARM_MODEL_PATH (restart the server with it), or {fix}.")

@@ -1,0 +1,155 @@
+"""How often ``adopt`` catches a foreign minority, against the fraction of foreign files.
+
+    python bench/adopt_detect.py [--files 100] [--fractions 0.01,0.05,0.2] [--seeds 5]
+                                 [--json out.json]
+
+A private Redis and the reference server (the tiny model: checkpoint A) are started. FILES
+records of the example data are extracted by A and by another checkpoint of the same config
+and tokenizer (B, the tiny model of seed 1); for each fraction and seed a SpecForge-format
+source (no header to tell) holds that fraction of B's files among A's, at random places, and
+``adopt --dry-run`` (default K) judges it. Per run: whether the K-file check alone caught it
+(what ``adopt`` did before the per-file check), how many of the foreign files the per-file
+check refused (in the run, and on its own: every foreign file checked, whatever the K check
+said), how many good files it refused, and whether any foreign file would have been adopted;
+and the time of each phase (files/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from producer import adopt_rows as ar
+from producer.adopt import Run, adopt
+from producer.adopt_formats import open_sample
+from producer.localfarm import LocalFarm
+from sglang_patch import contracts as c
+from sglang_patch.tiny_model import ensure_tiny_model
+from tests import adopt_sources as srcs
+from tests.conftest import CACHE, EXAMPLES, FAST_ENV
+from worker.fingerprint import load_run
+from worker.settings import Settings
+
+
+def unique_records(chat: Any, n: int) -> list[dict[str, Any]]:
+    """``n`` example records whose token ids no other record has (adopt refuses twins)."""
+    from worker.samples import validate_record
+
+    seen: dict[tuple[int, ...], int] = {}
+    records = json.loads(EXAMPLES.read_text())
+    for i, rec in enumerate(records):
+        ids = tuple(chat.encode(validate_record(rec)).input_ids)
+        seen[ids] = -1 if ids in seen else i
+    keep = sorted(i for i in seen.values() if i >= 0)
+    if len(keep) < n:
+        raise SystemExit(f"only {len(keep)} distinct records in {EXAMPLES}")
+    return [records[i] for i in keep[:n]]
+
+
+def write_source(src: Path, a: list[srcs.Extracted], b: list[srcs.Extracted],
+                 foreign: set[int]) -> None:
+    src.mkdir(parents=True)
+    for i, (ea, eb) in enumerate(zip(a, b, strict=True)):
+        e = eb if i in foreign else ea
+        torch.save({"input_ids": torch.tensor(e.ids), "loss_mask": torch.tensor(e.mask),
+                    "hidden_state": e.hidden[None], "aux_hidden_state": e.aux[None]},
+                   src / f"data_{i}.ckpt")
+
+
+def one(run: Run, src: Path, data: Path, n_foreign: int, foreign: set[int],
+        seed: int) -> dict[str, Any]:
+    t0 = time.monotonic()
+    report = adopt(run, src, data, dry_run=True, progress=False, seed=seed)
+    total_s = time.monotonic() - t0
+    assert report.check is not None
+    names = {f"data_{i}.ckpt" for i in foreign}
+    rows_caught = len(names & report.rows.refused_names()) if report.rows else 0
+    k_caught = not report.check.passed
+    files = [(f"data_{i}.ckpt", src / f"data_{i}.ckpt") for i in sorted(foreign)]
+    alone = ar.check_files(run.settings, c.NO_RUN, run.fingerprint, files,
+                           lambda p: open_sample(p, "specforge"))
+    return {"foreign": n_foreign, "rows_alone_refused_foreign": len(alone.refused),
+            "seed": seed, "k": len(report.check.files),
+            "k_check_caught": k_caught, "rows_refused_foreign": rows_caught,
+            "foreign_adopted": 0 if k_caught else n_foreign - rows_caught,
+            "good_refused": (len(report.rows.refused) - rows_caught) if report.rows else 0,
+            "total_s": round(total_s, 2)}
+
+
+def rows_rate(run: Run, src: Path, n: int, run_id: str) -> float:
+    """Files per second of the per-file check alone (all ``n`` files)."""
+    files = [(f"data_{i}.ckpt", src / f"data_{i}.ckpt") for i in range(n)]
+    t0 = time.monotonic()
+    ar.check_files(run.settings, run_id, run.fingerprint, files,
+                   lambda p: open_sample(p, "specforge"))
+    return n / (time.monotonic() - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--files", type=int, default=100)
+    p.add_argument("--fractions", default="0.01,0.05,0.2")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="adopt-detect-"))
+    farm = LocalFarm(work / "farm", cache_dir=CACHE, chunked_prefill_size=64,
+                     extra_env=dict(FAST_ENV))
+    try:
+        farm.start_redis()
+        farm.start_server()
+        settings = Settings.from_env({**farm.env(), "FARM_OUTPUT_DIR": str(work / "out")})
+        model_path, chat, fp = load_run(settings)
+        run = Run(settings, chat, fp, model_path)
+        records = unique_records(chat, args.files)
+        data = work / "data.json"
+        data.write_text(json.dumps(records))
+        a = srcs.extract(model_path, records, chat)
+        b = srcs.extract(ensure_tiny_model(CACHE, seed=1), records, chat)
+        results = []
+        for frac in (float(x) for x in args.fractions.split(",")):
+            n_foreign = max(1, round(frac * args.files))
+            for seed in range(args.seeds):
+                foreign = set(random.Random(10_000 + seed).sample(range(args.files), n_foreign))
+                src = work / f"src-{n_foreign}-{seed}"
+                write_source(src, a, b, foreign)
+                results.append(one(run, src, data, n_foreign, foreign, seed))
+                print(json.dumps(results[-1]), flush=True)
+        clean = work / "src-clean"
+        write_source(clean, a, b, set())
+        rate = rows_rate(run, clean, args.files, c.NO_RUN)
+        t0 = time.monotonic()
+        report = adopt(run, clean, data, dry_run=True, progress=False, seed=0)
+        whole = args.files / (time.monotonic() - t0)
+        assert report.ok and report.would_adopt == args.files, report.lines()
+    finally:
+        farm.close(kill=True)
+    print(f"\n{'foreign':>8} {'runs':>5} {'K-check caught':>15} {'per-file alone':>15}"
+          f" {'foreign adopted':>16} {'good refused':>13}")
+    for n_foreign in sorted({r["foreign"] for r in results}):
+        rs = [r for r in results if r["foreign"] == n_foreign]
+        print(f"{n_foreign:>5}/{args.files} {len(rs):>5} "
+              f"{sum(r['k_check_caught'] for r in rs):>10}/{len(rs)} "
+              f"{sum(r['rows_alone_refused_foreign'] for r in rs):>10}/{n_foreign * len(rs)} "
+              f"{sum(r['foreign_adopted'] for r in rs):>16} "
+              f"{sum(r['good_refused'] for r in rs):>13}")
+    print(f"per-file check alone: {rate:.1f} files/s; adopt --dry-run of {args.files} clean "
+          f"files (identity, match, K check, per-file check): {whole:.1f} files/s")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "rows_files_per_s": rate,
+                                         "dry_run_files_per_s": whole}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
