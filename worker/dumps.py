@@ -153,6 +153,8 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
+        ServerMisconfigured: its server stores another dtype, captures other layers or
+            serves another model's config (``identity_problems``): the environment's fault.
         Transient: the dump could not be read.
         ConfigError: it is a link or another user's file (``open_file``).
     """
@@ -198,6 +200,9 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
         if dtype != fp.dtype:
             raise ServerMisconfigured(f"dump {path.name} holds {dtype} hidden states, "
                                       f"{_dtype_fix(fp.dtype)}")
+        served = identity_problems(header.metadata, fp)
+        if served:  # the server's setup, not the sample: the worker waits (no attempt spent)
+            raise ServerMisconfigured(f"dump {path.name}: " + "; ".join(served))
         n, h = len(sent_ids), fp.hidden_size
         want = c.hidden_layout(fp.dtype, n, h)
         missing = {c.T_INPUT_IDS, *want} - set(t)
@@ -218,7 +223,6 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
                                 f"{tag}{list(shape)}")
     except OSError as e:
         raise Transient(f"reading dump {path.name}: {e}") from e
-    problems += _metadata_problems(header.metadata, fp)
     if problems:
         raise Corrupt(f"dump {path.name}: " + "; ".join(problems))
     return Dump(path, f, header, raw_ids)
@@ -251,15 +255,23 @@ def _count_fp8_nan(piece: memoryview) -> int:
         del values  # no array may outlive the mapping it views
 
 
-def _metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
+def identity_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
+    """How a dump's metadata says its server differs from the run (its capture layers, its
+    model config), each with the fix; empty when they agree."""
     out = []
     try:
         layers = tuple(json.loads(meta.get(c.M_LAYERS, "null")) or ())
     except ValueError:
         layers = ()
     if layers != fp.layers_to_capture:
+        want = " ".join(str(i) for i in fp.layers_to_capture)
         out.append(f"server captures layers {list(layers)}, this run expects "
-                   f"{list(fp.layers_to_capture)} (FARM_LAYERS_TO_CAPTURE vs server flags)")
+                   f"{list(fp.layers_to_capture)} (FARM_LAYERS_TO_CAPTURE vs server flags): "
+                   f"restart the server capturing the run's layers (ops/launch-sglang.sh with "
+                   f"FARM_LAYERS_TO_CAPTURE=\"{want}\"; the reference server: "
+                   f"--layers-to-capture {want})")
     if meta.get(c.M_CONFIG_SHA) != fp.config_sha256:
-        out.append("server's model config differs from the run's (another model is served)")
+        out.append("server's model config differs from the run's (another model is served): "
+                   "serve the run's model (its manifest's model), or start a new "
+                   "FARM_OUTPUT_DIR for this one")
     return out

@@ -8,9 +8,11 @@ the model; the longest input it takes is checked against ``FARM_MAX_TOKENS``,
 run; temp files of dead writers go; and one probe request of ours comes back as a dump in this
 worker's dump dir (``sglang_patch.probe``: while the server runs without the hook, or writes
 elsewhere, the worker waits and says why), saying which weights the server serves: the run's
-and FARM_MODEL_PATH's, or the worker stops (``weights.served_mismatch``); and the canary
-(``canary_check``) is recorded, or matches the run's recording (while it does not, the worker
-waits, says per layer what differs, and shows the pause in ``status``).
+and FARM_MODEL_PATH's, or the worker stops (``weights.served_mismatch``); and which layers it
+captures and which model config it runs: the run's, or the worker stops
+(``dumps.identity_problems``); only then is the canary (``canary_check``) recorded, or
+compared with the run's recording (while it does not match, the worker waits, says per layer
+what differs, and shows the pause in ``status``).
 Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
 message is taken. Pool processes inherit the context when they fork and only open their own
 connections.
@@ -81,9 +83,9 @@ def _wait_for_redis() -> redis.Redis:
             time.sleep(1.0)
 
 
-def _wait_for_hook() -> dict[str, Any] | None:
-    """Until a probe request of ours comes back as a dump in this worker's dump dir; what the
-    server says about the weights it serves (None: its hook does not say)."""
+def _wait_for_hook() -> dict[str, str]:
+    """Until a probe request of ours comes back as a dump in this worker's dump dir; the
+    dump's metadata (what the server says it serves: weights, layers, config)."""
     from sglang_patch.dumpdir import DumpDirUnsafe
     from sglang_patch.probe import ProbeFailed, probe
 
@@ -93,7 +95,7 @@ def _wait_for_hook() -> dict[str, Any] | None:
             result = probe(settings.server_url, settings.dump_dir,
                            timeout_s=min(60.0, settings.dump_timeout_s))
             log.info("probe: %s", result.summary)
-            return result.weights
+            return result.metadata
         except DumpDirUnsafe as e:
             raise ConfigError(str(e)) from e
         except ProbeFailed as e:
@@ -138,17 +140,25 @@ def _wait_for_canary(r: redis.Redis) -> None:
         time.sleep(settings.pause_poll_s)
 
 
-def _check_served_weights(served: dict[str, Any] | None) -> None:
-    """Raises ConfigError when the server serves other weights than the run's or than
-    FARM_MODEL_PATH's, naming the side to change."""
+def _check_served_identity(probed: dict[str, str]) -> None:
+    """Raises ConfigError when the probe's dump says the server serves other weights than the
+    run's or than FARM_MODEL_PATH's, captures other layers, or has another model config,
+    naming the side to change. Checked before the canary is recorded or compared."""
+    from sglang_patch.probe import served_weights
+
     assert CONTEXT is not None
     store = CONTEXT.store
     why = weights.served_mismatch(
-        served, store.weights_recorded, store.weights_local, server_url=settings.server_url,
-        model_path=CONTEXT.model_path, manifest=settings.output_dir / MANIFEST,
+        served_weights(probed), store.weights_recorded, store.weights_local,
+        server_url=settings.server_url, model_path=CONTEXT.model_path,
+        manifest=settings.output_dir / MANIFEST,
         started=canary.path_in(settings.output_dir).exists())
     if why:
         raise ConfigError(why)
+    problems = dumps.identity_problems(probed, CONTEXT.fingerprint)
+    if problems:
+        raise ConfigError(f"the server at {settings.server_url} is not set up for this run "
+                          f"(its probe's dump): " + "; ".join(problems))
 
 
 @worker_init.connect
@@ -167,7 +177,7 @@ def _on_worker_init(**_: Any) -> None:
         CONTEXT.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
         _consume_the_runs_queue(r, CONTEXT.store.run_id)
         register_host(r, settings, CONTEXT.store.run_id, CONTEXT.fingerprint.id)
-        _check_served_weights(_wait_for_hook())
+        _check_served_identity(_wait_for_hook())
         why = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)
         if why:
             raise ConfigError(why)
