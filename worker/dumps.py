@@ -56,12 +56,20 @@ def open_file(path: Path) -> io.FileIO:
     return io.FileIO(fd, "rb", closefd=True)
 
 
+def dump_dir_gone(dump_dir: Path) -> str:
+    """What a worker says while its dump dir is gone, with the fix."""
+    return (f"dump dir {dump_dir} is gone (deleted, or its tmpfs unmounted): the server can "
+            f"write no dump. Make it again as the server's user: mkdir -m 0700 {dump_dir} "
+            "(or restart the server, which makes it); work resumes by itself")
+
+
 async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     """Return the dump's path once it exists.
 
     Raises:
         Transient: nothing appeared within ``timeout_s``.
-        NoSpace, ServerMisconfigured: the hook reported a fault of the server's environment.
+        NoSpace, ServerMisconfigured: the hook reported a fault of the server's environment,
+            or the dump dir is gone.
         Corrupt: the hook reported a problem with the request (gap, overrun, truncation).
     """
     dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
@@ -78,6 +86,8 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
             if message.startswith(c.ERR_HOOK_INACTIVE):
                 raise ServerMisconfigured(f"server-side dump failed: {message}")
             raise Corrupt(f"server-side dump failed: {message}")
+        if not dump_dir.is_dir():  # no dump can come: the environment's fault, not the sample's
+            raise ServerMisconfigured(dump_dir_gone(dump_dir))
         if time.monotonic() > deadline:
             raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s "
                             "(is SGLANG_HS_DUMP_DIR the same directory? is the hook loaded?)")
