@@ -21,7 +21,11 @@ now at the path is opened (``open_dir``) and must be the very one checked (its d
 inode); a file is opened relative to that descriptor (``openat``, no link followed). A dir at
 that path that is not the one checked (deleted and made again, or put there by someone) is
 checked as at start-up before a byte of it is read or written: the check's verdict holds for
-what is read, not only for what was at the path when the process started.
+what is read, not only for what was at the path when the process started. The directory is
+opened per file rather than held open for the process's life: a held descriptor of a dump dir
+that was deleted and made again would go on writing (hook) and waiting (worker) in the deleted
+one, while opening it per file finds the new one and checks it. The hook's writer takes the
+same path: the server's hidden states are written only into a directory that passed the check.
 
 Layouts: the server and the workers run as one user → the first of them creates the dir 0700.
 They run as different users → root creates it for a group that holds both (setgid, so every
