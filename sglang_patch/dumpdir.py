@@ -11,7 +11,21 @@ dir that:
   write is for a deliberately shared group only (see below);
 - sits in a directory that others can write to without the sticky bit (``/dev/shm`` and
   ``/tmp`` have it): someone could rename it away and put another in its place;
-- is a symbolic link owned by another user.
+- is a symbolic link owned by another user;
+- has a parent, or a parent's parent up to ``/``, that another user owns (its owner can rename
+  the dump dir away and put their own at its path), or that others or its group can write to
+  without the sticky bit.
+
+Every file is then read and created through the directory that passed these checks: the dir
+now at the path is opened (``open_dir``) and must be the very one checked (its device and
+inode); a file is opened relative to that descriptor (``openat``, no link followed). A dir at
+that path that is not the one checked (deleted and made again, or put there by someone) is
+checked as at start-up before a byte of it is read or written: the check's verdict holds for
+what is read, not only for what was at the path when the process started. The directory is
+opened per file rather than held open for the process's life: a held descriptor of a dump dir
+that was deleted and made again would go on writing (hook) and waiting (worker) in the deleted
+one, while opening it per file finds the new one and checks it. The hook's writer takes the
+same path: the server's hidden states are written only into a directory that passed the check.
 
 Layouts: the server and the workers run as one user → the first of them creates the dir 0700.
 They run as different users → root creates it for a group that holds both (setgid, so every
@@ -82,6 +96,29 @@ def problem(path: Path, euid: int | None = None) -> str | None:
         return (f"dump dir {path} is in {path.absolute().parent}, which others can write to "
                 f"(mode {pmode:04o}, no sticky bit): they can replace the dump dir; use a dir "
                 "under /dev/shm")
+    return _parents_problem(path, euid)
+
+
+def _parents_problem(path: Path, euid: int) -> str | None:
+    """Why a parent of ``path`` (each, up to ``/``, where the path really leads) lets another
+    user replace the dump dir; None when every one is root's or this user's and no one else
+    can write to it (or it has the sticky bit, as ``/dev/shm`` and ``/tmp``)."""
+    for d in Path(os.path.realpath(path)).parents:
+        try:
+            st = os.stat(d)
+        except OSError as e:
+            return f"dump dir {path}: its parent {d} cannot be examined ({e})"
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (euid, 0):
+            return (f"dump dir {path} is under {d}, owned by uid {st.st_uid} "
+                    f"({_user(st.st_uid)}): that user can rename the dump dir away and put "
+                    f"one of their own at its path (forged hidden states). Use a dump dir "
+                    f"whose every parent is root's or this user's (e.g. /dev/shm/hsfarm-dumps), "
+                    f"or, as root: chown root {d}")
+        if mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
+            return (f"dump dir {path} is under {d} (mode {mode:04o}): others can write to it "
+                    f"and replace what lies below it: chmod go-w {d} (or chmod +t {d}), or "
+                    "use a dir under /dev/shm")
     return None
 
 
@@ -95,10 +132,7 @@ def ensure(path: Path) -> os.stat_result:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, DIR_MODE)  # the umask cannot add bits; the check below sees the result
-    why = problem(path)
-    if why:
-        raise DumpDirUnsafe(why)
-    return os.stat(path)
+    return _trust(path)
 
 
 def check(path: Path) -> os.stat_result:
@@ -108,11 +142,47 @@ def check(path: Path) -> os.stat_result:
         DumpDirUnsafe: as ``ensure``.
         FileNotFoundError: it does not exist.
     """
-    st = os.stat(path)
+    os.stat(path)
+    return _trust(path)
+
+
+# each dump dir (absolute path) this process checked -> the (st_dev, st_ino) that passed
+_checked: dict[str, tuple[int, int]] = {}
+
+
+def _trust(path: Path, seen: os.stat_result | None = None) -> os.stat_result:
+    """Check ``path`` (``problem``) and remember the directory that passed, which must be
+    ``seen`` (the one opened) when given: files are read and made only in that one."""
     why = problem(path)
     if why:
         raise DumpDirUnsafe(why)
+    st = os.stat(path)
+    if seen is not None and (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+        raise DumpDirUnsafe(f"dump dir {path} was replaced while it was checked: someone "
+                            f"renames directories there. Find out who (ls -la "
+                            f"{path.absolute().parent}); then restart the server")
+    _checked[os.path.abspath(path)] = (st.st_dev, st.st_ino)
     return st
+
+
+def open_dir(path: Path) -> int:
+    """A descriptor of the dump dir ``path``, the very directory that passed the checks (its
+    device and inode); a directory at that path that is not the one checked (deleted and made
+    again) is checked first, as at start-up. The caller closes it.
+
+    Raises:
+        DumpDirUnsafe: the directory now at ``path`` fails the checks.
+        OSError: it cannot be opened (FileNotFoundError: it is gone).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if _checked.get(os.path.abspath(path)) != (st.st_dev, st.st_ino):
+            _trust(path, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def file_mode(dir_st: os.stat_result) -> int:
@@ -123,9 +193,15 @@ def file_mode(dir_st: os.stat_result) -> int:
 def create_private(path: Path) -> int:
     """Create ``path`` (a new temp name of ours) with the dump dir's file mode, whatever the
     umask, and return its fd, open for writing; the caller renames it into place."""
-    mode = file_mode(os.stat(path.parent))
-    path.unlink(missing_ok=True)  # our own temp name, left by a process that had this pid
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    dir_fd = open_dir(path.parent)  # made in the dir that was checked, whatever the path
+    try:
+        mode = file_mode(os.fstat(dir_fd))
+        with contextlib.suppress(FileNotFoundError):  # our own temp name, left by a process
+            os.unlink(path.name, dir_fd=dir_fd)  # that had this pid
+        fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
     try:
         os.fchmod(fd, mode)
     except BaseException:
@@ -146,31 +222,35 @@ def write_private(path: Path, data: bytes) -> None:
 def seal(path: Path) -> None:
     """Give a file of ours (a temp file another library wrote) the dump dir's file mode,
     whatever the umask or that library chose, before it is renamed into place."""
-    mode = file_mode(os.stat(path.parent))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    dir_fd = open_dir(path.parent)
+    try:
+        mode = file_mode(os.fstat(dir_fd))
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
     try:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
 
 
-def open_trusted(path: Path, dir_st: os.stat_result | None = None) -> int:
-    """Open a file of the dump dir for reading without following a link, and check it on the
-    opened descriptor: a regular file, one link, owned by the dump dir's owner or this user
-    (or, in a shared group dir, of its group), writable by no one else. Returns the fd.
+def open_trusted(path: Path) -> int:
+    """Open a file of the dump dir for reading, in the directory that passed the checks
+    (``open_dir``) and without following a link, and check it on the opened descriptor: a
+    regular file, one link, owned by the dump dir's owner or this user (or, in a shared group
+    dir, of its group), writable by no one else. Returns the fd.
 
     Raises:
-        DumpDirUnsafe: it is a link, or another user's file, or others can write to it.
-        OSError: it cannot be opened (FileNotFoundError: it is not there).
+        DumpDirUnsafe: it is a link, or another user's file, or others can write to it; or
+            the directory now at the dump dir's path fails the checks.
+        OSError: it cannot be opened (FileNotFoundError: it, or the dump dir, is not there).
     """
-    if dir_st is None:
-        dir_st = os.stat(path.parent)
+    dir_fd = open_dir(path.parent)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if os.path.islink(path):
-            raise DumpDirUnsafe(_foreign(path, "is a symbolic link")) from e
-        raise
+        dir_st = os.fstat(dir_fd)
+        fd = _open_in(dir_fd, path)
+    finally:
+        os.close(dir_fd)
     try:
         st = os.fstat(fd)
         why = _file_problem(st, dir_st)
@@ -180,6 +260,17 @@ def open_trusted(path: Path, dir_st: os.stat_result | None = None) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _open_in(dir_fd: int, path: Path) -> int:
+    try:
+        return os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                       dir_fd=dir_fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                raise DumpDirUnsafe(_foreign(path, "is a symbolic link")) from e
+        raise
 
 
 def _file_problem(st: os.stat_result, dir_st: os.stat_result) -> str | None:

@@ -165,3 +165,87 @@ def test_a_dump_that_is_a_link_or_another_users_file_is_never_read(tmp_path: Pat
 
     with pytest.raises(ConfigError, match="is a symbolic link"):
         asyncio.run(worker_dumps.wait_for_dump(d, "hsd-e-a1-n4", 2.0))
+
+
+@pytest.fixture
+def shm_parent() -> Iterator[Path]:
+    """A directory under /dev/shm for a dump dir to sit in, made by root (0755)."""
+    path = Path(f"/dev/shm/hsfarm-test-parent-{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_dump_dir_whose_parent_another_user_owns_is_refused_by_server_and_worker(
+        tmp_path: Path, shm_parent: Path, tiny_model: Path) -> None:
+    # Given a dump dir of root's, 0700, in a directory that another user (nobody) owns: that
+    # user can rename the dump dir away and put their own at its path
+    dumps = shm_parent / "dumps"
+    dumps.mkdir(mode=0o700)
+    os.chown(shm_parent, NOBODY, NOBODY)
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, dumps=dumps,
+                     extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model)})
+    try:
+        farm.start_redis()
+        owned = f"is under {shm_parent}, owned by uid {NOBODY} (nobody)"
+        fix = f"chown root {shm_parent}"
+        # When the reference server starts: it refuses, with the fix
+        with pytest.raises(RuntimeError, match="exited"):
+            farm.start_server()
+        log = farm.procs["server"].log.read_text()
+        assert owned in log and fix in log, log[-2000:]
+        # And a worker exits 2 before consuming, with the fix
+        w = farm.start_worker("w1", concurrency=1, wait=False)
+        wait_until(lambda: not w.alive(), 60, "the worker to exit")
+        log = w.log.read_text()
+        assert w.popen is not None and w.popen.returncode == 2, log[-3000:]
+        assert owned in log and fix in log
+        # And a parent that its group can write to (no sticky bit) is refused as well
+        os.chown(shm_parent, 0, 0)
+        os.chmod(shm_parent, 0o775)
+        assert f"chmod go-w {shm_parent}" in str(_refusal(dumps))
+        # And after the fix it names, the server starts
+        os.chmod(shm_parent, 0o755)
+        farm.start_server()
+    finally:
+        farm.close(kill=True)
+
+
+def test_a_dump_dir_put_in_place_of_the_checked_one_is_never_read_or_written(
+        shm_parent: Path, tiny_model: Path) -> None:
+    # Given a dump dir that passed its checks, holding a genuine dump
+    fp = compute_fingerprint(Settings(), tiny_model)
+    fp4 = type(fp).from_json({**fp.to_json(), "layers_to_capture": [2, 4, 5]})
+    d = shm_parent / "dumps"
+    dumpdir.ensure(d)
+    rid = "hsd-k-a1-n4"
+    real = _write_dump(d, rid, h=fp.hidden_size, config_sha256=fp.config_sha256)
+    with worker_dumps.open_dump(real, [0, 1, 2, 3], fp4):
+        pass
+    # When its parent passes to another user (nobody), who renames the dump dir away and
+    # puts their own at its path, with a forged dump of that name in it
+    os.chown(shm_parent, NOBODY, NOBODY)
+    forged = d.with_name("forged")
+    forged.mkdir()
+    shutil.copy(real, forged / real.name)
+    for p in (forged, forged / real.name):
+        os.chown(p, NOBODY, NOBODY)
+    swap = f"mv {d} {d}.old && mv {forged} {d}"
+    subprocess.run([*AS_NOBODY, "sh", "-c", swap], check=True)
+    assert d.stat().st_uid == NOBODY
+    # Then the worker reads nothing of it: the dir at the path is not the one checked, and
+    # checked again it is refused, naming why
+    with pytest.raises(ConfigError, match=f"owned by uid {NOBODY}"):
+        worker_dumps.open_dump(real, [0, 1, 2, 3], fp4)
+    # And the hook writes nothing into it
+    with pytest.raises(dumpdir.DumpDirUnsafe, match=f"owned by uid {NOBODY}"):
+        dumpdir.write_private(d / ".probe.tmp", b"hidden states")
+    assert not (d / ".probe.tmp").exists()
+    # And a dump dir made again by its own user after a deletion is checked and used
+    shutil.rmtree(d)
+    os.chown(shm_parent, 0, 0)
+    d.mkdir(mode=0o700)
+    again = _write_dump(d, rid, h=fp.hidden_size, config_sha256=fp.config_sha256)
+    with worker_dumps.open_dump(again, [0, 1, 2, 3], fp4):
+        pass

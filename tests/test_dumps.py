@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from sglang_patch import contracts as c
 from worker import checksums, diskio, dumps, finalfile, tensorfile
-from worker.errors import Corrupt
+from worker.errors import Corrupt, ServerMisconfigured
 from worker.store import OutputStore, Part
 
 H = 1024
@@ -115,12 +115,6 @@ def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:
         "aux_hidden_state is BF16[8, 2048], expected BF16[8, 3072]": (
             write_dump(tmp_path / "shape.safetensors", ids, _rows(n, H, 1), _rows(n, 2 * H, 2)),
             ids),
-        "server captures layers [1, 2, 3]": (
-            write_dump(tmp_path / "layers.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
-                       **{c.M_LAYERS: "[1, 2, 3]"}), ids),
-        "another model is served": (
-            write_dump(tmp_path / "cfg.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
-                       **{c.M_CONFIG_SHA: "other"}), ids),
     }
     truncated = tmp_path / "cut.safetensors"
     truncated.write_bytes(good.read_bytes()[:-10])
@@ -130,6 +124,32 @@ def test_every_problem_is_reported_and_files_closed(tmp_path: Path) -> None:
         with pytest.raises(Corrupt) as e:
             dumps.open_dump(path, sent, _fp())
         assert message in str(e.value), str(e.value)
+    assert _open_fds() == before
+
+
+def test_a_dump_of_a_server_with_other_layers_or_config_is_the_servers_fault(
+        tmp_path: Path) -> None:
+    # Given dumps whose server captures other layers, or runs another model config, with
+    # wrong ids too
+    n = 8
+    ids = list(range(n))
+    cases = {
+        "server captures layers [1, 2, 3], this run expects": (
+            write_dump(tmp_path / "layers.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
+                       **{c.M_LAYERS: "[1, 2, 3]"}), ids),
+        "another model is served": (
+            write_dump(tmp_path / "cfg.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
+                       **{c.M_CONFIG_SHA: "other"}), [*ids[:3], 99, *ids[4:]]),
+    }
+    before = _open_fds()
+    for message, (path, sent) in cases.items():
+        # Then the worker is told its server is set up wrong (it waits, no attempt spent),
+        # never that the sample is corrupt, and the fix is named
+        with pytest.raises(ServerMisconfigured) as e:
+            dumps.open_dump(path, sent, _fp())
+        assert message in str(e.value), str(e.value)
+    assert "--layers-to-capture" in str(dumps.identity_problems(
+        {c.M_LAYERS: "[1, 2, 3]", c.M_CONFIG_SHA: _fp().config_sha256}, _fp()))
     assert _open_fds() == before
 
 

@@ -6,6 +6,8 @@ and real mounts."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +157,35 @@ def test_server_context_shorter_than_max_tokens(tmp_path: Path, tiny_model: Path
                                int(header.metadata[M_TRUNCATED]))
         assert max(n for n, _ in lengths.values()) <= 160 - 7, lengths
         assert any(cut > 160 for _, cut in lengths.values()), lengths
+
+
+def test_a_dump_dir_deleted_mid_run_pauses_then_resumes(tmp_path: Path,
+                                                        tiny_model: Path) -> None:
+    # Given a run under way
+    with running_farm(tmp_path, ["--forward-delay-s", "0.2"], chunk=512) as farm:
+        w = farm.start_worker("w1", concurrency=2)
+        keys = enqueue(farm, tmp_path, 30)
+        wait_until(lambda: done(farm) >= 2, 60, "the first samples")
+        # When the dump dir is deleted (someone cleans /dev/shm) for 12 s
+        mark = len(w.log.read_bytes())
+        shutil.rmtree(farm.dump_dir)
+        time.sleep(12)
+        window = w.log.read_bytes()[mark:].decode(errors="replace")
+        status = farm.cli("status")
+        # Then the worker pauses: no busy loop of deliveries handed back, no attempt spent,
+        # nothing failed, and status says why with the fix
+        received = window.count(" received")
+        handed_back = window.count("handing the message back")
+        print(f"dump dir gone 12 s: {received} deliveries, {handed_back} handed back")
+        assert received <= 4 and handed_back <= 2, (received, handed_back, window[-3000:])
+        assert not failed(farm), failed(farm)
+        assert f"dump dir {farm.dump_dir} is gone" in status.stdout, status.stdout
+        assert f"mkdir -m 0700 {farm.dump_dir}" in status.stdout
+        # And once the dir is made again (no ready marker: the server is not restarted), the
+        # run finishes by itself
+        os.mkdir(farm.dump_dir, 0o700)
+        wait_finished(farm, 30, timeout_s=180)
+        assert set(attempts(farm).values()) == {1}, attempts(farm)
+        assert_farm_invariants(farm, keys)
+        res = farm.cli("status", "--check")
+        assert res.returncode == 0, res.stdout + res.stderr

@@ -74,3 +74,32 @@ def test_worker_whose_dump_dir_the_hook_does_not_write_takes_nothing(tmp_path: P
         time.sleep(2)
         assert w.alive() and " ready." not in w.log.read_text()
         assert broker_depth(farm.redis(), farm.queue()) == (5, 0)
+
+
+def test_a_first_start_on_a_server_capturing_other_layers_records_no_canary(
+        tmp_path: Path, tiny_model: Path) -> None:
+    from worker import canary
+
+    # Given a new run (no canary yet) whose server captures other layers than the run's
+    # (the tiny model's run takes [2, 4, 5]), and samples queued
+    with running_farm(tmp_path, server_args=["--layers-to-capture", "1", "2", "3"]) as farm:
+        keys = enqueue(farm, tmp_path, 20)
+        # When the run's first worker starts
+        w = farm.start_worker("w1", concurrency=2, wait=False)
+        wait_until(lambda: not w.alive(), 120, "the worker to exit")
+        # Then it exits 2 with the fix, before recording a canary or taking a sample
+        log = w.log.read_text()
+        assert w.popen is not None and w.popen.returncode == 2, log[-3000:]
+        assert "server captures layers [1, 2, 3], this run expects [2, 4, 5]" in log
+        assert "--layers-to-capture 2 4 5" in log
+        assert not canary.path_in(farm.output_dir).exists()
+        assert broker_depth(farm.redis(), farm.queue()) == (20, 0)
+        assert not failed(farm)
+        # And once the server captures the run's layers, the run finishes: 20/20
+        farm.procs["server"].stop()
+        farm.start_server()
+        farm.start_worker("w2", concurrency=2)
+        wait_finished(farm, 20)
+        assert not failed(farm)
+        assert canary.path_in(farm.output_dir).exists()
+        assert_farm_invariants(farm, keys)

@@ -260,7 +260,11 @@ class Admission:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # the dump dir was made again: its slot dir too (not itself)
+            self.dir.mkdir(exist_ok=True)
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

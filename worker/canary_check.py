@@ -40,7 +40,7 @@ from worker import canary as cn
 from worker import keys, liveness, tensorfile
 from worker import lease as leases
 from worker.client import ServerClient
-from worker.dumps import open_file, wait_for_dump
+from worker.dumps import identity_problems, open_file, wait_for_dump
 from worker.errors import ConfigError, Corrupt, ServerUnavailable, Transient
 from worker.settings import Settings
 
@@ -253,6 +253,11 @@ class CanaryCheck:
         got = await extract(client, self.settings.dump_dir, prompts, rows,
                             self.settings.dump_timeout_s, backoff_s=self.settings.retry_backoff_s,
                             backoff_max_s=self.settings.retry_backoff_max_s, run=self.run_id)
+        served = sorted({why for _, meta in got for why in identity_problems(meta,
+                                                                            self.fingerprint)})
+        if served:  # never record another server's states as the run's
+            why = "the canary is not recorded: " + "; ".join(served)
+            return Outcome(False, f"waiting, taking no work: {why}", why)
         canaries = [cn.Canary(np.asarray(p, dtype=np.int64), r, s)
                     for p, r, (s, _) in zip(prompts, rows, got, strict=True)]
         meta = cn.recording_meta(self.fingerprint, self.weights_id,

@@ -56,12 +56,20 @@ def open_file(path: Path) -> io.FileIO:
     return io.FileIO(fd, "rb", closefd=True)
 
 
+def dump_dir_gone(dump_dir: Path) -> str:
+    """What a worker says while its dump dir is gone, with the fix."""
+    return (f"dump dir {dump_dir} is gone (deleted, or its tmpfs unmounted): the server can "
+            f"write no dump. Make it again as the server's user: mkdir -m 0700 {dump_dir} "
+            "(or restart the server, which makes it); work resumes by itself")
+
+
 async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     """Return the dump's path once it exists.
 
     Raises:
         Transient: nothing appeared within ``timeout_s``.
-        NoSpace, ServerMisconfigured: the hook reported a fault of the server's environment.
+        NoSpace, ServerMisconfigured: the hook reported a fault of the server's environment,
+            or the dump dir is gone.
         Corrupt: the hook reported a problem with the request (gap, overrun, truncation).
     """
     dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
@@ -78,6 +86,8 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
             if message.startswith(c.ERR_HOOK_INACTIVE):
                 raise ServerMisconfigured(f"server-side dump failed: {message}")
             raise Corrupt(f"server-side dump failed: {message}")
+        if not dump_dir.is_dir():  # no dump can come: the environment's fault, not the sample's
+            raise ServerMisconfigured(dump_dir_gone(dump_dir))
         if time.monotonic() > deadline:
             raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s "
                             "(is SGLANG_HS_DUMP_DIR the same directory? is the hook loaded?)")
@@ -153,6 +163,8 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
+        ServerMisconfigured: its server stores another dtype, captures other layers or
+            serves another model's config (``identity_problems``): the environment's fault.
         Transient: the dump could not be read.
         ConfigError: it is a link or another user's file (``open_file``).
     """
@@ -198,6 +210,9 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
         if dtype != fp.dtype:
             raise ServerMisconfigured(f"dump {path.name} holds {dtype} hidden states, "
                                       f"{_dtype_fix(fp.dtype)}")
+        served = identity_problems(header.metadata, fp)
+        if served:  # the server's setup, not the sample: the worker waits (no attempt spent)
+            raise ServerMisconfigured(f"dump {path.name}: " + "; ".join(served))
         n, h = len(sent_ids), fp.hidden_size
         want = c.hidden_layout(fp.dtype, n, h, {k: e.shape for k, e in t.items()})
         missing = {c.T_INPUT_IDS, *want} - set(t)
@@ -218,7 +233,6 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
                                 f"{tag}{list(shape)}")
     except OSError as e:
         raise Transient(f"reading dump {path.name}: {e}") from e
-    problems += metadata_problems(header.metadata, fp)
     if problems:
         raise Corrupt(f"dump {path.name}: " + "; ".join(problems))
     return Dump(path, f, header, raw_ids)
@@ -251,16 +265,23 @@ def _count_fp8_nan(piece: memoryview) -> int:
         del values  # no array may outlive the mapping it views
 
 
-def metadata_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
-    """What a dump's metadata says that is not the run's: the layers captured, the config."""
+def identity_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
+    """How a dump's metadata says its server differs from the run (its capture layers, its
+    model config), each with the fix; empty when they agree."""
     out = []
     try:
         layers = tuple(json.loads(meta.get(c.M_LAYERS, "null")) or ())
     except ValueError:
         layers = ()
     if layers != fp.layers_to_capture:
+        want = " ".join(str(i) for i in fp.layers_to_capture)
         out.append(f"server captures layers {list(layers)}, this run expects "
-                   f"{list(fp.layers_to_capture)} (FARM_LAYERS_TO_CAPTURE vs server flags)")
+                   f"{list(fp.layers_to_capture)} (FARM_LAYERS_TO_CAPTURE vs server flags): "
+                   f"restart the server capturing the run's layers (ops/launch-sglang.sh with "
+                   f"FARM_LAYERS_TO_CAPTURE=\"{want}\"; the reference server: "
+                   f"--layers-to-capture {want})")
     if meta.get(c.M_CONFIG_SHA) != fp.config_sha256:
-        out.append("server's model config differs from the run's (another model is served)")
+        out.append("server's model config differs from the run's (another model is served): "
+                   "serve the run's model (its manifest's model), or start a new "
+                   "FARM_OUTPUT_DIR for this one")
     return out

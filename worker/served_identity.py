@@ -4,7 +4,7 @@ A probe request of ours (``sglang_patch.probe``) comes back as a dump whose meta
 weights the server loaded, the layers it captures and its model config; its ready marker names
 the dtype it stores. Each is compared with the run: the weights with the manifest's identity
 and FARM_MODEL_PATH's (``weights.served_mismatch``), the layers and the config with the
-fingerprint (``dumps.metadata_problems``), the dtype with the run's (``dumps.
+fingerprint (``dumps.identity_problems``), the dtype with the run's (``dumps.
 served_dtype_problem``). A worker runs this check at its start, ``adopt`` before it reads a
 source file: one check, so both refuse the same servers with the same words.
 """
@@ -41,7 +41,7 @@ def problems(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[st
                                   manifest=manifest, started=started, refusing=refusing)
     if why:
         out.append(why)
-    meta = dumps.metadata_problems(probe_meta, fingerprint)
+    meta = dumps.identity_problems(probe_meta, fingerprint)
     if meta:
         out.append(f"the server at {settings.server_url} is not serving the run's model as the "
                    f"run captures it: {'; '.join(meta)}. {refusing} Restart the server with the "

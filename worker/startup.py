@@ -9,9 +9,9 @@ run; temp files of dead writers go; and one probe request of ours comes back as 
 worker's dump dir (``sglang_patch.probe``: while the server runs without the hook, or writes
 elsewhere, the worker waits and says why), saying which weights the server serves: the run's
 and FARM_MODEL_PATH's, captured with the run's layers and config, stored in its dtype, or the
-worker stops (``served_identity``: the check ``adopt`` runs too); and the canary
-(``canary_check``) is recorded, or matches the run's recording (while it does not, the worker
-waits, says per layer what differs, and shows the pause in ``status``).
+worker stops (``served_identity``: the check ``adopt`` runs too); only then is the canary
+(``canary_check``) recorded, or compared with the run's recording (while it does not match,
+the worker waits, says per layer what differs, and shows the pause in ``status``).
 Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
 message is taken. Pool processes inherit the context when they fork and only open their own
 connections.

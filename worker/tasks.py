@@ -18,7 +18,8 @@ acknowledgement without an outcome:
   within this delivery while its time limit allows (so failures show at once), else handed
   back; after ``FARM_MAX_ATTEMPTS`` started attempts the sample is recorded as failed;
 - the environment (server down or hung, a gateway or the server refusing requests for now,
-  disk full, read-only or failing, a canary that no longer matches:
+  disk full, read-only or failing, the dump dir gone, a server capturing other layers, a
+  canary that no longer matches:
   the server serves another model): the task waits,
   holding its message, and the attempt is refunded; at the time limit it hands it back, and
   an attempt starts only with half a delivery's time or more left (else handed back), so a
@@ -213,7 +214,7 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease, deadline: float,
         if elsewhere is not None:
             log.info("%s already done on host %s (its output dir holds it)", key, elsewhere)
             return {"status": "done-elsewhere", "key": key}
-        _wait(rt, key, lambda: waits.space_problem(rt), deadline)
+        _wait(rt, key, lambda: waits.dump_dir_problem(rt) or waits.space_problem(rt), deadline)
         _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
               deadline)
         _enough_time_left(key, deadline, budget_s)

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 
-from worker import liveness
+from worker import dumps, liveness
 from worker import store as st
 from worker.errors import Transient
 from worker.runtime import Runtime
@@ -57,6 +57,15 @@ def server_problem(rt: Runtime) -> str | None:
         return None
     return (f"server {rt.settings.server_url} does not answer (restarting, loading the model, "
             "or hung)")
+
+
+def dump_dir_problem(rt: Runtime) -> str | None:
+    """None when the dump dir is there; else why no request may be sent (its dump would be
+    lost) and the fix."""
+    d = rt.settings.dump_dir
+    if d.is_dir():
+        return None
+    return dumps.dump_dir_gone(d)
 
 
 def space_problem(rt: Runtime, need_bytes: int = 0) -> str | None:
