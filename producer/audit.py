@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import redis
+from tqdm import tqdm
 
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
@@ -140,19 +141,27 @@ def _cut_to_server(meta: dict[str, str], tok: Tokenized, n: int) -> int:
 
 
 def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_bytes: int,
-          jobs: int = 4) -> AuditReport:
-    """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help."""
+          jobs: int = 4, bar: tqdm | None = None) -> AuditReport:
+    """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help.
+
+    ``bar``: a progress bar whose total grows by this file's samples, advanced per sample.
+    """
     report = AuditReport()
     weights_id = store.recorded_weights_id()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rejected: list[tuple[str, str]] = []
         refs = list(sample_refs(data_file, max_record_bytes, rejected, []))
         report.invalid_records += len(rejected)
+        if bar is not None:
+            bar.total = (bar.total or 0) + len(refs)
+            bar.refresh()
         results = pool.map(lambda ref: _check_one(store, chat, ref, weights_id),
                            refs)
         report.keys.update(ref.key for ref in refs)
         for ref, (verdict, why, tokens, size) in zip(refs, results, strict=True):
             report.checked += 1
+            if bar is not None:
+                bar.update(1)
             if verdict == "whole":
                 report.whole += 1
                 report.adopted += why == ADOPTED

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import redis
+from tqdm import tqdm
 
 from producer.adopt_cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit, place_elsewhere
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--requeue", action="store_true",
                    help="publish the missing, corrupt and incompatible samples again")
     a.add_argument("--jobs", type=int, default=4, help="files checked in parallel")
+    a.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (on stderr; it shows the rate and the ETA)")
     d = sub.add_parser("demo", help="run the whole farm locally on the example data")
     d.add_argument("--work-dir", type=Path, default=None, help="default: ./demo-out")
     d.add_argument("--data", type=Path, default=None, help="default: examples/data.json")
@@ -204,8 +207,13 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
             raise ConfigError("no data file recorded for this run: pass --data FILE")
     store = OutputStore(settings.output_dir, fingerprint)
     report = AuditReport()
-    for data in files:
-        report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs))
+    bar = tqdm(total=0, unit="file", desc="audit", disable=args.no_progress, file=sys.stderr)
+    try:
+        for data in files:
+            report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs,
+                             bar=bar))
+    finally:
+        bar.close()
     try:
         place_elsewhere(report, broker.client(settings), runs.run_id_of(settings.output_dir),
                         host_id(settings))
