@@ -51,6 +51,8 @@ class AuditReport:
     keys: set[str] = field(default_factory=set)  # every sample key of the data files checked
     not_in_corpus: list[str] | None = None  # None: not looked for (one data file of several)
     kept_aside: int = 0
+    # this audit's fingerprint (settings and model files) != the run's manifest: field by field
+    differences: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -72,10 +74,18 @@ class AuditReport:
             if (key := p.name[: -len(c.DUMP_SUFFIX)]) not in self.keys)
         self.kept_aside = len(setaside.kept_aside(out_dir))
 
+    def _why_incompatible(self) -> list[str]:
+        if not self.incompatible or not self.differences:
+            return []
+        return ["  this audit's model differs from the run's (this audit != the run's "
+                f"manifest): {'; '.join(self.differences)}; set FARM_MODEL_PATH to the "
+                "run's model"]
+
     def lines(self, show: int = 50) -> list[str]:
         out = [f"checked: {self.checked}", f"whole: {self.whole} ({self.tokens} tokens, "
                f"{self.bytes / 1e6:.1f} MB)", f"missing: {len(self.missing)}",
                f"corrupt: {len(self.corrupt)}", f"incompatible: {len(self.incompatible)}",
+               *self._why_incompatible(),
                f"invalid records (not expected on disk): {self.invalid_records}",
                f"adopted: {self.adopted}"]
         if self.elsewhere:
@@ -113,7 +123,8 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
     try:
         meta = tensorfile.header_metadata(path)
         if meta.get(M_FINGERPRINT) != store.fingerprint.id:
-            return "incompatible", f"fingerprint {meta.get(M_FINGERPRINT)}", 0, 0
+            return "incompatible", (f"fingerprint {meta.get(M_FINGERPRINT)}, this audit's "
+                                    f"{store.fingerprint.id}"), 0, 0
         written_under = meta.get(M_WEIGHTS_ID)  # files of older runs do not say: not judged
         if weights_id and written_under and written_under != weights_id:
             return "incompatible", (f"written under weights identity {written_under}, the "
