@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from producer.localfarm import free_port
+from worker.fingerprint import compute_fingerprint
+from worker.settings import Settings
+from worker.store import OutputStore
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
@@ -16,9 +19,11 @@ def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_unreachable_redis_is_a_clear_error(tiny_model: Path) -> None:
+def test_unreachable_redis_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"  # a run's output dir (its manifest), as the first worker writes it
+    OutputStore(out, compute_fingerprint(Settings(), tiny_model)).open()
     res = _run(["status"], REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
-               FARM_MODEL_PATH=str(tiny_model))
+               FARM_MODEL_PATH=str(tiny_model), FARM_OUTPUT_DIR=str(out))
     assert res.returncode == 2
     assert "did not answer" in res.stderr and "Traceback" not in res.stderr
 
