@@ -81,6 +81,9 @@ def run_demo(work_dir: Path, data: Path, workers: int = 2, concurrency: int = 2,
            **({"FARM_ALLOW_VOLATILE_REDIS": "1"} if volatile else {}),
            **(_redis_env(shared) if shared else {})}
     farm = LocalFarm(work_dir, redis_url=shared.redis_url if shared else None, extra_env=env)
+    if redis is not None and shared is None:
+        _step(f"the Redis at {broker.where(redis)} (REDIS_URL) does not answer: the demo "
+              "starts a private one")
     try:
         rc = _run(farm, data, workers, concurrency, shared, volatile)
     finally:
@@ -112,7 +115,7 @@ def _run(farm: LocalFarm, data: Path, workers: int, concurrency: int,
     farm.start_server(["--dump-dtype", settings.hidden_dtype])
     _step(f"reference server (tiny model, storing {settings.hidden_dtype}) on port "
           f"{farm.server_port}, dumps in {farm.dump_dir}")
-    logs = farm.work_dir / "logs"
+    logs = Path(_shown(farm.work_dir / "logs"))
     for i in range(workers):
         farm.start_worker(f"demo{i + 1}", concurrency=concurrency)
     _step(f"{workers} celery workers x {concurrency} processes ready; logs in "
