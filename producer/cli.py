@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--redo-host", action="append", default=[], metavar="HOST",
                    help="a host not heard from since Redis lost its data, gone for good: "
                         "extract its samples again (repeat for several)")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
     e.add_argument("--delete-removed", action="store_true",
                    help="delete the output files of records removed from the file (or "
                         "corrected) instead of keeping them in <output dir>/removed/")

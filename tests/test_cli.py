@@ -38,3 +38,15 @@ def test_unreachable_server_without_model_path(tmp_path: Path) -> None:
 def test_bad_setting_names_the_variable(tmp_path: Path) -> None:
     res = _run(["settings"], FARM_MAX_TOKENS="lots")
     assert res.returncode == 2 and "FARM_MAX_TOKENS='lots'" in res.stderr
+
+
+def test_every_option_of_the_long_commands_says_what_it_does() -> None:
+    import argparse
+
+    from producer.cli import build_parser
+
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name in ("adopt", "audit", "demo", "enqueue", "export"):
+        silent = [a.option_strings for a in sub.choices[name]._actions
+                  if a.option_strings and a.dest != "help" and not a.help]
+        assert not silent, (name, silent)
