@@ -6,6 +6,8 @@
 #   FARM_DUMP_DIR           the hook's dump dir, the workers' too (default /dev/shm/hsfarm-dumps)
 #   FARM_SERVER_URL         the port to listen on is taken from it (default http://127.0.0.1:30000)
 #   FARM_LAYERS_TO_CAPTURE  three aux layer ids, e.g. "2 30 58" (default: SGLang's own)
+#   FARM_STORE_DTYPE        bf16 (default) or fp8_e4m3: the hook stores that, as the workers
+#                           expect (passed to the server as SGLANG_HS_DUMP_DTYPE)
 # and, for the launcher only: TP (tensor parallel size, default 8), DP (attention data-parallel
 # groups, default 1: with DP > 1, --attn-dp-size DP, SGLang 0.5.23's spelling of --dp-size DP
 # --enable-dp-attention; it must divide TP: each group's attention runs on TP/DP GPUs, with its
@@ -65,6 +67,17 @@ DP=${DP:-1}
 EP=${EP:-}
 HOST=${SGLANG_HOST:-127.0.0.1}
 PY=${PYTHON:-python3}
+case "${FARM_STORE_DTYPE:-bf16}" in
+  bf16|bfloat16) DUMP_DTYPE=bfloat16 ;;
+  fp8_e4m3) DUMP_DTYPE=fp8_e4m3 ;;
+  *) echo "FAIL  FARM_STORE_DTYPE=$FARM_STORE_DTYPE must be bf16 or fp8_e4m3" >&2; exit 2 ;;
+esac
+if [ -n "${SGLANG_HS_DUMP_DTYPE:-}" ] && [ "$SGLANG_HS_DUMP_DTYPE" != "$DUMP_DTYPE" ]; then
+  echo "FAIL  SGLANG_HS_DUMP_DTYPE=$SGLANG_HS_DUMP_DTYPE but FARM_STORE_DTYPE says" \
+       "$DUMP_DTYPE: set FARM_STORE_DTYPE only (the workers read it too), and unset" \
+       "SGLANG_HS_DUMP_DTYPE" >&2
+  exit 2
+fi
 LAYERS_RAW=${FARM_LAYERS_TO_CAPTURE:-}
 read -r -a layers <<<"${LAYERS_RAW//,/ }"
 
@@ -201,6 +214,9 @@ layer_args=()
 parallel=(--tp-size "$TP")
 [ "$DP" = 1 ] || parallel+=(--attn-dp-size "$DP")
 [ -z "$EP" ] || parallel+=(--ep-size "$EP")
+# the hook's default is bf16: its variable is named only when it says something else
+server_env=("SGLANG_HS_DUMP_DIR=$DUMP_DIR")
+[ "$DUMP_DTYPE" = bfloat16 ] || server_env+=("SGLANG_HS_DUMP_DTYPE=$DUMP_DTYPE")
 cmd=("$PY" -m sglang.launch_server --model-path "$MODEL" "${parallel[@]}" --port "$PORT"
      --host "$HOST" --disable-radix-cache --disable-prefill-cuda-graph --skip-server-warmup
      --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "${layer_args[@]}"
@@ -208,7 +224,9 @@ cmd=("$PY" -m sglang.launch_server --model-path "$MODEL" "${parallel[@]}" --port
 
 if [ "$dry_run" = 1 ]; then
   if [ "$failed" = 0 ]; then echo "would run:"; else echo "would run, once the FAILs above are fixed:"; fi
-  printf 'SGLANG_HS_DUMP_DIR=%q' "$DUMP_DIR"; printf ' %q' "${cmd[@]}"; echo
+  printf 'SGLANG_HS_DUMP_DIR=%q' "$DUMP_DIR"
+  [ "${#server_env[@]}" -eq 1 ] || printf ' SGLANG_HS_DUMP_DTYPE=%q' "$DUMP_DTYPE"
+  printf ' %q' "${cmd[@]}"; echo
   exit "$failed"
 fi
 if [ "$failed" != 0 ]; then echo "not starting SGLang: fix the FAIL lines above"; exit 1; fi
@@ -218,7 +236,7 @@ if ! out=$("$PY" -m sglang_patch dumpdir --create --dump-dir "$DUMP_DIR"); then
   echo "$out"; echo "not starting SGLang: fix the dump dir"; exit 1
 fi
 started=$(date +%s)
-SGLANG_HS_DUMP_DIR="$DUMP_DIR" "${cmd[@]}" &
+env "${server_env[@]}" "${cmd[@]}" &
 server=$!
 trap 'kill $server 2>/dev/null || true' INT TERM
 for _ in $(seq 1 720); do

@@ -27,7 +27,9 @@ def add_adopt_parser(sub: Any) -> None:
     a.add_argument("source", type=Path, help="the earlier run's directory (only read)")
     a.add_argument("--data", type=Path, required=True,
                    help="the data file whose records the files were extracted from")
-    a.add_argument("--format", choices=FORMATS, default="auto")
+    a.add_argument("--format", choices=FORMATS, default="auto",
+                   help="how the earlier run's files are laid out (default: auto, told from "
+                        "the directory's contents)")
     a.add_argument("--key", action="append", default=[], metavar="ROLE=NAME",
                    help="torch format: the dict key of input_ids, loss_mask, hidden_state or "
                         "aux_hidden_state (aux: one key, or three comma-separated)")
@@ -36,8 +38,10 @@ def add_adopt_parser(sub: Any) -> None:
                         "at most 32)")
     a.add_argument("--seed", type=int, default=None, help="repeatable choice of the K files")
     a.add_argument("--dry-run", action="store_true", help="match and check; adopt nothing")
-    a.add_argument("--jobs", type=int, default=2, help="files adopted in parallel")
-    a.add_argument("--no-progress", action="store_true")
+    a.add_argument("--jobs", type=int, default=2,
+                   help="files adopted in parallel (default 2)")
+    a.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (on stderr) while matching, checking and adopting")
 
 
 def main_adopt(settings: Settings, args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import redis
+from tqdm import tqdm
 
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
@@ -50,6 +51,8 @@ class AuditReport:
     keys: set[str] = field(default_factory=set)  # every sample key of the data files checked
     not_in_corpus: list[str] | None = None  # None: not looked for (one data file of several)
     kept_aside: int = 0
+    # this audit's fingerprint (settings and model files) != the run's manifest: field by field
+    differences: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -71,10 +74,18 @@ class AuditReport:
             if (key := p.name[: -len(c.DUMP_SUFFIX)]) not in self.keys)
         self.kept_aside = len(setaside.kept_aside(out_dir))
 
+    def _why_incompatible(self) -> list[str]:
+        if not self.incompatible or not self.differences:
+            return []
+        return ["  this audit's model differs from the run's (this audit != the run's "
+                f"manifest): {'; '.join(self.differences)}; set FARM_MODEL_PATH to the "
+                "run's model"]
+
     def lines(self, show: int = 50) -> list[str]:
         out = [f"checked: {self.checked}", f"whole: {self.whole} ({self.tokens} tokens, "
                f"{self.bytes / 1e6:.1f} MB)", f"missing: {len(self.missing)}",
                f"corrupt: {len(self.corrupt)}", f"incompatible: {len(self.incompatible)}",
+               *self._why_incompatible(),
                f"invalid records (not expected on disk): {self.invalid_records}",
                f"adopted: {self.adopted}"]
         if self.elsewhere:
@@ -112,7 +123,8 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
     try:
         meta = tensorfile.header_metadata(path)
         if meta.get(M_FINGERPRINT) != store.fingerprint.id:
-            return "incompatible", f"fingerprint {meta.get(M_FINGERPRINT)}", 0, 0
+            return "incompatible", (f"fingerprint {meta.get(M_FINGERPRINT)}, this audit's "
+                                    f"{store.fingerprint.id}"), 0, 0
         written_under = meta.get(M_WEIGHTS_ID)  # files of older runs do not say: not judged
         if weights_id and written_under and written_under != weights_id:
             return "incompatible", (f"written under weights identity {written_under}, the "
@@ -140,19 +152,27 @@ def _cut_to_server(meta: dict[str, str], tok: Tokenized, n: int) -> int:
 
 
 def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_bytes: int,
-          jobs: int = 4) -> AuditReport:
-    """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help."""
+          jobs: int = 4, bar: tqdm | None = None) -> AuditReport:
+    """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help.
+
+    ``bar``: a progress bar whose total grows by this file's samples, advanced per sample.
+    """
     report = AuditReport()
     weights_id = store.recorded_weights_id()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rejected: list[tuple[str, str]] = []
         refs = list(sample_refs(data_file, max_record_bytes, rejected, []))
         report.invalid_records += len(rejected)
+        if bar is not None:
+            bar.total = (bar.total or 0) + len(refs)
+            bar.refresh()
         results = pool.map(lambda ref: _check_one(store, chat, ref, weights_id),
                            refs)
         report.keys.update(ref.key for ref in refs)
         for ref, (verdict, why, tokens, size) in zip(refs, results, strict=True):
             report.checked += 1
+            if bar is not None:
+                bar.update(1)
             if verdict == "whole":
                 report.whole += 1
                 report.adopted += why == ADOPTED

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import redis
+from tqdm import tqdm
 
 from producer.adopt_cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit, place_elsewhere
@@ -21,8 +22,10 @@ from producer.status import (
     environmental_rejections,
     failure_entries,
     failures,
+    manifest_fingerprint,
     missing_done_files,
     read_status,
+    run_settings,
     status_fingerprint,
 )
 from producer.status_text import render
@@ -36,7 +39,7 @@ from worker.errors import ConfigError, FarmError, Transient
 from worker.fingerprint import load_run, run_fingerprint
 from worker.hosts import host_id
 from worker.index import RunIndex
-from worker.settings import Settings
+from worker.settings import Settings, redis_url_given
 from worker.store import OutputStore
 
 EXIT_OK, EXIT_PARTIAL, EXIT_ERROR = 0, 1, 2
@@ -54,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--redo-host", action="append", default=[], metavar="HOST",
                    help="a host not heard from since Redis lost its data, gone for good: "
                         "extract its samples again (repeat for several)")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
     e.add_argument("--delete-removed", action="store_true",
                    help="delete the output files of records removed from the file (or "
                         "corrected) instead of keeping them in <output dir>/removed/")
@@ -72,9 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--requeue", action="store_true",
                    help="publish the missing, corrupt and incompatible samples again")
     a.add_argument("--jobs", type=int, default=4, help="files checked in parallel")
+    a.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (on stderr; it shows the rate and the ETA)")
     d = sub.add_parser("demo", help="run the whole farm locally on the example data")
     d.add_argument("--work-dir", type=Path, default=None, help="default: ./demo-out")
     d.add_argument("--data", type=Path, default=None, help="default: examples/data.json")
+    d.add_argument("--store-dtype", choices=("bf16", "fp8_e4m3"), default=None,
+                   help="how the hidden states are stored, by the server and the workers "
+                        "(default: FARM_STORE_DTYPE, else bf16)")
     w = sub.add_parser("dashboard", help="serve the run's dashboard (plots) and /metrics")
     w.add_argument("--address", default="127.0.0.1",
                    help="address to listen on (default: loopback; reach it by SSH tunnel)")
@@ -106,15 +114,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             from producer.demo import main_demo
 
-            _check_redis_url(settings)
-            return main_demo(args.work_dir, args.data, settings)
+            shared = redis_url_given()  # never the default URL's Redis: it may not be ours
+            if shared:
+                _check_redis_url(settings)
+            return main_demo(args.work_dir, args.data, settings if shared else None,
+                             args.store_dtype or settings.store_dtype)
         if args.cmd in ("index", "export"):  # the training side: no server, no Redis
             return training_cli.main(args, settings.output_dir)
         _check_redis_url(settings)  # every other command connects to Redis
         if args.cmd == "audit":  # the only command that renders chat templates
+            recorded = manifest_fingerprint(settings)  # first: is there a run at all?
+            settings = run_settings(settings, recorded)
             _, chat, fingerprint = load_run(settings, wait_s=5)
-            return _audit(settings, fingerprint, chat, args)
-        if args.cmd == "status":  # from the manifest when there is one: no server needed
+            return _audit(settings, fingerprint, chat, args,
+                          fingerprint.differences(recorded))
+        if args.cmd == "status":  # from the manifest: no server needed
+            manifest_fingerprint(settings)  # no run there: said at once, not after 5 s
             fingerprint, source = status_fingerprint(settings)
             return _status(settings, fingerprint, source, args)
         if args.cmd == "adopt":
@@ -197,7 +212,7 @@ def _status(settings: Settings, fingerprint: Fingerprint, source: str,
 
 
 def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
-           args: argparse.Namespace) -> int:
+           args: argparse.Namespace, differences: list[str]) -> int:
     if args.data is not None:
         files = [args.data]
     else:
@@ -206,9 +221,14 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
         if not files:
             raise ConfigError("no data file recorded for this run: pass --data FILE")
     store = OutputStore(settings.output_dir, fingerprint)
-    report = AuditReport()
-    for data in files:
-        report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs))
+    report = AuditReport(differences=differences)
+    bar = tqdm(total=0, unit="file", desc="audit", disable=args.no_progress, file=sys.stderr)
+    try:
+        for data in files:
+            report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs,
+                             bar=bar))
+    finally:
+        bar.close()
     try:
         place_elsewhere(report, broker.client(settings), runs.run_id_of(settings.output_dir),
                         host_id(settings))

@@ -20,6 +20,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ from aiohttp import web
 
 from producer import metrics_text
 from producer.dashboard_data import Sampler
-from producer.status import status_fingerprint
+from producer.status import no_run, status_fingerprint
 from sglang_patch import contracts as c
 from worker import broker
 from worker import run as runs
@@ -195,6 +196,9 @@ def main_dashboard(settings: Settings, args: argparse.Namespace) -> int:
     auth = read_auth(args)
     if args.sample_s <= 0:
         raise ConfigError(f"--sample-s must be > 0, not {args.sample_s}")
+    if not (Path(settings.output_dir) / runs.MANIFEST).is_file():
+        print(f"note: {no_run(settings)}; the dashboard shows the run once it begins",
+              file=sys.stderr, flush=True)
     fingerprint, source = status_fingerprint(settings)
     app = make_app(settings, fingerprint, auth, args.sample_s)
     try:

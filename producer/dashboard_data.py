@@ -142,6 +142,15 @@ def _used(path: Path) -> int | None:
     return (s.f_blocks - s.f_bfree) * s.f_frsize
 
 
+def disk_notes(out_dir: Path, dump_dir: Path) -> list[str]:
+    """Why a disk's free space is not plotted: its directory is not on this machine."""
+    return [f"No {what} free space: {path} does not exist on this machine (the dashboard "
+            f"plots the disks of the host it runs on; {var} names the directory)."
+            for what, path, var in (("output dir", out_dir, "FARM_OUTPUT_DIR"),
+                                    ("dump dir", dump_dir, "FARM_DUMP_DIR"))
+            if not path.is_dir()]
+
+
 class Sampler:
     """Samples the run every ``sample_s`` and holds what the page and /metrics serve."""
 
@@ -186,7 +195,8 @@ class Sampler:
             "sampled": {name: [p[name] for p in shown] for name in ("t", *SAMPLED)},
             "failures": failures_by_reason(self.index),
             "workers": self._workers(heartbeats),
-            "server": server, "disks": {"output": str(out_dir), "dump": str(dump_dir)},
+            "server": server, "disks": {"output": str(out_dir), "dump": str(dump_dir),
+                                        "notes": disk_notes(out_dir, dump_dir)},
         }
         self.error = None
         return self.snapshot

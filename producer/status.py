@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +94,45 @@ def status_fingerprint(settings: Settings) -> tuple[c.Fingerprint, str]:
     """
     path = Path(settings.output_dir) / MANIFEST
     if path.is_file():
-        try:
-            return c.Fingerprint.from_json(json.loads(path.read_text())["fingerprint"]), str(path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{path}: unreadable manifest ({e})") from e
-    model_path, fingerprint = run_fingerprint(settings, wait_s=5)
+        return manifest_fingerprint(settings), str(path)
+    try:
+        model_path, fingerprint = run_fingerprint(settings, wait_s=5)
+    except ConfigError as e:
+        raise ConfigError(f"{no_run(settings)}; and without a run the model must be found: "
+                          f"{e}") from e
     return fingerprint, str(model_path)
+
+
+def no_run(settings: Settings) -> str:
+    """Why ``settings.output_dir`` holds no run, and how to point at one."""
+    out = Path(settings.output_dir)
+    why = f"it has no {MANIFEST}" if out.is_dir() else "no such directory"
+    return (f"no run in {out}: {why} (a run begins with its first 'python -m producer "
+            "enqueue'). Set FARM_OUTPUT_DIR to the run's output dir (the demo's: demo-out/out)")
+
+
+def manifest_fingerprint(settings: Settings) -> c.Fingerprint:
+    """The run's fingerprint from its output dir's manifest.
+
+    Raises:
+        ConfigError: there is no run there (no manifest: ``no_run`` says so), or its manifest
+            is unreadable.
+    """
+    path = Path(settings.output_dir) / MANIFEST
+    if not path.is_file():
+        raise ConfigError(no_run(settings))
+    try:
+        return c.Fingerprint.from_json(json.loads(path.read_text())["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: unreadable manifest ({e})") from e
+
+
+def run_settings(settings: Settings, fingerprint: c.Fingerprint) -> Settings:
+    """``settings`` with the run's own storage choices from its fingerprint (dtype, layers,
+    max tokens, overlong): what its files are checked against, whatever the environment says."""
+    return replace(settings, store_dtype=fingerprint.dtype, max_tokens=fingerprint.max_tokens,
+                   overlong=fingerprint.overlong,
+                   layers_to_capture=tuple(fingerprint.layers_to_capture))
 
 
 def read_status(settings: Settings, fingerprint: c.Fingerprint,
@@ -136,7 +169,8 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
                   admission=host_admission(settings, fingerprint),
                   parked=counts.parked, removed=counts.removed,
                   unreadable=unreadable_files(index),
-                  hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s))
+                  hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
+                                       until=until))
 
 
 def unreadable_files(index: RunIndex) -> dict[str, dict[str, Any]]:
@@ -164,14 +198,12 @@ def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, 
 
 def _rates(r: redis.Redis, index: RunIndex, window_s: float,
            now: float) -> tuple[float, float, float]:
-    """(samples/s, bytes/s, seconds measured over) up to ``now``: over the last ``window_s``,
-    or since the first completion while the run is younger than that (so the first minutes
-    read right)."""
+    """(samples/s, bytes/s, seconds measured over) up to ``now``, over ``hosts.rate_window``
+    (so the first minutes read right, and each host's rate adds up to the run's)."""
     first = r.zrange(index.k(keys.DONE), 0, 0, withscores=True)
     if not first:
         return 0.0, 0.0, 0.0
-    since = max(float(first[0][1]), now - window_s)
-    span_s = max(now - since, 1.0)
+    since, span_s = hosts.rate_window(float(first[0][1]), now, window_s)
     recent: list[bytes] = r.zrevrangebyscore(  # type: ignore[assignment]
         index.k(keys.DONE), now, since, start=0, num=BYTES_WINDOW_MAX)
     n = int(r.zcount(index.k(keys.DONE), since, now))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from sglang_patch import contracts as c
@@ -14,7 +15,13 @@ def test_audit_finds_and_requeue_repairs(tmp_path: Path, tiny_model: Path) -> No
         farm.start_worker("w1", concurrency=2)
         keys = enqueue(farm, tmp_path, 12)
         wait_finished(farm, 12)
-        assert farm.cli("audit").returncode == 0
+        res = farm.cli("audit")
+        assert res.returncode == 0
+        # And it showed its progress, with a rate and an ETA, on stderr (unless told not to)
+        assert "audit: 100%" in res.stderr and "12/12" in res.stderr, res.stderr
+        assert re.search(r"<00:00, +[\d.]+(file/s|s/file)\]", res.stderr), res.stderr
+        quiet = farm.cli("audit", "--no-progress")
+        assert quiet.returncode == 0 and "audit:" not in quiet.stderr, quiet.stderr
         # Given one file deleted, one with a flipped byte, one truncated
         gone, flipped, cut = (c.final_path(farm.output_dir, k) for k in keys[:3])
         gone.unlink()

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from producer.localfarm import free_port
+from worker.fingerprint import compute_fingerprint
+from worker.settings import Settings
+from worker.store import OutputStore
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
@@ -16,9 +19,11 @@ def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_unreachable_redis_is_a_clear_error(tiny_model: Path) -> None:
+def test_unreachable_redis_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"  # a run's output dir (its manifest), as the first worker writes it
+    OutputStore(out, compute_fingerprint(Settings(), tiny_model)).open()
     res = _run(["status"], REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
-               FARM_MODEL_PATH=str(tiny_model))
+               FARM_MODEL_PATH=str(tiny_model), FARM_OUTPUT_DIR=str(out))
     assert res.returncode == 2
     assert "did not answer" in res.stderr and "Traceback" not in res.stderr
 
@@ -33,3 +38,15 @@ def test_unreachable_server_without_model_path(tmp_path: Path) -> None:
 def test_bad_setting_names_the_variable(tmp_path: Path) -> None:
     res = _run(["settings"], FARM_MAX_TOKENS="lots")
     assert res.returncode == 2 and "FARM_MAX_TOKENS='lots'" in res.stderr
+
+
+def test_every_option_of_the_long_commands_says_what_it_does() -> None:
+    import argparse
+
+    from producer.cli import build_parser
+
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name in ("adopt", "audit", "demo", "enqueue", "export"):
+        silent = [a.option_strings for a in sub.choices[name]._actions
+                  if a.option_strings and a.dest != "help" and not a.help]
+        assert not silent, (name, silent)

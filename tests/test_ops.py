@@ -310,6 +310,39 @@ def test_launcher_dry_run_with_dp_attention_and_expert_parallelism(tmp_path: Pat
     assert "DP (attention data-parallel groups" in text and "EP (expert parallel size" in text
 
 
+def test_launcher_carries_the_store_dtype_to_the_server(tmp_path: Path,
+                                                       tiny_model: Path) -> None:
+    # Given the farm's settings asking for fp8 storage
+    fake = _verify_passes(tmp_path)
+    env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
+                    FARM_SERVER_URL="http://127.0.0.1:9", TP="1", PYTHON=str(fake),
+                    FARM_STORE_DTYPE="fp8_e4m3")
+    # When the launcher's dry run looks
+    res = sh("ops/launch-sglang.sh", "--dry-run", env=env)
+    # Then the server's command stores fp8 too
+    assert res.returncode == 0, res.stdout + res.stderr
+    cmd = res.stdout.splitlines()[-1]
+    assert cmd.startswith(f"SGLANG_HS_DUMP_DIR={tmp_path / 'd'} SGLANG_HS_DUMP_DTYPE=fp8_e4m3 "
+                          f"{fake} -m sglang.launch_server "), cmd
+    # And bf16 (the default, spelled either way) names no dtype: the hook's default
+    for bf16 in ("", "bf16", "bfloat16"):
+        plain = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "FARM_STORE_DTYPE": bf16})
+        assert plain.returncode == 0 and "SGLANG_HS_DUMP_DTYPE" not in plain.stdout, bf16
+    # And a dtype the farm does not know, or a server variable that disagrees, is refused
+    bad = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "FARM_STORE_DTYPE": "fp16"})
+    assert bad.returncode == 2
+    assert "FAIL  FARM_STORE_DTYPE=fp16 must be bf16 or fp8_e4m3" in bad.stderr
+    two = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "SGLANG_HS_DUMP_DTYPE": "bfloat16"})
+    assert two.returncode == 2
+    assert ("SGLANG_HS_DUMP_DTYPE=bfloat16 but FARM_STORE_DTYPE says fp8_e4m3: set "
+            "FARM_STORE_DTYPE only") in " ".join(two.stderr.split()), two.stderr
+    # And --help and the env file name the setting
+    text = " ".join(sh("ops/launch-sglang.sh", "--help", env=clean_env()).stdout.split())
+    assert "FARM_STORE_DTYPE bf16 (default) or fp8_e4m3" in text
+    assert "SGLANG_HS_DUMP_DTYPE" in text
+    assert "FARM_STORE_DTYPE" in (OPS / "systemd" / "env.example").read_text()
+
+
 def test_launcher_dry_run_without_a_model_dir_or_a_port(tmp_path: Path) -> None:
     env = clean_env(FARM_MODEL_PATH=str(tmp_path / "none"), PYTHON=sys.executable,
                     FARM_SERVER_URL="http://127.0.0.1")

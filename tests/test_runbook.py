@@ -45,7 +45,7 @@ COMMAND_START = re.compile(r"^(?:[A-Z_]+=\S+ )*(python -m |ops/\S+\.sh|systemctl
 # Runnable here but not run: each starts something for good, or is run elsewhere.
 NOT_RUN = {"ops/launch-sglang.sh": "starts SGLang (its --dry-run runs here)",
            "ops/start-redis.sh": "starts the production Redis",
-           "python -m producer demo": "the whole demo (tests/test_e2e.py runs the farm)",
+           "python -m producer demo": "the whole demo (tests/test_demo.py runs it)",
            "python -m producer dashboard --basic-auth-file /etc/hsfarm/dashboard-auth":
                "serves until stopped (tests/test_dashboard.py runs it against a farm)",
            "python -m producer enqueue /data/train.jsonl --redo-host hostB":

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import time
 from pathlib import Path
 
-from producer.localfarm import LocalFarm
+from producer.localfarm import LocalFarm, free_port
 from producer.status import Status
 from producer.status_text import duration
 from tests.conftest import CACHE
@@ -77,9 +78,22 @@ def test_status_without_server_cleans_stale_entries_and_explains(tmp_path: Path,
 
 def test_status_without_manifest_or_server_says_what_to_do(tmp_path: Path) -> None:
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
-    res = farm.cli("status")
-    assert res.returncode == 2 and "start it first or set FARM_MODEL_PATH" in res.stderr
-    assert "Traceback" not in res.stderr
+    farm.output_dir.mkdir()
+    # When status and audit are pointed at an output dir that holds no run
+    for cmd in ("status", "audit"):
+        t0 = time.monotonic()
+        res = farm.cli(cmd)
+        # Then each says so first, with the fix, at once (no wait for a server) and exits 2
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert res.stderr.startswith(f"error: no run in {farm.output_dir}: it has no "
+                                     "manifest.json"), res.stderr
+        assert "Set FARM_OUTPUT_DIR to the run's output dir" in res.stderr
+        assert time.monotonic() - t0 < 4 and "Traceback" not in res.stderr
+    # And the dashboard, which may start before its run, says it first too
+    res = farm.cli("dashboard", "--no-auth", "--port", str(free_port()))
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"note: no run in {farm.output_dir}"), res.stderr
+    assert "start it first or set FARM_MODEL_PATH" in res.stderr
 
 
 def test_durations_read_at_a_glance() -> None:

@@ -32,9 +32,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help="also read and check the hidden states of new files")
     i.add_argument("--draft-vocab-size", type=int, default=None)
     i.add_argument("--target-vocab-size", type=int, default=None)
-    i.add_argument("--no-progress", action="store_true")
+    i.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
     e = sub.add_parser("export", help="export to a trainer's container (verified, resumable)")
-    e.add_argument("--to", required=True, choices=sorted(FORMATS))
+    e.add_argument("--to", required=True, choices=sorted(FORMATS),
+                   help="the trainer to export for: DEST is written in its container format")
     e.add_argument("dest", type=Path)
     e.add_argument("--from", dest="out", type=Path, action="append", default=None,
                    help="the output dir (default: FARM_OUTPUT_DIR); repeat it for a run over "
@@ -43,7 +44,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help=f"samples exported in parallel (default {DEFAULT_JOBS})")
     e.add_argument("--delete-source", action="store_true",
                    help="remove each source file once its export verified")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
 
 
 def run_index(out_dir: Path, args: argparse.Namespace, also: list[Path]) -> int:

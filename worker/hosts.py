@@ -331,9 +331,21 @@ def unheard(r: redis.Redis, run_id: str, out_dir: Path) -> dict[str, dict[str, A
 # --- per host, for status, the dashboard and /metrics ------------------------------------
 
 
+def rate_window(first_done_at: float, until: float, window_s: float) -> tuple[float, float]:
+    """(since, span_s): what a rate is measured over, up to ``until`` (now, or a finished
+    run's last outcome): the last ``window_s``, or since the first completion while the run is
+    younger than that. The run's rate (``status``) and each host's use this one rule."""
+    since = max(first_done_at, until - window_s)
+    return since, max(until - since, 1.0)
+
+
 def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
-             window_s: float = 300.0) -> list[dict[str, Any]]:
-    """Per host: output dir, alive, heartbeat age, server state, done there, running, rate."""
+             window_s: float = 300.0, until: float | None = None) -> list[dict[str, Any]]:
+    """Per host: output dir, state, heartbeat age, server state, done there, running, rate.
+
+    ``until``: a finished run's last outcome (None while it runs): rates stop there, and a
+    host whose heartbeat was fresh then is "stopped" (after the finish), not "lost".
+    """
     now = time.time()
     entries = hosts(r, run_id)
     held = held_counts(r, run_id)
@@ -342,20 +354,33 @@ def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
         worker = str(json.loads(v).get("worker", ""))
         name = worker.rsplit(":", 1)[0]
         running[name] = running.get(name, 0) + 1
-    members: list[bytes] = r.zrange(  # type: ignore[assignment]
-        _k(run_id, keys.DONE), now - window_s, now, byscore=True)
-    recent = [as_text(k) for k in members]
-    by_host: dict[str, int] = {}
-    for hd in holders(r, run_id, recent):
-        if hd is not None:
-            by_host[hd[0]] = by_host.get(hd[0], 0) + 1
+    by_host, span_s = _done_per_host(r, run_id, window_s, until or now)
     out = []
     for name in sorted(set(entries) | set(held) | set(running)):
         e = entries.get(name, {})
         age = now - float(e["at"]) if "at" in e else None
+        alive = age is not None and age < heartbeat_ttl_s
+        at_finish = until is not None and "at" in e and until - float(e["at"]) < heartbeat_ttl_s
         out.append({"host": name, "output_dir": e.get("output_dir", "?"),
-                    "alive": age is not None and age < heartbeat_ttl_s,
+                    "alive": alive,
+                    "state": "alive" if alive else "stopped" if at_finish else "lost",
                     "heartbeat_age_s": age, "server": e.get("server", "unknown"),
                     "done": held.get(name, 0), "running": running.get(name, 0),
-                    "rate_per_s": by_host.get(name, 0) / window_s})
+                    "rate_per_s": by_host.get(name, 0) / span_s if span_s else 0.0})
     return out
+
+
+def _done_per_host(r: redis.Redis, run_id: str, window_s: float,
+                   until: float) -> tuple[dict[str, int], float]:
+    """Samples done per host in the rate's window (``rate_window``), and its span."""
+    first = r.zrange(_k(run_id, keys.DONE), 0, 0, withscores=True)
+    if not first:
+        return {}, 0.0
+    since, span_s = rate_window(float(first[0][1]), until, window_s)
+    members: list[bytes] = r.zrange(  # type: ignore[assignment]
+        _k(run_id, keys.DONE), since, until, byscore=True)
+    by_host: dict[str, int] = {}
+    for hd in holders(r, run_id, [as_text(k) for k in members]):
+        if hd is not None:
+            by_host[hd[0]] = by_host.get(hd[0], 0) + 1
+    return by_host, span_s

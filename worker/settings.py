@@ -221,6 +221,13 @@ class Settings:
         return [f"{_env_name(name)}={value}" for name, value in shown.items()]
 
 
+def redis_url_given(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment names a Redis (``REDIS_URL`` or ``FARM_REDIS_URL``), rather
+    than leaving ``Settings.redis_url`` at its default."""
+    env = os.environ if env is None else env
+    return bool(env.get("FARM_REDIS_URL") or env.get("REDIS_URL"))
+
+
 def _env_name(field_name: str) -> str:
     return "REDIS_URL" if field_name == "redis_url" else f"FARM_{field_name.upper()}"
 

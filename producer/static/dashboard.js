@@ -99,8 +99,14 @@ function fill(snap) {
   set("v-rate", st.rate_window_s ? `${st.rate_per_s.toFixed(2)}/s` : "-");
   set("v-bytes-rate", st.rate_window_s ? `${(st.bytes_per_s / MB).toFixed(1)} MB/s` : "");
   set("v-elapsed", duration(st.elapsed_s)); set("v-eta", duration(st.eta_s));
-  set("v-server", snap.server.up ? "up" : "DOWN");
-  set("v-server-detail", snap.server.detail);
+  // a finished run needs no server: one that is gone then was stopped, not lost
+  set("v-server", snap.server.up ? "up" : st.finished ? "stopped" : "DOWN");
+  set("v-server-detail", !snap.server.up && st.finished ?
+    `after the run finished (${snap.server.detail})` : snap.server.detail);
+  const notes = snap.disks.notes || [];
+  const note = document.getElementById("disks-note");
+  note.hidden = !notes.length;
+  note.textContent = notes.join(" ");
   set("v-workers", snap.sampled.workers[snap.sampled.workers.length - 1]);
   const paused = Object.values(st.paused).map(p => p.reason);
   const box = document.getElementById("paused");
@@ -111,9 +117,10 @@ function fill(snap) {
   state.className = `badge ${state.textContent}`;
   rows("failures", snap.failures, f => [[f.kind], [f.count], [f.reason, "reason"], [f.example]]);
   rows("workers", snap.workers, w => [[w.process], [w.kind], [w.detail, "reason"]]);
-  rows("hosts", st.hosts, h => [[h.host], [h.done], [h.running], [(h.rate_per_s * 60).toFixed(1)],
+  const beat = h => h.alive ? "" : h.state === "stopped" ? " (stopped after the finish)" : " (LOST)";
+  rows("hosts", st.hosts, h => [[h.host], [h.done], [h.running], [h.rate_per_s.toFixed(2)],
     [h.server, "reason"], [h.heartbeat_age_s === null ? "never" :
-      `${duration(h.heartbeat_age_s)} ago${h.alive ? "" : " (LOST)"}`], [h.output_dir]]);
+      `${duration(h.heartbeat_age_s)} ago${beat(h)}`], [h.output_dir]]);
 }
 
 async function refresh() {
