@@ -25,6 +25,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from worker import lease as leases
 from worker import store as st
 from worker.canary_check import Outcome
 from worker.chat import ChatTokenizer
-from worker.errors import BadInput, Corrupt, OutputUnavailable, SourceFileRefused, StaleRecord
+from worker.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
 from worker.index import RunIndex
 from worker.samples import SampleRef, read_sample
 from worker.settings import Settings
@@ -56,6 +57,7 @@ M_ADOPTED_DTYPE, M_ADOPTED_CHECK = "adopted_source_dtype", "adopted_check"
 MANIFEST_ADOPTIONS = "adoptions"
 # a Hugging Face fast tokenizer is not safe to call from two threads at once (--jobs)
 _ENCODE = threading.Lock()
+QUANTIZE_ROWS = 1024  # tokens quantized at once (fp8 runs): bounds the float32 temporaries
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
         ServerUnavailable, Transient: the check could not reach the server.
     """
     s = run.settings
+    why = fp8_problem(s)
+    if why:
+        raise ConfigError(why)
     fmt = detect(source) if fmt == "auto" else fmt
     store = st.OutputStore(s.output_dir, run.fingerprint)
     if not dry_run or (s.output_dir / st.MANIFEST).exists():
@@ -281,9 +286,13 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
         s.verify()
     nonfinite = {c.T_HIDDEN: 0, c.T_AUX: 0}
     parts = {c.T_INPUT_IDS: st.Part.from_array("I64", s.input_ids),
-             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask),
-             c.T_HIDDEN: _part(s.hidden, nonfinite, c.T_HIDDEN),
-             c.T_AUX: _part(s.aux, nonfinite, c.T_AUX)}
+             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask)}
+    if store.fingerprint.dtype == c.DTYPE_FP8:
+        parts |= _quantized(s.hidden, 1, c.T_HIDDEN, c.T_HIDDEN_SCALE)
+        parts |= _quantized(s.aux, c.AUX_LAYERS, c.T_AUX, c.T_AUX_SCALE)
+    else:
+        parts |= {c.T_HIDDEN: _part(s.hidden, nonfinite, c.T_HIDDEN),
+                  c.T_AUX: _part(s.aux, nonfinite, c.T_AUX)}
 
     def verdict() -> None:  # every byte was checked as it was copied (in cache)
         bad = [f"{n} has {k} NaN/Inf values" for n, k in nonfinite.items() if k]
@@ -294,13 +303,10 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
             M_ADOPTED_DTYPE: s.dtype}
     if before_write is not None:
         before_write()  # lost the lease (stalled past its TTL): write nothing
-    store.write(key, parts, meta, validate=verdict)
     try:
-        return store.verify(key, content_sha256)
+        return store.write_verified(key, parts, meta, validate=verdict)
     except Corrupt as e:
-        raise SourceFileRefused(f"written, but it does not read back whole: {e}") from e
-    except OSError as e:  # the disk fails to read back what it just took: the disk's fault
-        raise OutputUnavailable(f"reading back {store.final_path(key)}: {e}") from e
+        raise SourceFileRefused(f"not adopted (nothing left at its final path): {e}") from e
 
 
 def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
@@ -314,6 +320,45 @@ def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
             nonfinite[name] += tensorfile.bf16_nonfinite(values)
 
     return st.Part("BF16", tuple(arr.shape), data=arr.data.cast("B"), check=check)
+
+
+def _quantized(bits: np.ndarray, layers: int, name: str, scale_name: str
+               ) -> dict[str, st.Part]:
+    """bf16 states (bits) quantized by the hook's own code (``sglang_patch.fp8.quantize``),
+    ``QUANTIZE_ROWS`` tokens at a time as the hook quantizes a chunk of a prefill, so an
+    adopted file holds what a worker writes from the same states.
+
+    Raises:
+        SourceFileRefused: the states hold NaN/Inf (refused before quantizing, as in bf16).
+    """
+    import torch
+
+    from sglang_patch import fp8
+
+    values = np.ascontiguousarray(bits).view("<u2")
+    if tensorfile.bf16_any_nonfinite(values):
+        raise SourceFileRefused(f"{name} has {tensorfile.bf16_nonfinite(values)} NaN/Inf values")
+    with warnings.catch_warnings():  # a read-only mapping: quantize never writes its input
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    pieces = [fp8.quantize(x[i:i + QUANTIZE_ROWS], layers)
+              for i in range(0, max(len(x), 1), QUANTIZE_ROWS)]
+    q = np.ascontiguousarray(torch.cat([p[0] for p in pieces]).numpy())
+    scale = np.ascontiguousarray(torch.cat([p[1] for p in pieces]).numpy(), dtype="<f4")
+    return {name: st.Part("F8_E4M3", tuple(q.shape), data=q.data.cast("B")),
+            scale_name: st.Part("F32", tuple(scale.shape), data=scale.data.cast("B"))}
+
+
+def fp8_problem(settings: Settings) -> str | None:
+    """Why states cannot be quantized for this run here, or None (a bf16 run; torch there)."""
+    if settings.hidden_dtype != c.DTYPE_FP8:
+        return None
+    try:
+        from sglang_patch import fp8  # noqa: F401  (torch, as the hook quantizes)
+    except ImportError as e:
+        return (f"this run stores {c.DTYPE_FP8} (FARM_STORE_DTYPE); adopt quantizes with the "
+                f"hook's code, which needs torch ({e}): pip install 'hsfarm[training]'")
+    return None
 
 
 def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -> None:

@@ -307,3 +307,44 @@ def test_sigkill_mid_adopt_then_two_at_once(
     assert min(adopted) == 0  # the lock: one of them did it all, the other found it done
     assert_bit_equal(out, extracted[:N_SOURCE])
     assert not [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+
+
+def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
+        data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
+        tmp_path: Path) -> None:
+    from sglang_patch import fp8 as hook_fp8
+    from tests.faults import count_line, running_farm
+
+    env = {"FARM_STORE_DTYPE": "fp8_e4m3"}
+    with running_farm(tmp_path, server_args=["--dump-dtype", "fp8_e4m3"], env=env) as farm:
+        # Given bf16 files of another tool and an fp8 run
+        src, out = tmp_path / "sf", farm.output_dir
+        srcs.write_specforge(src, extracted[:N_SOURCE])
+        # When they are adopted
+        res = adopt(farm, src, data[0], out)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"adopted: {N_SOURCE}\n" in res.stdout, res.stdout
+        # Then each file holds the hook's quantization of the source's states, byte for byte
+        by_ids = {tuple(e.ids): e for e in extracted[:N_SOURCE]}
+        files = finals(out)
+        assert len(files) == N_SOURCE
+        for p in files.values():
+            tf = tensorfile.read(p)
+            e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
+            for name, scale, states, layers in (
+                    (c.T_HIDDEN, c.T_HIDDEN_SCALE, e.hidden, 1),
+                    (c.T_AUX, c.T_AUX_SCALE, e.aux, c.AUX_LAYERS)):
+                q, s = hook_fp8.quantize(states, layers)
+                assert tf.tensors[name].dtype == "F8_E4M3"
+                assert np.array_equal(tf.tensors[name].array, q.numpy())
+                assert np.array_equal(tf.tensors[scale].array, s.numpy())
+        # And enqueue, workers and audit take them as the run's own
+        enq = farm.cli("enqueue", str(data[0]), "--no-progress")
+        assert count_line(enq.stdout, "already done") == N_SOURCE, enq.stdout + enq.stderr
+        assert count_line(enq.stdout, "published") == N_DATA - N_SOURCE, enq.stdout
+        farm.start_worker("w1", concurrency=2)
+        wait_finished(farm, N_DATA, timeout_s=180)
+        audited = farm.cli("audit")
+        assert audited.returncode == 0, audited.stdout + audited.stderr
+        assert f"whole: {N_DATA} " in audited.stdout, audited.stdout
+
