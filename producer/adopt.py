@@ -12,9 +12,12 @@
    mask is this run's. Each file's metadata names its source; the run's manifest lists the
    adoption with the check's numbers.
 
-The whole command holds the run's enqueue lock, so two ``adopt`` (or ``adopt`` and
-``enqueue``) never interleave. Killed at any point, it leaves whole files or temp files that
-the store removes; run again, it finds the adopted ones done and adopts the rest.
+Only step 3 holds the run's enqueue lock, so two ``adopt`` (or ``adopt`` and ``enqueue``)
+never interleave their writes, while a slow source or server in steps 1-2 stalls neither
+``enqueue`` nor the reconciler's healing; step 3 reads each sample's state again under its
+lease. Only regular files of SOURCE are read (``adopt_formats.readable_entry``). Killed at any
+point, it leaves whole files or temp files that the store removes; run again, it finds the
+adopted ones done and adopts the rest.
 """
 
 from __future__ import annotations
@@ -144,26 +147,27 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     run_id = store.run_id or c.NO_RUN
     r = broker.client(s)
     report = Report(dry_run=dry_run)
+    with _bar(progress, "tokenize", None) as bar:
+        records = am.tokenize_records(data, run.chat, s.max_record_bytes, bar.update)
+    files = list_files(source, fmt)
+    report.files, report.records = len(files), records.count
+    with _bar(progress, "match", len(files)) as bar:
+        found = am.scan(files, fmt, keys, records, store, source, bar.update)
+    report.refused, report.done = list(found.refused), len(found.done)
+    report.unmatched = found.unmatched
+    if not found.matched:
+        return report
+    report.canary = canary_outcome(s, store, run.model_path, run.chat)
+    if report.canary is not None and not report.canary.passed:
+        return report
+    report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
+    if not report.check.passed:
+        return report
+    report.would_adopt = len(found.matched)
+    if dry_run:
+        return report
+    # only the writing holds the lock: each sample's state is read again under its lease
     with leases.held(r, _run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
-        with _bar(progress, "tokenize", None) as bar:
-            records = am.tokenize_records(data, run.chat, s.max_record_bytes, bar.update)
-        files = list_files(source, fmt)
-        report.files, report.records = len(files), records.count
-        with _bar(progress, "match", len(files)) as bar:
-            found = am.scan(files, fmt, keys, records, store, source, bar.update)
-        report.refused, report.done = list(found.refused), len(found.done)
-        report.unmatched = found.unmatched
-        if not found.matched:
-            return report
-        report.canary = canary_outcome(s, store, run.model_path, run.chat)
-        if report.canary is not None and not report.canary.passed:
-            return report
-        report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
-        if not report.check.passed:
-            return report
-        report.would_adopt = len(found.matched)
-        if dry_run:
-            return report
         _adopt_all(run, store, RunIndex(r, run_id), found, fmt, keys, source, report, jobs,
                    progress)
         _record(store.out_dir, source, fmt, data, report)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from producer.adopt_formats import SourceSample, open_sample
+from producer.adopt_formats import SourceSample, open_sample, readable_entry
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
 from worker import store as st
@@ -109,13 +109,15 @@ def done_state(store: st.OutputStore, ref: SampleRef) -> str | None:
 def scan(files: Iterable[Path], fmt: str, keys: dict[str, tuple[str, ...]] | None,
          records: Records, store: st.OutputStore, source: Path,
          tick: Callable[[], None] | None = None) -> Scan:
-    """Open each file (ids and shapes only: the states are not read), match it, sort it."""
+    """Open each regular file (ids and shapes only: the states are not read), match it, sort
+    it. Entries that are not regular files, or links leaving ``source``, are refused unread."""
     out = Scan()
     for path in files:
         name = str(path.relative_to(source))
         if tick is not None:
             tick()
         try:
+            path = readable_entry(path, source)
             s = open_sample(path, fmt, keys)
             check_shapes(s, store.fingerprint)
             digest = ids_digest(s.input_ids)

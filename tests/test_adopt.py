@@ -41,6 +41,7 @@ from worker.run import run_id_of
 from worker.settings import Settings
 
 N_DATA, N_SOURCE = 8, 6
+N_COPIES = 300  # copies of one source file: a scan that takes a while
 FP = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
                    layers_to_capture=(2, 4, 5), layer_convention="x", hidden_size=64,
                    dtype="bfloat16", max_tokens=8192, overlong="reject")
@@ -347,4 +348,58 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         audited = farm.cli("audit")
         assert audited.returncode == 0, audited.stdout + audited.stderr
         assert f"whole: {N_DATA} " in audited.stdout, audited.stdout
+
+
+
+def test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan(
+        farm: LocalFarm, data: tuple[Path, list[dict[str, Any]]],
+        extracted: list[srcs.Extracted], tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+    import threading
+
+    # Given an hsfarm source with two good files and copies of one (a scan that takes a
+    # while), a FIFO named like a file, and a link to a file outside it
+    src, out = tmp_path / "hs", tmp_path / "out"
+    srcs.write_hsfarm(src, extracted[:2])
+    shard = src / "samples" / "00"
+    for i in range(N_COPIES):
+        shutil.copy(shard / "s0.safetensors", shard / f"z{i:03d}.safetensors")
+    srcs.write_hsfarm(tmp_path / "elsewhere", extracted[2:3])
+    os.mkfifo(shard / "fifo.safetensors")
+    (shard / "outside.safetensors").symlink_to(
+        tmp_path / "elsewhere" / "samples" / "00" / "s0.safetensors")
+    # When adopt runs, its server stopped (its check waits on it) once its scan began
+    server = farm.procs["server"]
+    argv = [sys.executable, "-m", "producer", "adopt", str(src), "--data", str(data[0]),
+            "--seed", "1"]
+    proc = subprocess.Popen(argv, env={**farm.env(), "FARM_OUTPUT_DIR": str(out)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    pipe = proc.stderr
+    assert pipe is not None
+    threading.Thread(target=lambda: err.extend(iter(lambda: pipe.read(1), "")),
+                     daemon=True).start()
+    try:
+        wait_until(lambda: "match:" in "".join(err), 60, "adopt to begin its scan")
+        server.kill(signal.SIGSTOP)
+        # Then its scan finishes (the FIFO is not opened for reading), and an enqueue of the
+        # run goes through while adopt checks (the lock is held only while it writes)
+        wait_until(lambda: "match: 100%" in "".join(err), 60, "adopt to finish its scan")
+        enq = farm.cli("enqueue", str(data[0]), "--no-progress", timeout_s=15,
+                       env={"FARM_OUTPUT_DIR": str(out), "FARM_MODEL_PATH": str(tiny_model)})
+        assert enq.returncode == 0, enq.stdout + enq.stderr
+        assert proc.poll() is None  # adopt still waits on the server
+        server.kill(signal.SIGCONT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        server.kill(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    # And the odd entries are refused by name, the rest adopted
+    assert proc.returncode == 1, stdout + "".join(err)
+    assert "adopted: 2\n" in stdout and f"refused: {N_COPIES + 2}\n" in stdout, stdout
+    assert re.search(r"^  samples/00/fifo.safetensors: not a regular file \(a FIFO\)", stdout,
+                     re.M), stdout
+    assert re.search(r"^  samples/00/outside.safetensors: a symbolic link to .*elsewhere.* "
+                     r"outside SOURCE", stdout, re.M), stdout
 
