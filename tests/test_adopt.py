@@ -403,3 +403,40 @@ def test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_s
     assert re.search(r"^  samples/00/outside.safetensors: a symbolic link to .*elsewhere.* "
                      r"outside SOURCE", stdout, re.M), stdout
 
+
+def test_records_with_the_same_ids_each_get_the_file(
+        data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
+        chat: ChatTokenizer, tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
+    from worker.samples import validate_record
+
+    # Given the example corpus's identical records (4 of record 0, 2 of record 1), and a
+    # pre-tokenized record with record 5's ids and a mask of its own
+    every = json.loads(EXAMPLES.read_text())
+    twins = [every[i] for i in (0, 24, 144, 150, 1, 115, 5)]
+    assert all(t["messages"] == every[0]["messages"] for t in twins[1:4])
+    assert twins[5]["messages"] == every[1]["messages"]
+    ids5 = extracted[5].ids
+    pretok = {"id": "pretok-5", "input_ids": ids5, "loss_mask": [1] * len(ids5)}
+    assert pretok["loss_mask"] != extracted[5].mask
+    path = tmp_path / "twins.json"
+    path.write_text(json.dumps([*twins, pretok]))
+    src, out = tmp_path / "sf", tmp_path / "out"
+    srcs.write_specforge(src, [extracted[0], extracted[1], extracted[5]])
+    # When their files are adopted
+    res = adopt_here(src, path, out)
+    # Then each record has a final file of its own, with the states and its own loss mask
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "adopted: 8\n" in res.stdout and "refused: 0\n" in res.stdout, res.stdout
+    refs = list(sample_refs(path, 1 << 20, [], []))
+    assert len(refs) == 8
+    by_ids = {tuple(e.ids): e for e in (extracted[0], extracted[1], extracted[5])}
+    for ref, rec in zip(refs, [*twins, pretok], strict=True):
+        tf = tensorfile.read(c.final_path(out, ref.key))
+        e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
+        assert np.array_equal(tf.tensors[c.T_AUX].array, srcs.bits(e.aux))
+        want = chat.encode(validate_record(rec)).loss_mask
+        assert tf.tensors[c.T_LOSS_MASK].array.tolist() == list(want), ref.key
+        assert tf.metadata["content_sha256"] == ref.sha256
+    # And again: all done
+    again = adopt_here(src, path, out)
+    assert "adopted: 0\n" in again.stdout and "already done: 8\n" in again.stdout, again.stdout
