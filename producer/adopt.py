@@ -8,8 +8,9 @@
 3. Each matched file is written as this run's own final file under the sample's lease (the
    one a task holds: a worker and ``adopt`` never write one sample at once): the store's
    durable write, read back from the device and every checksum compared, then marked done in
-   the run's index. The ids and states are the source's, bit for bit (bf16 sources); the loss
-   mask is this run's. Each file's metadata names its source; the run's manifest lists the
+   the run's index. The ids and states are the source's, bit for bit (bf16 sources; in an fp8
+   run quantized by the hook's own ``sglang_patch.fp8.quantize``); the loss mask is this
+   run's. Each file's metadata names its source; the run's manifest lists the
    adoption with the check's numbers.
 
 Only step 3 holds the run's enqueue lock, so two ``adopt`` (or ``adopt`` and ``enqueue``)
