@@ -93,16 +93,18 @@ def check_shapes(s: SourceSample, fp: c.Fingerprint) -> None:
 
 def done_state(store: st.OutputStore, ref: SampleRef) -> str | None:
     """"done" when the run's file of this sample holds this record; a reason when it holds
-    another's; None when there is none (or a damaged one, which adopting replaces)."""
+    another's; None when there is none (or a damaged one, or one not in the run's dtypes and
+    shapes: adopting replaces it)."""
     try:
-        meta = tensorfile.header_metadata(store.final_path(ref.key))
+        head = tensorfile.read_header(store.final_path(ref.key))
     except (FileNotFoundError, Corrupt, OSError):
         return None
+    meta = head.metadata
     if meta.get(st.M_FINGERPRINT) != store.fingerprint.id:
         return f"the run's file {ref.key} holds a file of another run"
     if meta.get(st.M_CONTENT) != ref.sha256:
         return f"the run's file {ref.key} holds another record"
-    return "done"
+    return None if store.header_problems(head) else "done"
 
 
 def scan(files: Iterable[Path], fmt: str, keys: dict[str, tuple[str, ...]] | None,

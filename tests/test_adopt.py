@@ -339,6 +339,19 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
                 assert tf.tensors[name].dtype == "F8_E4M3"
                 assert np.array_equal(tf.tensors[name].array, q.numpy())
                 assert np.array_equal(tf.tensors[scale].array, s.numpy())
+        # And a bf16 file at a final path with the run's fingerprint id and its record's hash
+        # (as a writer of the wrong dtype leaves one) is not done: adopted again
+        p = next(iter(files.values()))
+        tf = tensorfile.read(p)
+        e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
+        tensorfile.write(p, {c.T_INPUT_IDS: tf.tensors[c.T_INPUT_IDS],
+                             c.T_LOSS_MASK: tf.tensors[c.T_LOSS_MASK],
+                             c.T_HIDDEN: tensorfile.Tensor("BF16", srcs.bits(e.hidden)),
+                             c.T_AUX: tensorfile.Tensor("BF16", srcs.bits(e.aux))}, tf.metadata)
+        again = adopt(farm, src, data[0], out)
+        assert "adopted: 1\n" in again.stdout, again.stdout + again.stderr
+        assert f"already done: {N_SOURCE - 1}\n" in again.stdout, again.stdout
+        assert tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3"
         # And enqueue, workers and audit take them as the run's own
         enq = farm.cli("enqueue", str(data[0]), "--no-progress")
         assert count_line(enq.stdout, "already done") == N_SOURCE, enq.stdout + enq.stderr
