@@ -14,13 +14,17 @@
 3. Each matched file is written as this run's own final file under the sample's lease (the
    one a task holds: a worker and ``adopt`` never write one sample at once): the store's
    durable write, read back from the device and every checksum compared, then marked done in
-   the run's index. The ids and states are the source's, bit for bit (bf16 sources); the loss
-   mask is this run's. Each file's metadata names its source; the run's manifest lists the
+   the run's index. The ids and states are the source's, bit for bit (bf16 sources; in an fp8
+   run quantized by the hook's own ``sglang_patch.fp8.quantize``); the loss mask is this
+   run's. Each file's metadata names its source; the run's manifest lists the
    adoption with the check's numbers.
 
-The whole command holds the run's enqueue lock, so two ``adopt`` (or ``adopt`` and
-``enqueue``) never interleave. Killed at any point, it leaves whole files or temp files that
-the store removes; run again, it finds the adopted ones done and adopts the rest.
+Only step 3 holds the run's enqueue lock, so two ``adopt`` (or ``adopt`` and ``enqueue``)
+never interleave their writes, while a slow source or server in steps 1-2 stalls neither
+``enqueue`` nor the reconciler's healing; step 3 reads each sample's state again under its
+lease. Only regular files of SOURCE are read (``adopt_formats.readable_entry``). Killed at any
+point, it leaves whole files or temp files that the store removes; run again, it finds the
+adopted ones done and adopts the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,7 +58,7 @@ from worker import lease as leases
 from worker import store as st
 from worker.canary_check import Outcome
 from worker.chat import ChatTokenizer
-from worker.errors import BadInput, Corrupt, OutputUnavailable, SourceFileRefused, StaleRecord
+from worker.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
 from worker.index import RunIndex
 from worker.samples import SampleRef, read_sample
 from worker.settings import Settings
@@ -64,6 +69,7 @@ M_ADOPTED_DTYPE, M_ADOPTED_CHECK = "adopted_source_dtype", "adopted_check"
 MANIFEST_ADOPTIONS = "adoptions"
 # a Hugging Face fast tokenizer is not safe to call from two threads at once (--jobs)
 _ENCODE = threading.Lock()
+QUANTIZE_ROWS = 1024  # tokens quantized at once (fp8 runs): bounds the float32 temporaries
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,9 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
         ServerUnavailable, Transient: the check could not reach the server.
     """
     s = run.settings
+    why = fp8_problem(s)
+    if why:
+        raise ConfigError(why)
     fmt = detect(source) if fmt == "auto" else fmt
     served = served_check(s, run.fingerprint, run.model_path)  # before a source is read
     store = st.OutputStore(s.output_dir, run.fingerprint)
@@ -175,30 +184,31 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     run_id = store.run_id or c.NO_RUN
     r = broker.client(s)
     report = Report(dry_run=dry_run, served=served)
+    with _bar(progress, "tokenize", None) as bar:
+        records = am.tokenize_records(data, run.chat, s.max_record_bytes, bar.update)
+    files = list_files(source, fmt)
+    report.files, report.records = len(files), records.count
+    with _bar(progress, "match", len(files)) as bar:
+        found = am.scan(files, fmt, keys, records, store, source, bar.update)
+    report.refused, report.done = list(found.refused), len(found.done)
+    report.unmatched = found.unmatched
+    if fmt == "hsfarm":
+        report.headers_checked = _screen_headers(run, store, found, source, report)
+    if not found.matched:
+        return report
+    report.canary = canary_outcome(s, store, run.model_path, run.chat)
+    if report.canary is not None and not report.canary.passed:
+        return report
+    report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
+    if not report.check.passed:
+        return report
+    report.rows = _check_rows(run, run_id, found, fmt, keys, source, progress)
+    _drop(found, source, report.rows.refused, report)
+    report.would_adopt = len(found.matched)
+    if dry_run:
+        return report
+    # only the writing holds the lock: each sample's state is read again under its lease
     with leases.held(r, _run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
-        with _bar(progress, "tokenize", None) as bar:
-            records = am.tokenize_records(data, run.chat, s.max_record_bytes, bar.update)
-        files = list_files(source, fmt)
-        report.files, report.records = len(files), records.count
-        with _bar(progress, "match", len(files)) as bar:
-            found = am.scan(files, fmt, keys, records, store, source, bar.update)
-        report.refused, report.done = list(found.refused), len(found.done)
-        report.unmatched = found.unmatched
-        if fmt == "hsfarm":
-            report.headers_checked = _screen_headers(run, store, found, source, report)
-        if not found.matched:
-            return report
-        report.canary = canary_outcome(s, store, run.model_path, run.chat)
-        if report.canary is not None and not report.canary.passed:
-            return report
-        report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
-        if not report.check.passed:
-            return report
-        report.rows = _check_rows(run, run_id, found, fmt, keys, source, progress)
-        _drop(found, source, report.rows.refused, report)
-        report.would_adopt = len(found.matched)
-        if dry_run:
-            return report
         _adopt_all(run, store, RunIndex(r, run_id), found, fmt, keys, source, report, jobs,
                    progress)
         _record(store.out_dir, source, fmt, data, report)
@@ -360,9 +370,13 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
         s.verify()
     nonfinite = {c.T_HIDDEN: 0, c.T_AUX: 0}
     parts = {c.T_INPUT_IDS: st.Part.from_array("I64", s.input_ids),
-             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask),
-             c.T_HIDDEN: _part(s.hidden, nonfinite, c.T_HIDDEN),
-             c.T_AUX: _part(s.aux, nonfinite, c.T_AUX)}
+             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask)}
+    if store.fingerprint.dtype == c.DTYPE_FP8:
+        parts |= _quantized(s.hidden, 1, c.T_HIDDEN, c.T_HIDDEN_SCALE)
+        parts |= _quantized(s.aux, c.AUX_LAYERS, c.T_AUX, c.T_AUX_SCALE)
+    else:
+        parts |= {c.T_HIDDEN: _part(s.hidden, nonfinite, c.T_HIDDEN),
+                  c.T_AUX: _part(s.aux, nonfinite, c.T_AUX)}
 
     def verdict() -> None:  # every byte was checked as it was copied (in cache)
         bad = [f"{n} has {k} NaN/Inf values" for n, k in nonfinite.items() if k]
@@ -373,13 +387,10 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
             M_ADOPTED_DTYPE: s.dtype}
     if before_write is not None:
         before_write()  # lost the lease (stalled past its TTL): write nothing
-    store.write(key, parts, meta, validate=verdict)
     try:
-        return store.verify(key, content_sha256)
+        return store.write_verified(key, parts, meta, validate=verdict)
     except Corrupt as e:
-        raise SourceFileRefused(f"written, but it does not read back whole: {e}") from e
-    except OSError as e:  # the disk fails to read back what it just took: the disk's fault
-        raise OutputUnavailable(f"reading back {store.final_path(key)}: {e}") from e
+        raise SourceFileRefused(f"not adopted (nothing left at its final path): {e}") from e
 
 
 def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
@@ -393,6 +404,45 @@ def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
             nonfinite[name] += tensorfile.bf16_nonfinite(values)
 
     return st.Part("BF16", tuple(arr.shape), data=arr.data.cast("B"), check=check)
+
+
+def _quantized(bits: np.ndarray, layers: int, name: str, scale_name: str
+               ) -> dict[str, st.Part]:
+    """bf16 states (bits) quantized by the hook's own code (``sglang_patch.fp8.quantize``),
+    ``QUANTIZE_ROWS`` tokens at a time as the hook quantizes a chunk of a prefill, so an
+    adopted file holds what a worker writes from the same states.
+
+    Raises:
+        SourceFileRefused: the states hold NaN/Inf (refused before quantizing, as in bf16).
+    """
+    import torch
+
+    from sglang_patch import fp8
+
+    values = np.ascontiguousarray(bits).view("<u2")
+    if tensorfile.bf16_any_nonfinite(values):
+        raise SourceFileRefused(f"{name} has {tensorfile.bf16_nonfinite(values)} NaN/Inf values")
+    with warnings.catch_warnings():  # a read-only mapping: quantize never writes its input
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    pieces = [fp8.quantize(x[i:i + QUANTIZE_ROWS], layers)
+              for i in range(0, max(len(x), 1), QUANTIZE_ROWS)]
+    q = np.ascontiguousarray(torch.cat([p[0] for p in pieces]).numpy())
+    scale = np.ascontiguousarray(torch.cat([p[1] for p in pieces]).numpy(), dtype="<f4")
+    return {name: st.Part("F8_E4M3", tuple(q.shape), data=q.data.cast("B")),
+            scale_name: st.Part("F32", tuple(scale.shape), data=scale.data.cast("B"))}
+
+
+def fp8_problem(settings: Settings) -> str | None:
+    """Why states cannot be quantized for this run here, or None (a bf16 run; torch there)."""
+    if settings.hidden_dtype != c.DTYPE_FP8:
+        return None
+    try:
+        from sglang_patch import fp8  # noqa: F401  (torch, as the hook quantizes)
+    except ImportError as e:
+        return (f"this run stores {c.DTYPE_FP8} (FARM_STORE_DTYPE); adopt quantizes with the "
+                f"hook's code, which needs torch ({e}): pip install 'hsfarm[training]'")
+    return None
 
 
 def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -> None:

@@ -1,6 +1,11 @@
 """Readers of the files ``adopt`` takes: another hsfarm output dir, SpecForge's offline
 ``data_<i>.ckpt`` files, and plain torch ``.pt`` dicts with key names given by the user.
 
+Only regular files are read: an entry of SOURCE is looked at with ``lstat`` first (a FIFO,
+socket, device or directory is never opened; a link is followed only to a file inside
+SOURCE), then opened with ``O_NONBLOCK | O_NOFOLLOW`` and checked again on the open
+descriptor (``fstat``), so nothing swapped in between blocks or leads the reader out.
+
 Every reader is lazy and safe: a safetensors file is memory-mapped after its header is
 checked; a torch file is loaded with ``torch.load(weights_only=True)`` (memory-mapped when
 it is a zip archive, as ``torch.save`` writes since 1.6), so a pickle that would run code or
@@ -15,7 +20,11 @@ rounded to bf16 (to nearest even, as torch does) and say so.
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import pickle
+import stat
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +85,59 @@ def list_files(source: Path, fmt: str) -> list[Path]:
     return sorted(p for p in source.rglob("*") if p.suffix in (".pt", ".pth", ".ckpt"))
 
 
+def readable_entry(path: Path, source: Path) -> Path:
+    """The path to read for the entry ``path`` of ``source``: itself when it is a regular file
+    inside SOURCE, the file a link leads to when that is one.
+
+    Raises:
+        SourceFileRefused: a link (or a directory link on the way) that leaves SOURCE, or an
+            entry that is not a regular file; never opened.
+    """
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        real, root = Path(os.path.realpath(path)), Path(os.path.realpath(source))
+    except OSError as e:
+        raise SourceFileRefused(f"unreadable: {e.strerror}") from e
+    if not real.is_relative_to(root):
+        how = "a symbolic link" if is_link else "reached through a symbolic link"
+        raise SourceFileRefused(f"{how} to {real}, outside SOURCE: not read")
+    target = source / real.relative_to(root)
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError as e:
+        raise SourceFileRefused(f"unreadable: {e.strerror}") from e
+    if not stat.S_ISREG(mode):
+        raise SourceFileRefused(f"not a regular file ({_kind(mode)}): not read")
+    return target
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def _open_regular(path: Path) -> io.FileIO:
+    """``path`` opened for reading only if it is a regular file: never through a link in its
+    last component, never blocking (a FIFO swapped in after ``readable_entry``).
+
+    Raises:
+        SourceFileRefused: a link, not a regular file, or it cannot be opened.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SourceFileRefused("a symbolic link: not followed") from e
+        raise SourceFileRefused(f"unreadable: {e.strerror}") from e
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SourceFileRefused(f"not a regular file ({_kind(mode)}): not read")
+    return io.FileIO(fd, "rb", closefd=True)
+
+
 def parse_keys(specs: list[str]) -> dict[str, tuple[str, ...]]:
     """``["aux_hidden_state=a0,a1,a2", ...]`` → roles to key names (defaults for the rest).
 
@@ -106,18 +168,19 @@ def open_sample(path: Path, fmt: str, keys: dict[str, tuple[str, ...]] | None = 
 # --- hsfarm: safetensors final files ---------------------------------------------------------
 
 def _open_safetensors(path: Path) -> SourceSample:
-    try:
-        header = tensorfile.read_header(path)
-    except (Corrupt, OSError) as e:
-        raise SourceFileRefused(f"unreadable: {e}") from e
-    t = header.tensors
-    missing = [n for n in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX) if n not in t]
-    if missing:
-        raise SourceFileRefused(f"no tensor(s) {missing} (has {sorted(t)})")
-    for name in (c.T_HIDDEN, c.T_AUX):
-        if t[name].dtype != "BF16":
-            raise SourceFileRefused(f"{name} is {t[name].dtype}, expected BF16")
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with _open_regular(path) as f:
+        try:
+            header = tensorfile.read_header_fd(f.fileno(), path.name)
+        except (Corrupt, OSError) as e:
+            raise SourceFileRefused(f"unreadable: {e}") from e
+        t = header.tensors
+        missing = [n for n in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX) if n not in t]
+        if missing:
+            raise SourceFileRefused(f"no tensor(s) {missing} (has {sorted(t)})")
+        for name in (c.T_HIDDEN, c.T_AUX):
+            if t[name].dtype != "BF16":
+                raise SourceFileRefused(f"{name} is {t[name].dtype}, expected BF16")
+        mm = np.memmap(f, dtype=np.uint8, mode="r")  # the mapping outlives the descriptor
 
     def take(name: str) -> np.ndarray:
         e = t[name]
@@ -154,14 +217,22 @@ def _torch() -> Any:
 
 def _load_torch(path: Path) -> dict[str, Any]:
     torch = _torch()
+    with _open_regular(path) as f:
+        return _load_torch_from(torch, f)
+
+
+def _load_torch_from(torch: Any, f: io.FileIO) -> dict[str, Any]:
     try:
-        mmap = zipfile.is_zipfile(path)
-        size = path.stat().st_size
+        mmap = zipfile.is_zipfile(f)
+        size = os.fstat(f.fileno()).st_size
         if not mmap and size > MAX_UNMAPPED_BYTES:
             raise SourceFileRefused(
                 f"a legacy (non-zip) torch file of {size / 1e9:.1f} GB would be read whole into "
                 "memory; save it again with a torch.save of torch >= 1.6 (zip)")
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        f.seek(0)
+        # a mapping needs a path: the open descriptor's own, never the name again
+        obj = torch.load(f"/proc/self/fd/{f.fileno()}" if mmap else f, map_location="cpu",
+                         weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise SourceFileRefused(
             f"refused unloaded: torch's safe loader (weights_only) will not unpickle it: "

@@ -3,6 +3,8 @@
 Every valid record of DATA is tokenized by this run (its chat template, ``FARM_MAX_TOKENS``,
 its overlong policy, the server's limit) and kept as a 128-bit digest of its ids. A source
 file belongs to the record whose ids are exactly its own; its name is never read for that.
+Records that tokenize to the same ids (a corpus's duplicates) have the same states: the file
+belongs to each of them, written once per sample key with that record's own loss mask.
 Memory: one digest and one small reference per record; one source file open at a time.
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from producer.adopt_formats import SourceSample, open_sample
+from producer.adopt_formats import SourceSample, open_sample, readable_entry
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
 from worker import store as st
@@ -33,10 +35,9 @@ def ids_digest(ids: np.ndarray | list[int]) -> bytes:
 
 @dataclass
 class Records:
-    """DATA's records by the digest of their tokenization; ``ambiguous``: ids shared by two."""
+    """DATA's records by the digest of their tokenization (all records with those ids)."""
 
-    by_ids: dict[bytes, SampleRef] = field(default_factory=dict)
-    ambiguous: set[bytes] = field(default_factory=set)
+    by_ids: dict[bytes, list[SampleRef]] = field(default_factory=dict)
     count: int = 0
     invalid: int = 0
 
@@ -56,9 +57,7 @@ def tokenize_records(data: Path, chat: ChatTokenizer, max_record_bytes: int,
         except (BadInput, StaleRecord):
             out.invalid += 1
             continue
-        if digest in out.by_ids:
-            out.ambiguous.add(digest)
-        out.by_ids[digest] = ref
+        out.by_ids.setdefault(digest, []).append(ref)
     out.invalid += len(rejected)
     return out
 
@@ -94,50 +93,60 @@ def check_shapes(s: SourceSample, fp: c.Fingerprint) -> None:
 
 def done_state(store: st.OutputStore, ref: SampleRef) -> str | None:
     """"done" when the run's file of this sample holds this record; a reason when it holds
-    another's; None when there is none (or a damaged one, which adopting replaces)."""
+    another's; None when there is none (or a damaged one, or one not in the run's dtypes and
+    shapes: adopting replaces it)."""
     try:
-        meta = tensorfile.header_metadata(store.final_path(ref.key))
+        head = tensorfile.read_header(store.final_path(ref.key))
     except (FileNotFoundError, Corrupt, OSError):
         return None
+    meta = head.metadata
     if meta.get(st.M_FINGERPRINT) != store.fingerprint.id:
         return f"the run's file {ref.key} holds a file of another run"
     if meta.get(st.M_CONTENT) != ref.sha256:
         return f"the run's file {ref.key} holds another record"
-    return "done"
+    return None if store.header_problems(head) else "done"
 
 
 def scan(files: Iterable[Path], fmt: str, keys: dict[str, tuple[str, ...]] | None,
          records: Records, store: st.OutputStore, source: Path,
          tick: Callable[[], None] | None = None) -> Scan:
-    """Open each file (ids and shapes only: the states are not read), match it, sort it."""
+    """Open each regular file (ids and shapes only: the states are not read), match it, sort
+    it. Entries that are not regular files, or links leaving ``source``, are refused unread."""
     out = Scan()
     for path in files:
         name = str(path.relative_to(source))
         if tick is not None:
             tick()
         try:
+            path = readable_entry(path, source)
             s = open_sample(path, fmt, keys)
             check_shapes(s, store.fingerprint)
             digest = ids_digest(s.input_ids)
         except SourceFileRefused as e:
             out.refused.append((name, str(e)))
             continue
-        ref = records.by_ids.get(digest)
-        if ref is None:
+        refs = records.by_ids.get(digest, [])
+        taken = [r.key for r in refs if r.key in out.matched]
+        if not refs:
             out.unmatched += 1
             out.refused.append((name, f"its {len(s.input_ids)} input_ids match no record of "
                                       "the data file as this run tokenizes it"))
-        elif digest in records.ambiguous:
-            out.refused.append((name, "its input_ids match two records of the data file"))
-        elif ref.key in out.matched:
-            out.refused.append((name, f"same record as {out.matched[ref.key][0].name} "
-                                      f"(sample {ref.key})"))
+        elif taken:
+            out.refused.append((name, f"same record as {out.matched[taken[0]][0].name} "
+                                      f"(sample {taken[0]})"))
         else:
-            state = done_state(store, ref)
-            if state == "done":
-                out.done.append((name, ref.key))
-            elif state is not None:
-                out.refused.append((name, state))
-            else:
-                out.matched[ref.key] = (path, ref, len(s.input_ids))
+            for ref in refs:  # records with the same ids: each gets the file
+                _sort(out, store, name, path, ref, len(s.input_ids))
     return out
+
+
+def _sort(out: Scan, store: st.OutputStore, name: str, path: Path, ref: SampleRef,
+          tokens: int) -> None:
+    """Note ``path`` as done, refused or to adopt for the sample of ``ref``."""
+    state = done_state(store, ref)
+    if state == "done":
+        out.done.append((name, ref.key))
+    elif state is not None:
+        out.refused.append((name, state))
+    else:
+        out.matched[ref.key] = (path, ref, tokens)

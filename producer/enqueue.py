@@ -8,7 +8,8 @@ wait for its lock). Two passes over the file:
    record, or whose final file holds another file's record, refuses the whole file before
    anything is published (keys must be unique within a run);
 2. **publish**: each sample is registered in the run index and published, unless its final
-   file already verifies by its header (then the index learns it is done: this is how the
+   file already verifies by its header (this run's fingerprint id, dtypes and shapes, this
+   record's hash; then the index learns it is done: this is how the
    index is rebuilt after Redis lost it), its task is already queued, unacknowledged or
    leased by a running attempt, or the run already rejected this content or gave up on it
    (a rejection for an answer of the server or a gateway, not for the content, is retried).
@@ -241,7 +242,7 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
             held = hosts.holders(index.r, index.fp, [r.key for r in batch])
             for ref, reg, is_known, head, by in zip(batch, regs, known, heads, held,
                                                     strict=True):
-                _check_one(plan, ref, reg, head, store.fingerprint.id, is_known)
+                _check_one(plan, ref, reg, head, store, is_known)
                 if (_digest(ref.key) not in plan.done and by is not None and by[0] != host
                         and by[1] == ref.sha256):
                     plan.done.add(_digest(ref.key))
@@ -253,9 +254,10 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
 
 
 def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
-               head: tensorfile.Header | None, fingerprint_id: str, known_done: bool) -> None:
+               head: tensorfile.Header | None, store: st.OutputStore, known_done: bool) -> None:
     digest = _digest(ref.key)
     plan.keys_seen.add(digest)
+    fingerprint_id = store.fingerprint.id
     theirs = _conflict(ref, plan.fid, reg, head, fingerprint_id, plan.own_paths)
     if theirs:
         plan.n_conflicts += 1
@@ -266,6 +268,8 @@ def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
     elif head is None or head.metadata.get(st.M_FINGERPRINT) != fingerprint_id:
         return
     elif head.metadata.get(st.M_CONTENT) == ref.sha256:
+        if store.header_problems(head):  # not this run's dtypes or shapes: extracted again
+            return
         plan.done.add(digest)
         plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
         plan.relearn_sha[ref.key] = ref.sha256

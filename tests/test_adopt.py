@@ -41,6 +41,7 @@ from worker.run import run_id_of
 from worker.settings import Settings
 
 N_DATA, N_SOURCE = 8, 6
+N_COPIES = 300  # copies of one source file: a scan that takes a while
 FP = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
                    layers_to_capture=(2, 4, 5), layer_convention="x", hidden_size=64,
                    dtype="bfloat16", max_tokens=8192, overlong="reject")
@@ -307,3 +308,148 @@ def test_sigkill_mid_adopt_then_two_at_once(
     assert min(adopted) == 0  # the lock: one of them did it all, the other found it done
     assert_bit_equal(out, extracted[:N_SOURCE])
     assert not [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+
+
+def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
+        data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
+        tmp_path: Path) -> None:
+    from sglang_patch import fp8 as hook_fp8
+    from tests.faults import count_line, running_farm
+
+    env = {"FARM_STORE_DTYPE": "fp8_e4m3"}
+    with running_farm(tmp_path, server_args=["--dump-dtype", "fp8_e4m3"], env=env) as farm:
+        # Given bf16 files of another tool and an fp8 run
+        src, out = tmp_path / "sf", farm.output_dir
+        srcs.write_specforge(src, extracted[:N_SOURCE])
+        # When they are adopted
+        res = adopt(farm, src, data[0], out)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"adopted: {N_SOURCE}\n" in res.stdout, res.stdout
+        # Then each file holds the hook's quantization of the source's states, byte for byte
+        by_ids = {tuple(e.ids): e for e in extracted[:N_SOURCE]}
+        files = finals(out)
+        assert len(files) == N_SOURCE
+        for p in files.values():
+            tf = tensorfile.read(p)
+            e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
+            for name, scale, states, layers in (
+                    (c.T_HIDDEN, c.T_HIDDEN_SCALE, e.hidden, 1),
+                    (c.T_AUX, c.T_AUX_SCALE, e.aux, c.AUX_LAYERS)):
+                q, s = hook_fp8.quantize(states, layers)
+                assert tf.tensors[name].dtype == "F8_E4M3"
+                assert np.array_equal(tf.tensors[name].array, q.numpy())
+                assert np.array_equal(tf.tensors[scale].array, s.numpy())
+        # And a bf16 file at a final path with the run's fingerprint id and its record's hash
+        # (as a writer of the wrong dtype leaves one) is not done: adopted again
+        p = next(iter(files.values()))
+        tf = tensorfile.read(p)
+        e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
+        tensorfile.write(p, {c.T_INPUT_IDS: tf.tensors[c.T_INPUT_IDS],
+                             c.T_LOSS_MASK: tf.tensors[c.T_LOSS_MASK],
+                             c.T_HIDDEN: tensorfile.Tensor("BF16", srcs.bits(e.hidden)),
+                             c.T_AUX: tensorfile.Tensor("BF16", srcs.bits(e.aux))}, tf.metadata)
+        again = adopt(farm, src, data[0], out)
+        assert "adopted: 1\n" in again.stdout, again.stdout + again.stderr
+        assert f"already done: {N_SOURCE - 1}\n" in again.stdout, again.stdout
+        assert tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3"
+        # And enqueue, workers and audit take them as the run's own
+        enq = farm.cli("enqueue", str(data[0]), "--no-progress")
+        assert count_line(enq.stdout, "already done") == N_SOURCE, enq.stdout + enq.stderr
+        assert count_line(enq.stdout, "published") == N_DATA - N_SOURCE, enq.stdout
+        farm.start_worker("w1", concurrency=2)
+        wait_finished(farm, N_DATA, timeout_s=180)
+        audited = farm.cli("audit")
+        assert audited.returncode == 0, audited.stdout + audited.stderr
+        assert f"whole: {N_DATA} " in audited.stdout, audited.stdout
+
+
+
+def test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan(
+        farm: LocalFarm, data: tuple[Path, list[dict[str, Any]]],
+        extracted: list[srcs.Extracted], tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+    import threading
+
+    # Given an hsfarm source with two good files and copies of one (a scan that takes a
+    # while), a FIFO named like a file, and a link to a file outside it
+    src, out = tmp_path / "hs", tmp_path / "out"
+    srcs.write_hsfarm(src, extracted[:2])
+    shard = src / "samples" / "00"
+    for i in range(N_COPIES):
+        shutil.copy(shard / "s0.safetensors", shard / f"z{i:03d}.safetensors")
+    srcs.write_hsfarm(tmp_path / "elsewhere", extracted[2:3])
+    os.mkfifo(shard / "fifo.safetensors")
+    (shard / "outside.safetensors").symlink_to(
+        tmp_path / "elsewhere" / "samples" / "00" / "s0.safetensors")
+    # When adopt runs, its server stopped (its check waits on it) once its scan began
+    server = farm.procs["server"]
+    argv = [sys.executable, "-m", "producer", "adopt", str(src), "--data", str(data[0]),
+            "--seed", "1"]
+    proc = subprocess.Popen(argv, env={**farm.env(), "FARM_OUTPUT_DIR": str(out)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    pipe = proc.stderr
+    assert pipe is not None
+    threading.Thread(target=lambda: err.extend(iter(lambda: pipe.read(1), "")),
+                     daemon=True).start()
+    try:
+        wait_until(lambda: "match:" in "".join(err), 60, "adopt to begin its scan")
+        server.kill(signal.SIGSTOP)
+        # Then its scan finishes (the FIFO is not opened for reading), and an enqueue of the
+        # run goes through while adopt checks (the lock is held only while it writes)
+        wait_until(lambda: "match: 100%" in "".join(err), 60, "adopt to finish its scan")
+        enq = farm.cli("enqueue", str(data[0]), "--no-progress", timeout_s=15,
+                       env={"FARM_OUTPUT_DIR": str(out), "FARM_MODEL_PATH": str(tiny_model)})
+        assert enq.returncode == 0, enq.stdout + enq.stderr
+        assert proc.poll() is None  # adopt still waits on the server
+        server.kill(signal.SIGCONT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        server.kill(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    # And the odd entries are refused by name, the rest adopted
+    assert proc.returncode == 1, stdout + "".join(err)
+    assert "adopted: 2\n" in stdout and f"refused: {N_COPIES + 2}\n" in stdout, stdout
+    assert re.search(r"^  samples/00/fifo.safetensors: not a regular file \(a FIFO\)", stdout,
+                     re.M), stdout
+    assert re.search(r"^  samples/00/outside.safetensors: a symbolic link to .*elsewhere.* "
+                     r"outside SOURCE", stdout, re.M), stdout
+
+
+def test_records_with_the_same_ids_each_get_the_file(
+        data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
+        chat: ChatTokenizer, tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
+    from worker.samples import validate_record
+
+    # Given the example corpus's identical records (4 of record 0, 2 of record 1), and a
+    # pre-tokenized record with record 5's ids and a mask of its own
+    every = json.loads(EXAMPLES.read_text())
+    twins = [every[i] for i in (0, 24, 144, 150, 1, 115, 5)]
+    assert all(t["messages"] == every[0]["messages"] for t in twins[1:4])
+    assert twins[5]["messages"] == every[1]["messages"]
+    ids5 = extracted[5].ids
+    pretok = {"id": "pretok-5", "input_ids": ids5, "loss_mask": [1] * len(ids5)}
+    assert pretok["loss_mask"] != extracted[5].mask
+    path = tmp_path / "twins.json"
+    path.write_text(json.dumps([*twins, pretok]))
+    src, out = tmp_path / "sf", tmp_path / "out"
+    srcs.write_specforge(src, [extracted[0], extracted[1], extracted[5]])
+    # When their files are adopted
+    res = adopt_here(src, path, out)
+    # Then each record has a final file of its own, with the states and its own loss mask
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "adopted: 8\n" in res.stdout and "refused: 0\n" in res.stdout, res.stdout
+    refs = list(sample_refs(path, 1 << 20, [], []))
+    assert len(refs) == 8
+    by_ids = {tuple(e.ids): e for e in (extracted[0], extracted[1], extracted[5])}
+    for ref, rec in zip(refs, [*twins, pretok], strict=True):
+        tf = tensorfile.read(c.final_path(out, ref.key))
+        e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
+        assert np.array_equal(tf.tensors[c.T_AUX].array, srcs.bits(e.aux))
+        want = chat.encode(validate_record(rec)).loss_mask
+        assert tf.tensors[c.T_LOSS_MASK].array.tolist() == list(want), ref.key
+        assert tf.metadata["content_sha256"] == ref.sha256
+    # And again: all done
+    again = adopt_here(src, path, out)
+    assert "adopted: 0\n" in again.stdout and "already done: 8\n" in again.stdout, again.stdout

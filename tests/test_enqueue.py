@@ -194,3 +194,55 @@ def test_index_is_rebuilt_from_disk_after_redis_lost_it(tmp_path: Path, tiny_mod
         for i in range(12):
             path = c.final_path(farm.output_dir, f"s-{i:04d}")
             assert r.zscore(done_key, f"s-{i:04d}") == pytest.approx(path.stat().st_mtime)
+
+
+def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_model: Path) -> None:
+    import numpy as np
+
+    from producer.enqueue import sample_refs
+    from worker import store as st
+    from worker import tensorfile
+
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
+                     extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model),
+                                "FARM_STORE_DTYPE": "fp8_e4m3"})
+    farm.start_redis()
+    try:
+        # Given an fp8 run whose Redis lost its data, and files at its final paths that carry
+        # the run's fingerprint id and their records' hashes: one in the run's layout, one of
+        # bf16 states, one with a row too few
+        data = write_jsonl(tmp_path / "data.jsonl", [_record(i) for i in range(4)])
+        assert farm.cli("enqueue", str(data), "--no-progress").returncode == 0
+        farm.redis().flushall()
+        manifest = json.loads((farm.output_dir / "manifest.json").read_text())
+        fid, h = manifest["fingerprint_id"], manifest["fingerprint"]["hidden_size"]
+        refs = list(sample_refs(data, 1 << 20, [], []))
+        n = 5
+
+        def write(ref: object, layout: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+            tensors = {k: tensorfile.Tensor(dt, np.zeros(shape, tensorfile.numpy_dtype(dt)))
+                       for k, (dt, shape) in layout.items()}
+            path = c.final_path(farm.output_dir, ref.key)  # type: ignore[attr-defined]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tensorfile.write(path, tensors, {st.M_KEY: ref.key, st.M_FINGERPRINT: fid,  # type: ignore[attr-defined]
+                                             st.M_CONTENT: ref.sha256})  # type: ignore[attr-defined]
+
+        ids = {c.T_INPUT_IDS: ("I64", (n,)), c.T_LOSS_MASK: ("I64", (n,))}
+        write(refs[0], {**ids, **c.hidden_layout(c.DTYPE_FP8, n, h)})
+        write(refs[1], {**ids, **c.hidden_layout(c.DTYPE_BF16, n, h)})
+        short = c.hidden_layout(c.DTYPE_FP8, n, h)
+        short[c.T_AUX] = (short[c.T_AUX][0], (n - 1, short[c.T_AUX][1][1]))
+        write(refs[2], {**ids, **short})
+        # When a worker's start registers the host's files, and enqueue relearns what is
+        # done, both from the files' headers
+        from worker import hosts
+
+        got = hosts.register(farm.redis(), farm.run_id(), "h1", farm.output_dir, fid,
+                             farm.settings())
+        res = farm.cli("enqueue", str(data), "--no-progress")
+        # Then only the file in the run's layout counts as done
+        assert (got.files, got.relearnt) == (1, 1), got
+        assert count_line(res.stdout, "already done") == 1, res.stdout + res.stderr
+        assert count_line(res.stdout, "published") == 3, res.stdout
+    finally:
+        farm.close(kill=True)

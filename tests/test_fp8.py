@@ -334,10 +334,12 @@ def test_corrupt_scales_are_caught_by_verify(tmp_path: Path) -> None:
     with pytest.raises(Corrupt, match="checksum of aux_hidden_state_scale"):
         store.verify("a", "h")
     # And a file whose scales are checksummed but not positive (written past the dump's check)
+    # is refused by the write's read-back: nothing reaches the final path
     for bad in (0.0, float("nan"), float("inf"), -1.0):
-        store.write("b", parts(bad), {M_CONTENT: "h"})
         with pytest.raises(Corrupt, match="aux_hidden_state_scale has 18 scales that are not "
                                           "finite and > 0"):
+            store.write("b", parts(bad), {M_CONTENT: "h"})
+        with pytest.raises(FileNotFoundError):
             store.verify("b", "h")
 
 

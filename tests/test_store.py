@@ -80,9 +80,40 @@ def test_truncated_file_is_caught(tmp_path: Path) -> None:
 
 def test_wrong_shapes_are_caught(tmp_path: Path) -> None:
     store = OutputStore(tmp_path, _fp(hidden_size=H + 1)).open()
-    store.write("k1", _tensors(), {M_CONTENT: "h1"})
     with pytest.raises(Corrupt, match="hidden_state shape"):
+        store.write("k1", _tensors(), {M_CONTENT: "h1"})
+    with pytest.raises(FileNotFoundError):  # refused before a byte was written
         store.verify("k1", "h1")
+    assert not [p for p in tmp_path.rglob("*") if c.is_temp_name(p.name)]
+
+
+def test_states_of_another_dtype_never_reach_a_final_path(tmp_path: Path) -> None:
+    # Given an fp8 run, and a writer that hands it bf16 states
+    store = OutputStore(tmp_path, _fp(dtype=c.DTYPE_FP8)).open()
+    # When it writes, Then nothing is written, and the refusal names the dtypes
+    with pytest.raises(Corrupt, match=r"hidden_state dtype BF16 \(this run stores F8_E4M3\)"):
+        store.write("k1", _tensors(), {M_CONTENT: "h1"})
+    assert not [p for p in tmp_path.rglob("*.safetensors*")]
+
+
+def test_a_file_that_does_not_read_back_whole_never_takes_its_final_path(
+        tmp_path: Path) -> None:
+    # Given a write whose bytes change on the device after they were checksummed
+    store = OutputStore(tmp_path, _fp()).open()
+    shard = store.final_path("x").parent
+
+    def flip() -> None:
+        [tmp] = shard.glob(f".x.safetensors{c.TMP_MARK}*")
+        with open(tmp, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([b[0] ^ 1]))
+
+    # When it is written, Then the read-back refuses it before the rename: no file is left
+    with pytest.raises(Corrupt, match=r"checksum of (aux_)?hidden_state"):
+        store.write("x", _tensors(), {M_CONTENT: "h"}, validate=flip)
+    assert not list(shard.iterdir())
 
 
 def test_output_dir_of_another_run_is_refused(tmp_path: Path) -> None:
@@ -296,7 +327,8 @@ def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str) 
         store = OutputStore(out, _fp(hidden_size=4096)).open()
         aux = (Part.from_array("BF16", big) if source == "memory" else
                Part("BF16", big.shape, source=f, offset=0))
-        parts = {**_tensors(128), c.T_AUX: aux}
+        parts = {**_tensors(128), c.T_HIDDEN: Part.from_array("BF16", big[:, :4096]),
+                 c.T_AUX: aux}
         # When the write runs out of space
         with pytest.raises(NoSpace, match="No space left"):
             store.write("k", parts, {M_CONTENT: "h"})

@@ -20,7 +20,7 @@ from sglang_patch import contracts as c
 from worker import store as st
 from worker import tensorfile, time_limits
 from worker.dumps import discard_dumps, open_dump, wait_for_dump
-from worker.errors import Corrupt, KeyTaken, OutputUnavailable, Transient
+from worker.errors import Corrupt, KeyTaken, Transient
 from worker.hosts import holders
 from worker.lease import Lease
 from worker.runtime import Runtime
@@ -148,9 +148,9 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
 
     ``meta`` is completed with the content hash and the dump's patch and server versions.
     ``before_write`` runs once the dump's layout, ids and metadata passed, just before the
-    final file is written (the lease check). A file that fails verification is left for the
-    next attempt to replace atomically. Raises Corrupt, NoSpace, OutputUnavailable or
-    Transient.
+    final file is written (the lease check). The file is read back before its rename: one that
+    fails verification never takes the final path. Raises Corrupt, NoSpace, OutputUnavailable
+    or Transient.
     """
     with open_dump(dump, input_ids, store.fingerprint) as d:
         parts = {
@@ -163,13 +163,7 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
                 c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
         if before_write is not None:
             before_write()
-        store.write(key, parts, meta, validate=d.verdict)
-    try:
-        return store.verify(key, content_sha256)
-    except FileNotFoundError:
-        raise  # removed under us: a counted attempt
-    except OSError as e:  # the disk fails to read back what it just took: the disk's fault
-        raise OutputUnavailable(f"reading back {store.final_path(key)}: {e}") from e
+        return store.write_verified(key, parts, meta, validate=d.verdict)
 
 
 async def _request(rt: Runtime, rid: str, ids: list[int], dp_rank: int | None,

@@ -80,9 +80,10 @@ def _final_files(out_dir: Path) -> Iterator[Path]:
                 yield Path(entry.path)
 
 
-def _held(path: Path, fingerprint_id: str) -> Held | None:
+def _held(path: Path, fingerprint_id: str, fp: c.Fingerprint | None) -> Held | None:
     """The file's registration from its header (not its data); None for a file of another
-    run or one that does not parse (``audit`` names those)."""
+    run, one not in the run's layout (``fp``'s dtypes and shapes, when the manifest names
+    them) or one that does not parse (``audit`` names those)."""
     try:
         head = tensorfile.read_header(path)
         mtime = path.stat().st_mtime
@@ -90,6 +91,8 @@ def _held(path: Path, fingerprint_id: str) -> Held | None:
         return None
     meta = head.metadata
     if meta.get(st.M_FINGERPRINT) != fingerprint_id or not meta.get(st.M_KEY):
+        return None
+    if fp is not None and st.shape_problems(fp, head):
         return None
     tokens = head.shapes.get(c.T_INPUT_IDS, (0,))[0]
     return Held(meta[st.M_KEY], meta.get(st.M_CONTENT, ""), head.size_bytes, tokens, mtime,
@@ -99,11 +102,22 @@ def _held(path: Path, fingerprint_id: str) -> Held | None:
 def scan(out_dir: Path, fingerprint_id: str) -> Iterator[Held]:
     """Every final file of the run in ``out_dir``: headers read in parallel (a cold disk
     waits on I/O), never tensor data: ~37k files take seconds."""
+    fp = _run_fingerprint(out_dir, fingerprint_id)
     with ThreadPoolExecutor(max_workers=HEADER_THREADS) as pool:
-        for held in pool.map(lambda p: _held(p, fingerprint_id), _final_files(out_dir),
+        for held in pool.map(lambda p: _held(p, fingerprint_id, fp), _final_files(out_dir),
                              chunksize=64):
             if held is not None:
                 yield held
+
+
+def _run_fingerprint(out_dir: Path, fingerprint_id: str) -> c.Fingerprint | None:
+    """The fingerprint the output dir's manifest records, when it is run ``fingerprint_id``'s."""
+    try:
+        fp = c.Fingerprint.from_json(json.loads((out_dir / st.MANIFEST).read_text())
+                                     ["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return fp if fp.id == fingerprint_id else None
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """The output directory: manifest, durable final files, verification from disk, cleanup.
 
 Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors``.
-Every write is temp file → fsync → rename → fsync(dir); "verified" means read back from the
-device (the file's pages dropped from the page cache first) and every per-tensor checksum
-compared.
+Every write is temp file → fsync → read back → rename → fsync(dir); "verified" means read
+back from the device (the file's pages dropped from the page cache first), the layout the
+run's and every per-tensor checksum compared. A write is verified before its rename, so a file
+that does not read back whole never takes a final path.
 
 The data path streams (``finalfile``): a final file is written from its parts in one pass,
 checksummed on the way, and read back in bounded chunks. No step holds a whole tensor in
@@ -240,7 +241,14 @@ class OutputStore:
 
     def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
               validate: Callable[[], None] | None = None) -> Path:
-        """Write a final file durably and atomically, its pages dropped from the cache.
+        """``write_verified``'s final path (the file was read back and checked before it)."""
+        return self.write_verified(key, parts, metadata, validate).path
+
+    def write_verified(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
+                       validate: Callable[[], None] | None = None) -> Verified:
+        """Write a final file durably and atomically, its pages dropped from the cache, and
+        read it back from the device (``verify``'s checks) before its rename: a file that is
+        not this run's layout, or does not read back whole, never reaches its final path.
 
         ``validate`` runs once every byte went through the parts' checks (``write_parts``).
 
@@ -251,11 +259,16 @@ class OutputStore:
         Raises:
             NoSpace: ENOSPC/EDQUOT, whichever call hit it.
             OutputUnavailable: any other I/O error (read-only, EIO, a stale NFS handle...).
-            Corrupt: from ``validate`` (nothing is left on disk then).
+            Corrupt: the parts are not this run's layout (nothing is written), or from
+                ``validate``, or the file does not read back whole (nothing is left then).
             LeaseLost: this write's temp file was removed before its rename: the sample's
                 lease is another attempt's now (it removed the file), so nothing is written.
         """
         final = self.final_path(key)
+        layout = {name: (p.dtype, p.shape) for name, p in parts.items()}
+        problems = self._layout_problems(layout, layout.get(c.T_INPUT_IDS, ("", (-1,)))[1])
+        if problems:
+            raise Corrupt(f"{final}: not this run's layout: " + "; ".join(problems))
         tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
@@ -264,6 +277,8 @@ class OutputStore:
             try:
                 self._write_tmp(tmp, parts, meta, validate)
                 try:
+                    v = self._read_back(tmp, key, metadata.get(M_CONTENT), final)
+                    _evict(tmp)  # what the read-back cached: RAM stays free
                     os.replace(tmp, final)
                 except FileNotFoundError as e:
                     if not final.parent.is_dir():
@@ -274,7 +289,7 @@ class OutputStore:
             finally:
                 with contextlib.suppress(OSError):  # gone, or the disk refuses: a dead
                     tmp.unlink()                    # writer's temp, removed later
-        return final
+        return Verified(final, v.tokens, v.size_bytes, v.file)
 
     def _write_tmp(self, tmp: Path, parts: dict[str, Part], meta: dict[str, str],
                    validate: Callable[[], None] | None) -> None:
@@ -296,7 +311,11 @@ class OutputStore:
             Corrupt: missing tensors, wrong dtypes/shapes, checksum or fingerprint mismatch.
             FileNotFoundError: there is no final file.
         """
-        path = self.final_path(key)
+        return self._read_back(self.final_path(key), key, content_sha256)
+
+    def _read_back(self, path: Path, key: str, content_sha256: str | None,
+                   shown: Path | None = None) -> Verified:
+        """``verify``'s checks of the file at ``path`` (named ``shown`` in a refusal)."""
         header, sums, small = read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK, *SCALES})
         meta = header.metadata
         problems = []
@@ -311,20 +330,20 @@ class OutputStore:
         problems += [f"{name} has {n} scales that are not finite and > 0" for name in SCALES
                      if name in small and (n := fp8.bad_scales(small[name].array))]
         if problems:
-            raise Corrupt(f"{path}: " + "; ".join(problems))
+            raise Corrupt(f"{shown or path}: " + "; ".join(problems))
         tf = tensorfile.TensorFile(small, meta, header.size_bytes)
         return Verified(path, int(header.tensors[c.T_INPUT_IDS].shape[0]), header.size_bytes, tf)
 
     def _shape_problems(self, header: tensorfile.Header) -> list[str]:
-        t = header.tensors
-        n = t[c.T_INPUT_IDS].shape[0] if c.T_INPUT_IDS in t and t[c.T_INPUT_IDS].shape else -1
-        want = final_layout(self.fingerprint, n, {k: e.shape for k, e in t.items()})
-        missing = set(want) - set(t)
-        if missing:
-            return [f"missing tensors {sorted(missing)}"]
-        out = [f"{k} dtype {t[k].dtype}" for k, (d, _) in want.items() if t[k].dtype != d]
-        return out + [f"{k} shape {t[k].shape} != {s}" for k, (_, s) in want.items()
-                      if t[k].shape != s]
+        return shape_problems(self.fingerprint, header)
+
+    def header_problems(self, header: tensorfile.Header) -> list[str]:
+        """How a final file's header differs from this run's (``header_problems``)."""
+        return header_problems(self.fingerprint, header)
+
+    def _layout_problems(self, t: dict[str, tuple[str, tuple[int, ...]]],
+                         ids_shape: tuple[int, ...]) -> list[str]:
+        return layout_problems(self.fingerprint, t, ids_shape)
 
     @staticmethod
     def _remove_other_temps(final: Path) -> None:
@@ -358,6 +377,43 @@ class OutputStore:
         if removed:
             log.info("removed %d stale temp files under %s", removed, self.out_dir)
         return removed
+
+
+def layout_problems(fp: c.Fingerprint, t: dict[str, tuple[str, tuple[int, ...]]],
+                    ids_shape: tuple[int, ...]) -> list[str]:
+    """How tensors ``{name: (dtype, shape)}`` differ from run ``fp``'s final-file layout (an
+    fp8 file of one scale per token per layer, written before the blocks, is checked as one)."""
+    want = final_layout(fp, ids_shape[0] if ids_shape else -1, {k: s for k, (_, s) in t.items()})
+    missing = set(want) - set(t)
+    out = [f"missing tensors {sorted(missing)}"] if missing else []
+    have = {k: v for k, v in want.items() if k in t}
+    out += [f"{k} dtype {t[k][0]} (this run stores {d})" for k, (d, _) in have.items()
+            if t[k][0] != d]
+    return out + [f"{k} shape {t[k][1]} != {s}" for k, (_, s) in have.items() if t[k][1] != s]
+
+
+def shape_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
+    """How a final file's tensors, dtypes and shapes differ from run ``fp``'s."""
+    t = header.tensors
+    ids = t[c.T_INPUT_IDS].shape if c.T_INPUT_IDS in t else ()
+    return layout_problems(fp, {k: (e.dtype, e.shape) for k, e in t.items()}, ids or (-1,))
+
+
+def header_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
+    """How a final file's header differs from run ``fp``'s: fingerprint id, tensors, dtypes
+    and shapes (the header alone: no tensor data is read; what relearning "done" checks)."""
+    fid = header.metadata.get(M_FINGERPRINT)
+    out = [] if fid == fp.id else [f"fingerprint {fid!r}"]
+    return out + shape_problems(fp, header)
+
+
+def _evict(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        diskio.drop_cache(fd)
+    finally:
+        os.close(fd)
 
 
 def _writer_dead(name: str) -> bool:
