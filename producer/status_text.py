@@ -75,8 +75,8 @@ def host_lines(per_host: list[dict[str, Any]]) -> list[str]:
         age = h["heartbeat_age_s"]
         seen = "never seen" if age is None else (
             f"heartbeat {duration(age)} ago" + ("" if h["alive"] else
-                                                ", stopped after the finish"
-                                                if h.get("state") == "stopped" else ", LOST"))
+                                                ", stopped" if h.get("state") == "stopped"
+                                                else ", LOST"))
         server = h["server"] if h["alive"] else f"unknown (last seen: {h['server']})"
         out.append(f"host {h['host']:<10} done {h['done']}, running {h['running']}, "
                    f"{h['rate_per_s']:.2f}/s; server {server}; {seen}; "

@@ -72,4 +72,15 @@ class HostBeat(bootsteps.StartStopStep):
             log.warning("host heartbeat: %s", e)
 
     def stop(self, worker: Any) -> None:
+        from worker import startup
+        from worker.app import settings
+        from worker.reaper import _client_for
+
         self.stopping.set()
+        ctx = startup.CONTEXT
+        if ctx is None:
+            return
+        try:  # a clean stop: the host shows as stopped, not lost, once no process of it beats
+            hosts.mark_stopped(_client_for(settings), ctx.store.run_id, hosts.host_id(settings))
+        except redis.RedisError as e:
+            log.warning("host heartbeat: cannot say this host stopped: %s", e)

@@ -247,6 +247,7 @@ def beat(r: redis.Redis, run_id: str, host: str, out_dir: Path, settings: Settin
     the entry was never registered (Redis lost it, or this is the first start): then the
     caller registers the host's files."""
     old = entry(r, run_id, host) or {}
+    old.pop("stopped_at", None)  # a process of the host beats: it runs (again)
     new = {**old, "machine": liveness.MACHINE, "output_dir": str(out_dir),
            "root_id": root_id(out_dir), "server_url": settings.server_url,
            "server": server_state(settings.server_url), "at": time.time()}
@@ -254,6 +255,14 @@ def beat(r: redis.Redis, run_id: str, host: str, out_dir: Path, settings: Settin
         new.update(registered_at=time.time(), files=registered_files)
     r.hset(_k(run_id, keys.HOSTS), host, json.dumps(new))
     return "registered_at" in new
+
+
+def mark_stopped(r: redis.Redis, run_id: str, host: str) -> None:
+    """A worker of ``host`` stopped cleanly: the host shows as stopped, not lost, until a
+    process of it beats again (another worker of the host, within one reaper interval)."""
+    old = entry(r, run_id, host)
+    if old is not None:
+        r.hset(_k(run_id, keys.HOSTS), host, json.dumps({**old, "stopped_at": time.time()}))
 
 
 def server_state(url: str, timeout_s: float = 2.0) -> str:
@@ -373,11 +382,12 @@ def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
     for name in sorted(set(entries) | set(held) | set(running)):
         e = entries.get(name, {})
         age = now - float(e["at"]) if "at" in e else None
-        alive = age is not None and age < heartbeat_ttl_s
+        stopped = "stopped_at" in e  # its workers stopped cleanly
+        alive = age is not None and age < heartbeat_ttl_s and not stopped
         at_finish = until is not None and "at" in e and until - float(e["at"]) < heartbeat_ttl_s
         out.append({"host": name, "output_dir": e.get("output_dir", "?"),
                     "alive": alive,
-                    "state": "alive" if alive else "stopped" if at_finish else "lost",
+                    "state": "alive" if alive else "stopped" if stopped or at_finish else "lost",
                     "heartbeat_age_s": age, "server": e.get("server", "unknown"),
                     "done": held.get(name, 0), "running": running.get(name, 0),
                     "rate_per_s": by_host.get(name, 0) / span_s if span_s else 0.0})

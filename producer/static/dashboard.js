@@ -117,7 +117,8 @@ function fill(snap) {
   state.className = `badge ${state.textContent}`;
   rows("failures", snap.failures, f => [[f.kind], [f.count], [f.reason, "reason"], [f.example]]);
   rows("workers", snap.workers, w => [[w.process], [w.kind], [w.detail, "reason"]]);
-  const beat = h => h.alive ? "" : h.state === "stopped" ? " (stopped after the finish)" : " (LOST)";
+  const beat = h => h.alive ? "" : h.state !== "stopped" ? " (LOST)" :
+    st.finished ? " (stopped after the finish)" : " (stopped)";
   rows("hosts", st.hosts, h => [[h.host], [h.done], [h.running], [h.rate_per_s.toFixed(2)],
     [h.server, "reason"], [h.heartbeat_age_s === null ? "never" :
       `${duration(h.heartbeat_age_s)} ago${beat(h)}`], [h.output_dir]]);
