@@ -222,10 +222,10 @@ class Settings:
 
 
 def redis_url_given(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the environment names a Redis (``REDIS_URL`` or ``FARM_REDIS_URL``), rather
+    """Whether the environment names a Redis (``REDIS_URL``, what ``from_env`` reads), rather
     than leaving ``Settings.redis_url`` at its default."""
     env = os.environ if env is None else env
-    return bool(env.get("FARM_REDIS_URL") or env.get("REDIS_URL"))
+    return bool(env.get(_env_name("redis_url")))
 
 
 def _env_name(field_name: str) -> str:
