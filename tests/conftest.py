@@ -6,6 +6,7 @@ Nothing here mocks Redis, Celery, HTTP or files: farms are real ``redis-server``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -57,10 +58,10 @@ def write_samples(path: Path, n: int, start: int = 0) -> list[dict[str, object]]
     return samples
 
 
-@pytest.fixture
-def farm(tmp_path: Path, tiny_model: Path) -> Iterator[LocalFarm]:
-    """A private Redis (AOF always) and the reference server; tests start their workers."""
-    f = LocalFarm(tmp_path / "farm", cache_dir=CACHE, chunked_prefill_size=256,
+@contextlib.contextmanager
+def served_farm(root: Path, chunked_prefill_size: int = 256) -> Iterator[LocalFarm]:
+    """A private Redis (AOF always) and the reference server in ``root``, killed after."""
+    f = LocalFarm(root, cache_dir=CACHE, chunked_prefill_size=chunked_prefill_size,
                   extra_env=dict(FAST_ENV))
     try:
         f.start_redis()
@@ -68,6 +69,13 @@ def farm(tmp_path: Path, tiny_model: Path) -> Iterator[LocalFarm]:
         yield f
     finally:
         f.close(kill=True)
+
+
+@pytest.fixture
+def farm(tmp_path: Path, tiny_model: Path) -> Iterator[LocalFarm]:
+    """A private Redis (AOF always) and the reference server; tests start their workers."""
+    with served_farm(tmp_path / "farm") as f:
+        yield f
 
 
 def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:

@@ -30,7 +30,7 @@ from producer.localfarm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests import adopt_sources as srcs
-from tests.conftest import CACHE, EXAMPLES, FAST_ENV, wait_finished
+from tests.conftest import CACHE, EXAMPLES, served_farm, wait_finished
 from training import index as training_index
 from worker import canary as cn
 from worker import lease as leases
@@ -49,14 +49,8 @@ FP = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalFarm]:
-    f = LocalFarm(tmp_path_factory.mktemp("adopt") / "farm", cache_dir=CACHE,
-                  chunked_prefill_size=64, extra_env=dict(FAST_ENV))
-    try:
-        f.start_redis()
-        f.start_server()
+    with served_farm(tmp_path_factory.mktemp("adopt") / "farm", chunked_prefill_size=64) as f:
         yield f
-    finally:
-        f.close(kill=True)
 
 
 @pytest.fixture(scope="module")

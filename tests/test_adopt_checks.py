@@ -23,7 +23,7 @@ from producer.localfarm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests import adopt_sources as srcs
-from tests.conftest import CACHE, EXAMPLES, FAST_ENV
+from tests.conftest import CACHE, EXAMPLES, served_farm
 from tests.faults import running_farm
 from worker import checksums, tensorfile, weights
 from worker.chat import ChatTokenizer
@@ -112,14 +112,8 @@ def test_adopt_refuses_a_server_capturing_other_layers(tmp_path: Path, tiny_mode
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalFarm]:
-    f = LocalFarm(tmp_path_factory.mktemp("adoptchecks") / "farm", cache_dir=CACHE,
-                  chunked_prefill_size=64, extra_env=dict(FAST_ENV))
-    try:
-        f.start_redis()
-        f.start_server()
+    with served_farm(tmp_path_factory.mktemp("adoptchecks") / "farm", chunked_prefill_size=64) as f:
         yield f
-    finally:
-        f.close(kill=True)
 
 
 def _write_hsfarm_of_another_run(src: Path, items: list[srcs.Extracted], name: str) -> None:
