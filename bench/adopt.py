@@ -7,7 +7,7 @@ Synthetic SpecForge-style files (``torch.save`` dicts: ``input_ids``, ``loss_mas
 are written under DIR (default: a temp dir on the disk of the current dir), synced and
 dropped from the page cache. Then, file by file, alternating (the order flips every round):
 
-- ``adopt``: ``producer.adopt.write_adopted`` on the file opened by ``adopt_formats``
+- ``adopt``: ``producer.adopt.procedure.write_adopted`` on the file opened by ``adopt_formats``
   (``torch.load(weights_only=True, mmap=True)``): NaN/Inf test, the store's durable write
   (temp → fsync → rename → fsync dir), read back from the device, every checksum compared;
 - ``copy``: ``shutil.copyfile`` of the same file + fsync, its pages dropped, read back.
@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from producer import adopt_rows
-from producer.adopt import write_adopted
-from producer.adopt_formats import open_sample
+from producer.adopt import rows as adopt_rows
+from producer.adopt.formats import open_sample
+from producer.adopt.procedure import write_adopted
 from sglang_patch import contracts as c
-from worker import diskio
-from worker.store import OutputStore
+from worker.core import diskio
+from worker.core.store import OutputStore
 
 HIDDEN = 7168
 LAYERS = (2, 30, 58)

@@ -29,21 +29,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from producer import adopt_rows as ar
-from producer.adopt import Run, adopt
-from producer.adopt_formats import open_sample
-from producer.localfarm import LocalFarm
+from producer.adopt import rows as ar
+from producer.adopt.formats import open_sample
+from producer.adopt.procedure import Run, adopt
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests import adopt_sources as srcs
 from tests.conftest import CACHE, EXAMPLES, FAST_ENV
-from worker.fingerprint import load_run
-from worker.settings import Settings
+from worker.core.settings import Settings
+from worker.server.fingerprint import load_run
 
 
 def unique_records(chat: Any, n: int) -> list[dict[str, Any]]:
     """``n`` example records whose token ids no other record has (adopt refuses twins)."""
-    from worker.samples import validate_record
+    from worker.core.samples import validate_record
 
     seen: dict[tuple[int, ...], int] = {}
     records = json.loads(EXAMPLES.read_text())

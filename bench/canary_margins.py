@@ -5,9 +5,9 @@ what must fail, on the reference server and on a live SGLang server (CPU).
     python bench/canary_margins.py --server sglang [--json out.json]   # needs .venv-sglang
 
 For each scenario a server is started (a restart every time), the canary prompts of
-``worker/canary.py`` (short, medium, and a long one chunked by a chunk-64 server) are sent
+``worker/core/canary.py`` (short, medium, and a long one chunked by a chunk-64 server) are sent
 through it exactly as a worker sends them, and the states at the recorded rows are compared
-with the baseline recording (``worker.canary.compare``): per layer, the max and mean over
+with the baseline recording (``worker.core.canary.compare``): per layer, the max and mean over
 tokens of |new - recorded| / |recorded|. Scenarios:
 
 - restart: the baseline server's configuration, started again;
@@ -40,11 +40,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.localfarm import Proc, free_port, wait_until
+from producer.localfarm.farm import Proc, free_port, wait_until
 from sglang_patch.tiny_model import ensure_tiny_model
-from worker import canary as cn
-from worker.canary_check import extract
-from worker.client import ServerClient
+from worker.core import canary as cn
+from worker.server.canary_check import extract
+from worker.server.client import ServerClient
 
 CACHE = Path.home() / ".cache" / "hsfarm"
 LONG_CHUNK = 64  # the long prompt is sized past one chunk of this budget

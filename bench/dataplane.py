@@ -87,8 +87,8 @@ class Paths:
     """The four ways of moving one dump to ``out_dir``; each leaves nothing behind."""
 
     def __init__(self, out_dir: Path, fingerprint: c.Fingerprint) -> None:
+        from worker.core.store import OutputStore
         from worker.extract import store_dump
-        from worker.store import OutputStore
 
         self.store_dump = store_dump  # imported here, not inside the first timed sample
         self.out_dir = out_dir

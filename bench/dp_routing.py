@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from farm import done_count, report, server_info, write_data
 
-from producer.localfarm import LocalFarm
-from producer.queue_scan import broker_depth
+from producer.localfarm.farm import LocalFarm
+from worker.state.queue_scan import broker_depth
 
 BASELINE = "server"
 

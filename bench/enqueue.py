@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,8 +53,8 @@ MEASURED = ("import atexit, resource, runpy, sys, time; t0 = time.perf_counter()
 PLAIN_LOOP = """
 import sys, time
 from worker.app import TASK_NAME, app
-from worker.datafile import Span, scan
-from worker.samples import content_hash
+from worker.core.datafile import Span, scan
+from worker.core.samples import content_hash
 path, queue = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 n = 0
@@ -113,10 +113,10 @@ def fake_outputs(farm: LocalFarm, data: Path, n_done: int, tokens: int = 64,
     import numpy as np
 
     from producer.enqueue import sample_refs
-    from worker.finalfile import Part
-    from worker.fingerprint import run_fingerprint
-    from worker.settings import Settings
-    from worker.store import M_CONTENT, M_SOURCE_FILE, OutputStore
+    from worker.core.finalfile import Part
+    from worker.core.settings import Settings
+    from worker.core.store import M_CONTENT, M_SOURCE_FILE, OutputStore
+    from worker.server.fingerprint import run_fingerprint
 
     settings = Settings.from_env(farm.env())
     _, fp = run_fingerprint(settings)
@@ -133,7 +133,7 @@ def fake_outputs(farm: LocalFarm, data: Path, n_done: int, tokens: int = 64,
         path = store.write(ref.key, parts, {M_CONTENT: ref.sha256, M_SOURCE_FILE: ref.file})
         done[ref.key] = (path.stat().st_size, tokens)
     if mark_done:
-        from worker.index import RunIndex
+        from worker.state.index import RunIndex
 
         RunIndex(farm.redis(), farm.run_id()).mark_done_many(done)
 
@@ -145,9 +145,9 @@ def fake_size(farm: LocalFarm) -> int:
 def status_all_done(farm: LocalFarm, n: int) -> tuple[float, float, int]:
     """(seconds in-process, seconds as a CLI, Redis bytes per done sample) with all done."""
     from producer.status import read_status
-    from worker.fingerprint import run_fingerprint
-    from worker.index import RunIndex
-    from worker.settings import Settings
+    from worker.core.settings import Settings
+    from worker.server.fingerprint import run_fingerprint
+    from worker.state.index import RunIndex
 
     settings = Settings.from_env(farm.env())
     _, fp = run_fingerprint(settings)

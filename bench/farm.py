@@ -13,7 +13,7 @@ and runs them to the end. Reported per run:
 - tmpfs peak: the most bytes of dumps in the dump dir at once, against the dump budget;
 - per-worker-process peak RSS, and how much it grew during the run; CPU per sample of the
   workers (all processes) and of the server. Worker processes run without torch, as on a
-  worker host (``producer/notorch/``; ``--torch-in-workers`` to keep this venv's);
+  worker host (``producer/localfarm/notorch/``; ``--torch-in-workers`` to keep this venv's);
 - baseline (b) in the same run: copy + fsync + read back (cache dropped) of dumps of the same
   sizes on the same disk, measured before and after the farm runs.
 
@@ -38,9 +38,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.localfarm import LocalFarm
-from producer.queue_scan import broker_depth
-from worker import keys
+from producer.localfarm.farm import LocalFarm
+from worker.state import keys
+from worker.state.queue_scan import broker_depth
 
 BYTES_PER_TOKEN = 8 + 2 * 4 * 7168
 VOCAB = 642

@@ -52,8 +52,8 @@ from sglang_patch import fp8 as codec
 from sglang_patch.dump_writer import DumpCollector, DumpWriter
 from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 from sglang_patch.tiny_model import ensure_tiny_model
+from worker.core.store import OutputStore
 from worker.extract import store_dump
-from worker.store import OutputStore
 
 RUN = "0123456789abcdef"
 LAYER_NAMES = ["aux 0", "aux 1", "aux 2", "final"]

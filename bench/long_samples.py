@@ -30,10 +30,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
-from worker import keys
-from worker.run import run_id_of
+from worker.core.run import run_id_of
+from worker.state import keys
 
 BYTES_PER_TOKEN = 8 + 2 * 4 * 7168
 VOCAB = 642

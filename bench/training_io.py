@@ -45,10 +45,10 @@ from training import checksums, index
 from training.durable import drop_cache
 from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
-from worker import tensorfile
-from worker.final_norm import FinalNorm, write_final_norm
-from worker.finalfile import Part
-from worker.store import M_CONTENT, OutputStore
+from worker.core import tensorfile
+from worker.core.final_norm import FinalNorm, write_final_norm
+from worker.core.finalfile import Part
+from worker.core.store import M_CONTENT, OutputStore
 
 
 def make_output(out: Path, samples: int, tokens: int, hidden: int) -> int:

@@ -23,14 +23,15 @@ from tqdm import tqdm
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
 from training.index import sample_files
-from worker import hosts, setaside, tensorfile
-from worker.chat import ChatTokenizer, Tokenized
-from worker.errors import BadInput, Corrupt, StaleRecord
-from worker.samples import SampleRef, read_sample
-from worker.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
-from worker.weights import M_WEIGHTS_ID
+from worker.core import setaside, tensorfile
+from worker.core.errors import BadInput, Corrupt, StaleRecord
+from worker.core.samples import SampleRef, read_sample
+from worker.core.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
+from worker.core.weights import M_WEIGHTS_ID
+from worker.server.chat import ChatTokenizer, Tokenized
+from worker.state import hosts
 
-M_ADOPTED_FROM = "adopted_from"  # set by producer.adopt on the files it writes
+M_ADOPTED_FROM = "adopted_from"  # set by producer.adopt.procedure on the files it writes
 ADOPTED = "adopted"
 
 

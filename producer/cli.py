@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from producer.adopt_cli import add_adopt_parser, main_adopt
+from producer.adopt.cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit, place_elsewhere
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import (
@@ -31,16 +31,16 @@ from producer.status import (
 from producer.status_text import render
 from sglang_patch.contracts import Fingerprint
 from training import cli as training_cli
-from worker import broker
-from worker import run as runs
-from worker.chat import ChatTokenizer
-from worker.datafile import DataFileError
-from worker.errors import ConfigError, FarmError, Transient
-from worker.fingerprint import load_run, run_fingerprint
-from worker.hosts import host_id
-from worker.index import RunIndex
-from worker.settings import Settings, redis_url_given
-from worker.store import OutputStore
+from worker.core import run as runs
+from worker.core.datafile import DataFileError
+from worker.core.errors import ConfigError, FarmError, Transient
+from worker.core.settings import Settings, redis_url_given
+from worker.core.store import OutputStore
+from worker.server.chat import ChatTokenizer
+from worker.server.fingerprint import load_run, run_fingerprint
+from worker.state import broker
+from worker.state.hosts import host_id
+from worker.state.index import RunIndex
 
 EXIT_OK, EXIT_PARTIAL, EXIT_ERROR = 0, 1, 2
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "adopt":
             return main_adopt(settings, args)
         if args.cmd == "dashboard":
-            from producer.dashboard import main_dashboard
+            from producer.dashboard.server import main_dashboard
 
             return main_dashboard(settings, args)
         model_path, fingerprint = run_fingerprint(settings, wait_s=5)

@@ -22,13 +22,13 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from producer.status import Status, read_status
 from sglang_patch.contracts import Fingerprint
-from worker import broker
-from worker import run as runs
-from worker.fingerprint import run_fingerprint
-from worker.settings import Settings
+from worker.core import run as runs
+from worker.core.settings import Settings
+from worker.server.fingerprint import run_fingerprint
+from worker.state import broker
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data.json"
 

@@ -14,7 +14,7 @@ wait for its lock). Two passes over the file:
    leased by a running attempt, or the run already rejected this content or gave up on it
    (a rejection for an answer of the server or a gateway, not for the content, is retried).
 
-A data file is known by its content as well as its path (worker/corpus.py): a file enqueued
+A data file is known by its content as well as its path (worker/state/corpus.py): a file enqueued
 from a new path with the content of one the run recorded is that file moved or renamed; its
 id is re-pointed to the new path, so its queued and parked samples read from there. So is a
 file whose first records are mostly one recorded file's, when that file's path is gone
@@ -22,7 +22,7 @@ file whose first records are mostly one recorded file's, when that file's path i
 
 Samples this file registered before but no longer holds (records removed from it, or, for
 records without ids, corrected: their key is their content) leave the run: unregistered,
-recorded as removed, and their output files moved to ``<out>/removed/`` (worker/setaside.py;
+recorded as removed, and their output files moved to ``<out>/removed/`` (worker/core/setaside.py;
 deleted with ``delete_removed``), out of ``status``, ``index`` and ``export``. A record with an
 id whose content changed after its file was written (corrected) has its old file set aside
 the same way, and is extracted again.
@@ -44,20 +44,21 @@ from typing import Any
 import redis
 from tqdm import tqdm
 
-from producer.queue_scan import broker_sample_keys, task_id
 from sglang_patch import contracts as c
-from worker import broker, hosts, keys, ledger, setaside, tensorfile
-from worker import lease as leases
-from worker import run as runs
-from worker import store as st
-from worker.answers import environmental_rejection
 from worker.app import TASK_NAME, app
-from worker.corpus import Corpus, Identified
-from worker.datafile import DataFileError, FileProblem, Oversized, file_sha256, scan
-from worker.errors import BadInput, Corrupt
-from worker.index import Registered, RunIndex
-from worker.samples import SampleRef, content_hash, parse_record
-from worker.settings import Settings
+from worker.core import run as runs
+from worker.core import setaside, tensorfile
+from worker.core import store as st
+from worker.core.datafile import DataFileError, FileProblem, Oversized, file_sha256, scan
+from worker.core.errors import BadInput, Corrupt
+from worker.core.samples import SampleRef, content_hash, parse_record
+from worker.core.settings import Settings
+from worker.server.answers import environmental_rejection
+from worker.state import broker, hosts, keys, ledger
+from worker.state import lease as leases
+from worker.state.corpus import Corpus, Identified
+from worker.state.index import Registered, RunIndex
+from worker.state.queue_scan import broker_sample_keys, task_id
 
 BATCH = 1000  # records per Redis round trip
 HEADER_THREADS = 8  # final-file headers read at once
@@ -297,7 +298,7 @@ def _run_lock_name(run_id: str) -> str:
 
 def open_run(settings: Settings, fingerprint: c.Fingerprint,
              model_path: Path | None) -> st.OutputStore:
-    """The output dir of the run (the run id comes from its manifest: worker/run.py), its
+    """The output dir of the run (the run id comes from its manifest: worker/core/run.py), its
     manifest written with ``model_path``'s weights identity if no worker wrote it yet.
 
     The weights of a run already begun are the workers' to check: samples may be queued
@@ -319,7 +320,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
             delete_removed: bool = False, redo_hosts: tuple[str, ...] = ()) -> Summary:
     """Publish tasks for every valid, not-yet-done sample of ``path``, on the run's queue.
 
-    ``redo_hosts``: hosts not heard from (``worker.hosts.unheard``) whose samples may be
+    ``redo_hosts``: hosts not heard from (``worker.state.hosts.unheard``) whose samples may be
     extracted again; any other host not heard from refuses the enqueue.
 
     Raises:

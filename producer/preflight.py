@@ -26,14 +26,15 @@ from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from sglang_patch import markers as mk
 from sglang_patch.verify import check_marker, sglang_missing
-from worker import broker, canary, dumps, weights
-from worker import run as runs
-from worker.client import ServerClient
-from worker.errors import ConfigError, FarmError
-from worker.fingerprint import compute_fingerprint, resolve_model_path
-from worker.index import RunIndex
-from worker.settings import Settings
-from worker.store import MANIFEST, free_bytes
+from worker.core import canary, dumps, weights
+from worker.core import run as runs
+from worker.core.errors import ConfigError, FarmError
+from worker.core.settings import Settings
+from worker.core.store import MANIFEST, free_bytes
+from worker.server.client import ServerClient
+from worker.server.fingerprint import compute_fingerprint, resolve_model_path
+from worker.state import broker
+from worker.state.index import RunIndex
 
 GiB = 1 << 30
 TMPFS_TYPES = {"tmpfs", "ramfs"}
@@ -102,7 +103,7 @@ class Run:
     done: int = 0
     remaining: int = 0
     done_bytes: int = 0
-    run_id: str = c.NO_RUN  # from the output dir's manifest (worker/run.py)
+    run_id: str = c.NO_RUN  # from the output dir's manifest (worker/core/run.py)
 
 
 def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:

@@ -14,19 +14,20 @@ from typing import Any
 
 import redis
 
-from producer.queue_scan import broker_depth
 from sglang_patch import contracts as c
-from worker import broker, hosts, keys, liveness
-from worker import run as runs
-from worker.admission import Admission, limits_for_host
-from worker.answers import environmental_rejection
-from worker.corpus import Corpus
-from worker.errors import ConfigError
-from worker.fingerprint import run_fingerprint
-from worker.index import RunIndex
-from worker.reconciler import republished
-from worker.settings import Settings
-from worker.store import MANIFEST
+from worker.core import liveness
+from worker.core import run as runs
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.core.store import MANIFEST
+from worker.server.admission import Admission, limits_for_host
+from worker.server.answers import environmental_rejection
+from worker.server.fingerprint import run_fingerprint
+from worker.state import broker, hosts, keys
+from worker.state.corpus import Corpus
+from worker.state.index import RunIndex
+from worker.state.queue_scan import broker_depth
+from worker.steps.reconciler import republished
 
 RATE_WINDOW_S = 300.0  # the moving window of the rate, once the run is older than it
 SHOW_KEYS = 20  # sample keys listed by name where only the count would be too little
@@ -56,13 +57,13 @@ class Status:
     # process -> {reason, at}: processes waiting out the environment (low disk, server down)
     paused: dict[str, dict[str, Any]] = field(default_factory=dict)
     pruned_running: int = 0  # entries of attempts that no longer run, removed just now
-    # lost task messages the run published again by itself (worker/reconciler.py): how many
+    # lost task messages the run published again by itself (worker/steps/reconciler.py): how many
     # times in all, and the newest few sample keys
     republished: int = 0
     republished_samples: list[str] = field(default_factory=list)
     # this host's admission: limits, and what is held now (when the dump dir is local)
     admission: dict[str, object] = field(default_factory=dict)
-    # the run's hosts (worker/hosts.py): per host done there, running, rate, server, heartbeat
+    # the run's hosts (worker/state/hosts.py): per host done there, running, rate, server, heartbeat
     hosts: list[dict[str, Any]] = field(default_factory=list)
     parked: int = 0  # samples waiting for their data file to be readable (no message)
     removed: int = 0  # samples that left the run: their records left the corpus

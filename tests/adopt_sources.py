@@ -16,9 +16,9 @@ import torch
 
 from sglang_patch import contracts as c
 from sglang_patch.reference_model import ReferenceModel
-from worker import checksums, tensorfile
-from worker.chat import ChatTokenizer
-from worker.samples import validate_record
+from worker.core import checksums, tensorfile
+from worker.core.samples import validate_record
+from worker.server.chat import ChatTokenizer
 
 
 class Extracted:

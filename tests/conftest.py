@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 
@@ -80,8 +80,8 @@ def farm(tmp_path: Path, tiny_model: Path) -> Iterator[LocalFarm]:
 
 def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:
     """Until every sample is done/rejected/failed and the broker holds nothing."""
-    from producer.queue_scan import broker_depth
-    from worker import keys
+    from worker.state import keys
+    from worker.state.queue_scan import broker_depth
 
     r = farm.redis()
     queue = farm.queue()
@@ -101,8 +101,8 @@ def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str],
     """The check every fault scenario ends with: one verified file per sample, no temp or
     partial files anywhere, an empty queue and unacked set, and nothing recorded as failed but
     the samples in ``failed`` (meant to fail: no file for them)."""
-    from producer.queue_scan import broker_depth
-    from worker import keys
+    from worker.state import keys
+    from worker.state.queue_scan import broker_depth
 
     r = farm.redis()
     recorded = {k.decode() if isinstance(k, bytes) else k

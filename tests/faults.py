@@ -18,13 +18,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from producer import metrics_text
-from producer.dashboard_data import Sampler
-from producer.localfarm import LocalFarm, free_port, wait_until
+from producer.dashboard import metrics_text
+from producer.dashboard.data import Sampler
+from producer.localfarm.farm import LocalFarm, free_port, wait_until
 from producer.status import status_fingerprint
 from tests.conftest import CACHE, FAST_ENV, write_samples
-from worker import keys
-from worker.settings import Settings
+from worker.core.settings import Settings
+from worker.state import keys
 
 
 def text(x: bytes | str) -> str:

@@ -17,9 +17,9 @@ import numpy as np
 import redis
 
 from sglang_patch import contracts as c
-from worker import lease as leases
-from worker.errors import LeaseLost
-from worker.store import M_CONTENT, OutputStore, Part
+from worker.core.errors import LeaseLost
+from worker.core.store import M_CONTENT, OutputStore, Part
+from worker.state import lease as leases
 
 H = 4
 N_TOKENS = 64

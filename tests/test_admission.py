@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import wait_until
-from worker.admission import Admission, Holding, Limits, resolve_limits
-from worker.errors import NoSpace, Transient
-from worker.settings import Settings
+from producer.localfarm.farm import wait_until
+from worker.core.errors import NoSpace, Transient
+from worker.core.settings import Settings
+from worker.server.admission import Admission, Holding, Limits, resolve_limits
 
 PER_TOKEN = 100
 
@@ -29,7 +29,7 @@ def _holder(dump_dir: Path, tokens: int, log: Path, hold_s: float,
     code = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from worker.admission import Admission, Limits
+        from worker.server.admission import Admission, Limits
         a = Admission(Path({str(dump_dir)!r}), Limits{tuple(limits.__dict__.values())!r}, 60)
         with a.admit({tokens}):
             with open({str(log)!r}, "a") as f:
@@ -173,7 +173,7 @@ def _stream(dump_dir: Path, tokens: int, log: Path, hold_s: float, limits: Limit
     code = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from worker.admission import Admission, Limits
+        from worker.server.admission import Admission, Limits
         a = Admission(Path({str(dump_dir)!r}), Limits{tuple(limits.__dict__.values())!r}, 60)
         end = time.monotonic() + {run_s}
         while time.monotonic() < end:

@@ -21,24 +21,24 @@ from typing import Any
 import numpy as np
 import pytest
 
-from producer import adopt_check as ck
 from producer import cli
-from producer.adopt import Report, Run
-from producer.adopt import adopt as run_adopt
+from producer.adopt import check as ck
+from producer.adopt.procedure import Report, Run
+from producer.adopt.procedure import adopt as run_adopt
 from producer.enqueue import sample_refs
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests import adopt_sources as srcs
 from tests.conftest import CACHE, EXAMPLES, served_farm, wait_finished
 from training import index as training_index
-from worker import canary as cn
-from worker import lease as leases
-from worker import tensorfile
-from worker.chat import ChatTokenizer
-from worker.fingerprint import load_run
-from worker.run import run_id_of
-from worker.settings import Settings
+from worker.core import canary as cn
+from worker.core import tensorfile
+from worker.core.run import run_id_of
+from worker.core.settings import Settings
+from worker.server.chat import ChatTokenizer
+from worker.server.fingerprint import load_run
+from worker.state import lease as leases
 
 N_DATA, N_SOURCE = 8, 6
 N_COPIES = 300  # copies of one source file: a scan that takes a while
@@ -111,7 +111,7 @@ def adopt_here(farm: LocalFarm, monkeypatch: pytest.MonkeyPatch,
 
 
 def adopt_direct(farm: LocalFarm, source: Path, data: Path, out: Path) -> Report:
-    """``producer.adopt.adopt`` called directly, with a run of its own (thread-safe)."""
+    """``producer.adopt.procedure.adopt`` called directly, with a run of its own (thread-safe)."""
     settings = Settings.from_env({**farm.env(), "FARM_OUTPUT_DIR": str(out)})
     model_path, chat, fp = load_run(settings)
     return run_adopt(Run(settings, chat, fp, model_path), source, data, progress=False)
@@ -414,7 +414,7 @@ def test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_s
 def test_records_with_the_same_ids_each_get_the_file(
         data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
         chat: ChatTokenizer, tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
-    from worker.samples import validate_record
+    from worker.core.samples import validate_record
 
     # Given the example corpus's identical records (4 of record 0, 2 of record 1), and a
     # pre-tokenized record with record 5's ids and a mask of its own

@@ -17,17 +17,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from producer import adopt_header as ah
-from producer import adopt_rows as ar
-from producer.localfarm import LocalFarm
+from producer.adopt import header as ah
+from producer.adopt import rows as ar
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests import adopt_sources as srcs
 from tests.conftest import CACHE, EXAMPLES, served_farm
 from tests.faults import running_farm
-from worker import checksums, tensorfile, weights
-from worker.chat import ChatTokenizer
-from worker.store import M_FINGERPRINT
+from worker.core import checksums, tensorfile, weights
+from worker.core.store import M_FINGERPRINT
+from worker.server.chat import ChatTokenizer
 
 N_DATA = 20
 pytestmark = pytest.mark.timeout(600)

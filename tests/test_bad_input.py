@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, wait_finished
 from tests.faults import run_hash
-from worker import keys
+from worker.state import keys
 
 CORPUS = Path(__file__).parent / "bad_input"
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer.localfarm import LocalFarm, wait_until
-from producer.queue_scan import broker_depth
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
@@ -29,12 +28,14 @@ from tests.faults import (
     running_farm,
     text,
 )
-from worker import canary as cn
-from worker import keys, liveness, tensorfile
-from worker.canary_check import CanaryCheck, Outcome, server_epoch
-from worker.client import ServerClient
-from worker.errors import ConfigError
-from worker.fingerprint import compute_fingerprint
+from worker.core import canary as cn
+from worker.core import liveness, tensorfile
+from worker.core.errors import ConfigError
+from worker.server.canary_check import CanaryCheck, Outcome, server_epoch
+from worker.server.client import ServerClient
+from worker.server.fingerprint import compute_fingerprint
+from worker.state import keys
+from worker.state.queue_scan import broker_depth
 
 
 @pytest.fixture(scope="module")

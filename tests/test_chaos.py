@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import LocalFarm, wait_until
-from producer.queue_scan import broker_depth
+from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import EXAMPLES, assert_farm_invariants, wait_finished
 from tests.faults import attempts, kill, running_farm, running_pids
+from worker.state.queue_scan import broker_depth
 
 N_SAMPLES, N_KILLS = 300, 30
 CHAOS_ENV = {

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from worker.chat import ChatTokenizer
-from worker.errors import BadInput, ConfigError
-from worker.samples import Sample
+from worker.core.errors import BadInput, ConfigError
+from worker.core.samples import Sample
+from worker.server.chat import ChatTokenizer
 
 
 def _chat(tokenizer: Any, max_tokens: int = 8192, overlong: str = "reject") -> ChatTokenizer:
@@ -43,7 +43,7 @@ def test_tokenizers_without_offsets_get_the_same_mask(tokenizer: Any) -> None:
     import json
 
     from tests.conftest import EXAMPLES
-    from worker.samples import validate_record
+    from worker.core.samples import validate_record
 
     by_offsets = _chat(tokenizer)
     by_prefixes = ChatTokenizer(tokenizer, 8192, "reject", offsets=False)
@@ -113,8 +113,8 @@ def test_a_conversation_the_template_refuses_is_still_bad_input(tiny_model: Path
 _WITHOUT_JINJA2 = """
 import sys
 sys.modules["jinja2"] = None  # to every importer, exactly as if jinja2 were not installed
-from worker.chat import ChatTokenizer
-from worker.errors import ConfigError
+from worker.server.chat import ChatTokenizer
+from worker.core.errors import ConfigError
 try:
     ChatTokenizer.from_pretrained(sys.argv[1], 8192, "reject")
 except ConfigError as e:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from worker import checksums as ck
-from worker.errors import Corrupt
+from worker.core import checksums as ck
+from worker.core.errors import Corrupt
 
 
 def test_xxh3_128_is_the_default_and_streams() -> None:

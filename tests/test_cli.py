@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from producer.localfarm import free_port
-from worker.fingerprint import compute_fingerprint
-from worker.settings import Settings
-from worker.store import OutputStore
+from producer.localfarm.farm import free_port
+from worker.core.settings import Settings
+from worker.core.store import OutputStore
+from worker.server.fingerprint import compute_fingerprint
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:

@@ -1,4 +1,4 @@
-"""The run's record of its data is the truth, not a path (worker/corpus.py): a data file moved
+"""The run's record of its data is the truth, not a path (worker/state/corpus.py): a data file moved
 mid-run is found again by its content, its unreadable samples park without holding a process
 or starving other files, and records removed from the corpus leave the run, their files kept
 aside. Real Redis, real ``celery worker`` processes, the real reference server."""
@@ -11,16 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from producer.localfarm import LocalFarm, wait_until
-from producer.queue_scan import broker_depth
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.faults import count_line, running_farm, text, write_jsonl
-from worker import keys, setaside
-from worker import run as runs
-from worker.corpus import Corpus
-from worker.index import RunIndex
-from worker.samples import SampleRef
+from worker.core import run as runs
+from worker.core import setaside
+from worker.core.samples import SampleRef
+from worker.state import keys
+from worker.state.corpus import Corpus
+from worker.state.index import RunIndex
+from worker.state.queue_scan import broker_depth
 
 
 def _record(i: int, tag: str = "", with_id: bool = True) -> dict[str, object]:
@@ -192,7 +193,7 @@ def test_parked_samples_are_published_again_once_their_file_reads(tmp_path: Path
 
         # When janitor rounds run while the file is away, then after it is put back
         script = ("import os, sys; from worker.app import settings; "
-                  "from worker.parking import resume_parked; "
+                  "from worker.steps.parking import resume_parked; "
                   "run, away, back = sys.argv[1:]; n = [resume_parked(settings, run)]; "
                   "os.rename(away, back); "
                   "n += [resume_parked(settings, run), resume_parked(settings, run)]; print(n)")

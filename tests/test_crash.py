@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from producer.localfarm import wait_until
+from producer.localfarm.farm import wait_until
 from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.faults import (
@@ -19,7 +19,7 @@ from tests.faults import (
     running_farm,
     running_pids,
 )
-from worker import keys as keys_mod
+from worker.state import keys as keys_mod
 
 
 def test_sigkill_pool_process_mid_request(tmp_path: Path, tiny_model: Path) -> None:

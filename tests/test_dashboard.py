@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from producer.localfarm import LocalFarm, free_port, wait_until
+from producer.localfarm.farm import LocalFarm, free_port, wait_until
 from tests.conftest import CACHE, FAST_ENV, wait_finished, write_samples
-from worker import keys
+from worker.state import keys
 
 N_SAMPLES = 24
 FAILED = ["ex-0020", "ex-0021", "ex-0022"]  # the NaN fault's key prefix ex-002 matches these
@@ -317,7 +317,7 @@ def test_dashboard_refuses_to_start_without_a_password(tmp_path: Path) -> None:
 
 
 def test_sampled_series_are_thinned_evenly_keeping_the_newest() -> None:
-    from producer.dashboard_data import thinned
+    from producer.dashboard.data import thinned
 
     points = [{"t": i} for i in range(8640)]
     shown = thinned(points, 1000)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.datafile import BOM, DataFileError, FileProblem, Oversized, Span, scan
+from worker.core.datafile import BOM, DataFileError, FileProblem, Oversized, Span, scan
 
 
 def _scan(tmp_path: Path, data: bytes) -> list[Span | Oversized | FileProblem]:

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import redis
 
-from producer.localfarm import wait_until
+from producer.localfarm.farm import wait_until
 from sglang_patch import contracts as c
 from tests.conftest import ROOT, write_samples
 from tests.test_dashboard import chromium
-from worker import tensorfile
-from worker.run import read_run_id
+from worker.core import tensorfile
+from worker.core.run import read_run_id
 
 N = 8  # samples: enough for two workers, few enough for a test
 DEFAULT_REDIS_PORT = 6379  # where Settings' default REDIS_URL points

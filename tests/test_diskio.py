@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import diskio
+from worker.core import diskio
 
 SIZES = [0, 1, 4095, 4096, 4097, (9 << 20) + 3]
 

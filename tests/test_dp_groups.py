@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.layout import dp_groups
 from tests.conftest import CACHE, FAST_ENV, wait_finished, write_samples

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import wait_until
-from worker.admission import Admission, Holding, Limits
-from worker.dp_routing import LEAST_BYTES, LEAST_TOKENS, NO_GROUP, SERVER, choose_group
-from worker.errors import ConfigError
-from worker.settings import Settings
+from producer.localfarm.farm import wait_until
+from worker.core.dp_routing import LEAST_BYTES, LEAST_TOKENS, NO_GROUP, SERVER, choose_group
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.server.admission import Admission, Holding, Limits
 
 
 def test_the_rules_pick_the_group_with_the_least_waiting_tokens_or_held_bytes() -> None:
@@ -40,7 +40,7 @@ def test_admission_pins_each_ticket_to_the_least_loaded_group_across_processes(
     code = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from worker.admission import Admission, Limits
+        from worker.server.admission import Admission, Limits
         a = Admission(Path({str(tmp_path)!r}), Limits(8, 10_000_000, 100, "test", dp_groups=2),
                       60, dp_routing="least-tokens")
         with a.admit(50) as t:

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from sglang_patch.dump_writer import DumpWriter, Failed, Rows, _Done
 from sglang_patch.markers import write_ready_marker
 from tests.conftest import CACHE, FAST_ENV
-from worker import dumps as worker_dumps
-from worker.errors import ConfigError
-from worker.fingerprint import compute_fingerprint
-from worker.settings import Settings
+from worker.core import dumps as worker_dumps
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.server.fingerprint import compute_fingerprint
 
 pytestmark = pytest.mark.timeout(180)
 

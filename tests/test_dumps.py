@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_patch import contracts as c
-from worker import checksums, diskio, dumps, finalfile, tensorfile
-from worker.errors import Corrupt, ServerMisconfigured
-from worker.store import OutputStore, Part
+from worker.core import checksums, diskio, dumps, finalfile, tensorfile
+from worker.core.errors import Corrupt, ServerMisconfigured
+from worker.core.store import OutputStore, Part
 
 H = 1024
 LAYERS = (2, 4, 5)

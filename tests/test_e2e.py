@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished, write_samples
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import LocalFarm
-from producer.queue_scan import broker_depth
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.faults import count_line, running_farm, write_jsonl
-from worker import keys
+from worker.state import keys
+from worker.state.queue_scan import broker_depth
 
 
 def _record(i: int, tag: str = "", with_id: bool = True) -> dict[str, object]:
@@ -200,8 +200,8 @@ def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_mo
     import numpy as np
 
     from producer.enqueue import sample_refs
-    from worker import store as st
-    from worker import tensorfile
+    from worker.core import store as st
+    from worker.core import tensorfile
 
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
                      extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model),
@@ -235,7 +235,7 @@ def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_mo
         write(refs[2], {**ids, **short})
         # When a worker's start registers the host's files, and enqueue relearns what is
         # done, both from the files' headers
-        from worker import hosts
+        from worker.state import hosts
 
         got = hosts.register(farm.redis(), farm.run_id(), "h1", farm.output_dir, fid,
                              farm.settings())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.faults import (
     NGINX_413,
@@ -31,9 +31,9 @@ from tests.faults import (
     running_farm,
     small_tmpfs,
 )
-from worker import keys as keys_mod
-from worker import tensorfile
-from worker.store import M_TRUNCATED
+from worker.core import tensorfile
+from worker.core.store import M_TRUNCATED
+from worker.state import keys as keys_mod
 
 
 def rejected(farm: LocalFarm) -> dict[str, str]:

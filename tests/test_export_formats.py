@@ -13,9 +13,9 @@ from sglang_patch import contracts as c
 from training import checksums
 from training.export.formats import FORMATS, Speculators, _StackFeed
 from training.prenorm import speculators_stack
-from worker import checksums as ck
-from worker import tensorfile
-from worker.errors import Corrupt
+from worker.core import checksums as ck
+from worker.core import tensorfile
+from worker.core.errors import Corrupt
 
 
 def test_the_aux_slots_hash_in_place_as_the_sources_aux_tensor() -> None:

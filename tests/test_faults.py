@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import wait_until
-from producer.queue_scan import broker_depth, broker_task_ids
+from producer.localfarm.farm import wait_until
 from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.faults import (
@@ -26,7 +25,8 @@ from tests.faults import (
     running_pids,
     small_tmpfs,
 )
-from worker import keys as keys_mod
+from worker.state import keys as keys_mod
+from worker.state.queue_scan import broker_depth, broker_task_ids
 
 
 def test_sigterm_is_a_warm_shutdown(tmp_path: Path, tiny_model: Path) -> None:
@@ -209,7 +209,7 @@ def test_startup_cleans_stale_files_but_not_outputs(tmp_path: Path, tiny_model: 
         import subprocess
         import sys
 
-        from worker import liveness
+        from worker.core import liveness
 
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()

@@ -18,11 +18,11 @@ from sglang_patch import fp8 as codec
 from sglang_patch.dump_writer import DumpCollector, DumpWriter
 from tests.conftest import wait_finished
 from tests.faults import enqueue, running_farm
-from worker import checksums, dumps, tensorfile
-from worker import fp8 as checks
-from worker.errors import ConfigError, Corrupt, ServerMisconfigured
-from worker.settings import Settings
-from worker.store import M_CONTENT, OutputStore, Part
+from worker.core import checksums, dumps, tensorfile
+from worker.core import fp8 as checks
+from worker.core.errors import ConfigError, Corrupt, ServerMisconfigured
+from worker.core.settings import Settings
+from worker.core.store import M_CONTENT, OutputStore, Part
 
 H = 256
 LAYERS = (2, 4, 5)

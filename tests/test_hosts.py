@@ -28,12 +28,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, write_samples
 from tests.faults import dashboard_metrics, text
-from worker import hosts, keys
-from worker.settings import Settings
+from worker.core.settings import Settings
+from worker.state import hosts, keys
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
 from tests.faults import attempts as _attempts
 

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, FAST_ENV, write_samples
 from tests.faults import text
-from worker import checksums, keys, tensorfile
+from worker.core import checksums, tensorfile
+from worker.state import keys
 
 N = 20
 

@@ -2,10 +2,11 @@
 
 Two hosts as Linux network namespaces, a third running redis-server, veth pairs between them
 (10.214.0.0/16 addresses of these namespaces and loopback only). Each host runs one writer of
-the same sample (``tests/lease_host.py``, driving ``worker.lease`` and ``worker.store`` as an
-attempt does) into one output dir both see, as hosts sharing an output file system do. Host
-A takes the sample's lease, then its own firewall (nft in its namespace, on its veth only)
-cuts it off from Redis; its lease runs out in Redis and host B takes the sample and writes.
+the same sample (``tests/lease_host.py``, driving ``worker.state.lease`` and
+``worker.core.store`` as an attempt does) into one output dir both see, as hosts sharing an
+output file system do. Host A takes the sample's lease, then its own firewall (nft in its
+namespace, on its veth only) cuts it off from Redis; its lease runs out in Redis and host B
+takes the sample and writes.
 A, told to write while B's temp file is on the disk, must refuse: a write would remove B's
 temp file (the store removes the temp files of writers that no longer hold the lease).
 """
@@ -24,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import wait_until
+from producer.localfarm.farm import wait_until
 from sglang_patch import contracts as c
 from tests import lease_host
-from worker import tensorfile
-from worker.store import M_CONTENT, OutputStore
+from worker.core import tensorfile
+from worker.core.store import M_CONTENT, OutputStore
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None

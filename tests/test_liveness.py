@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import wait_until
+from producer.localfarm.farm import wait_until
 from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.faults import attempts, enqueue, running_farm, text
-from worker import keys as reaper_keys
-from worker import liveness
+from worker.core import liveness
+from worker.state import keys as reaper_keys
 
 NEEDS_PID_NS = pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
                                   reason="needs unshare(1) and root for a new pid namespace")
@@ -113,9 +113,9 @@ def test_two_workers_of_one_hostname_in_two_pid_namespaces_take_nothing_from_eac
 
 def test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only(tmp_path: Path) -> None:
     from sglang_patch import contracts as c
-    from worker.canary_check import canary_key
-    from worker.janitor import sweep_dumps
-    from worker.settings import Settings
+    from worker.core.settings import Settings
+    from worker.server.canary_check import canary_key
+    from worker.steps.janitor import sweep_dumps
 
     # Given a dump dir holding canary dumps of this run from a process that is gone, of this
     # live process, of another machine, and a gone process's dump of another run

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished

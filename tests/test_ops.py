@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, write_samples
-from worker.settings import Settings, _env_name
+from worker.core.settings import Settings, _env_name
 
 pytestmark = pytest.mark.timeout(120)
 

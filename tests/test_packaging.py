@@ -28,7 +28,7 @@ def test_the_wheel_builds_quietly_and_its_dashboard_finds_its_files(tmp_path: Pa
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # Then the dashboard imported from it serves every static file it names
-    check = ("import sys, producer.dashboard as d; "
+    check = ("import sys, producer.dashboard.server as d; "
              "assert d.__file__.startswith(sys.argv[1]), d.__file__; "
              "names = [*d.STATIC_FILES, 'dashboard.html']; "
              "missing = [n for n in names if not (d.STATIC / n).is_file()]; "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producer.queue_scan import sample_key_of, task_id
+from worker.state.queue_scan import sample_key_of, task_id
 
 
 def test_task_ids_name_their_sample_and_publication() -> None:

@@ -10,9 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE
-from worker import keys, liveness, reaper
+from worker.core import liveness
+from worker.state import keys
+from worker.steps import reaper
 
 
 def test_a_redelivered_message_is_not_returned_for_its_old_owner(tmp_path: Path) -> None:

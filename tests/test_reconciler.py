@@ -15,17 +15,17 @@ import orjson
 import pytest
 from celery import Celery
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished, write_samples
 from tests.faults import attempts, busy_child, dashboard_metrics, enqueue, running_farm
-from worker import keys, ledger
-from worker import lease as leases
 from worker.app import celery_config
-from worker.index import Registered, RunIndex
-from worker.reconciler import Reconciler, republished
-from worker.run import task_id
-from worker.store import OutputStore
+from worker.core.run import task_id
+from worker.core.store import OutputStore
+from worker.state import keys, ledger
+from worker.state import lease as leases
+from worker.state.index import Registered, RunIndex
+from worker.steps.reconciler import Reconciler, republished
 
 N_KILL = 20  # samples of the Redis-kill runs
 REDIS_AWAY_S = 8  # how long the test's Redis is unreachable (AOF always)

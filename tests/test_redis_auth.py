@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import free_port
+from producer.localfarm.farm import free_port
 from producer.preflight import check_redis
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.faults import enqueue, running_farm
-from worker import broker
-from worker.errors import ConfigError
-from worker.settings import Settings
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.state import broker
 
 OPEN_DOOR = "redis://alice@192.0.2.1:6379/0"  # TEST-NET-1; a user, no password
 # The default user stays on, with a password of its own: with it off, Redis 7.0 drops every

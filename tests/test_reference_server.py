@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, EXAMPLES
 
@@ -143,7 +143,7 @@ def test_chunked_prefill_output_equals_unchunked(servers: tuple[LocalFarm, Local
 
 
 def _wait_load(d: Path, rid: str) -> dict[str, torch.Tensor]:
-    from producer.localfarm import wait_until
+    from producer.localfarm.farm import wait_until
 
     wait_until(lambda: c.dump_path(d, rid).exists(), 10, rid)
     return load_file(str(c.dump_path(d, rid)))

@@ -1,14 +1,14 @@
-"""The run id, its queue and task ids (worker/run.py): what tells two runs apart."""
+"""The run id, its queue and task ids (worker/core/run.py): what tells two runs apart."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from producer.queue_scan import task_id
 from sglang_patch import contracts as c
-from worker import run
-from worker.settings import Settings
+from worker.core import run
+from worker.core.settings import Settings
+from worker.state.queue_scan import task_id
 
 MANIFEST = {"fingerprint_id": "a" * 16, "weights": {"id": "b" * 16},
             run.M_RUN_NONCE: "c" * 32, "created_at": 1.5}

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from producer.cli import build_parser as producer_parser
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import markers, verify
 from tests.conftest import CACHE, FAST_ENV, wait_finished, write_samples
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.errors import BadInput, DataFileUnavailable, MalformedMessage, StaleRecord
-from worker.samples import SampleRef, content_hash, parse_record, read_sample
+from worker.core.errors import BadInput, DataFileUnavailable, MalformedMessage, StaleRecord
+from worker.core.samples import SampleRef, content_hash, parse_record, read_sample
 
 
 def test_openai_sharegpt_and_pretokenized_records() -> None:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from kombu import Connection, Exchange, Producer, Queue
 
-from producer.localfarm import wait_until
-from producer.queue_scan import broker_depth
+from producer.localfarm.farm import wait_until
 from tests.conftest import ROOT
 from tests.faults import running_farm, send_task
-from worker import keys
+from worker.state import keys
+from worker.state.queue_scan import broker_depth
 
 
 class _Evil:

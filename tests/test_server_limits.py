@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.chat import ChatTokenizer
-from worker.errors import BadInput, ConfigError
-from worker.samples import Sample
-from worker.server_limits import max_input_tokens, server_max_tokens
-from worker.settings import Settings
+from worker.core.errors import BadInput, ConfigError
+from worker.core.samples import Sample
+from worker.core.settings import Settings
+from worker.server.chat import ChatTokenizer
+from worker.server.limits import max_input_tokens, server_max_tokens
 
 
 def test_max_input_tokens_from_server_info() -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.errors import ConfigError
-from worker.settings import Settings
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
 
 
 def test_defaults_work_on_one_machine() -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from producer.localfarm import wait_until
-from producer.queue_scan import broker_depth
+from producer.localfarm.farm import wait_until
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.faults import enqueue, failed, running_farm
+from worker.state.queue_scan import broker_depth
 
 
 def test_misconfigured_worker_stops_before_taking_anything(tmp_path: Path,
@@ -78,7 +78,7 @@ def test_worker_whose_dump_dir_the_hook_does_not_write_takes_nothing(tmp_path: P
 
 def test_a_first_start_on_a_server_capturing_other_layers_records_no_canary(
         tmp_path: Path, tiny_model: Path) -> None:
-    from worker import canary
+    from worker.core import canary
 
     # Given a new run (no canary yet) whose server captures other layers than the run's
     # (the tiny model's run takes [2, 4, 5]), and samples queued

@@ -12,15 +12,16 @@ import subprocess
 import time
 from pathlib import Path
 
-from producer.localfarm import LocalFarm, free_port
+from producer.localfarm.farm import LocalFarm, free_port
 from producer.status import Status
 from producer.status_text import duration
 from tests.conftest import CACHE
-from worker import keys, liveness
-from worker.fingerprint import compute_fingerprint
-from worker.index import Registered, RunIndex
-from worker.lease import lease_name
-from worker.store import OutputStore
+from worker.core import liveness
+from worker.core.store import OutputStore
+from worker.server.fingerprint import compute_fingerprint
+from worker.state import keys
+from worker.state.index import Registered, RunIndex
+from worker.state.lease import lease_name
 
 
 def _gone_identity() -> str:
@@ -111,7 +112,7 @@ def test_an_empty_index_is_not_a_finished_run() -> None:
 
 
 def test_failures_group_by_reason_whatever_the_sample_keys() -> None:
-    from producer.dashboard_data import reason_class
+    from producer.dashboard.data import reason_class
 
     reasons = [f"Corrupt: dump hsd-{key}-a{n}-n{7 * n}.safetensors: hidden_state has {n} "
                "NaN/Inf values" for n, key in enumerate(["ex-0001", "rec-3fa9c01b2e7d",

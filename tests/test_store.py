@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from sglang_patch import contracts as c
-from worker import tensorfile
-from worker.errors import ConfigError, Corrupt
-from worker.store import M_CONTENT, OutputStore, Part
+from worker.core import tensorfile
+from worker.core.errors import ConfigError, Corrupt
+from worker.core.store import M_CONTENT, OutputStore, Part
 
 H = 4
 
@@ -129,7 +129,7 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
     store.write("done", _tensors(), {M_CONTENT: "h"})
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from worker import liveness
+    from worker.core import liveness
 
     shard = store.final_path("x").parent
     shard.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,7 @@ def test_a_write_removes_the_sample_s_temp_files_of_writers_without_its_lease(
     # Given temp files of sample x left by a writer of another pid namespace or host and by a
     # live process of this machine (both lost x's lease: the write below holds it), and one
     # of sample y
-    from worker import liveness
+    from worker.core import liveness
 
     store = OutputStore(tmp_path, _fp()).open()
     shard = store.final_path("x").parent
@@ -177,7 +177,7 @@ def test_a_write_removes_the_sample_s_temp_files_of_writers_without_its_lease(
 
 def test_a_write_whose_temp_file_was_removed_writes_nothing_and_says_the_lease_is_lost(
         tmp_path: Path) -> None:
-    from worker.errors import LeaseLost
+    from worker.core.errors import LeaseLost
 
     # Given a write whose temp file another attempt removes before its rename (it took the
     # sample's lease: this writer stopped renewing)
@@ -315,7 +315,7 @@ def test_written_files_leave_the_page_cache_so_verify_reads_the_disk(tmp_path: P
 @pytest.mark.parametrize("source", ["memory", "mapped"])
 def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str) -> None:
     from tests.faults import can_mount_tmpfs, small_tmpfs
-    from worker.errors import NoSpace
+    from worker.core.errors import NoSpace
 
     if not can_mount_tmpfs(tmp_path):
         pytest.skip("needs root to mount a small tmpfs")
@@ -338,7 +338,7 @@ def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str) 
 
 
 def test_parts_from_a_file_are_checked_and_checksummed_as_copied(tmp_path: Path) -> None:
-    from worker import checksums
+    from worker.core import checksums
 
     # Given a tensor copied from a file, at an offset, with a check seeing every piece
     store = OutputStore(tmp_path / "out", _fp()).open()

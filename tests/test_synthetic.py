@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from producer.localfarm import LocalFarm
+from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.probe import PROBE_IDS
 from sglang_patch.synthetic import (
@@ -21,7 +21,7 @@ from sglang_patch.synthetic import (
     ensure_synthetic_model,
 )
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
-from worker import canary as canaries
+from worker.core import canary as canaries
 
 H = 256
 

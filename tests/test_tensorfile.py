@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from worker import tensorfile
-from worker.errors import Corrupt
+from worker.core import tensorfile
+from worker.core.errors import Corrupt
 
 
 def _write(path: Path, arrays: dict[str, tuple[str, np.ndarray]], meta: dict[str, str]) -> None:

@@ -1,12 +1,12 @@
-"""Each delivery's time limits follow its sample's size (worker/time_limits.py)."""
+"""Each delivery's time limits follow its sample's size (worker/core/time_limits.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker import time_limits
-from worker.errors import ConfigError
-from worker.settings import Settings
+from worker.core import time_limits
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
 
 KIMI_PER_TOKEN = 8 + 2 * 4 * 7168  # id + final + 3 aux states, bf16, H = 7168
 

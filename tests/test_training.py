@@ -23,9 +23,9 @@ from training import index
 from training.export.ledger import NAME as LEDGER
 from training.export.runner import export
 from training.loader import HiddenStates
-from worker.errors import ConfigError
-from worker.final_norm import pick_final_norm
-from worker.store import OutputStore
+from worker.core.errors import ConfigError
+from worker.core.final_norm import pick_final_norm
+from worker.core.store import OutputStore
 
 N = 12
 
@@ -360,8 +360,8 @@ def test_bf16_rounding_and_the_prenorm_state_equal_torchs() -> None:
 def _re_extract(path: Path) -> None:
     """Replace a final file as a re-extraction of a fixed record would: same key and size, new
     hidden states, their checksums recorded (written aside, then renamed over, as the store)."""
-    from worker import checksums as ck
-    from worker import tensorfile
+    from worker.core import checksums as ck
+    from worker.core import tensorfile
 
     tf = tensorfile.read(path)
     arrays = {k: t.array.copy() for k, t in tf.tensors.items()}

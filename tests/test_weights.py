@@ -12,11 +12,11 @@ import pytest
 
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE
-from worker import weights
-from worker.errors import ConfigError
-from worker.fingerprint import compute_fingerprint
-from worker.settings import Settings
-from worker.store import MANIFEST, OutputStore
+from worker.core import weights
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.core.store import MANIFEST, OutputStore
+from worker.server.fingerprint import compute_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +135,10 @@ def fine_tune(base: Path, out: Path) -> Path:
 
 def test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_later_starts(
         tmp_path: Path, tiny_model: Path) -> None:
-    from producer.localfarm import wait_until
-    from producer.queue_scan import broker_depth
+    from producer.localfarm.farm import wait_until
     from tests.conftest import wait_finished
     from tests.faults import enqueue, running_farm
+    from worker.state.queue_scan import broker_depth
 
     tuned = fine_tune(tiny_model, tmp_path / "tuned")
     assert weights.weights_identity(tuned)["id"] != weights.weights_identity(tiny_model)["id"]

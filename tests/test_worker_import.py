@@ -23,6 +23,6 @@ def test_celery_finds_the_app_as_celery_dash_a_worker_does() -> None:
 
 
 def test_file_format_code_imports_without_celery() -> None:
-    out = _py("import sys, worker.store, worker.tensorfile, worker.final_norm; "
+    out = _py("import sys, worker.core.store, worker.core.tensorfile, worker.core.final_norm; "
               "print(sorted(m for m in ('celery', 'kombu', 'redis') if m in sys.modules))")
     assert out == "[]"

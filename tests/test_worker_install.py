@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from producer.queue_scan import broker_depth
 from tests.conftest import ROOT, assert_farm_invariants, wait_finished, write_samples
 from tests.faults import run_hash, running_farm
-from worker import keys
+from worker.state import keys
+from worker.state.queue_scan import broker_depth
 
 INSTALL_TIMEOUT_S = 600
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from training import cli
-from worker.errors import ConfigError
+from worker.core.errors import ConfigError
 
 EXIT_ERROR = 2
 

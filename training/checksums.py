@@ -1,4 +1,4 @@
-"""Checksums, read and computed through the worker's one implementation (``worker.checksums``).
+"""Checksums, read and computed through the worker's one implementation (``worker.core.checksums``).
 
 Every checksum the training side checks or writes goes through here, so when the farm
 changes its algorithm this is the one place that follows. A file records its algorithm (old
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker import checksums as ck
-from worker.errors import Corrupt
+from worker.core import checksums as ck
+from worker.core.errors import Corrupt
 
 
 def of(arr: np.ndarray, algorithm: str = ck.DEFAULT_ALGORITHM) -> str:

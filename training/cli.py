@@ -15,8 +15,8 @@ from tqdm import tqdm
 from training import index, vocab
 from training.export.formats import FORMATS
 from training.export.runner import DEFAULT_JOBS, export
-from worker import store
-from worker.errors import ConfigError, Corrupt
+from worker.core import store
+from worker.core.errors import ConfigError, Corrupt
 
 EXIT_OK, EXIT_PARTIAL = 0, 1
 

@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 
 from sglang_patch import contracts as c
-from worker import diskio, liveness
-from worker.store import fsync_dir
+from worker.core import diskio, liveness
+from worker.core.store import fsync_dir
 
 
 def tmp_for(final: Path) -> Path:

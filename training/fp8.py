@@ -22,7 +22,7 @@ from sglang_patch import contracts as c
 from training import checksums
 from training.manifest import RunInfo
 from training.sample_file import SampleFile
-from worker.errors import Corrupt
+from worker.core.errors import Corrupt
 
 _PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1), (c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS))
 STORED = (c.T_HIDDEN, c.T_HIDDEN_SCALE, c.T_AUX, c.T_AUX_SCALE)

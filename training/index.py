@@ -31,9 +31,9 @@ from sglang_patch import contracts as c
 from training import checksums, durable, vocab
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
-from worker import tensorfile
-from worker.errors import Corrupt
-from worker.store import M_SOURCE_ID, M_TRUNCATED
+from worker.core import tensorfile
+from worker.core.errors import Corrupt
+from worker.core.store import M_SOURCE_ID, M_TRUNCATED
 
 INDEX = "index.jsonl"
 COUNTS = "token_counts.safetensors"

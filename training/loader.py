@@ -25,7 +25,7 @@ from sglang_patch import contracts as c
 from training import checksums, fp8, index, views
 from training.manifest import load_run_info
 from training.sample_file import SampleFile
-from worker.errors import ConfigError, Corrupt
+from worker.core.errors import ConfigError, Corrupt
 
 
 class HiddenStates(Dataset[dict[str, Any]]):

@@ -14,9 +14,9 @@ from typing import Any
 from sglang_patch import contracts as c
 from training import checksums
 from training.sample_file import SampleFile
-from worker import final_norm
-from worker.errors import ConfigError, Corrupt
-from worker.store import M_FINGERPRINT, M_KEY, MANIFEST, final_layout
+from worker.core import final_norm
+from worker.core.errors import ConfigError, Corrupt
+from worker.core.store import M_FINGERPRINT, M_KEY, MANIFEST, final_layout
 
 
 @dataclass(frozen=True)

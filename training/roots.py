@@ -15,8 +15,8 @@ from pathlib import Path
 
 from sglang_patch import contracts as c
 from training import index
-from worker.errors import ConfigError
-from worker.run import read_run_id
+from worker.core.errors import ConfigError
+from worker.core.run import read_run_id
 
 
 @dataclass

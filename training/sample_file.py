@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.errors import Corrupt
+from worker.core.errors import Corrupt
 
 # safetensors dtype tag -> numpy dtype holding the raw bytes (bf16 as uint16)
 NP_DTYPES: dict[str, np.dtype] = {

@@ -1,9 +1,9 @@
-"""hsfarm worker: the Celery app and its one task.
+"""hsfarm's library and its Celery worker, in layers; each imports only those above it here.
 
-``celery -A worker worker`` finds ``app`` here (Celery's ``find_app`` reads ``worker.app``).
-The app is imported lazily, on first access of ``worker.app``, so that the file-format code
-(``worker.tensorfile``, ``worker.store``) imports without Celery, Redis or the settings: the
-training side (``training/``) runs on machines that have none of them.
+``core`` (formats, the output store, settings) · ``state`` (the run in Redis) · ``server``
+(the served model seen from a worker) · ``steps`` (lifecycle bootsteps) · then ``app``,
+``startup``, ``tasks``. tests/test_layers.py enforces the order. ``celery -A worker`` finds
+``app`` here, imported lazily so ``worker.core`` needs no Celery (training/ reads files only).
 """
 
 from __future__ import annotations

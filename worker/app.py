@@ -11,10 +11,10 @@ import orjson
 from celery import Celery
 from kombu.serialization import register
 
-from worker.broker import tls_options
-from worker.errors import ConfigError
-from worker.settings import Settings
-from worker.time_limits import soft_for
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.core.time_limits import soft_for
+from worker.state.broker import tls_options
 
 SERIALIZER = "orjson"
 TASK_NAME = "hsfarm.extract"
@@ -37,7 +37,7 @@ def celery_config(s: Settings) -> dict[str, object]:
         "result_accept_content": ["json"],
         "task_ignore_result": True,  # the output disk is the source of truth
         # Only Celery's name for a queue nobody named: every process that publishes or
-        # consumes uses the run's queue (worker/run.py; a worker selects it at start-up)
+        # consumes uses the run's queue (worker/core/run.py; a worker selects it at start-up)
         "task_default_queue": s.queue or "hsfarm",
         "task_acks_late": True,  # acknowledge only after the verified write
         "task_reject_on_worker_lost": True,  # a killed pool process → message requeued
@@ -46,7 +46,7 @@ def celery_config(s: Settings) -> dict[str, object]:
         "task_acks_on_failure": True,
         "task_acks_on_timeout": False,  # a hard timeout requeues; attempts are bounded
         # A sample too short to add to the limits; each message gets its own by its size
-        # (worker/time_limits.py, set in worker/reaper.py's OwnedRequest)
+        # (worker/core/time_limits.py, set in worker/steps/reaper.py's OwnedRequest)
         "task_soft_time_limit": soft_for(s.task_time_limit_s),
         "task_time_limit": s.task_time_limit_s,
         "worker_prefetch_multiplier": 1,  # each process holds one message at most
@@ -82,11 +82,11 @@ app.conf.imports = ("worker.tasks",)
 
 
 def _add_bootsteps() -> None:
-    from worker.host_beat import HostBeat
-    from worker.janitor import Janitor
-    from worker.outage import OutageStep
-    from worker.reaper import Reaper
-    from worker.reconciler import ReconcilerStep
+    from worker.steps.host_beat import HostBeat
+    from worker.steps.janitor import Janitor
+    from worker.steps.outage import OutageStep
+    from worker.steps.reaper import Reaper
+    from worker.steps.reconciler import ReconcilerStep
 
     app.steps["worker"].update({Janitor, OutageStep, Reaper, ReconcilerStep, HostBeat})
 

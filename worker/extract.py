@@ -17,15 +17,15 @@ import numpy as np
 import redis
 
 from sglang_patch import contracts as c
-from worker import store as st
-from worker import tensorfile, time_limits
-from worker.dumps import discard_dumps, open_dump, wait_for_dump
-from worker.errors import Corrupt, KeyTaken, Transient
-from worker.hosts import holders
-from worker.lease import Lease
+from worker.core import store as st
+from worker.core import tensorfile, time_limits
+from worker.core.dumps import discard_dumps, open_dump, wait_for_dump
+from worker.core.errors import Corrupt, KeyTaken, Transient
+from worker.core.samples import SampleRef, read_sample
+from worker.core.weights import M_WEIGHTS_ID
 from worker.runtime import Runtime
-from worker.samples import SampleRef, read_sample
-from worker.weights import M_WEIGHTS_ID
+from worker.state.hosts import holders
+from worker.state.lease import Lease
 
 log = logging.getLogger("hsfarm.extract")
 

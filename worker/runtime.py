@@ -17,19 +17,19 @@ from pathlib import Path
 
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
-from worker import broker
-from worker.admission import Admission, Limits, limits_for_host
-from worker.canary_check import CanaryCheck
-from worker.chat import ChatTokenizer
-from worker.client import ServerClient
-from worker.errors import ConfigError
-from worker.fingerprint import load_run
-from worker.hosts import host_id
-from worker.index import RunIndex
-from worker.run import queue_for as run_queue
-from worker.server_limits import server_info, server_max_tokens
-from worker.settings import Settings
-from worker.store import OutputStore
+from worker.core.errors import ConfigError
+from worker.core.run import queue_for as run_queue
+from worker.core.settings import Settings
+from worker.core.store import OutputStore
+from worker.server.admission import Admission, Limits, limits_for_host
+from worker.server.canary_check import CanaryCheck
+from worker.server.chat import ChatTokenizer
+from worker.server.client import ServerClient
+from worker.server.fingerprint import load_run
+from worker.server.limits import server_info, server_max_tokens
+from worker.state import broker
+from worker.state.hosts import host_id
+from worker.state.index import RunIndex
 
 log = logging.getLogger("hsfarm.worker")
 
@@ -85,7 +85,7 @@ class Runtime:
 
     @property
     def run_id(self) -> str:
-        """The run this worker serves (worker/run.py): its keys, queue, rids and dumps."""
+        """The run this worker serves (worker/core/run.py): its keys, queue, rids and dumps."""
         return self.store.run_id
 
     @property

@@ -32,15 +32,18 @@ from typing import Any
 import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker import broker, canary, liveness, reaper, run, served_identity, time_limits
 from worker.app import settings
-from worker.canary_check import Outcome
-from worker.client import ServerClient
-from worker.errors import ConfigError, Transient
-from worker.host_beat import register_host
-from worker.index import RunIndex
+from worker.core import canary, liveness, run, time_limits
+from worker.core.errors import ConfigError, Transient
+from worker.core.store import MANIFEST
 from worker.runtime import RunContext, Runtime
-from worker.store import MANIFEST
+from worker.server import served_identity
+from worker.server.canary_check import Outcome
+from worker.server.client import ServerClient
+from worker.state import broker
+from worker.state.index import RunIndex
+from worker.steps import reaper
+from worker.steps.host_beat import register_host
 
 log = logging.getLogger("hsfarm.worker")
 

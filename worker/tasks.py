@@ -4,7 +4,7 @@ Outcomes are recorded in the run index first, then the message is acknowledged:
 - done: a verified final file; the task succeeds;
 - rejected (``BadInput``), failed (attempts exhausted, or ``KeyTaken``), stale (the record
   changed after enqueue), parked (its data file cannot be read: the sample waits without a
-  message, worker/corpus.py), removed (the sample left the run: its record left the corpus)
+  message, worker/state/corpus.py), removed (the sample left the run: its record left the corpus)
   or refused (a malformed message): the task ends in Celery's FAILURE state, so Flower and
   its metrics count it as failed.
 
@@ -45,11 +45,10 @@ from celery import Task
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from worker import extract as ex
-from worker import lease as leases
-from worker import setaside, waits
+from worker import waits
 from worker.app import TASK_NAME, app, settings
-from worker.corpus import Corpus
-from worker.errors import (
+from worker.core import setaside
+from worker.core.errors import (
     BadInput,
     ConfigError,
     Corrupt,
@@ -65,10 +64,12 @@ from worker.errors import (
     StaleRecord,
     Transient,
 )
-from worker.run import run_of_task, sharing_warning
+from worker.core.run import run_of_task, sharing_warning
+from worker.core.samples import SampleRef
 from worker.runtime import Runtime
-from worker.samples import SampleRef
 from worker.startup import runtime, stop_worker
+from worker.state import lease as leases
+from worker.state.corpus import Corpus
 
 log = logging.getLogger("hsfarm.task")
 # What an attempt may end with, short of an outcome: logged without a traceback.
@@ -110,7 +111,7 @@ def _backoff_s(attempt: int) -> float:
 
 def _budget_s(request: Any) -> float:
     """How long this delivery may work: until shortly before its soft time limit (sized by
-    its sample, worker/time_limits.py), else the app's."""
+    its sample, worker/core/time_limits.py), else the app's."""
     limits = getattr(request, "timelimit", None)
     soft_s = limits[1] if isinstance(limits, (list, tuple)) and len(limits) == 2 else None
     return float(soft_s or app.conf.task_soft_time_limit or settings.task_time_limit_s) - 2.0
@@ -118,7 +119,7 @@ def _budget_s(request: Any) -> float:
 
 @app.task(bind=True, name=TASK_NAME, max_retries=None, acks_late=True,
           reject_on_worker_lost=True, throws=(SampleNotDone,),
-          Request="worker.reaper:OwnedRequest")
+          Request="worker.steps.reaper:OwnedRequest")
 def extract(self: Task, ref_json: Any) -> dict[str, Any]:
     """Extract one sample's hidden states into a verified final file."""
     budget_s = _budget_s(self.request)

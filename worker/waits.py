@@ -13,9 +13,9 @@ import os
 import time
 from collections.abc import Callable
 
-from worker import dumps, liveness
-from worker import store as st
-from worker.errors import Transient
+from worker.core import dumps, liveness
+from worker.core import store as st
+from worker.core.errors import Transient
 from worker.runtime import Runtime
 
 log = logging.getLogger("hsfarm.wait")

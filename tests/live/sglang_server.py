@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producer.localfarm import Proc, free_port, wait_until
+from producer.localfarm.farm import Proc, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_SCRIPT = ROOT / "ops" / "launch-sglang.sh"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from producer.localfarm import wait_until
+from producer.localfarm.farm import wait_until
 from sglang_patch import contracts as c
 from tests.live.conftest import measured, running
 from tests.live.reference import BF16_TOLERANCE, _model, check_dump, relative_error

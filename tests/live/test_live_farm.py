@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from producer.localfarm import LocalFarm, wait_until
+from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.faults import enqueue, run_hash, text
 from tests.live.conftest import measured, running
 from tests.live.reference import BF16_TOLERANCE, reference, relative_error
 from tests.live.sglang_server import LiveServer
-from worker import keys as k
+from worker.state import keys as k
 
 # A live CPU server prefills a 4,451-token sample in seconds, not milliseconds, and a restart
 # takes a minute: longer limits than the reference server's, the same logic.

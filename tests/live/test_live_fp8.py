@@ -20,7 +20,7 @@ from sglang_patch.tiny_model import ensure_tiny_model
 from tests.live.conftest import measured, running
 from tests.live.sglang_server import LiveServer
 from tests.live.traffic import Req, prompt, send, vocab_size, wait_dump
-from worker import fp8 as checks
+from worker.core import fp8 as checks
 
 H = 256
 

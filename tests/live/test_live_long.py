@@ -47,7 +47,7 @@ from tests.live.conftest import measured, running
 from tests.live.reference import check_dump, layer_errors
 from tests.live.sglang_server import LiveServer, get_json
 from tests.live.traffic import PREFILL_LINE, log_lines_since, ours, vocab_size, wait_dump
-from worker.server_limits import max_input_tokens
+from worker.server.limits import max_input_tokens
 
 CHUNK = 2048
 TOKENS = 32768

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.localfarm import wait_until
+from producer.localfarm.farm import wait_until
 from tests.live.conftest import measured, running
 from tests.live.reference import check_dump
 from tests.live.sglang_server import LiveServer

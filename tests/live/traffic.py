@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from producer.localfarm import wait_until
+from producer.localfarm.farm import wait_until
 from sglang_patch import contracts as c
 from tests.live.sglang_server import LiveServer
 

@@ -36,9 +36,9 @@ from sglang_patch import contracts as c
 from training import checksums, durable
 from training.prenorm import speculators_chunks
 from training.sample_file import NP_DTYPES, SampleFile
-from worker import checksums as ck
-from worker import diskio, tensorfile
-from worker.errors import Corrupt
+from worker.core import checksums as ck
+from worker.core import diskio, tensorfile
+from worker.core.errors import Corrupt
 
 Arrays = Mapping[str, np.ndarray]
 Names = Mapping[str, str]  # output tensor -> source tensor with the same bytes

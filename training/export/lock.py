@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from worker.errors import ConfigError
+from worker.core.errors import ConfigError
 
 LOCK_NAME = ".hsfarm-export.lock"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from sglang_patch import contracts as c
 from training.export.formats import Format
 from training.export.ledger import Ledger
-from worker.store import fsync_dir
+from worker.core.store import fsync_dir
 
 
 def close_gaps(ledger: Ledger, fmt: Format, root: Path) -> int:

@@ -15,7 +15,7 @@ source is gone are checked the same way; one whose file is gone too is reported 
 ledger. A crash at any point leaves the source or a ledger line, so re-running resumes.
 
 A sample exported before its record left the corpus (its source gone from ``<out>/samples``,
-a file of its key kept aside in ``<out>/removed/``: worker/setaside.py) is *withdrawn*: its
+a file of its key kept aside in ``<out>/removed/``: worker/core/setaside.py) is *withdrawn*: its
 file leaves DEST and its key the ledger, so DEST holds exactly the current corpus.
 """
 
@@ -40,10 +40,10 @@ from training.export.lock import dest_lock
 from training.export.numbered import close_gaps
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
-from worker.errors import ConfigError, Corrupt
-from worker.setaside import removed_by_key
-from worker.store import _writer_dead as writer_dead  # the store's own temp-name parser
-from worker.store import free_bytes, is_no_space
+from worker.core.errors import ConfigError, Corrupt
+from worker.core.setaside import removed_by_key
+from worker.core.store import _writer_dead as writer_dead  # the store's own temp-name parser
+from worker.core.store import free_bytes, is_no_space
 
 MARGIN_BYTES = 64 << 20
 # Samples exported at once: one sample's CPU work (the save's page faults, speculators'

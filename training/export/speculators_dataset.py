@@ -21,7 +21,7 @@ import numpy as np
 from training import durable, vocab
 from training.export.formats import Speculators
 from training.export.ledger import Ledger
-from worker.errors import Corrupt
+from worker.core.errors import Corrupt
 
 ARROW = "data-00000-of-00001.arrow"
 TOKEN_FREQ = "token_freq.pt"

@@ -1,0 +1,1 @@
+"""``python -m producer adopt``: an earlier run's files taken into this run, proven compatible."""

@@ -1,0 +1,223 @@
+"""The compatibility check of ``adopt``: K matched source files extracted again through the
+live server, exactly as the canary extracts (``canary_check.extract``: the request a task
+sends, the dump the hook writes, read back from the dump dir), and compared per layer with
+the canary's measure and tolerance (``canary.compare``).
+
+When a layer is over the tolerance the check says what it most likely means, from what the
+numbers can show:
+
+- every layer, the final one too, differs: another model or checkpoint;
+- the final state matches and an aux layer does not: other layers. A file's aux layer that
+  matches the server's capture of the next (or previous) layer, where the run captures both
+  (adjacent ids), proves the off-by-one between "input of layer i" and "output of layer i";
+- the aux layers match and the final state does not, but does once the model's final RMSNorm
+  is applied to the file's (the run keeps its weight): the file holds the pre-norm state.
+
+A source written with another chat template matches no record of the data file at all (its
+``input_ids`` differ), so it never reaches this check; ``adopt`` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sglang_patch import contracts as c
+from worker.core import canary as cn
+from worker.core import final_norm
+from worker.core.settings import Settings
+from worker.server.canary_check import extract
+from worker.server.client import ServerClient
+
+MAX_DEFAULT_K = 32
+ROWS = cn.ROWS_PER_PROMPT
+
+
+def default_k(n_matched: int) -> int:
+    """At least 3, about sqrt(n) for bigger sources, at most 32 (never more than there are)."""
+    return min(n_matched, min(MAX_DEFAULT_K, max(3, math.ceil(math.sqrt(n_matched)))))
+
+
+@dataclass(frozen=True)
+class Picked:
+    """One file chosen for the check: its name, the ids sent, and its states at ``rows``."""
+
+    name: str
+    input_ids: list[int]
+    rows: np.ndarray
+    states: np.ndarray  # float32 [4, R, H]: aux layers, then final (bf16 values)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    comparison: cn.Comparison
+    files: list[str]
+    diagnosis: str  # empty when passed
+
+    @property
+    def passed(self) -> bool:
+        return self.comparison.passed
+
+    def lines(self) -> list[str]:
+        head = (f"compatibility check: {len(self.files)} files extracted again through the "
+                f"server: {'passed' if self.passed else 'FAILED'}")
+        out = [head, self.comparison.table()]
+        if self.diagnosis:
+            out.append(f"likely cause: {self.diagnosis}")
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {"files": self.files, "passed": self.passed,
+                "max_rel_tol": self.comparison.max_rel_tol,
+                "mean_rel_tol": self.comparison.mean_rel_tol,
+                "layers": [{"name": e.name, "max_rel": e.max_rel, "mean_rel": e.mean_rel}
+                           for e in self.comparison.layers],
+                "diagnosis": self.diagnosis}
+
+
+def pick(names: list[str], k: int, seed: int | None = None) -> list[str]:
+    """``k`` of ``names`` at random (``seed`` for a repeatable choice)."""
+    return sorted(random.Random(seed).sample(names, min(k, len(names))))
+
+
+def rows_of(n_tokens: int) -> np.ndarray:
+    """Which token rows are compared: evenly spaced ones, the first and last included."""
+    return cn.sample_rows(n_tokens, 0)
+
+
+def states_at(hidden: np.ndarray, aux: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """bf16 bits [T, H] and [T, 3H] → float32 [4, R, H] at ``rows`` (the canary's layout)."""
+    h = hidden.shape[1]
+    fin = cn.from_bf16(np.asarray(hidden[rows]))
+    aux_rows = cn.from_bf16(np.asarray(aux[rows])).reshape(len(rows), c.AUX_LAYERS, h)
+    return np.concatenate([aux_rows.transpose(1, 0, 2), fin[None]], axis=0)
+
+
+def run_check(settings: Settings, run_id: str, fingerprint: c.Fingerprint, out_dir: Path,
+              picked: list[Picked]) -> CheckResult:
+    """Extract ``picked`` again through the server and compare.
+
+    Raises:
+        ServerUnavailable, Transient, Corrupt: the server could not answer for a file.
+    """
+    new = extract_again(settings, run_id, picked)
+    names = cn.layer_names(fingerprint.layers_to_capture)
+    recorded = [cn.Canary(np.asarray(p.input_ids), p.rows, p.states) for p in picked]
+    cmp = cn.compare(recorded, new, names, settings.canary_max_rel_err,
+                     settings.canary_mean_rel_err)
+    why = "" if cmp.passed else diagnose(cmp, recorded, new, fingerprint, _norm(out_dir))
+    return CheckResult(cmp, [p.name for p in picked], why)
+
+
+def extract_again(settings: Settings, run_id: str, picked: list[Picked]) -> list[np.ndarray]:
+    """``picked``'s ids sent to the server at once (the canary's request); the dumps' states
+    at each one's rows, float32 [4, R, H].
+
+    Raises:
+        ServerUnavailable, Transient, Corrupt: the server could not answer for a file.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(_extract_all(settings, run_id, picked))
+    finally:
+        loop.close()
+
+
+async def _extract_all(settings: Settings, run_id: str, picked: list[Picked]
+                       ) -> list[np.ndarray]:
+    client = ServerClient(settings.server_url, settings.request_timeout_s)
+    try:
+        got = await extract(client, settings.dump_dir, [p.input_ids for p in picked],
+                            [p.rows for p in picked], settings.dump_timeout_s, run=run_id,
+                            backoff_s=settings.retry_backoff_s,
+                            backoff_max_s=settings.retry_backoff_max_s)
+    finally:
+        await client.close()
+    return [states for states, _ in got]
+
+
+def _norm(out_dir: Path) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The run's final RMSNorm as a function on [.., H] float32, or None if not recorded."""
+    try:
+        norm = final_norm.load_final_norm(out_dir)
+    except (OSError, ValueError, KeyError):
+        return None
+    w, eps = norm.as_float32(), norm.rms_norm_eps
+
+    def apply(x: np.ndarray) -> np.ndarray:
+        x64 = x.astype(np.float64)
+        return x64 / np.sqrt((x64 ** 2).mean(axis=-1, keepdims=True) + eps) * w
+
+    return apply
+
+
+def _err(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, float]:
+    """(max, mean) relative error of rows ``a`` against ``b`` over every file."""
+    e = np.concatenate([cn.relative_errors(x, y) for x, y in zip(a, b, strict=True)])
+    return float(e.max(initial=0.0)), float(e.mean()) if e.size else 0.0
+
+
+def diagnose(cmp: cn.Comparison, recorded: list[cn.Canary], new: list[np.ndarray],
+             fingerprint: c.Fingerprint, norm: Callable[[np.ndarray], np.ndarray] | None
+             ) -> str:
+    """What the failed comparison most likely means (see the module's docstring)."""
+    def ok(e: tuple[float, float]) -> bool:
+        return e[0] <= cmp.max_rel_tol and e[1] <= cmp.mean_rel_tol
+
+    def layer(states: list[np.ndarray], i: int) -> list[np.ndarray]:
+        return [s[i] for s in states]
+
+    mine = [r.states for r in recorded]
+    bad = [i for i, e in enumerate(cmp.layers) if not ok((e.max_rel, e.mean_rel))]
+    final = len(cmp.layers) - 1
+    if final not in bad:
+        return _other_layers(bad, mine, new, fingerprint, ok, layer)[1]
+    if not [i for i in bad if i != final]:
+        if norm is not None and ok(_err([norm(s) for s in layer(mine, final)],
+                                        layer(new, final))):
+            return ("the files' final state is the one before the model's final norm "
+                    "(pre-norm); this run stores it after the norm (post-norm)")
+        return ("the final state alone differs: another final norm or head, or another "
+                "checkpoint that shares the aux layers")
+    proven, shifted = _other_layers(bad, mine, new, fingerprint, ok, layer)
+    if proven:
+        return shifted
+    return ("another model or checkpoint: every layer differs, the final state too (another "
+            "fine-tune, another revision or quantisation of the weights; or the server now "
+            "serves another model: see the canary)")
+
+
+def _other_layers(bad: list[int], mine: list[np.ndarray], new: list[np.ndarray],
+                  fp: c.Fingerprint, ok: Callable[[tuple[float, float]], bool],
+                  layer: Callable[[list[np.ndarray], int], list[np.ndarray]]
+                  ) -> tuple[bool, str]:
+    """(proven, text): proven when a file's layer equals the server's capture of a layer
+    next to it."""
+    ids = fp.layers_to_capture
+    found = []
+    for j in bad:
+        if j >= len(ids):
+            continue
+        for k, other in enumerate(ids):
+            if k != j and abs(other - ids[j]) == 1 and ok(_err(layer(mine, j), layer(new, k))):
+                found.append((j, k))
+    if found:
+        j, k = found[0]
+        side = ("the output of layer {i} (= the input of layer {n})" if ids[k] > ids[j]
+                else "the input of layer {p}")
+        what = side.format(i=ids[j], n=ids[j] + 1, p=ids[j] - 1)
+        return True, (f"off-by-one layers: the files' aux layer {ids[j]} equals this run's capture "
+                f"of layer {ids[k]}, so the files hold {what} where this run (SGLang's "
+                f"convention) takes the input of layer {ids[j]}: the source's layers are not "
+                "this run's; extract these samples again")
+    names = ", ".join(f"aux layer {ids[j]}" for j in bad if j < len(ids))
+    return False, (f"other layers: {names} differ while the final state matches (same model). The "
+            "common cause is the off-by-one between 'input of layer i' (SGLang, this run) "
+            "and 'output of layer i' (HF hidden_states[i+1]); the run captures no adjacent "
+            "layer to prove it")

@@ -1,0 +1,467 @@
+"""``python -m producer adopt SOURCE --data DATA``: take an earlier run's files into this run.
+
+0. Before a source file is read or anything is written, the server must be the run's, as a
+   worker's start checks it (``adopt_canary.served_check``: weights, layers, config, dtype).
+1. DATA is tokenized as this run's tasks tokenize it; each source file is opened (its ids and
+   shapes, never its states) and matched to the record with exactly its ``input_ids``
+   (``adopt_match``). Files that match nothing, or a sample already done, are reported; an
+   hsfarm file whose header names another run's layers, fingerprint, weights or dtype is
+   refused (``adopt_header``).
+2. K of the matched files are extracted again through the live server and compared per layer
+   with the canary's tolerance (``adopt_check``); if any layer is over it, nothing is adopted.
+   Then every matched file's first rows are compared with the server's, file by file
+   (``adopt_rows``); a file that differs is refused on its own.
+3. Each matched file is written as this run's own final file under the sample's lease (the
+   one a task holds: a worker and ``adopt`` never write one sample at once): the store's
+   durable write, read back from the device and every checksum compared, then marked done in
+   the run's index. The ids and states are the source's, bit for bit (bf16 sources; in an fp8
+   run quantized by the hook's own ``sglang_patch.fp8.quantize``); the loss mask is this
+   run's. Each file's metadata names its source; the run's manifest lists the
+   adoption with the check's numbers.
+
+Only step 3 holds the run's enqueue lock, so two ``adopt`` (or ``adopt`` and ``enqueue``)
+never interleave their writes, while a slow source or server in steps 1-2 stalls neither
+``enqueue`` nor the reconciler's healing; step 3 reads each sample's state again under its
+lease. Only regular files of SOURCE are read (``adopt_formats.readable_entry``). Killed at any
+point, it leaves whole files or temp files that the store removes; run again, it finds the
+adopted ones done and adopts the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from producer.adopt import check as ck
+from producer.adopt import header as ah
+from producer.adopt import match as am
+from producer.adopt import rows as ar
+from producer.adopt.canary import canary_outcome, served_check
+from producer.adopt.formats import SourceSample, detect, list_files, open_sample
+from producer.audit import M_ADOPTED_FROM
+from producer.enqueue import _run_lock_name, open_run
+from sglang_patch import contracts as c
+from worker.core import diskio, liveness, tensorfile
+from worker.core import store as st
+from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
+from worker.core.samples import SampleRef, read_sample
+from worker.core.settings import Settings
+from worker.core.weights import M_WEIGHTS_ID
+from worker.server.canary_check import Outcome
+from worker.server.chat import ChatTokenizer
+from worker.state import broker
+from worker.state import lease as leases
+from worker.state.index import RunIndex
+
+M_ADOPTED_FORMAT = "adopted_format"
+M_ADOPTED_DTYPE, M_ADOPTED_CHECK = "adopted_source_dtype", "adopted_check"
+MANIFEST_ADOPTIONS = "adoptions"
+# a Hugging Face fast tokenizer is not safe to call from two threads at once (--jobs)
+_ENCODE = threading.Lock()
+QUANTIZE_ROWS = 1024  # tokens quantized at once (fp8 runs): bounds the float32 temporaries
+
+
+@dataclass(frozen=True)
+class Run:
+    """What adopting needs of the run: settings, tokenizer, fingerprint, model path."""
+
+    settings: Settings
+    chat: ChatTokenizer
+    fingerprint: c.Fingerprint
+    model_path: Path
+
+
+@dataclass
+class Report:
+    files: int = 0
+    adopted: int = 0
+    done: int = 0
+    busy: list[tuple[str, str]] = field(default_factory=list)  # (file, holder)
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
+    mask_differs: int = 0
+    unmatched: int = 0
+    records: int = 0
+    check: ck.CheckResult | None = None
+    canary: Outcome | None = None  # the run's canary, when one was recorded
+    served: str = ""  # what the probe of the server's identity found
+    headers_checked: int = 0  # hsfarm files whose own header was compared with the run
+    rows: ar.RowsResult | None = None  # the per-file check of every matched file
+    dry_run: bool = False
+    would_adopt: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused and self.compatible
+
+    @property
+    def compatible(self) -> bool:
+        """Neither the canary nor the compatibility check failed."""
+        return ((self.canary is None or self.canary.passed)
+                and (self.check is None or self.check.passed))
+
+    def _checked(self) -> list[str]:
+        """What was checked, per run and per file, and what that guarantees."""
+        if not self.served:
+            return []
+        out = [f"checked per run: served identity (weights, layers, config, dtype): "
+               f"{self.served}"]
+        if self.canary is not None:
+            out.append("checked per run: the run's canary")
+        if self.check is not None:
+            out.append(f"checked per run: {len(self.check.files)} files extracted again whole")
+        per_file = [f"ids and shapes of all {self.files}"]
+        if self.headers_checked:
+            per_file.append(f"own header (layers, fingerprint id, weights identity, dtype) of "
+                            f"{self.headers_checked}")
+        if self.rows is not None:
+            per_file.append(f"states at {ar.ROWS} rows of the first {ar.PREFIX_TOKENS} tokens "
+                            f"of all {self.rows.checked} matched, against the server "
+                            f"({len(self.rows.refused)} differ)")
+        out.append(f"checked per file: {'; '.join(per_file)}")
+        if self.rows is not None and self.check is not None:
+            out += ar.guarantee(self.rows.checked, len(self.check.files))
+        return out
+
+    def lines(self) -> list[str]:
+        out = [f"  {name}: {why}" for name, why in self.refused]
+        out += [f"  {name}: being extracted by a worker ({who}); left to it"
+                for name, who in self.busy]
+        if self.canary is not None:
+            out.append(self.canary.text if self.canary.passed else
+                       "the server fails the run's canary, so it cannot judge the files; "
+                       f"nothing adopted:\n{self.canary.text}")
+        if self.check is not None:
+            out += self.check.lines()
+        out += self._checked()
+        if self.unmatched and not self.done and self.check is None:
+            out.append("no file matches a record: the source was tokenized otherwise (another "
+                       "chat template, tokenizer or FARM_MAX_TOKENS) or holds another data "
+                       "file's samples")
+        if self.mask_differs:
+            out.append(f"loss mask differs from this run's in {self.mask_differs} files: "
+                       "this run's mask was written")
+        verb = "would adopt" if self.dry_run else "adopted"
+        n = self.would_adopt if self.dry_run else self.adopted
+        out += [f"files: {self.files}", f"{verb}: {n}", f"already done: {self.done}",
+                f"refused: {len(self.refused)}"]
+        if self.busy:
+            out.append(f"left to workers: {len(self.busy)}")
+        return out
+
+
+def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
+          keys: dict[str, tuple[str, ...]] | None = None, check_k: int | None = None,
+          dry_run: bool = False, jobs: int = 2, progress: bool = True,
+          seed: int | None = None) -> Report:
+    """Adopt ``source``'s files for the records of ``data``. See the module's docstring.
+
+    Raises:
+        ConfigError: an unrecognised format, a foreign output dir, an unusable setting.
+        DataFileError: ``data`` cannot be read as records.
+        ServerUnavailable, Transient: the check could not reach the server.
+    """
+    s = run.settings
+    why = fp8_problem(s)
+    if why:
+        raise ConfigError(why)
+    fmt = detect(source) if fmt == "auto" else fmt
+    served = served_check(s, run.fingerprint, run.model_path)  # before a source is read
+    store = st.OutputStore(s.output_dir, run.fingerprint)
+    if not dry_run or (s.output_dir / st.MANIFEST).exists():
+        store = open_run(s, run.fingerprint, run.model_path)
+        store.debug_write_delay_s = s.debug_write_delay_s
+    run_id = store.run_id or c.NO_RUN
+    r = broker.client(s)
+    report = Report(dry_run=dry_run, served=served)
+    with _bar(progress, "tokenize", None) as bar:
+        records = am.tokenize_records(data, run.chat, s.max_record_bytes, bar.update)
+    files = list_files(source, fmt)
+    report.files, report.records = len(files), records.count
+    with _bar(progress, "match", len(files)) as bar:
+        found = am.scan(files, fmt, keys, records, store, source, bar.update)
+    report.refused, report.done = list(found.refused), len(found.done)
+    report.unmatched = found.unmatched
+    if fmt == "hsfarm":
+        report.headers_checked = _screen_headers(run, store, found, source, report)
+    if not found.matched:
+        return report
+    report.canary = canary_outcome(s, store, run.model_path, run.chat)
+    if report.canary is not None and not report.canary.passed:
+        return report
+    report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
+    if not report.check.passed:
+        return report
+    report.rows = _check_rows(run, run_id, found, fmt, keys, source, progress)
+    _drop(found, source, report.rows.refused, report)
+    report.would_adopt = len(found.matched)
+    if dry_run:
+        return report
+    # only the writing holds the lock: each sample's state is read again under its lease
+    with leases.held(r, _run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
+        _adopt_all(run, store, RunIndex(r, run_id), found, fmt, keys, source, report, jobs,
+                   progress)
+        _record(store.out_dir, source, fmt, data, report)
+    return report
+
+
+def _bar(progress: bool, desc: str, total: int | None) -> tqdm:
+    return tqdm(total=total, desc=desc, unit=" files" if total else " records",
+                disable=not progress)
+
+
+def _check(run: Run, store: st.OutputStore, run_id: str, found: am.Scan, fmt: str,
+           keys: dict[str, tuple[str, ...]] | None, check_k: int | None, seed: int | None,
+           source: Path) -> ck.CheckResult:
+    """Pick K matched files, load each (one at a time) and compare with the server."""
+    k = ck.default_k(len(found.matched)) if check_k is None else max(1, check_k)
+    picked = []
+    for key in ck.pick(sorted(found.matched), k, seed):
+        path, _, _ = found.matched[key]
+        s = open_sample(path, fmt, keys)
+        rows = ck.rows_of(len(s.input_ids))
+        picked.append(ck.Picked(str(path.relative_to(source)), s.input_ids.tolist(), rows,
+                                ck.states_at(s.hidden, s.aux, rows)))
+    return ck.run_check(run.settings, run_id, run.fingerprint, store.out_dir, picked)
+
+
+def _screen_headers(run: Run, store: st.OutputStore, found: am.Scan, source: Path,
+                    report: Report) -> int:
+    """Refuse the matched hsfarm files whose header names another run; how many were read."""
+    refused = []
+    for path, _, _ in found.matched.values():
+        try:
+            meta = tensorfile.header_metadata(path)
+        except (Corrupt, OSError) as e:
+            refused.append((str(path.relative_to(source)), f"unreadable: {e}"))
+            continue
+        why = ah.refusal(meta, run.fingerprint, store.weights_id)
+        if why:
+            refused.append((str(path.relative_to(source)), why))
+    n = len(found.matched)
+    _drop(found, source, refused, report)
+    return n
+
+
+def _check_rows(run: Run, run_id: str, found: am.Scan, fmt: str,
+                keys: dict[str, tuple[str, ...]] | None, source: Path,
+                progress: bool) -> ar.RowsResult:
+    """Every matched file's first rows against the server (``adopt_rows``)."""
+    files = [(str(path.relative_to(source)), path)
+             for _, (path, _, _) in sorted(found.matched.items())]
+    with _bar(progress, "check rows", len(files)) as bar:
+        return ar.check_files(run.settings, run_id, run.fingerprint, files,
+                              lambda p: open_sample(p, fmt, keys), bar.update)
+
+
+def _drop(found: am.Scan, source: Path, refused: list[tuple[str, str]],
+          report: Report) -> None:
+    """Take the ``refused`` files (name, reason) out of the matched ones, into the report."""
+    names = {name for name, _ in refused}
+    for key, (path, _, _) in list(found.matched.items()):
+        if str(path.relative_to(source)) in names:
+            del found.matched[key]
+    report.refused += refused
+
+
+def _adopt_all(run: Run, store: st.OutputStore, index: RunIndex, found: am.Scan, fmt: str,
+               keys: dict[str, tuple[str, ...]] | None, source: Path, report: Report,
+               jobs: int, progress: bool) -> None:
+    assert report.check is not None
+    check = json.dumps({"files": len(report.check.files),
+                        "worst_max_rel": max((e.max_rel for e in report.check.comparison.layers),
+                                             default=0.0)})
+    items = sorted(found.matched.items())
+
+    def one(item: tuple[str, tuple[Path, SampleRef, int]]) -> tuple[str, str, str]:
+        _, (path, ref, _) = item
+        name = str(path.relative_to(source))
+        try:
+            return name, *_adopt_one(run, store, index, path, ref, fmt, keys, check)
+        except SourceFileRefused as e:
+            return name, "refused", str(e)
+        except leases.LeaseLost:  # an attempt took the sample while it was written
+            return name, "busy", "an attempt that took its lease while it was written"
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
+            _bar(progress, "adopt", len(items)) as bar:
+        for name, outcome, why in pool.map(one, items):
+            bar.update()
+            if outcome == "adopted":
+                report.adopted += 1
+                report.mask_differs += why == "mask differs"
+            elif outcome == "done":
+                report.done += 1
+            elif outcome == "busy":
+                report.busy.append((name, why))
+            else:
+                report.refused.append((name, why))
+
+
+def _adopt_one(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: SampleRef,
+               fmt: str, keys: dict[str, tuple[str, ...]] | None, check: str
+               ) -> tuple[str, str]:
+    """(outcome, detail): ("adopted", "" | "mask differs"), ("done", ""), ("busy", holder).
+
+    Raises:
+        SourceFileRefused: the file (or its record) cannot be adopted; the reason.
+        NoSpace, OutputUnavailable: the output disk failed (the command stops).
+    """
+    got = leases.try_acquire(index.r, leases.lease_name(store.run_id, ref.key),
+                             run.settings.lease_ttl_s)
+    if isinstance(got, str):
+        return "busy", got
+    try:
+        state = am.done_state(store, ref)
+        if state == "done":
+            return "done", ""
+        if state is not None:
+            raise SourceFileRefused(state)
+        return _write(run, store, index, path, ref, fmt, keys, check, got)
+    finally:
+        got.release()
+
+
+def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: SampleRef,
+           fmt: str, keys: dict[str, tuple[str, ...]] | None, check: str,
+           lease: leases.Lease) -> tuple[str, str]:
+    try:
+        sample, _ = read_sample(ref)
+        with _ENCODE:
+            tok = run.chat.encode(sample)
+    except (BadInput, StaleRecord) as e:
+        raise SourceFileRefused(f"its record {ref.index} changed: {e}") from e
+    s = open_sample(path, fmt, keys)
+    if not np.array_equal(s.input_ids, np.asarray(tok.input_ids, dtype=np.int64)):
+        raise SourceFileRefused(f"its record {ref.index} changed since it was matched")
+    mask = np.asarray(tok.loss_mask, dtype=np.int64)
+    differs = s.loss_mask is not None and not np.array_equal(s.loss_mask, mask)
+    meta = {st.M_SOURCE_ID: json.dumps(sample.source_id), st.M_SOURCE_FILE: ref.file,
+            st.M_TRUNCATED: str(tok.truncated_from),
+            c.M_LAYERS: json.dumps(list(run.fingerprint.layers_to_capture)),
+            M_WEIGHTS_ID: store.weights_id, M_ADOPTED_FROM: str(path.resolve()),
+            M_ADOPTED_FORMAT: fmt, M_ADOPTED_CHECK: check}
+    v = write_adopted(store, ref.key, ref.sha256, s, mask, meta, before_write=lease.check)
+    index.mark_done(ref.key, v.size_bytes, v.tokens)
+    return "adopted", "mask differs" if differs else ""
+
+
+def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: SourceSample,
+                  loss_mask: np.ndarray, meta: dict[str, str],
+                  before_write: Callable[[], None] | None = None) -> st.Verified:
+    """One adopted file's data path: the source's own checksums and its values checked
+    (NaN/Inf), written durably as a final file, read back from the device and verified.
+
+    Raises:
+        SourceFileRefused: bad values or checksums; or the file does not read back whole.
+        NoSpace, OutputUnavailable: the output disk failed.
+    """
+    if s.verify is not None:
+        s.verify()
+    nonfinite = {c.T_HIDDEN: 0, c.T_AUX: 0}
+    parts = {c.T_INPUT_IDS: st.Part.from_array("I64", s.input_ids),
+             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask)}
+    if store.fingerprint.dtype == c.DTYPE_FP8:
+        parts |= _quantized(s.hidden, 1, c.T_HIDDEN, c.T_HIDDEN_SCALE)
+        parts |= _quantized(s.aux, c.AUX_LAYERS, c.T_AUX, c.T_AUX_SCALE)
+    else:
+        parts |= {c.T_HIDDEN: _part(s.hidden, nonfinite, c.T_HIDDEN),
+                  c.T_AUX: _part(s.aux, nonfinite, c.T_AUX)}
+
+    def verdict() -> None:  # every byte was checked as it was copied (in cache)
+        bad = [f"{n} has {k} NaN/Inf values" for n, k in nonfinite.items() if k]
+        if bad:
+            raise SourceFileRefused("; ".join(bad))
+
+    meta = {**meta, st.M_CONTENT: content_sha256, c.M_PATCH_VERSION: c.PATCH_VERSION,
+            M_ADOPTED_DTYPE: s.dtype}
+    if before_write is not None:
+        before_write()  # lost the lease (stalled past its TTL): write nothing
+    try:
+        return store.write_verified(key, parts, meta, validate=verdict)
+    except Corrupt as e:
+        raise SourceFileRefused(f"not adopted (nothing left at its final path): {e}") from e
+
+
+def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
+    """A bf16 tensor's bytes straight from the source's mapping (no copy when contiguous),
+    its NaN/Inf values counted into ``nonfinite[name]`` piece by piece as they are copied."""
+    arr = np.ascontiguousarray(bits)
+
+    def check(piece: memoryview) -> None:
+        values = np.frombuffer(piece, dtype="<u2")
+        if tensorfile.bf16_any_nonfinite(values):
+            nonfinite[name] += tensorfile.bf16_nonfinite(values)
+
+    return st.Part("BF16", tuple(arr.shape), data=arr.data.cast("B"), check=check)
+
+
+def _quantized(bits: np.ndarray, layers: int, name: str, scale_name: str
+               ) -> dict[str, st.Part]:
+    """bf16 states (bits) quantized by the hook's own code (``sglang_patch.fp8.quantize``),
+    ``QUANTIZE_ROWS`` tokens at a time as the hook quantizes a chunk of a prefill, so an
+    adopted file holds what a worker writes from the same states.
+
+    Raises:
+        SourceFileRefused: the states hold NaN/Inf (refused before quantizing, as in bf16).
+    """
+    import torch
+
+    from sglang_patch import fp8
+
+    values = np.ascontiguousarray(bits).view("<u2")
+    if tensorfile.bf16_any_nonfinite(values):
+        raise SourceFileRefused(f"{name} has {tensorfile.bf16_nonfinite(values)} NaN/Inf values")
+    with warnings.catch_warnings():  # a read-only mapping: quantize never writes its input
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    pieces = [fp8.quantize(x[i:i + QUANTIZE_ROWS], layers)
+              for i in range(0, max(len(x), 1), QUANTIZE_ROWS)]
+    q = np.ascontiguousarray(torch.cat([p[0] for p in pieces]).numpy())
+    scale = np.ascontiguousarray(torch.cat([p[1] for p in pieces]).numpy(), dtype="<f4")
+    return {name: st.Part("F8_E4M3", tuple(q.shape), data=q.data.cast("B")),
+            scale_name: st.Part("F32", tuple(scale.shape), data=scale.data.cast("B"))}
+
+
+def fp8_problem(settings: Settings) -> str | None:
+    """Why states cannot be quantized for this run here, or None (a bf16 run; torch there)."""
+    if settings.hidden_dtype != c.DTYPE_FP8:
+        return None
+    try:
+        from sglang_patch import fp8  # noqa: F401  (torch, as the hook quantizes)
+    except ImportError as e:
+        return (f"this run stores {c.DTYPE_FP8} (FARM_STORE_DTYPE); adopt quantizes with the "
+                f"hook's code, which needs torch ({e}): pip install 'hsfarm[training]'")
+    return None
+
+
+def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -> None:
+    """Add this adoption to the manifest (temp file, fsync, rename, fsync dir). The run id
+    does not depend on this entry (worker/core/run.py); the enqueue lock is held."""
+    path = out_dir / st.MANIFEST
+    body = json.loads(path.read_text())
+    body.setdefault(MANIFEST_ADOPTIONS, []).append({
+        "at": time.time(), "source": str(source.resolve()), "format": fmt,
+        "data": str(data.resolve()), "adopted": report.adopted, "already_done": report.done,
+        "refused": len(report.refused), "mask_differs": report.mask_differs,
+        "check": report.check.to_json() if report.check else None})
+    tmp = path.with_name(f".{st.MANIFEST}{c.TMP_MARK}{liveness.temp_tag(uuid.uuid4().hex[:8])}")
+    try:
+        tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        diskio.fsync_dir(out_dir)
+    finally:
+        tmp.unlink(missing_ok=True)

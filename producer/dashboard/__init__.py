@@ -1,0 +1,1 @@
+"""``python -m producer dashboard``: the run's page and ``/metrics``."""

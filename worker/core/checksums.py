@@ -1,0 +1,89 @@
+"""Per-tensor checksums of final files: the one place that computes them and reads them back.
+
+Every reader of final files (the worker's verify, ``audit``, the training side) goes through
+this module, so a file written by any version of the farm verifies with every later one:
+
+- files written since issue 9: metadata ``checksum_algorithm`` = ``xxh3-128`` and
+  ``checksums`` = JSON ``{tensor name: hex digest}``;
+- files written before: no ``checksum_algorithm``, and ``sha256`` = JSON ``{name: hex}``.
+
+xxh3-128 is for detecting corruption (bit rot, torn or misdirected writes), not tampering: it
+runs at memory speed (~30 GB/s here), where sha256 (1.8 GB/s) cost more CPU than the copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Protocol
+
+import xxhash
+
+from worker.core.errors import Corrupt
+
+M_ALGORITHM = "checksum_algorithm"
+M_CHECKSUMS = "checksums"
+M_LEGACY_SHA256 = "sha256"  # the metadata key of files written before the algorithm was recorded
+
+XXH3_128 = "xxh3-128"
+SHA256 = "sha256"
+DEFAULT_ALGORITHM = XXH3_128
+DIGEST_HEX_LEN = 32  # of DEFAULT_ALGORITHM: a header can be sized before its digests are known
+
+
+class Hasher(Protocol):
+    """What ``new_hasher`` returns: feed bytes in pieces, then read the digest."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:
+    """A streaming hasher for one tensor's bytes.
+
+    Raises:
+        Corrupt: the algorithm is not one this version knows (a file from a newer farm?).
+    """
+    if algorithm == XXH3_128:
+        return xxhash.xxh3_128()
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    raise Corrupt(f"unknown checksum algorithm {algorithm!r}")
+
+
+def tensor_checksum(data: bytes | bytearray | memoryview,
+                    algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """The checksum of one tensor's raw little-endian bytes (C order), as stored in files."""
+    h = new_hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
+
+
+def checksum_metadata(sums: Mapping[str, str],
+                      algorithm: str = DEFAULT_ALGORITHM) -> dict[str, str]:
+    """The metadata entries that record ``sums`` (tensor name → hex digest) in a file."""
+    return {M_ALGORITHM: algorithm, M_CHECKSUMS: json.dumps(dict(sums), sort_keys=True)}
+
+
+def file_checksums(metadata: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """(algorithm, {tensor name: hex digest}) recorded in a file's metadata, old or new format.
+
+    Raises:
+        Corrupt: no checksums, unreadable ones, or an unknown algorithm.
+    """
+    algorithm = metadata.get(M_ALGORITHM)
+    key = M_CHECKSUMS if algorithm is not None else M_LEGACY_SHA256
+    algorithm = algorithm or SHA256
+    raw = metadata.get(key)
+    if raw is None:
+        raise Corrupt(f"no checksums in the metadata (key {key!r})")
+    try:
+        sums = json.loads(raw)
+    except ValueError as e:
+        raise Corrupt(f"checksums in the metadata are not JSON: {e}") from e
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise Corrupt("checksums in the metadata are not a {name: digest} object")
+    new_hasher(algorithm)  # raises Corrupt for an algorithm this version does not know
+    return algorithm, sums

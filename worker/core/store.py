@@ -1,0 +1,467 @@
+"""The output directory: manifest, durable final files, verification from disk, cleanup.
+
+Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors``.
+Every write is temp file → fsync → read back → rename → fsync(dir); "verified" means read
+back from the device (the file's pages dropped from the page cache first), the layout the
+run's and every per-tensor checksum compared. A write is verified before its rename, so a file
+that does not read back whole never takes a final path.
+
+The data path streams (``finalfile``): a final file is written from its parts in one pass,
+checksummed on the way, and read back in bounded chunks. No step holds a whole tensor in
+memory. ``Part`` is re-exported here for callers of ``write``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sglang_patch import contracts as c
+from worker.core import checksums, diskio, final_norm, fp8, liveness, run, tensorfile, weights
+from worker.core.errors import (
+    ConfigError,
+    Corrupt,
+    LeaseLost,
+    NoSpace,
+    OutputUnavailable,
+    Transient,
+)
+from worker.core.finalfile import Part, read_back, write_parts
+from worker.core.semantics import tensor_semantics
+
+log = logging.getLogger("hsfarm.store")
+
+MANIFEST = run.MANIFEST
+M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
+M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
+M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
+FINAL_TENSORS = {  # name -> dtype of the final file (bf16 storage; ``final_layout`` for any)
+    c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
+}
+SCALES = (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)  # fp8 storage: checked by value at verify
+
+
+def final_layout(fp: c.Fingerprint, n: int, found: Mapping[str, tuple[int, ...]] | None = None
+                 ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of a final file of ``n`` tokens of run ``fp``: name -> (dtype, shape).
+    ``found``: the file's shapes, when checking one (``contracts.hidden_layout``: an fp8 file
+    of one scale per token per layer, written before the blocks, is checked as one)."""
+    return {c.T_INPUT_IDS: ("I64", (n,)), c.T_LOSS_MASK: ("I64", (n,)),
+            **c.hidden_layout(fp.dtype, n, fp.hidden_size, found)}
+
+
+@dataclass(frozen=True)
+class Verified:
+    path: Path
+    tokens: int
+    size_bytes: int
+    # What was read back, for callers that check more (audit): the metadata and the small
+    # tensors (input_ids, loss_mask). The hidden states were checked in passing, not kept.
+    file: tensorfile.TensorFile
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull",
+                  "QuotaExceeded")
+
+
+def is_no_space(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT, whichever library raised it (safetensors raises ``SafetensorError``
+    with the OS error in its message, not an ``OSError``)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(text in str(e) for text in _NO_SPACE_TEXT)
+
+
+def check_free(path: Path, reserve_bytes: int, what: str) -> None:
+    """Raises Transient when ``path``'s file system has less than ``reserve_bytes`` free."""
+    free = free_bytes(path)
+    if free < reserve_bytes:
+        raise Transient(f"{what} {path} low: {free} bytes free < reserve {reserve_bytes}")
+
+
+fsync_dir = diskio.fsync_dir
+
+
+def _tmp_tag() -> str:
+    """Who writes: lets start-up cleanup tell a crashed writer's temp from a live one's."""
+    return liveness.temp_tag(uuid.uuid4().hex[:8])
+
+
+class OutputStore:
+    """One run's output directory. ``open`` checks or writes the manifest first."""
+
+    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint, min_free_bytes: int = 0,
+                 versions: dict[str, str] | None = None, debug_write_delay_s: float = 0.0,
+                 model_path: Path | None = None) -> None:
+        self.out_dir = out_dir
+        self.model_path = model_path  # where the final-norm weight is read from (new manifests)
+        self.fingerprint = fingerprint
+        self.min_free_bytes = min_free_bytes
+        self.versions = versions or {}
+        self.debug_write_delay_s = debug_write_delay_s
+        self.weights_id = ""  # the checkpoint's identity (weights.py), once opened with a model
+        self.run_id = ""  # the run this output dir holds (worker/core/run.py), once opened
+        self.weights_local: dict[str, object] | None = None  # FARM_MODEL_PATH's identity
+        self.weights_recorded: dict[str, object] | None = None  # the manifest's
+
+    def open(self) -> OutputStore:
+        """Create the dir and manifest, or check that the existing manifest matches.
+
+        With a model path, the checkpoint's weights identity is recorded in a new manifest
+        and checked against an existing one's, before any request is sent.
+
+        Raises:
+            ConfigError: the directory belongs to a run with a different fingerprint, or to
+                other weights; or a weight shard is truncated; or it cannot be written.
+        """
+        try:
+            self._open()
+        except OSError as e:
+            raise ConfigError(f"the output dir {self.out_dir} cannot be written ({e}); "
+                              "make it writable (a read-only or failing file system? "
+                              "permissions?), or set FARM_OUTPUT_DIR") from e
+        problem = writable_problem(self.out_dir)
+        if problem:
+            raise ConfigError(f"{problem}; make it writable, or set FARM_OUTPUT_DIR")
+        return self
+
+    def _open(self) -> None:
+        (self.out_dir / "samples").mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / MANIFEST
+        identity = None if self.model_path is None else weights.weights_identity(self.model_path)
+        if not path.exists():
+            body = {"fingerprint_id": self.fingerprint.id,
+                    "fingerprint": self.fingerprint.to_json(),
+                    run.M_RUN_NONCE: uuid.uuid4().hex,
+                    "versions": self.versions, "created_at": time.time(),
+                    "tensors": tensor_semantics(self.fingerprint),
+                    "final_norm": self._write_final_norm()}
+            if identity is not None:
+                body["weights"] = identity
+            tmp = path.with_name(f".{MANIFEST}{c.TMP_MARK}{_tmp_tag()}")
+            tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # fails if another worker wrote it first: then compare
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(self.out_dir)
+        manifest = self._check_manifest(path)
+        if identity is not None:
+            self._check_weights(manifest, identity)
+        self.run_id = run.run_id(manifest)
+
+    def _check_weights(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
+        recorded = manifest.get("weights")
+        self.weights_local = identity
+        self.weights_recorded = recorded if isinstance(recorded, dict) else None
+        if isinstance(recorded, dict):
+            unknown = weights.incomparable(recorded, identity)
+            if unknown:  # nothing to compare here: the canary alone guards the served model
+                log.warning("the weights cannot be checked against the run's identity here "
+                            "(%s); the canary guards the served model, and files written "
+                            "here carry the run's identity %s", unknown, recorded.get("id"))
+                self.weights_id = str(recorded.get("id"))
+                return
+            why = weights.mismatch(recorded, identity, self.model_path or self.out_dir)
+            if why:
+                raise ConfigError(why)
+        else:  # a run started before the identity existed: keep it running, say what is unchecked
+            log.warning("%s/%s records no weights identity (a run started by an older hsfarm): "
+                        "the checkpoint cannot be checked against it; files written from now on "
+                        "carry identity %s, and the canary guards the served model",
+                        self.out_dir, MANIFEST, identity["id"])
+        self.weights_id = str(identity["id"])
+
+    def recorded_weights_id(self) -> str | None:
+        """The weights identity the manifest records (None: none recorded, or no manifest)."""
+        try:
+            entry = json.loads((self.out_dir / MANIFEST).read_text()).get("weights")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return str(entry["id"]) if isinstance(entry, dict) and "id" in entry else None
+
+    def _write_final_norm(self) -> dict[str, object]:
+        """Store the model's final-norm weight beside the manifest; the manifest's entry.
+
+        Not part of the fingerprint (a run's id does not change; manifests without it still
+        open). A model whose final norm cannot be found still runs: the entry says why, and
+        only the exports that need the weight refuse.
+        """
+        if self.model_path is None:
+            return {"error": "not recorded (no model path given to the store)"}
+        try:
+            norm = final_norm.read_final_norm(self.model_path, self.fingerprint.hidden_size)
+        except (ConfigError, OSError, ValueError, KeyError) as e:
+            log.warning("final norm weight not recorded: %s", e)
+            return {"error": str(e)}
+        weight = np.ascontiguousarray(norm.weight.array)
+        sums = {final_norm.TENSOR: checksums.tensor_checksum(weight.data)}
+        final_norm.write_final_norm(self.out_dir, norm, checksums.checksum_metadata(sums))
+        return {"file": final_norm.FILE, "tensor": final_norm.TENSOR,
+                "source_tensor": norm.source_name, "dtype": norm.weight.dtype,
+                "rms_norm_eps": norm.rms_norm_eps,
+                checksums.M_ALGORITHM: checksums.DEFAULT_ALGORITHM, checksums.M_CHECKSUMS: sums}
+
+    def _check_manifest(self, path: Path) -> dict[str, object]:
+        try:
+            manifest = json.loads(path.read_text())
+            theirs = c.Fingerprint.from_json(manifest["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"{path}: unreadable manifest ({e}); move it away to start anew"
+            ) from e
+        diff = self.fingerprint.differences(theirs)
+        if diff:
+            raise ConfigError(
+                f"{self.out_dir} holds hidden states of another run; refusing to mix them. "
+                f"Differences (this run != directory): {'; '.join(diff)}. "
+                "Use a new FARM_OUTPUT_DIR, or restore the original settings."
+            )
+        return dict(manifest)
+
+    def final_path(self, key: str) -> Path:
+        return c.final_path(self.out_dir, key)
+
+    def check_space(self) -> None:
+        """Raises Transient when the output disk is below its free-space reserve."""
+        check_free(self.out_dir, self.min_free_bytes, "output disk")
+
+    def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
+              validate: Callable[[], None] | None = None) -> Path:
+        """``write_verified``'s final path (the file was read back and checked before it)."""
+        return self.write_verified(key, parts, metadata, validate).path
+
+    def write_verified(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
+                       validate: Callable[[], None] | None = None) -> Verified:
+        """Write a final file durably and atomically, its pages dropped from the cache, and
+        read it back from the device (``verify``'s checks) before its rename: a file that is
+        not this run's layout, or does not read back whole, never reaches its final path.
+
+        ``validate`` runs once every byte went through the parts' checks (``write_parts``).
+
+        The caller holds the sample's lease (``worker/state/lease.py``; every caller does: an
+        attempt, ``adopt``), so any other temp file of this sample is a writer's that no longer
+        holds it: removed first (``_remove_other_temps``).
+
+        Raises:
+            NoSpace: ENOSPC/EDQUOT, whichever call hit it.
+            OutputUnavailable: any other I/O error (read-only, EIO, a stale NFS handle...).
+            Corrupt: the parts are not this run's layout (nothing is written), or from
+                ``validate``, or the file does not read back whole (nothing is left then).
+            LeaseLost: this write's temp file was removed before its rename: the sample's
+                lease is another attempt's now (it removed the file), so nothing is written.
+        """
+        final = self.final_path(key)
+        layout = {name: (p.dtype, p.shape) for name, p in parts.items()}
+        problems = self._layout_problems(layout, layout.get(c.T_INPUT_IDS, ("", (-1,)))[1])
+        if problems:
+            raise Corrupt(f"{final}: not this run's layout: " + "; ".join(problems))
+        tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
+        meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
+        with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._remove_other_temps(final)
+            try:
+                self._write_tmp(tmp, parts, meta, validate)
+                try:
+                    v = self._read_back(tmp, key, metadata.get(M_CONTENT), final)
+                    _evict(tmp)  # what the read-back cached: RAM stays free
+                    os.replace(tmp, final)
+                except FileNotFoundError as e:
+                    if not final.parent.is_dir():
+                        raise  # the directory went: the disk's fault (OutputUnavailable)
+                    raise LeaseLost(f"{tmp.name} was removed before its rename: another "
+                                    f"attempt of {key} holds its lease now") from e
+                fsync_dir(final.parent)
+            finally:
+                with contextlib.suppress(OSError):  # gone, or the disk refuses: a dead
+                    tmp.unlink()                    # writer's temp, removed later
+        return Verified(final, v.tokens, v.size_bytes, v.file)
+
+    def _write_tmp(self, tmp: Path, parts: dict[str, Part], meta: dict[str, str],
+                   validate: Callable[[], None] | None) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_parts(fd, parts, meta, validate)
+            if self.debug_write_delay_s:
+                time.sleep(self.debug_write_delay_s)
+            os.fsync(fd)
+            os.fchmod(fd, 0o644)
+            diskio.drop_cache(fd)  # so that verification reads the device, and RAM stays free
+        finally:
+            os.close(fd)
+
+    def verify(self, key: str, content_sha256: str | None = None) -> Verified:
+        """Read the final file back from the disk (not the page cache) and check it completely.
+
+        Raises:
+            Corrupt: missing tensors, wrong dtypes/shapes, checksum or fingerprint mismatch.
+            FileNotFoundError: there is no final file.
+        """
+        return self._read_back(self.final_path(key), key, content_sha256)
+
+    def _read_back(self, path: Path, key: str, content_sha256: str | None,
+                   shown: Path | None = None) -> Verified:
+        """``verify``'s checks of the file at ``path`` (named ``shown`` in a refusal)."""
+        header, sums, small = read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK, *SCALES})
+        meta = header.metadata
+        problems = []
+        if meta.get(M_KEY) != key:
+            problems.append(f"sample_key {meta.get(M_KEY)!r}")
+        if meta.get(M_FINGERPRINT) != self.fingerprint.id:
+            problems.append(f"fingerprint {meta.get(M_FINGERPRINT)!r} != {self.fingerprint.id}")
+        if content_sha256 is not None and meta.get(M_CONTENT) != content_sha256:
+            problems.append(f"content hash {meta.get(M_CONTENT)!r} != {content_sha256}")
+        problems += self._shape_problems(header)
+        problems += _checksum_problems(meta, sums)
+        problems += [f"{name} has {n} scales that are not finite and > 0" for name in SCALES
+                     if name in small and (n := fp8.bad_scales(small[name].array))]
+        if problems:
+            raise Corrupt(f"{shown or path}: " + "; ".join(problems))
+        tf = tensorfile.TensorFile(small, meta, header.size_bytes)
+        return Verified(path, int(header.tensors[c.T_INPUT_IDS].shape[0]), header.size_bytes, tf)
+
+    def _shape_problems(self, header: tensorfile.Header) -> list[str]:
+        return shape_problems(self.fingerprint, header)
+
+    def header_problems(self, header: tensorfile.Header) -> list[str]:
+        """How a final file's header differs from this run's (``header_problems``)."""
+        return header_problems(self.fingerprint, header)
+
+    def _layout_problems(self, t: dict[str, tuple[str, tuple[int, ...]]],
+                         ids_shape: tuple[int, ...]) -> list[str]:
+        return layout_problems(self.fingerprint, t, ids_shape)
+
+    @staticmethod
+    def _remove_other_temps(final: Path) -> None:
+        """Every other temp file of this sample: its writer no longer holds the lease we hold.
+
+        Either it is gone: killed mid-write, here or where our /proc cannot tell (another pid
+        namespace, another host on a shared output dir; a temp file of 86-470 MB otherwise
+        left until a worker's start-up removes it by age). Or it is alive and lost the lease
+        (it stopped renewing for a whole TTL): without its temp file its rename fails and it
+        writes nothing (``LeaseLost`` above), instead of replacing our file after us.
+        """
+        for p in final.parent.glob(f".{final.name}{c.TMP_MARK}*"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                log.info("removed %s: its writer no longer holds the sample's lease", p.name)
+
+    def clean_stale_temp(self, max_age_s: float) -> int:
+        """Remove temp files left by crashed writers; never touch finished files.
+
+        A temp file is stale when its writer (a process of this machine) is no longer alive,
+        or it is older than ``max_age_s`` (writers on other machines sharing the directory).
+        """
+        removed = 0
+        for p in self.out_dir.rglob(f"*{c.TMP_MARK}*"):
+            try:
+                if _writer_dead(p.name) or time.time() - p.stat().st_mtime > max_age_s:
+                    p.unlink()
+                    removed += 1
+            except OSError:
+                continue
+        if removed:
+            log.info("removed %d stale temp files under %s", removed, self.out_dir)
+        return removed
+
+
+def layout_problems(fp: c.Fingerprint, t: dict[str, tuple[str, tuple[int, ...]]],
+                    ids_shape: tuple[int, ...]) -> list[str]:
+    """How tensors ``{name: (dtype, shape)}`` differ from run ``fp``'s final-file layout (an
+    fp8 file of one scale per token per layer, written before the blocks, is checked as one)."""
+    want = final_layout(fp, ids_shape[0] if ids_shape else -1, {k: s for k, (_, s) in t.items()})
+    missing = set(want) - set(t)
+    out = [f"missing tensors {sorted(missing)}"] if missing else []
+    have = {k: v for k, v in want.items() if k in t}
+    out += [f"{k} dtype {t[k][0]} (this run stores {d})" for k, (d, _) in have.items()
+            if t[k][0] != d]
+    return out + [f"{k} shape {t[k][1]} != {s}" for k, (_, s) in have.items() if t[k][1] != s]
+
+
+def shape_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
+    """How a final file's tensors, dtypes and shapes differ from run ``fp``'s."""
+    t = header.tensors
+    ids = t[c.T_INPUT_IDS].shape if c.T_INPUT_IDS in t else ()
+    return layout_problems(fp, {k: (e.dtype, e.shape) for k, e in t.items()}, ids or (-1,))
+
+
+def header_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
+    """How a final file's header differs from run ``fp``'s: fingerprint id, tensors, dtypes
+    and shapes (the header alone: no tensor data is read; what relearning "done" checks)."""
+    fid = header.metadata.get(M_FINGERPRINT)
+    out = [] if fid == fp.id else [f"fingerprint {fid!r}"]
+    return out + shape_problems(fp, header)
+
+
+def _evict(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        diskio.drop_cache(fd)
+    finally:
+        os.close(fd)
+
+
+def _writer_dead(name: str) -> bool:
+    """True if a temp file's name says it was written by a process of this machine now gone."""
+    parts = name.split(c.TMP_MARK, 1)
+    return len(parts) == 2 and liveness.temp_writer_gone(parts[1])
+
+
+@contextmanager
+def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
+    """The store's one boundary for I/O errors: no space → NoSpace, the rest (read-only,
+    EIO, a stale NFS handle, permissions) → OutputUnavailable: the disk's fault, never the
+    sample's, so neither spends an attempt."""
+    try:
+        yield
+    except OSError as e:
+        if is_no_space(e):
+            raise NoSpace(f"{what}: {e.strerror}", need_bytes=need_bytes) from e
+        raise OutputUnavailable(f"{what}: {e}") from e
+
+
+def writable_problem(out_dir: Path) -> str | None:
+    """None when a file can be created, written, synced and removed under ``out_dir``."""
+    probe = out_dir / "samples" / f".probe{c.TMP_MARK}{_tmp_tag()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"\0")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                probe.unlink()
+    except OSError as e:
+        if is_no_space(e):
+            return None  # writable; the space checks wait for room
+        return f"the output dir {out_dir} cannot be written ({e.strerror or e})"
+    return None
+
+
+def _checksum_problems(meta: dict[str, str], got: dict[str, str]) -> list[str]:
+    """Compare the digests read back (with the metadata's algorithm) with the metadata's."""
+    _, recorded = checksums.file_checksums(meta)
+    return [f"checksum of {name}" for name in sorted(got) if recorded.get(name) != got[name]]

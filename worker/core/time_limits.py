@@ -1,0 +1,79 @@
+"""Each delivery's time limits, from the size of its sample.
+
+A sample's work grows with its length: the server's prefill, then its dump (``tokens ×
+bytes_per_token``: 86 MB at 2k tokens, 2.75 GB at 64k, 5.5 GB at 128k with H = 7168) written
+to tmpfs, read and checksummed, written to the output disk, fsynced and read back. One limit
+for every sample would be either too short for a 64k-token sample or hours for a hung 2k
+one, so each delivery gets
+
+    hard_s = FARM_TASK_TIME_LIMIT_S + dump bytes / FARM_MIN_SAMPLE_BYTES_PER_S
+    soft_s = hard_s - min(20 s, hard_s / 5)
+
+``FARM_TASK_TIME_LIMIT_S`` covers the waits, retries and a short sample's work;
+``FARM_MIN_SAMPLE_BYTES_PER_S`` (default 50 MB/s) is the slowest end-to-end rate a healthy
+host sustains for a sample's bytes, prefill included (measured: 0.3–1 GB/s on this project's
+2-core test machine; docs/benchmarks.md, long samples). The wait for a dump grows the same way.
+
+The worker's main process sets the limits of each message before a pool process runs it
+(``worker.steps.reaper.OwnedRequest``), from a bound of its tokens known without reading the
+sample: the record's bytes (a record spends at least one byte per token: text under a
+byte-level tokenizer, or ``input_ids`` written as numbers and commas), at most
+``FARM_MAX_TOKENS``. At start-up the worker checks that the longest sample's limit still
+fits under ``FARM_VISIBILITY_TIMEOUT_S`` (``check_visibility``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+
+SOFT_MARGIN_MAX_S = 20.0  # the soft limit comes this much (at most a fifth) before the hard
+
+
+@dataclass(frozen=True)
+class TimeLimits:
+    soft_s: float
+    hard_s: float
+
+    def as_celery(self) -> tuple[float, float]:
+        """Celery's ``timelimit`` header: (hard, soft)."""
+        return (self.hard_s, self.soft_s)
+
+
+def soft_for(hard_s: float) -> float:
+    return hard_s - min(SOFT_MARGIN_MAX_S, hard_s / 5)
+
+
+def io_s(settings: Settings, dump_bytes: int) -> float:
+    """The time a sample's bytes may take beyond a short sample's, at the floor rate."""
+    return dump_bytes / settings.min_sample_bytes_per_s
+
+
+def for_tokens(settings: Settings, tokens: int, bytes_per_token: int) -> TimeLimits:
+    """The limits of a delivery whose sample has at most ``tokens`` tokens."""
+    hard_s = settings.task_time_limit_s + io_s(settings, tokens * bytes_per_token)
+    return TimeLimits(soft_for(hard_s), hard_s)
+
+
+def for_record(settings: Settings, record_bytes: int, bytes_per_token: int) -> TimeLimits:
+    """The limits of a delivery whose record is ``record_bytes`` long (see the module)."""
+    return for_tokens(settings, min(record_bytes, settings.max_tokens), bytes_per_token)
+
+
+def check_visibility(settings: Settings, bytes_per_token: int) -> None:
+    """Raises ConfigError when the longest sample's delivery could outlive its message's
+    visibility timeout (it would be delivered twice)."""
+    longest = for_tokens(settings, settings.max_tokens, bytes_per_token)
+    need_s = longest.hard_s + settings.retry_backoff_max_s
+    if need_s < settings.visibility_timeout_s:
+        return
+    raise ConfigError(
+        f"a sample of FARM_MAX_TOKENS={settings.max_tokens} tokens "
+        f"({settings.max_tokens * bytes_per_token / 1e9:.2f} GB of hidden states) gets a time "
+        f"limit of {longest.hard_s:.0f}s (FARM_TASK_TIME_LIMIT_S={settings.task_time_limit_s:g}"
+        f" + its bytes at FARM_MIN_SAMPLE_BYTES_PER_S={settings.min_sample_bytes_per_s:g}); "
+        f"with FARM_RETRY_BACKOFF_MAX_S that is {need_s:.0f}s, not under "
+        f"FARM_VISIBILITY_TIMEOUT_S={settings.visibility_timeout_s:g}: set "
+        f"FARM_VISIBILITY_TIMEOUT_S={int(need_s) + 60} or more")

@@ -1,0 +1,120 @@
+"""What a server's HTTP answer says: the sample's fault, or the environment's.
+
+Only SGLang's own refusal of a request, a 400 with its JSON error body, is about the sample.
+Everything else short of a success is about the server or what stands in front of it: a rate
+limiter's 429, a gateway's 413 or 400 page, a 502-504 while the server restarts behind a load
+balancer, SGLang's own 503 while it starts or its queue is full, an answer that is not JSON.
+Those make the worker wait and try again, spending no attempt. When unsure, it is the
+environment: a sample rejected for good must have earned it by its content.
+
+Three of SGLang's 400s are not about the sample either: "Duplicate request ID" (an earlier
+try of the same rid is still running), a length refusal (the server's context is shorter than
+the farm was sized for: a configuration to fix, see ``server_limits``) and a ``routed_dp_rank``
+out of range (the server restarted with fewer DP groups than the worker read).
+
+``environmental_rejection`` recognises the reasons that older versions recorded as rejections
+for such answers, so ``status --check`` and ``enqueue`` can put them right.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+from worker.core.errors import BadInput, ConfigError, FarmError, ServerBusy, Transient
+from worker.server.chat import SERVER_CONTEXT
+
+# Answers of the server (or a gateway) that mean "not now": wait and try again.
+BUSY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
+# SGLang's messages for an input longer than it takes (tokenizer manager; scheduler).
+_LENGTH_REFUSALS = ("longer than the model's context length",
+                    "exceeds the maximum allowed length",
+                    "exceeds the model's maximum context length")
+_DUPLICATE_RID = "Duplicate request ID"
+_DP_RANK_REFUSAL = "routed_dp_rank="  # tokenizer_manager.py:921: "... out of range [0, N)"
+
+
+def error_for(what: str, status: int, body: bytes) -> FarmError | None:
+    """The error an answer with ``status`` and ``body`` stands for; None for a success.
+
+    Returns:
+        BadInput: SGLang's 400 with its JSON error body, about the request's content.
+        ConfigError: SGLang refuses the input's length (its context is shorter than the run
+            was sized for: restart the worker, which re-reads it, or fix the server).
+        ServerBusy: every status that means "not now" (429, 408, 502-504), and every 4xx
+            but SGLang's own 400 (a gateway's page, 413, 401/403/404 ...).
+        Transient: another 5xx (500: the server failed on this request, a counted attempt,
+            bounded), or a duplicate rid.
+    """
+    if 200 <= status < 300:
+        return None
+    message = sglang_error(body)
+    where = f"server answered {what} with {status}"
+    if message is None:  # not SGLang's body: a proxy, a gateway, a load balancer
+        message = f"a body that is not the server's ({_excerpt(body)})"
+    if status in BUSY_STATUSES:
+        return ServerBusy(f"{where}: {message}", status)
+    if status >= 500:  # the server failed on this request (maybe for it): bounded attempts
+        return Transient(f"server error on {what} ({status}): {message}")
+    if sglang_error(body) is None:
+        return ServerBusy(f"{where}: {message}: a gateway or proxy in front of it refuses "
+                          "for now", status)
+    if status == 400 and _DUPLICATE_RID in message:
+        return Transient(f"{where}: {message}")
+    if status == 400 and any(m in message for m in _LENGTH_REFUSALS):
+        return ConfigError(f"{where}: {message}. The server takes fewer tokens than this "
+                           "worker was sized for (it restarted with a shorter context?): the "
+                           "worker stops; at its next start it checks the server's context "
+                           "against FARM_MAX_TOKENS and says what to do")
+    if status == 400 and _DP_RANK_REFUSAL in message:
+        return ConfigError(f"{where}: {message}. The server has fewer DP groups than this "
+                           "worker read at its start (restarted with another layout?): the "
+                           "worker stops; at its next start it reads the groups again")
+    if status == 400:
+        return BadInput(f"server rejected the sample ({status}): {message}")
+    return ServerBusy(f"{where}: {message}", status)  # 401, 403, 404, 413...: not the sample
+
+
+def sglang_error(body: bytes) -> str | None:
+    """The message of SGLang's JSON error body, None when the body is not one.
+
+    SGLang answers ``{"object": "error", "message": ...}`` (OpenAI style) or
+    ``{"error": {"message": ...}}``; a gateway answers HTML, plain text or its own JSON.
+    """
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    err = doc.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return str(err["message"])
+    if doc.get("object") == "error" and isinstance(doc.get("message"), str):
+        return str(doc["message"])
+    return None
+
+
+def _excerpt(body: bytes) -> str:
+    text = body[:2000].decode("utf-8", "replace")
+    title = re.search(r"<title>(.*?)</title>", text, re.I | re.S)
+    text = title.group(1) if title else text
+    return " ".join(text.split())[:120] or "empty"
+
+
+# What older versions recorded as a rejection for any 4xx of the server or of a gateway in
+# front of it; which of them were SGLang's own 400s cannot be told from the text any more.
+_OLD_REJECTION = "server rejected /generate ("
+
+
+def environmental_rejection(reason: str) -> bool:
+    """Whether a recorded rejection may be the environment's, not the sample's content's.
+
+    True for a length refusal of the server, a cut to the server's context that left no
+    assistant tokens, and every 4xx answer older versions recorded (a sample retried once
+    more by this version is rejected again only for SGLang's own 400, in another wording).
+    """
+    return (reason.startswith(_OLD_REJECTION) or any(m in reason for m in _LENGTH_REFUSALS)
+            or SERVER_CONTEXT in reason)
+

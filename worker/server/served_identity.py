@@ -1,0 +1,68 @@
+"""Is the server the run's? What one probe dump says about the served model, against the run.
+
+A probe request of ours (``sglang_patch.probe``) comes back as a dump whose metadata names the
+weights the server loaded, the layers it captures and its model config; its ready marker names
+the dtype it stores. Each is compared with the run: the weights with the manifest's identity
+and FARM_MODEL_PATH's (``weights.served_mismatch``), the layers and the config with the
+fingerprint (``dumps.identity_problems``), the dtype with the run's (``dumps.
+served_dtype_problem``). A worker runs this check at its start, ``adopt`` before it reads a
+source file: one check, so both refuse the same servers with the same words.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sglang_patch import contracts as c
+from worker.core import dumps, weights
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+
+
+def problems(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[str, str], *,
+             recorded: dict[str, Any] | None, local: dict[str, Any] | None,
+             model_path: Path, manifest: Path, started: bool,
+             refusing: str = weights.WORKER_REFUSES) -> list[str]:
+    """Everything the probe's dump (``probe_meta``) and the server's ready marker say that is
+    not the run's, each with its fix; empty when the server is the run's.
+
+    Args:
+        recorded: the manifest's weights identity (None: no manifest, or none recorded).
+        local: FARM_MODEL_PATH's weights identity.
+        started: hidden states of the run exist (its canary is recorded).
+        refusing: what the caller does while the server is wrong (one sentence).
+    """
+    from sglang_patch.probe import served_weights
+
+    out = []
+    why = weights.served_mismatch(served_weights(probe_meta), recorded, local,
+                                  server_url=settings.server_url, model_path=model_path,
+                                  manifest=manifest, started=started, refusing=refusing)
+    if why:
+        out.append(why)
+    meta = dumps.identity_problems(probe_meta, fingerprint)
+    if meta:
+        out.append(f"the server at {settings.server_url} is not serving the run's model as the "
+                   f"run captures it: {'; '.join(meta)}. {refusing} Restart the server with the "
+                   "run's model and --layers-to-capture (the run's FARM_LAYERS_TO_CAPTURE), "
+                   "or start a new run (a new FARM_OUTPUT_DIR) for the server's")
+    dtype = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)
+    if dtype:
+        out.append(dtype)
+    return out
+
+
+def check(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[str, str], *,
+          recorded: dict[str, Any] | None, local: dict[str, Any] | None, model_path: Path,
+          manifest: Path, started: bool, refusing: str = weights.WORKER_REFUSES) -> None:
+    """``problems``, raised.
+
+    Raises:
+        ConfigError: the server is not the run's; every problem and its fix.
+    """
+    found = problems(settings, fingerprint, probe_meta, recorded=recorded, local=local,
+                     model_path=model_path, manifest=manifest, started=started,
+                     refusing=refusing)
+    if found:
+        raise ConfigError("\n".join(found))

@@ -1,0 +1,86 @@
+"""This host in its run: registered at a worker's start, then its heartbeat.
+
+Every ``FARM_REAPER_INTERVAL_S`` a thread of the worker main process refreshes its host's
+entry (``worker.state.hosts``: heartbeat, its server's state). When the entry is gone (a Redis that
+lost its data came back), the host's files are registered again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from worker.core.settings import Settings
+from worker.state import hosts
+
+log = logging.getLogger("hsfarm.hosts")
+
+
+def register_host(r: redis.Redis, settings: Settings, run_id: str, fingerprint_id: str) -> None:
+    """Register what this host's output dir holds, and say so in the log."""
+    name = hosts.host_id(settings)
+    got = hosts.register(r, run_id, name, settings.output_dir, fingerprint_id, settings)
+    log.info("host %s: registered %d final files of %s (%d done again in the index, %d also "
+             "on another host)", name, got.files, settings.output_dir, got.relearnt, got.twice)
+    if got.set_aside:
+        log.warning("host %s: %d final files set aside in %s: the run records them as done on "
+                    "another host (this host was lost before the run learnt it had done them)",
+                    name, got.set_aside, settings.output_dir / hosts.SET_ASIDE)
+
+
+class HostBeat(bootsteps.StartStopStep):
+    """The host's heartbeat, and its files registered again after Redis lost them.
+
+    In a thread of its own, not on the worker's timer: asking the server's ``/health`` may
+    take seconds, and must never delay the reaper's heartbeat on that timer."""
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, worker: Any) -> None:
+        from worker.app import settings
+
+        self.thread = threading.Thread(target=self._loop, args=(settings,),
+                                       name="hsfarm-host-beat", daemon=True)
+        self.thread.start()
+
+    def _loop(self, settings: Settings) -> None:
+        while not self.stopping.wait(settings.reaper_interval_s):
+            self.tick(settings)
+
+    def tick(self, settings: Settings) -> None:
+        from worker import startup
+        from worker.steps.reaper import _client_for
+
+        ctx = startup.CONTEXT
+        if ctx is None:
+            return
+        r, run_id = _client_for(settings), ctx.store.run_id
+        try:
+            registered = hosts.beat(r, run_id, hosts.host_id(settings), settings.output_dir,
+                                    settings)
+            hosts.remember_hosts(r, run_id, settings.output_dir)
+            if not registered:  # Redis lost this host's entry: register its files again
+                register_host(r, settings, run_id, ctx.fingerprint.id)
+        except (redis.RedisError, OSError) as e:
+            log.warning("host heartbeat: %s", e)
+
+    def stop(self, worker: Any) -> None:
+        from worker import startup
+        from worker.app import settings
+        from worker.steps.reaper import _client_for
+
+        self.stopping.set()
+        ctx = startup.CONTEXT
+        if ctx is None:
+            return
+        try:  # a clean stop: the host shows as stopped, not lost, once no process of it beats
+            hosts.mark_stopped(_client_for(settings), ctx.store.run_id, hosts.host_id(settings))
+        except redis.RedisError as e:
+            log.warning("host heartbeat: cannot say this host stopped: %s", e)

@@ -1,0 +1,124 @@
+"""A Redis outage costs no attempt.
+
+When Redis (the broker) stops answering, Celery cancels the tasks this worker runs under late
+acknowledgement (``worker_cancel_long_running_tasks_on_connection_loss``) and takes no more
+work until it reconnects, which is the pause; their messages come back once Redis answers
+(the reaper, ``worker/steps/reaper.py``). Each cancelled attempt was counted when it started and
+cannot refund itself: Redis was away.
+
+So each worker main process watches Redis from a thread (a PING every second) and remembers
+the ``running`` entries of the attempts it runs while Redis answers. When Redis answers again
+after a failed PING, each of those attempts that no longer runs here is refunded, and its
+``running`` entry removed, in one Lua call that does so only while the entry is the one
+remembered: an attempt started since (after the reconnection) writes its own entry, and
+nothing is refunded twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import redis
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from worker.core import run as runs
+from worker.state import broker, keys
+from worker.state.index import RunIndex
+
+log = logging.getLogger("hsfarm.outage")
+
+PING_EVERY_S = 1.0
+_REFUND = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
+return 1
+"""
+
+
+def running_here(run_id: str) -> set[str]:
+    """Sample keys of the tasks this worker main process runs now (Celery's state)."""
+    for _ in range(3):  # the event loop may change the set while this thread copies it
+        try:
+            requests = list(worker_state.active_requests)
+            break
+        except RuntimeError:
+            continue
+    else:
+        return set()
+    found = (runs.sample_key_of(str(r.id), run_id) for r in requests)
+    return {k for k in found if k is not None}
+
+
+class Watch:
+    """Remembers this worker's running entries while Redis answers; refunds after an outage."""
+
+    def __init__(self, r: redis.Redis, run_id: str) -> None:
+        self.r, self.run_id = r, run_id
+        self.index = RunIndex(r, run_id)
+        self.remembered: dict[str, bytes | str] = {}
+        self.away = False
+
+    def tick(self) -> int:
+        """One PING; returns the attempts refunded (after an outage), else 0."""
+        try:
+            self.r.ping()
+            mine = running_here(self.run_id)
+            bodies = self.r.hmget(self.index.k(keys.RUNNING), sorted(mine)) if mine else []
+        except redis.RedisError:
+            if not self.away:
+                log.warning("Redis does not answer: tasks in flight are cancelled and handed "
+                            "back when it does; their attempts are refunded")
+            self.away = True
+            return 0
+        refunded = self._refund(mine) if self.away else 0
+        self.away = False
+        self.remembered = {k: b for k, b in zip(sorted(mine), bodies, strict=True) if b}
+        return refunded
+
+    def _refund(self, still_running: set[str]) -> int:
+        refunded = 0
+        for key, body in self.remembered.items():
+            if key in still_running:
+                continue
+            if self.r.eval(_REFUND, 2, self.index.k(keys.RUNNING), self.index.k(keys.ATTEMPTS),
+                           key, body):
+                refunded += 1
+                log.warning("%s attempt refunded: cancelled when Redis went away", key)
+        return refunded
+
+
+class OutageStep(bootsteps.StartStopStep):
+    """Runs ``Watch.tick`` every ``PING_EVERY_S`` on a thread of the worker main process."""
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, worker: Any) -> None:
+        from worker import startup
+        from worker.app import settings
+
+        if startup.CONTEXT is None:
+            return
+        r = broker.client(settings, socket_timeout_s=5)
+        watch = Watch(r, startup.CONTEXT.store.run_id)
+        self.thread = threading.Thread(target=self._loop, args=(watch,), daemon=True,
+                                       name="hsfarm-outage")
+        self.thread.start()
+
+    def _loop(self, watch: Watch) -> None:
+        while not self.stopping.wait(PING_EVERY_S):
+            try:
+                watch.tick()
+            except Exception:  # never let the thread die
+                log.exception("outage watch failed")
+
+    def stop(self, worker: Any) -> None:
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)

@@ -1,0 +1,74 @@
+"""Publishing parked samples again once their data file can be read at its recorded path.
+
+A worker parks a sample whose data file it cannot read (worker/state/corpus.py). Every worker's
+main process checks the run's unreadable files on its janitor timer: a file readable here
+again (remounted, restored, or re-pointed by ``enqueue`` to a path this host has) gets its
+parked samples published again, each by exactly one process (``Corpus.take_parked``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from worker.app import TASK_NAME, app
+from worker.core import run as runs
+from worker.core.errors import Transient
+from worker.core.samples import SampleRef
+from worker.core.settings import Settings
+from worker.state import broker
+from worker.state.corpus import Corpus, readable
+from worker.state.index import RunIndex
+
+log = logging.getLogger("hsfarm.parking")
+
+
+def resume_parked(settings: Settings, run_id: str) -> int:
+    """Publish the parked samples of every unreadable data file that reads here now.
+    Returns how many. A Redis that does not answer (or any other failure: this runs on the
+    worker's timer, which must go on) is tried again on the next round."""
+    try:
+        return _resume(settings, run_id)
+    except Transient as e:
+        log.warning("parked samples not checked: %s", e)
+    except Exception:
+        log.exception("parked samples not checked")
+    return 0
+
+
+def _resume(settings: Settings, run_id: str) -> int:
+    index = RunIndex(broker.client(settings), run_id)
+    corpus = Corpus(index)
+    files = corpus.files()
+    sent = 0
+    for fid in corpus.unreadable():
+        info = files.get(fid)
+        if info is None or readable(info.path) is not None:
+            continue
+        taken = corpus.take_parked(fid)
+        try:
+            sent += publish(settings, index, taken) if taken else 0
+        except BaseException:
+            corpus.repark(taken, fid)  # none is left in no state
+            raise
+        corpus.clear_unreadable(fid)
+        log.info("data file #%d %s reads again: %d parked samples published again", fid,
+                 info.path, len(taken))
+    return sent
+
+
+def publish(settings: Settings, index: RunIndex, sample_keys: list[str]) -> int:
+    """Publish one message per registered sample of ``sample_keys`` on the run's queue."""
+    queue = runs.queue_for(settings, index.fp)
+    publication = index.next_publication()
+    sent = 0
+    with app.producer_or_acquire() as producer:
+        for key, reg in zip(sample_keys, index.registered(sample_keys), strict=True):
+            if reg is None:
+                continue
+            ref = SampleRef(key=key, file="", offset=reg.offset, length=reg.length,
+                            sha256=reg.sha256, index=reg.index, fid=reg.fid)
+            app.send_task(TASK_NAME, args=[ref.to_json()], queue=queue, producer=producer,
+                          task_id=runs.task_id(index.fp, publication, key), argsrepr=key,
+                          kwargsrepr="{}")
+            sent += 1
+    return sent

@@ -1,0 +1,273 @@
+"""The reconciler: a run heals itself when a task message is lost.
+
+A sample is *in no state* when the run registered it (``SAMPLES``, written by ``enqueue``) and
+it has no outcome (done, failed, rejected, stale), no message in the broker (the run's queue,
+kombu's ``unacked`` hash) and no lease (an attempt runs it, or waits for it). Nothing would
+ever run it: its message was lost (a worker SIGKILLed between kombu's BRPOP and its write of
+the ``unacked`` entry, celery#4354; a Redis that lost its last second of writes with AOF
+``everysec``; a message removed by hand). A hand-back whose ``unacked`` entry Redis lost
+vanishes too: kombu restores only what the hash holds.
+
+One worker main process at a time (the ``RECONCILE_LOCK`` lease; any number of workers on
+any number of hosts carry the thread) runs a pass every ``FARM_RECONCILE_INTERVAL_S``:
+
+1. read the run's samples, outcomes, leases and the broker: the samples in no state;
+2. ``FARM_RECONCILE_CONFIRM_S`` later, holding the run's ``ENQUEUE_LOCK``, read again;
+3. those in no state both times: a sample whose verified final file is on disk (Redis lost
+   its ``done`` mark) is marked done; every other one is published again, logged
+   (``<key> republished``) and counted (``REPUBLISHED``: ``status``, dashboard, /metrics).
+
+Before that, the pass restores the run's record of each data file whose record Redis lost
+(``ledger``: the output dir's record of complete enqueues) by running ``enqueue`` for it
+(with its ``--limit``, when it was enqueued with one).
+
+Why this never publishes a sample twice at once, one that runs, or one about to be acked:
+
+- the queue list and the ``unacked`` hash are read in one MULTI, so at one instant. kombu
+  moves a message between them atomically (``restore_by_tag``: MULTI), except at delivery:
+  BRPOP takes it from the list and the consumer writes its ``unacked`` entry right after, in
+  the same callback. A message caught in that gap by the first read is in ``unacked`` by the
+  second, seconds later, unless its consumer died in between: then it is lost, and healed;
+- an attempt holds the sample's lease from before it starts until its outcome is written, and
+  a verified file is marked done before the lease is released and before the ack;
+- ``enqueue`` and ``requeue`` register samples before their messages are flushed, all under
+  ``ENQUEUE_LOCK``; the second read and the publication hold it too.
+
+One case is left to the lease: a Redis that lost its last second may have lost the ``unacked``
+entry of a message a worker still holds, reserved and not started. Published again, the two
+deliveries never run at once (the lease) and the later one finds the verified file and is
+acknowledged without work (``extract.already_done``).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery, bootsteps
+
+from worker.core import run as runs
+from worker.core.errors import Corrupt, FarmError
+from worker.core.samples import SampleRef
+from worker.core.settings import Settings
+from worker.core.store import OutputStore
+from worker.state import broker, keys, ledger
+from worker.state import lease as leases
+from worker.state.index import Registered, RunIndex, as_text
+
+log = logging.getLogger("hsfarm.reconciler")
+
+# PARKED: no message on purpose while its data file cannot be read (worker/steps/parking.py); the
+# janitor publishes it again once the file reads
+_SETTLED = (keys.FAILED, keys.REJECTED, keys.STALE, keys.PARKED)
+Sleep = Callable[[float], object]
+
+
+def broker_keys(r: redis.Redis, queue: str, run_id: str) -> set[str]:
+    """Sample keys of run ``run_id`` with a message queued on ``queue`` or unacknowledged,
+    read at one instant (one MULTI: no message is missed moving between the two)."""
+    p = r.pipeline(transaction=True)
+    p.lrange(queue, 0, -1)
+    p.hvals(keys.KOMBU_UNACKED)
+    queued, unacked = p.execute()
+    ids = [runs.message_task_id(m) for m in queued]
+    ids += [runs.message_task_id(m, unacked=True) for m in unacked]
+    found = (runs.sample_key_of(t, run_id) for t in ids if t)
+    return {k for k in found if k is not None}
+
+
+def _settled(index: RunIndex) -> set[str]:
+    """Samples with an outcome (done, failed, rejected, stale) or parked on their data file."""
+    out = index.done_keys()
+    for name in _SETTLED:
+        out.update(as_text(k) for k in index.r.hkeys(index.k(name)))
+    return out
+
+
+def in_no_state(index: RunIndex, queue: str) -> dict[str, Registered]:
+    """The run's samples with no outcome, no message in the broker and no lease.
+
+    Read in the order a sample goes through them (broker, lease, outcome): a sample that
+    leaves the broker while this reads was marked done before its acknowledgement, so the
+    outcomes, read last, show it.
+    """
+    r = index.r
+    settled = _settled(index)
+    candidates = {k: reg for k, reg in index.iter_registered() if k not in settled}
+    if not candidates:
+        return {}
+    busy = broker_keys(r, queue, index.fp)
+    names = [k for k in candidates if k not in busy]
+    p = r.pipeline(transaction=False)
+    for key in names:
+        p.exists(leases.lease_name(index.fp, key))
+    free = [k for k, held in zip(names, p.execute(), strict=True) if not held]
+    settled = _settled(index)
+    return {k: candidates[k] for k in free if k not in settled}
+
+
+@dataclass
+class Pass:
+    """What one pass found and did."""
+
+    suspects: int = 0
+    republished: int = 0
+    relearnt: int = 0
+
+
+class Reconciler:
+    """Finds the run's samples in no state and publishes them again (one pass: ``run_pass``)."""
+
+    def __init__(self, app: Celery, settings: Settings, store: OutputStore) -> None:
+        self.app, self.settings, self.store = app, settings, store
+        self.r = broker.client(settings, socket_timeout_s=30)
+        self.run_id = store.run_id
+        self.index = RunIndex(self.r, self.run_id)
+        self.queue = runs.queue_for(settings, self.run_id)
+
+    def run_pass(self, sleep: Sleep = time.sleep) -> Pass | None:
+        """One pass, if no other reconciler runs one now (None: another does). ``sleep``
+        waits between the two reads; a true return ends the pass (the worker stops)."""
+        got = leases.try_acquire(self.r, self.index.k(keys.RECONCILE_LOCK),
+                                 self.settings.lease_ttl_s)
+        if not isinstance(got, leases.Lease):
+            return None
+        try:
+            self._restore_record()
+            return self._pass(sleep)
+        finally:
+            got.release()
+
+    def _restore_record(self) -> None:
+        """``enqueue`` again each data file whose record Redis lost (``ledger``).
+
+        The farm's own command, run as a person would: it relearns what is done from the
+        final files' headers, registers the file's samples and publishes what is missing.
+        """
+        lost = ledger.not_in_redis(self.r, self.run_id, self.settings.output_dir)
+        if not lost or self.r.exists(self.index.k(keys.ENQUEUE_LOCK)):
+            return  # an enqueue running now writes its record when it is done
+        for entry in lost:
+            path = entry.path
+            limit = [] if entry.limit is None else ["--limit", str(entry.limit)]
+            log.warning("Redis no longer holds the run's record of %s%s: enqueueing it again",
+                        path, f" (its first {entry.limit} records)" if limit else "")
+            res = subprocess.run([sys.executable, "-m", "producer", "enqueue", path,
+                                  "--no-progress", *limit],
+                                 capture_output=True, text=True, check=False)
+            out = " | ".join((res.stdout + res.stderr).strip().splitlines()[-8:])
+            if res.returncode == 0:
+                log.warning("re-enqueued %s: %s", path, out)
+            else:
+                log.error("could not re-enqueue %s (exit %d): %s", path, res.returncode, out)
+
+    def _pass(self, sleep: Sleep) -> Pass:
+        first = in_no_state(self.index, self.queue)
+        result = Pass(suspects=len(first))
+        if not first:
+            return result
+        log.info("%d samples in no state; checking again in %.0fs", len(first),
+                 self.settings.reconcile_confirm_s)
+        if sleep(self.settings.reconcile_confirm_s):  # the worker stops
+            return result
+        lock = self.index.k(keys.ENQUEUE_LOCK)
+        with leases.held(self.r, lock, self.settings.lease_ttl_s,
+                         deadline=time.monotonic() + self.settings.reconcile_interval_s) as held:
+            if held is None:  # an enqueue runs: it publishes what it finds missing itself
+                return result
+            again = in_no_state(self.index, self.queue)
+            lost = {k: reg for k, reg in first.items() if k in again and again[k] == reg}
+            self._heal(lost, result)
+        return result
+
+    def _heal(self, lost: dict[str, Registered], result: Pass) -> None:
+        """Mark done what the disk holds verified; publish the rest again."""
+        files = {fid: path for path, fid in self.index.data_files().items()}
+        to_send = []
+        for key, reg in lost.items():
+            if self._relearn(key, reg):
+                result.relearnt += 1
+            elif reg.fid in files:
+                to_send.append(SampleRef(key=key, file="", offset=reg.offset,
+                                         length=reg.length, sha256=reg.sha256,
+                                         index=reg.index, fid=reg.fid))
+        result.republished = self._publish(to_send)
+
+    def _relearn(self, key: str, reg: Registered) -> bool:
+        """A verified final file of this record: the index learns it is done."""
+        if not self.store.final_path(key).exists():
+            return False
+        try:
+            v = self.store.verify(key, reg.sha256)
+        except (Corrupt, OSError) as e:  # a worker replaces or refuses it
+            log.info("%s final file does not verify (%s); published again", key, e)
+            return False
+        self.index.mark_done(key, v.size_bytes, v.tokens)
+        log.warning("%s done on disk but not in the index (Redis lost it): marked done", key)
+        return True
+
+    def _publish(self, refs: Iterable[SampleRef]) -> int:
+        from worker.app import TASK_NAME
+
+        refs = list(refs)
+        if not refs:
+            return 0
+        publication = self.index.next_publication()
+        with self.app.producer_or_acquire() as producer:
+            for ref in refs:
+                self.app.send_task(
+                    TASK_NAME, args=[ref.to_json()],
+                    task_id=runs.task_id(self.run_id, publication, ref.key), queue=self.queue,
+                    producer=producer, argsrepr=ref.key, kwargsrepr="{}")
+                self.r.hincrby(self.index.k(keys.REPUBLISHED), ref.key, 1)
+                log.warning("%s republished: in no state (its task message was lost)", ref.key)
+        return len(refs)
+
+
+def republished(index: RunIndex) -> dict[str, int]:
+    """Sample key -> times the reconciler published it again."""
+    raw: dict[bytes, bytes] = index.r.hgetall(index.k(keys.REPUBLISHED))  # type: ignore[assignment]
+    return {as_text(k): int(v) for k, v in raw.items()}
+
+
+class ReconcilerStep(bootsteps.StartStopStep):
+    """Runs reconciler passes on a thread of the worker main process (a pass waits
+    ``FARM_RECONCILE_CONFIRM_S`` between its reads; the event loop must not)."""
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, worker: Any) -> None:
+        from worker import startup
+        from worker.app import settings
+
+        if startup.CONTEXT is None:  # worker_init did not build the run: nothing is ours
+            return
+        rec = Reconciler(worker.app, settings, startup.CONTEXT.store)
+        self.thread = threading.Thread(target=self._loop, args=(rec,), daemon=True,
+                                       name="hsfarm-reconciler")
+        self.thread.start()
+
+    def _loop(self, rec: Reconciler) -> None:
+        interval_s = rec.settings.reconcile_interval_s
+        while not self.stopping.wait(interval_s):
+            try:
+                rec.run_pass(sleep=self.stopping.wait)
+            except (redis.RedisError, FarmError, OSError) as e:  # the next pass tries again
+                log.warning("reconciler: %s: %s", type(e).__name__, e)
+            except Exception:  # never let the thread die: a run would stop healing
+                log.exception("reconciler pass failed")
+
+    def stop(self, worker: Any) -> None:
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
