@@ -1,19 +1,11 @@
 """Canary hidden states: what the run's model computed for a few fixed prompts, and the test
 that the server still computes it.
 
-The first worker of a run extracts ``PROMPTS`` (a short one, a medium one, and a long one
-that a chunked-prefill server splits across forward passes) and records the hidden states of
-sampled token rows in ``<out>/canary.safetensors``, beside the manifest: temp file → fsync →
-link (only the first of several workers starting at once wins; the others compare with its
-recording) → fsync(dir), then read back from the device and its checksums compared. Every
-worker re-extracts the recorded token ids and compares (``canary_check``).
-
-The comparison is per layer (the three aux layers and the final one): for every sampled token,
-the relative error ``|new - recorded| / |recorded|`` (L2 over the hidden dimension); its
-maximum and mean over all tokens of all prompts must stay within the tolerance
-(``FARM_CANARY_MAX_REL_ERR``, ``FARM_CANARY_MEAN_REL_ERR``; measured margins in
-docs/canary.md).
-"""
+The first worker records ``PROMPTS`` (one long enough for chunked prefill to split) in
+``<out>/canary.safetensors``, linked into place so one of several starting workers wins; every
+worker re-extracts the recorded token ids and compares per layer: the max and mean relative L2
+error over sampled tokens stay within ``FARM_CANARY_*_REL_ERR`` (margins in docs/canary.md).
+Test: tests/test_canary.py::test_recording_is_written_once_and_read_back."""
 
 from __future__ import annotations
 

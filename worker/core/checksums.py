@@ -1,15 +1,9 @@
 """Per-tensor checksums of final files: the one place that computes them and reads them back.
 
-Every reader of final files (the worker's verify, ``audit``, the training side) goes through
-this module, so a file written by any version of the farm verifies with every later one:
-
-- files written since issue 9: metadata ``checksum_algorithm`` = ``xxh3-128`` and
-  ``checksums`` = JSON ``{tensor name: hex digest}``;
-- files written before: no ``checksum_algorithm``, and ``sha256`` = JSON ``{name: hex}``.
-
-xxh3-128 is for detecting corruption (bit rot, torn or misdirected writes), not tampering: it
-runs at memory speed (~30 GB/s here), where sha256 (1.8 GB/s) cost more CPU than the copy.
-"""
+Two forms verify: ``checksum_algorithm`` = ``xxh3-128`` with ``checksums`` = JSON
+``{tensor name: hex digest}`` (written), or ``sha256`` without it (read only). xxh3-128
+detects corruption, not tampering, at memory speed (~30 GB/s here, sha256 1.8 GB/s).
+Test: tests/test_store.py::test_files_of_the_previous_format_still_verify."""
 
 from __future__ import annotations
 

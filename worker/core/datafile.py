@@ -1,13 +1,11 @@
 """Stream a data file's records as byte spans, in constant memory.
 
-Two formats, told apart by the first non-blank byte: ``[`` a JSON array, ``{`` JSONL. Each
-record comes out as its exact bytes plus offset and length, so a task can point at it and the
-worker can re-read and hash-check it later. A record over ``max_record_bytes`` comes out as
-an ``Oversized`` marker and is never read into memory. The array scanner tracks only nesting
-depth and string state (no JSON library streams byte offsets of top-level elements); each
-record is then parsed by orjson, so a malformed record is rejected on its own and the rest
-go on.
-"""
+A JSON array (``[``) or JSONL (``{``), told apart by the first non-blank byte. Each record comes
+out as its exact bytes, offset and length, so a task can point at it and the worker re-read and
+hash-check it; one over ``max_record_bytes`` comes out as ``Oversized``, never read. The array
+scanner tracks only nesting and string state (no JSON library yields byte offsets); each record
+is parsed on its own, so a malformed one is rejected and the rest go on.
+Test: tests/test_datafile.py::test_large_array_streams_in_constant_memory."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Which attention-DP group of the server a request goes to (``FARM_DP_ROUTING``).
 
-Under DP attention each group has its own scheduler and queue, and all groups step together:
-a step lasts as long as its busiest group (SGLang 0.5.23, ``prepare_mlp_sync_batch_raw``), so
-uneven queues waste the others' share. Without ``routed_dp_rank`` SGLang deals requests round
-robin, blind to their length. The host knows every request it has at the server and every
-dump it holds (``admission``'s slots), so it can pin each request to a group itself:
-
-- ``server``: no pin; SGLang's own dispatch (round robin by default);
-- ``least-tokens``: the group with the fewest tokens of this host's requests still awaiting
-  their answer (its queue), ties by the fewest dump bytes held, then the lowest group;
-- ``least-bytes``: the group with the fewest dump bytes held (answered or not, until the
-  worker has stored and deleted them), ties by the fewest tokens waiting, then the lowest.
-
-Measured on the synthetic server (``bench/dp_routing.py``, ``docs/benchmarks.md``).
-"""
+DP groups step together, so a step lasts as long as its busiest group's (SGLang 0.5.23,
+``prepare_mlp_sync_batch_raw``), and SGLang's round robin is blind to request length. The host
+knows its requests in flight and its dumps held (``admission``), so it can pin each request:
+``least-tokens`` (fewest waiting tokens, then bytes held), ``least-bytes`` (the reverse), or
+``server`` (SGLang's own). Measured in docs/benchmarks.md; test: tests/test_dp_routing.py::
+test_the_rules_pick_the_group_with_the_least_waiting_tokens_or_held_bytes."""
 
 from __future__ import annotations
 

@@ -157,9 +157,7 @@ class Dump:
 
 
 def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Dump:
-    """Open a dump and check its layout, ids and metadata against the request and the run.
-
-    Cheap (the header and the ids); the values are checked as the parts are copied.
+    """Open a dump and check its layout, ids and metadata (cheap); values are checked as copied.
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.

@@ -1,24 +1,24 @@
-"""The farm's errors, a small tree. Third-party exceptions are translated at one boundary.
-
-    FarmError
-    ├── ConfigError        bad settings, a missing library, an output dir of another run;
-    │                      the process stops (before consuming, or handing its message back)
-    ├── BadInput           the sample itself is wrong; never retried, recorded as rejected
-    ├── MalformedMessage   a task message no producer of this run wrote; refused and logged
-    ├── StaleRecord        the record changed after enqueue; no outcome, re-run enqueue
-    ├── RecordRemoved      the message's sample left the run (removed from the corpus)
-    ├── KeyTaken           the sample's file holds another record; recorded as failed at once
-    ├── Transient          timeout, server error, Redis away; retried with backoff, bounded
-    │   ├── ServerUnavailable    the server does not answer: wait for it, attempt refunded
-    │   │   ├── ServerMisconfigured  it answers but its dump hook is not active: wait
-    │   │   └── ServerBusy           it (or a gateway) refuses for now: 429, 502-504...
-    │   ├── NoSpace              ENOSPC/EDQUOT or a full dump dir: wait for space, refunded
-    │   ├── OutputUnavailable    the output disk refuses writes (EROFS, EIO...): wait, refunded
-    │   └── DataFileUnavailable  the data file cannot be read: its samples park, refunded
-    └── Corrupt            a dump or file failed a check; retried, then recorded as failed
-
-The environment's faults (ConfigError and the waits) never count against a sample.
+"""The farm's errors, a small tree (drawn below). Third-party exceptions are translated at one
+boundary. The environment's faults (ConfigError and the waits) never count against a sample.
+Test: tests/test_env_faults.py::test_gateway_refusals_spend_no_attempts.
 """
+
+# FarmError
+# ├── ConfigError        bad settings, a missing library, an output dir of another run;
+# │                      the process stops (before consuming, or handing its message back)
+# ├── BadInput           the sample itself is wrong; never retried, recorded as rejected
+# ├── MalformedMessage   a task message no producer of this run wrote; refused and logged
+# ├── StaleRecord        the record changed after enqueue; no outcome, re-run enqueue
+# ├── RecordRemoved      the message's sample left the run (removed from the corpus)
+# ├── KeyTaken           the sample's file holds another record; recorded as failed at once
+# ├── Transient          timeout, server error, Redis away; retried with backoff, bounded
+# │   ├── ServerUnavailable    the server does not answer: wait for it, attempt refunded
+# │   │   ├── ServerMisconfigured  it answers but its dump hook is not active: wait
+# │   │   └── ServerBusy           it (or a gateway) refuses for now: 429, 502-504...
+# │   ├── NoSpace              ENOSPC/EDQUOT or a full dump dir: wait for space, refunded
+# │   ├── OutputUnavailable    the output disk refuses writes (EROFS, EIO...): wait, refunded
+# │   └── DataFileUnavailable  the data file cannot be read: its samples park, refunded
+# └── Corrupt            a dump or file failed a check; retried, then recorded as failed
 
 from __future__ import annotations
 

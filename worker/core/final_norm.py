@@ -1,18 +1,11 @@
 """The model's final-norm weight, read without torch, and kept beside the manifest.
 
-Our ``hidden_state`` is the final state *after* the model's final RMSNorm (what the LM head
-reads). vLLM's speculators wants the state *before* it. RMSNorm is scale-invariant, so
-``hidden_state / w`` (w = the norm weight) is a pre-norm state that the trainer's own norm
-maps back to ``hidden_state``, to bf16 rounding. So the run keeps ``w``: the exact bytes from
-the model's safetensors shards, in ``<out>/final_norm.safetensors`` (tensor ``weight``; metadata:
-which checkpoint tensor it was, the model config's hash, ``rms_norm_eps``).
-
-Finding it: ``model.safetensors.index.json``'s ``weight_map`` when present (else the single
-``model.safetensors``); among the tensors named ``…norm.weight`` (or ``ln_f`` /
-``final_layernorm`` / ``norm_f``) outside any layer, vision tower or MTP block, of shape [H],
-the one whose prefix matches the LM head's (Kimi-K2.5: ``language_model.model.norm.weight``
-beside ``language_model.lm_head.weight``).
-"""
+Our ``hidden_state`` is after the final RMSNorm; vLLM's speculators wants it before. RMSNorm is
+scale-invariant, so ``hidden_state / w`` is a pre-norm state that the trainer's norm maps back,
+to bf16 rounding: the run keeps ``w``'s exact bytes in ``<out>/final_norm.safetensors``. ``w`` is
+the ``…norm.weight`` (or ``ln_f``, ``final_layernorm``, ``norm_f``) of shape [H] outside any
+layer, vision tower or MTP block whose prefix is the LM head's (``pick_final_norm``).
+Test: tests/test_training.py::test_final_norm_is_found_in_nested_and_other_checkpoints."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """A final file's bytes: written from its parts in one pass, read back from the device in one.
 
-Writing: the header first, sized for digests not known yet, then each tensor's bytes: small
-ones from memory, large ones straight from the dump, one mapped window at a time (zero copy
-out of tmpfs). Each L2-sized piece is checksummed and checked (the dump's NaN/Inf test) while
-it is in cache, then the window is written and its writeback started, so the disk writes
-while the CPU goes on. The header with the real digests is written last, in place.
-
-Reading back: sequential chunks from the device; each tensor's bytes are routed to its hasher,
-with the algorithm the file's metadata names (old files: sha256).
-"""
+The header goes first, sized for digests not known yet, and is rewritten in place last. Large
+tensors come straight from the dump, a mapped window at a time (zero copy out of tmpfs); each
+L2-sized piece is checksummed and NaN/Inf-checked while in cache, then written with its
+writeback started, so the disk writes while the CPU goes on. Reading routes each tensor's bytes
+to its hasher, with the algorithm its metadata names (``checksums``).
+Test: tests/test_store.py::test_parts_from_a_file_are_checked_and_checksummed_as_copied."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Who is alive: a process identity unique per machine, and when our own /proc can tell it is gone.
 
-An identity is ``host:pid:start:machine``: ``start`` is the process's start time in clock
-ticks since boot, ``machine`` is where that pid means something, the boot id and the pid
-namespace (``<boot id, 16 hex>-<pid namespace inode>``, as ``sglang_patch.process_identity``
-reads them). A hostname names no machine: two containers with host networking, or two VMs
-cloned from one image, share it.
-
-A process is judged gone from here only when its identity names this machine (same boot, same
-pid namespace) and no process has its pid with its start time. A process anywhere else, or an
-identity that does not say where it ran (``host:pid:start``, written by an older version), is
-never judged from our /proc: callers take its liveness from a heartbeat or a TTL in Redis
-(the reaper's worker heartbeats, a lease's renewals).
-"""
+An identity is ``host:pid:start:machine``: ``start`` in clock ticks since boot, ``machine`` the
+boot id and pid namespace (``<boot id, 16 hex>-<pid namespace inode>``), because a hostname
+names no machine (host-networked containers and cloned VMs share one). Only an identity of this
+machine is judged from /proc; any other, or one without ``machine``, is left to a heartbeat or
+a TTL in Redis. Test: tests/test_liveness.py::
+test_a_process_of_another_pid_namespace_is_never_judged_from_here."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """The run: which Redis keys, queue, task ids, leases, rids and dumps are one run's own.
 
-Runs share what a deployment shares: a Redis, a host, a dump dir, a corpus, a model config.
-Nothing of one run may be taken, acknowledged, deleted or adopted by another, so everything a
-run puts anywhere shared carries its run id:
-
-- Redis keys ``hsfarm:<run id>:...`` (``keys.run_key``), leases and task ids;
-- its queue, ``hsfarm.<run id>`` unless ``FARM_QUEUE`` names one;
-- its rids and so its dump files (``contracts.make_rid``).
-
-The run id is derived from the output dir's manifest: the fingerprint (what makes states
-comparable), the weights identity recorded when the run began (computed from
-``FARM_MODEL_PATH``'s weight files; every worker checks its own against it), and a random
-nonce written once with the manifest, which tells two output dirs apart wherever each host
-mounts them. Two checkpoints of one model, or two output dirs of one model, are two runs.
-"""
+Runs share a deployment's Redis, hosts, dump dir, corpus and model config, so everything a run
+puts anywhere shared carries its run id: keys ``hsfarm:<run id>:...``, leases, task ids, the
+queue ``hsfarm.<run id>`` (unless ``FARM_QUEUE``), rids and so dump files. The run id comes from
+the manifest: the fingerprint, the weights identity and a nonce written once, so two checkpoints
+of one model, or two output dirs wherever each host mounts them, are two runs.
+Test: tests/test_run.py::test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """One training sample: what a record in the data file may look like, and how it is checked.
 
-Accepted record shapes (JSON objects):
-- ``{"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}`` (OpenAI), or the same
-  under ``"conversations"``;
-- ShareGPT messages ``{"from": "human"|"gpt"|"system", "value": "..."}`` in either list;
-- pre-tokenized ``{"id": ..., "input_ids": [...], "loss_mask": [...]?}`` (mask defaults to 1s).
-
-The task message never carries the sample: it carries a ``SampleRef`` (file, byte span, content
-hash) and the worker re-reads the record, noticing if the file changed since it was enqueued.
-"""
+Records are OpenAI ``messages`` (or ``conversations``), ShareGPT ``{"from", "value"}``
+messages, or pre-tokenized ``input_ids`` with an optional ``loss_mask`` (docs/input.md). The
+task message carries a ``SampleRef`` (file, byte span, content hash), never the sample: the
+worker re-reads the record and notices if the file changed after enqueue.
+Test: tests/test_samples.py::test_read_sample_finds_a_moved_record_and_notices_a_changed_one."""
 
 from __future__ import annotations
 
@@ -187,10 +183,8 @@ def _pretokenized(obj: dict[str, Any], source_id: object) -> Sample:
 
 
 def read_sample(ref: SampleRef) -> tuple[Sample, SampleRef]:
-    """Re-read a record from its data file, checking it is the one enqueued.
-
-    A record whose bytes moved (a record before it was edited) is found again by its content
-    hash, and the returned ref says where it is now.
+    """Re-read a record from its data file, checking it is the one enqueued; a record whose bytes
+    moved is found again by its content hash, and the returned ref says where it is now.
 
     Raises:
         DataFileUnavailable: the file cannot be read (the environment's fault: wait for it).

@@ -1,15 +1,10 @@
 """The output directory: manifest, durable final files, verification from disk, cleanup.
 
-Layout (contract 3): ``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors``.
-Every write is temp file → fsync → read back → rename → fsync(dir); "verified" means read
-back from the device (the file's pages dropped from the page cache first), the layout the
-run's and every per-tensor checksum compared. A write is verified before its rename, so a file
-that does not read back whole never takes a final path.
-
-The data path streams (``finalfile``): a final file is written from its parts in one pass,
-checksummed on the way, and read back in bounded chunks. No step holds a whole tensor in
-memory. ``Part`` is re-exported here for callers of ``write``.
-"""
+``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors`` (docs/output.md). A write
+is temp file → fsync → read back from the device → rename → fsync(dir), so a file that does not
+read back whole never takes a final path. Data streams through ``finalfile`` in bounded chunks;
+no step holds a whole tensor. ``Part`` is re-exported here for callers of ``write``.
+Test: tests/test_store.py::test_a_file_that_does_not_read_back_whole_never_takes_its_final_path."""
 
 from __future__ import annotations
 
@@ -253,23 +248,14 @@ class OutputStore:
 
     def write_verified(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
                        validate: Callable[[], None] | None = None) -> Verified:
-        """Write a final file durably and atomically, its pages dropped from the cache, and
-        read it back from the device (``verify``'s checks) before its rename: a file that is
-        not this run's layout, or does not read back whole, never reaches its final path.
+        """Write a final file durably and atomically, read back from the device (``verify``) before
+        its rename; ``validate`` runs once every byte passed the parts' checks. The caller holds
+        the sample's lease (an attempt, ``adopt``), so other temp files of the sample are writers'
+        without it: removed first (``_remove_other_temps``).
 
-        ``validate`` runs once every byte went through the parts' checks (``write_parts``).
-
-        The caller holds the sample's lease (``worker/state/lease.py``; every caller does: an
-        attempt, ``adopt``), so any other temp file of this sample is a writer's that no longer
-        holds it: removed first (``_remove_other_temps``).
-
-        Raises:
-            NoSpace: ENOSPC/EDQUOT, whichever call hit it.
-            OutputUnavailable: any other I/O error (read-only, EIO, a stale NFS handle...).
-            Corrupt: the parts are not this run's layout (nothing is written), or from
-                ``validate``, or the file does not read back whole (nothing is left then).
-            LeaseLost: this write's temp file was removed before its rename: the sample's
-                lease is another attempt's now (it removed the file), so nothing is written.
+        Raises: NoSpace (ENOSPC/EDQUOT); OutputUnavailable (any other I/O error); Corrupt (not
+        this run's layout, from ``validate``, or not read back whole: nothing is left); LeaseLost
+        (the temp file was removed before its rename, by the attempt that holds the lease now).
         """
         final = self.final_path(key)
         layout = {name: (p.dtype, p.shape) for name, p in parts.items()}

@@ -1,15 +1,11 @@
 """The safetensors format without torch: headers parsed and built here, data as raw bytes.
 
-A file is ``u64 header length | JSON header | data``; the header maps each tensor name to its
-dtype, shape and ``[begin, end)`` byte range in the data, plus a ``__metadata__`` string map.
-Parsing and building the header ourselves lets the worker stream tensor bytes between files
-(kernel copies, bounded chunks) instead of materialising whole tensors; the checks are the
-ones the safetensors library applies (known dtype, sizes that match shapes, ranges that tile
-the data exactly), and the tests hold our files against that library.
-
-bf16 has no numpy dtype, so bf16 tensors are held as ``uint16`` arrays; the bytes are exactly
-the ones the hook wrote.
-"""
+``u64 header length | JSON header | data``; the header maps each tensor to its dtype, shape and
+``[begin, end)`` data range, plus a ``__metadata__`` string map. Our own header code lets the
+worker stream tensor bytes between files instead of materialising tensors; it applies the
+library's checks (known dtype, sizes that match shapes, ranges that tile the data). bf16 is held
+as ``uint16`` (numpy has no bf16), the hook's exact bytes.
+Test: tests/test_tensorfile.py::test_our_files_read_the_same_in_the_safetensors_library."""
 
 from __future__ import annotations
 

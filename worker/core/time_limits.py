@@ -1,26 +1,11 @@
 """Each delivery's time limits, from the size of its sample.
 
-A sample's work grows with its length: the server's prefill, then its dump (``tokens ×
-bytes_per_token``: 86 MB at 2k tokens, 2.75 GB at 64k, 5.5 GB at 128k with H = 7168) written
-to tmpfs, read and checksummed, written to the output disk, fsynced and read back. One limit
-for every sample would be either too short for a 64k-token sample or hours for a hung 2k
-one, so each delivery gets
-
-    hard_s = FARM_TASK_TIME_LIMIT_S + dump bytes / FARM_MIN_SAMPLE_BYTES_PER_S
-    soft_s = hard_s - min(20 s, hard_s / 5)
-
-``FARM_TASK_TIME_LIMIT_S`` covers the waits, retries and a short sample's work;
-``FARM_MIN_SAMPLE_BYTES_PER_S`` (default 50 MB/s) is the slowest end-to-end rate a healthy
-host sustains for a sample's bytes, prefill included (measured: 0.3–1 GB/s on this project's
-2-core test machine; docs/benchmarks.md, long samples). The wait for a dump grows the same way.
-
-The worker's main process sets the limits of each message before a pool process runs it
-(``worker.steps.reaper.OwnedRequest``), from a bound of its tokens known without reading the
-sample: the record's bytes (a record spends at least one byte per token: text under a
-byte-level tokenizer, or ``input_ids`` written as numbers and commas), at most
-``FARM_MAX_TOKENS``. At start-up the worker checks that the longest sample's limit still
-fits under ``FARM_VISIBILITY_TIMEOUT_S`` (``check_visibility``).
-"""
+A sample's work grows with its dump (86 MB at 2k tokens, 5.5 GB at 128k with H = 7168), so one
+limit would be too short for 64k tokens or hours for a hung 2k one: ``hard_s`` is
+``FARM_TASK_TIME_LIMIT_S`` + dump bytes / ``FARM_MIN_SAMPLE_BYTES_PER_S`` (docs/settings.md),
+``soft_s`` 20 s less (at most a fifth). The main process sets them per message before a pool
+process runs it (``worker.steps.reaper.OwnedRequest``), from its record's size (``for_record``).
+Test: tests/test_time_limits.py::test_a_64k_sample_gets_its_bytes_time_on_top_of_the_base_limit."""
 
 from __future__ import annotations
 
@@ -58,7 +43,9 @@ def for_tokens(settings: Settings, tokens: int, bytes_per_token: int) -> TimeLim
 
 
 def for_record(settings: Settings, record_bytes: int, bytes_per_token: int) -> TimeLimits:
-    """The limits of a delivery whose record is ``record_bytes`` long (see the module)."""
+    """The limits of a delivery whose record is ``record_bytes`` long, known without reading it: a
+    record spends at least one byte per token (text under a byte-level tokenizer, or ``input_ids``
+    as numbers and commas), so its bytes, at most ``FARM_MAX_TOKENS``, bound its tokens."""
     return for_tokens(settings, min(record_bytes, settings.max_tokens), bytes_per_token)
 
 
