@@ -1,24 +1,11 @@
 """Host-wide admission: how many requests are in flight to the server, and tmpfs for their dumps.
 
-Every worker process of a host takes a ticket before it sends a request: one of at most
-``max_in_flight`` request places (given back when the dump has arrived), and room for the
-dump in the tmpfs budget (given back when the dump is deleted). Both are counted across
-processes with slot files in ``<dump_dir>/.hsfarm-slots/``: a process holds a slot by an
-``flock`` on its file and writes what it holds into it; a check-and-take happens under one
-lock file. The kernel drops the locks of a process that dies, so a SIGKILLed worker never
-leaks its place.
-
-Waiting is first come, first served for room: a process that cannot take a ticket at once
-holds a slot marked *waiting* (with when it began and what it wants), and a later request is
-admitted only if there is room for it *and* for the oldest waiter before it. So a long
-sample (a 64k-token dump of 3.8 GB at H = 7,168 against a budget of a few GB) is never
-starved by a stream of short ones: the room they hold drains until it fits. A request larger
-than the whole budget is admitted when nothing else holds room; one larger than the dump
-dir's whole file system can never be written and is refused at once (``NoSpace`` with
-``never_fits``, and the fix).
-
-Under DP attention a ticket may also name the group its request is pinned to
-(``dp_routing``): chosen under the same lock from what the slots hold per group.
+Every worker process of a host takes a ticket before a request: a place among
+``max_in_flight`` and room for its dump in the tmpfs budget, held by an ``flock`` on its slot
+file in ``<dump_dir>/.hsfarm-slots/``, so a SIGKILLed worker never leaks them. Room is first
+come, first served (a request fits beside the oldest waiter or waits), so a 64k-token dump is
+never starved by short ones. Under DP attention a ticket also names its group (``dp_routing``).
+Test: tests/test_admission.py::test_a_big_request_is_admitted_while_small_ones_keep_coming.
 """
 
 from __future__ import annotations
@@ -78,13 +65,10 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
                    dump_fs_bytes: int | None) -> Limits:
     """The effective limits: the settings where set, else sized from the server and tmpfs.
 
-    - in flight: per scheduler, enough queued tokens for two forward passes, 2 × chunked
-      prefill size / 2048-token samples, and at least 8 (SGLang's default chunk of 8192 gives
-      8; 16384 gives 16). Under DP attention each DP group is a scheduler of its own, taking
-      its own prefill batches (``/server_info``'s chunk is already the group's): times the
-      groups. Capped by the server's ``max_running_requests`` (the whole server's).
-    - dump budget: every in-flight request at the longest allowed length, but at most half
-      of the dump dir's file system: one for the host, whatever the groups (one tmpfs).
+    In flight: per scheduler (each DP group is one; ``/server_info``'s chunk is the group's),
+    queued tokens for two forward passes (2 × chunked prefill size / 2048-token samples), at
+    least 8, capped by the server's ``max_running_requests``. Dump budget: every in-flight
+    request at the longest length, at most half the dump dir's file system (one tmpfs a host).
     """
     per_token = dump_bytes_per_token(hidden_size, settings.hidden_dtype)
     info = server_info or {}

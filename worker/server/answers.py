@@ -1,19 +1,11 @@
 """What a server's HTTP answer says: the sample's fault, or the environment's.
 
-Only SGLang's own refusal of a request, a 400 with its JSON error body, is about the sample.
-Everything else short of a success is about the server or what stands in front of it: a rate
-limiter's 429, a gateway's 413 or 400 page, a 502-504 while the server restarts behind a load
-balancer, SGLang's own 503 while it starts or its queue is full, an answer that is not JSON.
-Those make the worker wait and try again, spending no attempt. When unsure, it is the
-environment: a sample rejected for good must have earned it by its content.
-
-Three of SGLang's 400s are not about the sample either: "Duplicate request ID" (an earlier
-try of the same rid is still running), a length refusal (the server's context is shorter than
-the farm was sized for: a configuration to fix, see ``server_limits``) and a ``routed_dp_rank``
-out of range (the server restarted with fewer DP groups than the worker read).
-
-``environmental_rejection`` recognises the reasons that older versions recorded as rejections
-for such answers, so ``status --check`` and ``enqueue`` can put them right.
+Only SGLang's own 400 with its JSON error body is about the sample, and not all of those: a
+duplicate rid, a length refusal (a configuration to fix, ``server_limits``) and a
+``routed_dp_rank`` out of range are not. Everything else short of a success (a rate limiter's
+429, a gateway's page, 502-504 during a restart, SGLang's 503, a non-JSON answer) makes the
+worker wait, spending no attempt: when unsure, it is the environment.
+Test: tests/test_answers.py::test_only_sglangs_own_400_is_the_samples_fault.
 """
 
 from __future__ import annotations
@@ -38,14 +30,10 @@ _DP_RANK_REFUSAL = "routed_dp_rank="  # tokenizer_manager.py:921: "... out of ra
 def error_for(what: str, status: int, body: bytes) -> FarmError | None:
     """The error an answer with ``status`` and ``body`` stands for; None for a success.
 
-    Returns:
-        BadInput: SGLang's 400 with its JSON error body, about the request's content.
-        ConfigError: SGLang refuses the input's length (its context is shorter than the run
-            was sized for: restart the worker, which re-reads it, or fix the server).
-        ServerBusy: every status that means "not now" (429, 408, 502-504), and every 4xx
-            but SGLang's own 400 (a gateway's page, 413, 401/403/404 ...).
-        Transient: another 5xx (500: the server failed on this request, a counted attempt,
-            bounded), or a duplicate rid.
+    BadInput: SGLang's 400 with its JSON error body, about the request's content. ConfigError:
+    SGLang refuses the input's length (restart the worker, which re-reads it, or fix the server).
+    ServerBusy: "not now" (429, 408, 502-504) and every other 4xx (a gateway's page, 413, 401...).
+    Transient: another 5xx (500: a counted attempt, bounded), or a duplicate rid.
     """
     if 200 <= status < 300:
         return None
@@ -103,17 +91,18 @@ def _excerpt(body: bytes) -> str:
     return " ".join(text.split())[:120] or "empty"
 
 
-# What older versions recorded as a rejection for any 4xx of the server or of a gateway in
-# front of it; which of them were SGLang's own 400s cannot be told from the text any more.
+# A rejection recorded in this wording (no code writes it; Redis may hold it) stands for any
+# 4xx of the server or of a gateway in front of it: SGLang's own 400s are not told apart.
 _OLD_REJECTION = "server rejected /generate ("
 
 
 def environmental_rejection(reason: str) -> bool:
-    """Whether a recorded rejection may be the environment's, not the sample's content's.
+    """Whether a recorded rejection may be the environment's, not the sample's content's, so that
+    ``status --check`` and ``enqueue`` put it right.
 
     True for a length refusal of the server, a cut to the server's context that left no
-    assistant tokens, and every 4xx answer older versions recorded (a sample retried once
-    more by this version is rejected again only for SGLang's own 400, in another wording).
+    assistant tokens, and any rejection in the generic 4xx wording (``_OLD_REJECTION``); a
+    sample retried again is rejected only for SGLang's own 400, in another wording.
     """
     return (reason.startswith(_OLD_REJECTION) or any(m in reason for m in _LENGTH_REFUSALS)
             or SERVER_CONTEXT in reason)

@@ -1,20 +1,11 @@
 """When and how a worker runs the canary (``canary.py``): through the server, like a sample.
 
-A worker checks at start-up (its main process, after the hook probe and before consuming),
-after the server comes back from an outage (a task saw it down, or the server's ready markers
-in the dump dir changed: it restarted), and every ``FARM_CANARY_INTERVAL_S``. A mismatch
-pauses consumption: the start-up check waits, and a task holds its message and waits
-(``waits.until_clear``), so messages stay queued and nothing is marked failed; the check is
-repeated every ``FARM_PAUSE_POLL_S`` and work resumes once the server's model is restored.
-
-A mismatch is only ever what the comparison finds. A prompt whose request fails (a 5xx, a
-dump that never comes, a damaged dump) is sent again with backoff, up to ``PROMPT_TRIES``
-times, while the other prompts go on: a flaky server makes the check slower, not failed. A
-check that still cannot finish is "could not be checked", never a mismatch, and is repeated.
-
-The processes of a host take turns through a lock in Redis, a lease (``lease.py``): its value
-names the holder, so a holder that died on this machine is taken over at the next poll, and
-one elsewhere when it stops renewing (``FARM_CANARY_LOCK_TTL_S``).
+A worker checks at start-up, after a server outage or restart, and every
+``FARM_CANARY_INTERVAL_S``; a mismatch pauses consumption (messages stay queued, nothing fails)
+until a check every ``FARM_PAUSE_POLL_S`` passes. A mismatch is only what the comparison finds:
+failing prompts are retried with backoff and an unfinished check is "could not be checked", so
+a flaky server slows the farm, never stops it. A host's processes take turns (a Redis lease).
+Test: tests/test_canary.py::test_a_flaky_server_slows_the_farm_but_never_stops_it.
 """
 
 from __future__ import annotations
@@ -128,12 +119,10 @@ async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]]
                   rows: list[np.ndarray], timeout_s: float, *, tries: int = PROMPT_TRIES,
                   backoff_s: float = 2.0, backoff_max_s: float = 60.0, run: str = c.NO_RUN,
                   ) -> list[tuple[np.ndarray, dict[str, str]]]:
-    """Send every canary prompt at once (batched, as samples are) and read their dumps
-    (requests of run ``run``: its janitor leaves them alone, another run's never sees them).
-
-    A prompt whose request or dump fails is sent again after ``backoff_s`` (doubling, at most
-    ``backoff_max_s``), up to ``tries`` times, under a new rid. When one prompt fails for good
-    the others are cancelled and awaited: nothing of the check outlives it.
+    """Send every canary prompt at once (batched, as samples are) and read their dumps, as requests
+    of run ``run`` (its janitor leaves them alone); a failed prompt is sent again under a new rid
+    with doubling backoff, up to ``tries`` times, and when one fails for good the others are
+    cancelled and awaited: nothing of the check outlives it.
 
     Raises:
         ServerUnavailable: the server is down or its hook inactive (not retried here).
@@ -328,16 +317,13 @@ class CanaryCheck:
 
     def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop,
                 r: redis.Redis, deadline: float = math.inf) -> str | None:
-        """For ``waits.until_clear`` in a task: None when not due or passed, else why not.
+        """For ``waits.until_clear`` in a task: None when not due or passed, else why not; cut short
+        at ``deadline`` (monotonic), so a hung server cannot hold the task past its hand-back time.
 
-        A check is cut short at ``deadline`` (monotonic): a hung server must not hold the
-        task past the time it has to hand its message back.
-
-        The processes of one host share their verdict through Redis (per server start): a
-        pass holds for one interval, so after a restart sixteen pool processes do not each put
-        the long canary's dump in tmpfs at once (one checks at a time); a mismatch makes every
-        process check before its next sample, not at its own next interval, and those
-        waiting for the lock meanwhile give the mismatch as their reason.
+        A host's processes share their verdict through Redis (per server start): a pass holds for
+        an interval, so after a restart sixteen pool processes do not each put the long canary's
+        dump in tmpfs; a mismatch makes every process check before its next sample, and those
+        waiting for the lock give the mismatch as their reason.
         """
         epoch = server_epoch(self.settings.dump_dir)
         key, lock_key = self._keys(epoch)

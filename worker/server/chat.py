@@ -1,20 +1,11 @@
 """Tokenize a sample with the served model's tokenizer and chat template; build the loss mask.
 
-The loss mask covers exactly what each assistant message adds to the rendered conversation
-after its generation prompt (its content and end-of-turn marker). It is found by rendering the
-template incrementally, as vLLM's speculators do, so it is correct for multi-turn
-conversations and any template that renders a conversation as a prefix of its continuation;
-templates that do not (some rewrite earlier turns) are reported per sample, never guessed.
-Where the tokenizer gives character offsets (fast tokenizers), the mask is the tokens whose
-characters fall in the assistant spans; where it does not (slow ones, such as Kimi-K2.5's
-tiktoken-based tokenizer, loaded with ``FARM_TRUST_REMOTE_CODE=1``), it is the tokens between
-the tokenization of the text before a turn and of the text through it, provided the whole
-conversation's tokens start with both (checked, else the sample is rejected with the reason).
-
-An environment problem is never bad input: a library the template engine needs that is missing
-(jinja2) or a template that does not compile raise ``ConfigError`` with the fix, at start-up
-(a probe conversation is rendered when the tokenizer is loaded) and per sample alike; only a
-conversation the template itself refuses is ``BadInput``.
+The mask covers what each assistant message adds after its generation prompt, found by
+rendering the template incrementally as vLLM's speculators do (``_mask_by_prefixes`` where the
+tokenizer gives no offsets); a template that does not render a conversation as a prefix of its
+continuation is reported per sample, never guessed. A missing jinja2 or a template that does not
+compile is the environment's (``ConfigError``); only a conversation it refuses is ``BadInput``.
+Test: tests/test_chat.py::test_tokenizers_without_offsets_get_the_same_mask.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The HTTP client for the (patched SGLang or reference) server. One session per process.
 
-Translates aiohttp's exceptions and the server's answers at this boundary: what an answer
-means is ``answers.error_for`` (only SGLang's own 400 is the sample's fault, ``BadInput``; a
-gateway's or rate limiter's refusal is ``ServerBusy``: wait, no attempt spent); a refused
-connection, or a request that failed (timeout, dropped connection) while the server then also
-fails a health check, is ``ServerUnavailable``; a connection reset or dropped while the server
-is healthy is ``ServerBusy`` (the network or a gateway); a request that timed out while the
-server is healthy is ``Transient`` (a counted attempt: the request timeout is sized for one
-sample).
+aiohttp's exceptions and the server's answers are translated here (``answers.error_for`` says
+what an answer means). A refused connection, or a failed request while the server also fails a
+health check, is ``ServerUnavailable``; a reset or dropped connection while it is healthy is
+``ServerBusy`` (the network or a gateway); a timeout while it is healthy is ``Transient``, a
+counted attempt, as the request timeout is sized for one sample.
+Test: tests/test_faults.py::test_hung_server_spends_no_attempts.
 """
 
 from __future__ import annotations
@@ -70,14 +68,13 @@ class ServerClient:
 
     async def generate(self, rid: str, input_ids: list[int],
                        dp_rank: int | None = None) -> dict[str, Any]:
-        """Prefill-only request (max_new_tokens=0): the hook dumps it, nothing is decoded.
+        """Prefill-only request (max_new_tokens=0): the hook dumps it, nothing is decoded;
         ``dp_rank`` pins it to that attention-DP group (SGLang's ``routed_dp_rank``).
 
         Raises:
             ServerUnavailable: the request failed and the server fails its health check too
                 (down, or hung: a SIGSTOPped server accepts connections and answers nothing).
-            ServerBusy: the server or a gateway in front of it refused the request for now,
-                or the connection was reset or dropped while the server stays healthy.
+            ServerBusy: refused for now by the server or a gateway, or reset while it is healthy.
             BadInput: SGLang refused the request for its content.
         """
         body: dict[str, Any] = {"rid": rid, "input_ids": input_ids,

@@ -1,15 +1,11 @@
 """The longest input the server takes, checked against ``FARM_MAX_TOKENS`` at start-up.
 
-SGLang refuses an input of n tokens when n >= its context length (the tokenizer manager) or
-n >= its scheduler's ``max_req_input_len`` (``min(context length - 1, KV pool - 1) - 5``);
-``/server_info`` carries both (``context_length`` is the flag, None when the model's own
-applies; ``max_req_input_len`` is always there). A prefill-only request (``max_new_tokens``
-0, what the worker sends) needs no room for generated tokens.
-
-A server that takes fewer tokens than ``FARM_MAX_TOKENS`` would refuse valid samples: with
-``FARM_OVERLONG=reject`` the worker refuses to start and says what to change; with
-``truncate`` it cuts samples to what the server takes (each file records the length it was
-cut from, and ``audit`` accepts such a cut).
+SGLang refuses n input tokens when n >= its context length or n >= ``max_req_input_len``
+(``min(context length - 1, KV pool - 1) - 5``); ``/server_info`` carries both, and a
+prefill-only request needs no room for generated tokens. A server that takes fewer than
+``FARM_MAX_TOKENS`` would refuse valid samples: ``FARM_OVERLONG=reject`` refuses to start with
+the fix, ``truncate`` cuts samples to fit (each file records the length it was cut from).
+Test: tests/test_server_limits.py::test_a_short_server_context_is_refused_with_reject.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Is the server the run's? What one probe dump says about the served model, against the run.
 
-A probe request of ours (``sglang_patch.probe``) comes back as a dump whose metadata names the
-weights the server loaded, the layers it captures and its model config; its ready marker names
-the dtype it stores. Each is compared with the run: the weights with the manifest's identity
-and FARM_MODEL_PATH's (``weights.served_mismatch``), the layers and the config with the
-fingerprint (``dumps.identity_problems``), the dtype with the run's (``dumps.
-served_dtype_problem``). A worker runs this check at its start, ``adopt`` before it reads a
-source file: one check, so both refuse the same servers with the same words.
+A probe dump's metadata (``sglang_patch.probe``) names the loaded weights, the captured layers
+and the model config, its ready marker the stored dtype; each is compared with the run's
+(``weights.served_mismatch``, ``dumps.identity_problems``, ``dumps.served_dtype_problem``).
+A worker checks at its start, ``adopt`` before it reads a source file: one check, so both
+refuse the same servers with the same words. Test: tests/test_weights.py::
+test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_later_starts.
 """
 
 from __future__ import annotations
