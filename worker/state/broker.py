@@ -1,18 +1,11 @@
-"""The Redis the farm runs on: one way to connect, who may connect, and whether it survives
-a restart.
+"""The Redis the farm runs on: one way to connect, who may connect, whether it survives a restart.
 
-Redis is both the Celery broker and the run index; every farm client of it comes from
-``client`` and the broker's from ``celery_tls`` (``worker/app.py``), so both share the TLS
-settings and the refusal of an open door: a Redis off this machine answers anyone who reaches
-its port, and whoever does can read the corpus, delete the queue or publish tasks, so a
-non-local ``REDIS_URL`` must carry a password (``requirepass`` or an ACL user) unless
-``FARM_ALLOW_UNAUTHENTICATED_REDIS`` says the network is trusted.
-
-One without persistence (``appendonly no``, the default of a distribution's package and of
-this machine's service) loses every queued message on a restart; the output disk keeps what
-is done, but the run stalls until someone re-runs ``enqueue``. So the farm refuses such a
-Redis unless told otherwise.
-"""
+Every farm client comes from ``client`` and the broker's from ``celery_tls``, so both share the
+TLS settings and the refusal of an open door: whoever reaches an off-machine Redis can read the
+corpus or publish tasks, so a non-local ``REDIS_URL`` needs a password unless
+``FARM_ALLOW_UNAUTHENTICATED_REDIS``. A Redis without ``appendonly`` loses the queue on a
+restart, so it is refused unless ``FARM_ALLOW_VOLATILE_REDIS`` (docs/deployment.md).
+Test: tests/test_redis_auth.py::test_which_urls_need_a_password."""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """The run's record of its data files, and of the samples waiting for one to be readable.
 
-A data file is known by its content as well as its path: ``enqueue`` gives it an id (fid)
-and records, per fid, its current path, the sha256 of its whole content and every path it
-had before. A file enqueued from a new path whose content is a recorded file's is that file
-moved or renamed: its fid is re-pointed to the new path, and every message of it, queued or
-not yet published, reads from there, on every host, because a worker resolves each message
-through the run's record in Redis (``resolve``), not through the path the message carries.
-
-A sample whose data file cannot be read is *parked*: its message is acknowledged with the
-sample recorded under ``PARKED`` (sample key -> fid) and the file under ``UNREADABLE``, so
-no process waits on it and no other file's samples wait behind it. Parked samples are
-published again by ``enqueue`` (of the file at its new path), or by a worker's janitor as
-soon as the file can be read again at its recorded path (``resume_parked``).
-
-Redis layout (keys.py): ``FILES`` path -> fid (the current path of each fid, one per fid);
-``FILE_INFO`` fid -> JSON {path, sha256, size, former: [paths]}; ``PARKED``; ``UNREADABLE``
-fid -> JSON {path, reason, host, at}.
-"""
+A data file is known by its content too (``FILE_INFO``, layout in keys.py): a file enqueued
+from a new path with a recorded file's content is that file moved; its fid is re-pointed, and
+every host reads its messages from there (``resolve`` goes through Redis, not the message's
+path). A sample whose file cannot be read is *parked*, so no process waits on it and no other
+file's samples behind it, until ``enqueue`` or a janitor (``resume_parked``) publishes it again.
+Test: tests/test_corpus.py::test_parked_samples_are_published_again_once_their_file_reads."""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """The hosts of one run: who they are, where their output is, whether they live, what they hold.
 
-A run may span several server hosts, each with its own server and dump dir and either its own
-output dir (local NVMe) or a shared one, all on one ``REDIS_URL``. A host is named by
-``FARM_HOST_ID`` (default: the hostname; set it where hostnames are not unique). Under the
-run's keys:
-
-- ``hosts``: host id -> JSON entry {machine, output_dir, server_url, server, at, registered_at,
-  files}; ``at`` is its heartbeat (refreshed by its workers every ``FARM_REAPER_INTERVAL_S``),
-  ``server`` its server's state as its workers last saw it;
-- ``held``: sample key -> ``host|content sha``: which host's output dir holds its final file;
-- ``held-twice``: sample key -> JSON {hosts, kept, set_aside}: a sample whose file was on two
-  hosts' dirs (it counts once; the copy of a host that registers it second is set aside, or,
-  when the records differ, ``index`` and ``export`` keep one copy and log which).
-
-Redis may lose all of it: each host's workers register what their output dir holds when they
-start, and again when their entry is gone from Redis. Each output dir keeps ``hosts.json``, the
-hosts the run has known, so ``enqueue`` names the hosts it has not heard from since and does
-not redo their samples unless told.
-"""
+A run may span several server hosts (``FARM_HOST_ID``), each with its own server, dump dir
+and output dir (or a shared one), on one ``REDIS_URL``; their entries, heartbeats and holdings
+are keys of the run (keys.py). Redis may lose all of it: a host's workers register what their
+output dir holds at start and when their entry is gone; each output dir keeps ``hosts.json``,
+so ``enqueue`` waits for the hosts it has not heard from. Test: tests/test_hosts.py::
+test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_heard_from."""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """A per-sample lease in Redis: two attempts of one sample never run at once.
 
-(The same mechanism serialises two ``enqueue`` runs of one run: ``ENQUEUE_LOCK``.)
-
-Duplicate deliveries happen without any crash (a message restored while its first delivery
-still runs, two producers, a dead worker's message returned by the reaper), and an attempt
-deletes earlier attempts' dumps and writes the sample's final file. So every attempt first
-takes the sample's lease: ``SET NX`` with a TTL, renewed by a thread while the attempt runs.
-A second attempt waits, holding its message, until the lease is free; it takes a lease over
-only from a holder that is gone (on this machine, same boot and pid namespace: its process no
-longer runs; elsewhere, whatever its hostname: it stopped renewing, so its TTL ran out).
-
-A holder cut off from Redis cannot renew, and cannot learn that its TTL ran out and another
-host took the sample over. So a lease is trusted only until its TTL, less a margin
-(``TRUST_MARGIN``), counted on this process's monotonic clock from the moment the last
-successful renewal (or the take) was sent: past that, ``check`` raises ``LeaseLost`` whether
-Redis answers or not, before Redis can have handed the sample to anyone else. The margin
-covers the step from ``check`` to the write it guards and the clocks' rates; renewals run
-every third of the TTL, so a lease that Redis renews is never refused.
-"""
+Duplicate deliveries happen without a crash (a restored message, two producers, the reaper)
+and an attempt deletes dumps and writes the final file, so each takes the sample's lease
+(``SET NX``, a TTL renewed by a thread), taken over only from a holder that is gone. A holder
+cut off from Redis cannot learn it lost the lease: it trusts it up to its TTL less
+``TRUST_MARGIN`` after its last renewal sent, then ``check`` raises ``LeaseLost``.
+Test: tests/test_idempotency.py::test_duplicate_deliveries_never_run_at_once."""
 
 from __future__ import annotations
 
@@ -42,6 +30,8 @@ _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
            "return redis.call('DEL', KEYS[1]) else return 0 end"
 # The part of the TTL not trusted: a check this close to the lease's expiry in Redis fails.
+# It covers the step from ``check`` to the write it guards and the clocks' rates; renewals
+# run every third of the TTL, so a lease that Redis renews is never refused.
 TRUST_MARGIN = 0.25
 _TAKE_OVER = "if redis.call('GET', KEYS[1]) == ARGV[1] then " \
              "return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return nil end"

@@ -1,19 +1,11 @@
-"""The output dir's record of the data files enqueued for its run: what restores the run's
-record in Redis when Redis lost it.
+"""The output dir's record of the data files enqueued: what restores the run's record in Redis.
 
-Each complete ``enqueue`` of a data file ends by writing a fresh token twice: into Redis
-(``ENQUEUED``: path -> token), after every sample of the file was registered and published,
-then into ``<out>/enqueued.json`` (temp file, fsync, rename, fsync of the dir). Redis's AOF
-keeps a prefix of the writes it was sent: if the token it holds is the one on disk, every
-write of that enqueue is there too. A token missing or different (a Redis that lost its last
-second with ``appendfsync everysec``, or everything) means the run's record of that file
-(its samples, maybe its messages) may be gone: the reconciler runs ``enqueue`` for it again,
-which relearns what is done from the final files' headers and publishes the rest.
-
-An ``enqueue --limit N`` (the first N records) is recorded with its limit, and restored as
-such: the run holds the first N records of that file, not the whole of it. The widest
-enqueue of a file is kept: a whole one over any limit, the larger of two limits.
-"""
+Each complete ``enqueue`` of a file writes a fresh token into Redis (``ENQUEUED``), after every
+sample was registered and published, then durably into ``<out>/enqueued.json``. Redis's AOF
+keeps a prefix of its writes, so a matching token means the whole enqueue survived; a missing
+or different one makes the reconciler run ``enqueue`` of that file again. An ``enqueue --limit
+N`` is restored with its limit (the widest enqueue of a file is kept).
+Test: tests/test_reconciler.py::test_the_output_dir_tells_which_enqueues_redis_lost."""
 
 from __future__ import annotations
 

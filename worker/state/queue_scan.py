@@ -1,17 +1,11 @@
 """Which tasks are in the broker right now: waiting in the queue, or reserved/running.
 
-This is the ground truth for "already queued or running" (no marker that could go stale): the
-queue list, plus kombu's ``unacked`` hash, where every delivered-but-unacknowledged message
-sits until its ack (running tasks, prefetched ones and retries waiting for their countdown).
-
-Task ids: ``hsd-<run id>-<publication>:<sample key>`` (the run: ``worker/core/run.py``). The
-sample key is the identity (dedupe, leases, the index); the publication number (one per
-``enqueue``/``requeue`` call of the run) makes each publication of a sample a task of its
-own, so a monitor that keeps task states by id (Flower: a FAILURE outranks every later state
-of the same id) shows a re-enqueued sample's new attempt instead of its old outcome.
-Redeliveries of one message
-(``Reject(requeue=True)``, a restore) keep their id: they are the same publication.
-"""
+The ground truth for "already queued or running" (no marker that could go stale): the queue
+list plus kombu's ``unacked`` hash, where a delivered message sits until its ack. Task ids are
+``hsd-<run id>-<publication>:<sample key>``: one publication per ``enqueue``/``requeue`` makes
+each a task of its own (redeliveries keep the id), so a monitor keeping states by id (Flower:
+a FAILURE outranks later states) shows a re-enqueued sample's new attempt, not its old outcome.
+Test: tests/test_queue_scan.py::test_task_ids_name_their_sample_and_publication."""
 
 from __future__ import annotations
 
