@@ -1,19 +1,11 @@
 """The dump-dir janitor: a worker bootstep that keeps tmpfs (RAM) free of orphaned dumps.
 
-A dump is orphaned when no task will ever collect it: its attempt was abandoned (the worker
-process was killed, the request timed out, the task was cancelled on a broker connection loss)
-and the server finished the request afterwards. Orphans of samples whose final file exists are
-removed at once; any other dump of ours is removed once it is older than the longest a task can
-wait for it (request timeout + dump timeout). Runs at worker start and then every
-``FARM_JANITOR_INTERVAL_S`` in the worker's main process; never touches finished outputs or
-files that are not this run's: another run sharing the dump dir (a second server on the host)
-keeps every dump of its own, whatever its sample keys. The dumps of a canary check whose
-process was killed on this machine go at once. Probe dumps (no run) left by a dead
-probe go once they are that old.
-
-On the same timer, parked samples whose data file reads again are published again
-(worker/steps/parking.py).
-"""
+A dump is orphaned when its attempt was abandoned (killed, timed out, cancelled) and the
+server finished the request afterwards. At start and every ``FARM_JANITOR_INTERVAL_S`` the
+main process removes this run's orphans: at once when the sample is done or their canary
+checker died here, else once older than a task can wait (request + dump timeout); another
+run's dumps in a shared dump dir stay. It also republishes parked samples (``parking``).
+Test: tests/test_liveness.py::test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """A Redis outage costs no attempt.
 
-When Redis (the broker) stops answering, Celery cancels the tasks this worker runs under late
-acknowledgement (``worker_cancel_long_running_tasks_on_connection_loss``) and takes no more
-work until it reconnects, which is the pause; their messages come back once Redis answers
-(the reaper, ``worker/steps/reaper.py``). Each cancelled attempt was counted when it started and
-cannot refund itself: Redis was away.
-
-So each worker main process watches Redis from a thread (a PING every second) and remembers
-the ``running`` entries of the attempts it runs while Redis answers. When Redis answers again
-after a failed PING, each of those attempts that no longer runs here is refunded, and its
-``running`` entry removed, in one Lua call that does so only while the entry is the one
-remembered: an attempt started since (after the reconnection) writes its own entry, and
-nothing is refunded twice.
-"""
+When Redis stops answering, Celery cancels the tasks this worker runs
+(``worker_cancel_long_running_tasks_on_connection_loss``); their messages come back later
+(``reaper``), but each attempt was counted at its start and cannot refund itself. So a thread
+of each main process PINGs Redis every second and remembers its attempts' ``running`` entries;
+once Redis answers after a failed PING, each not running here any more is refunded (``_REFUND``).
+Test: tests/test_reconciler.py::test_redis_killed_mid_run_loses_nothing."""
 
 from __future__ import annotations
 
@@ -31,6 +24,8 @@ from worker.state.index import RunIndex
 log = logging.getLogger("hsfarm.outage")
 
 PING_EVERY_S = 1.0
+# Refunds only while the ``running`` entry is the one remembered: an attempt started after
+# the reconnection writes its own entry, so nothing is refunded twice.
 _REFUND = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])

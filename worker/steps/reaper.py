@@ -1,28 +1,11 @@
 """Bring a dead worker's messages back in seconds, not after the visibility timeout.
 
-kombu keeps every delivered, unacknowledged message in Redis (``unacked``) and puts it back in
-the queue only once it is ``FARM_VISIBILITY_TIMEOUT_S`` old (20 minutes by default), because
-it cannot tell a dead consumer from a slow one. We can:
-
-- each worker main process has an identity (``liveness.identity()``) and a heartbeat key it
-  refreshes every ``FARM_REAPER_INTERVAL_S``, with a TTL of ``FARM_HEARTBEAT_TTL_S``;
-- when it receives a task message, it records the message's delivery tag as its own
-  (``hsfarm:owners``), and forgets it once the message is acknowledged or handed back
-  (``OwnedRequest``, the task's Request class);
-- every interval, each worker looks at the owners: a message whose owner is gone (a process
-  of this machine that no longer runs, or, for one of another machine or pid namespace,
-  whatever its hostname, a heartbeat that expired) goes back to the front of
-  the queue through kombu's own ``restore_by_tag`` (WATCH/MULTI on the unacked hash, so a
-  concurrent acknowledgement wins and nothing is restored twice). A gone owner cannot
-  acknowledge late;
-- a message this worker owns but no longer holds (its acknowledgement or hand-back failed
-  while Redis was away, and Celery forgot it) goes back the same way, and so does one with
-  no owner at all once it is older than ``ORPHAN_AGE_S`` (its receiver died between kombu
-  recording the delivery and the receiver recording itself as its owner).
-
-Pool processes killed alone are already handled by Celery (``task_reject_on_worker_lost``);
-this is for the main process (SIGKILL, OOM killer, a host that died).
-"""
+kombu restores an unacknowledged message only after ``FARM_VISIBILITY_TIMEOUT_S`` (20 min),
+as it cannot tell a dead consumer from a slow one. We can: each main process heartbeats and
+records the delivery tags it receives as its own (``OwnedRequest``); every interval, a message
+whose owner is gone (``liveness``), that its owner no longer holds, or unowned past
+``ORPHAN_AGE_S`` goes back through kombu's ``restore_by_tag`` (a concurrent ack wins). Pool
+processes killed alone are Celery's. Test: tests/test_crash.py::test_sigkill_worker_main_process."""
 
 from __future__ import annotations
 
@@ -120,7 +103,8 @@ def _still_theirs(r: redis.Redis, tag: str, owner: str) -> bool:
 
 
 def _return_orphans(app: Celery, r: redis.Redis, owners: dict[str, str]) -> int:
-    """Unacknowledged messages older than ``ORPHAN_AGE_S`` that nobody owns: back."""
+    """Unacknowledged messages older than ``ORPHAN_AGE_S`` that nobody owns (their receiver died
+    between kombu recording the delivery and recording itself as their owner): back."""
     old: list[bytes] = r.zrange(  # type: ignore[assignment]
         keys.KOMBU_UNACKED_INDEX, 0, time.time() - ORPHAN_AGE_S, byscore=True)
     orphans = [_text(t) for t in old if _text(t) not in owners]

@@ -1,43 +1,25 @@
 """The reconciler: a run heals itself when a task message is lost.
 
-A sample is *in no state* when the run registered it (``SAMPLES``, written by ``enqueue``) and
-it has no outcome (done, failed, rejected, stale), no message in the broker (the run's queue,
-kombu's ``unacked`` hash) and no lease (an attempt runs it, or waits for it). Nothing would
-ever run it: its message was lost (a worker SIGKILLed between kombu's BRPOP and its write of
-the ``unacked`` entry, celery#4354; a Redis that lost its last second of writes with AOF
-``everysec``; a message removed by hand). A hand-back whose ``unacked`` entry Redis lost
-vanishes too: kombu restores only what the hash holds.
+A sample is *in no state* when registered with no outcome, no message queued or unacked and
+no lease: its message was lost (a worker SIGKILLed between kombu's BRPOP and its ``unacked``
+write, celery#4354; a Redis that lost its last second). One main process at a time finds them
+every ``FARM_RECONCILE_INTERVAL_S`` and again ``FARM_RECONCILE_CONFIRM_S`` later under
+``ENQUEUE_LOCK``, marks done what is verified on disk and publishes the rest (see below).
+Test: tests/test_reconciler.py::test_lost_messages_are_published_again_by_the_run."""
 
-One worker main process at a time (the ``RECONCILE_LOCK`` lease; any number of workers on
-any number of hosts carry the thread) runs a pass every ``FARM_RECONCILE_INTERVAL_S``:
-
-1. read the run's samples, outcomes, leases and the broker: the samples in no state;
-2. ``FARM_RECONCILE_CONFIRM_S`` later, holding the run's ``ENQUEUE_LOCK``, read again;
-3. those in no state both times: a sample whose verified final file is on disk (Redis lost
-   its ``done`` mark) is marked done; every other one is published again, logged
-   (``<key> republished``) and counted (``REPUBLISHED``: ``status``, dashboard, /metrics).
-
-Before that, the pass restores the run's record of each data file whose record Redis lost
-(``ledger``: the output dir's record of complete enqueues) by running ``enqueue`` for it
-(with its ``--limit``, when it was enqueued with one).
-
-Why this never publishes a sample twice at once, one that runs, or one about to be acked:
-
-- the queue list and the ``unacked`` hash are read in one MULTI, so at one instant. kombu
-  moves a message between them atomically (``restore_by_tag``: MULTI), except at delivery:
-  BRPOP takes it from the list and the consumer writes its ``unacked`` entry right after, in
-  the same callback. A message caught in that gap by the first read is in ``unacked`` by the
-  second, seconds later, unless its consumer died in between: then it is lost, and healed;
-- an attempt holds the sample's lease from before it starts until its outcome is written, and
-  a verified file is marked done before the lease is released and before the ack;
-- ``enqueue`` and ``requeue`` register samples before their messages are flushed, all under
-  ``ENQUEUE_LOCK``; the second read and the publication hold it too.
-
-One case is left to the lease: a Redis that lost its last second may have lost the ``unacked``
-entry of a message a worker still holds, reserved and not started. Published again, the two
-deliveries never run at once (the lease) and the later one finds the verified file and is
-acknowledged without work (``extract.already_done``).
-"""
+# Why a pass never publishes a sample twice at once, one that runs, or one about to be acked:
+# - the queue and ``unacked`` are read in one MULTI (``broker_keys``); kombu moves a message
+#   between them atomically except at delivery (BRPOP, then the ``unacked`` write in the same
+#   callback), and a message in that gap at the first read is in ``unacked`` by the second,
+#   unless its consumer died: then it is lost, and healed;
+# - an attempt holds the sample's lease from before it starts until its outcome is written, and
+#   a verified file is marked done before the lease is released and before the ack;
+# - ``enqueue`` and ``requeue`` register samples before flushing their messages, under
+#   ``ENQUEUE_LOCK``; the second read and the publication hold it too.
+# Left to the lease: a Redis that lost its last second may have lost the ``unacked`` entry of a
+# message a worker holds, not started; published again, the two deliveries never run at once
+# and the later one finds the verified file (``extract.already_done``).
+# (tests/test_reconciler.py::test_nothing_queued_running_or_about_to_be_acked_is_republished)
 
 from __future__ import annotations
 
