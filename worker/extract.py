@@ -67,7 +67,7 @@ def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
             f"sample key {ref.key!r} already holds another record (source id "
             f"{str(meta.get(st.M_SOURCE_ID))[:80]}, from {meta.get(st.M_SOURCE_FILE, '?')}); "
             "keys must be unique within a run: give the records distinct ids")
-    written_under = meta.get(M_WEIGHTS_ID)  # files of older versions do not say
+    written_under = meta.get(M_WEIGHTS_ID)  # None: the file does not record it
     if written_under and rt.store.weights_id and written_under != rt.store.weights_id:
         log.warning("%s existing final file was written under weights identity %s, the run's "
                     "is %s; this attempt replaces it", ref.key, written_under,

@@ -1,21 +1,11 @@
-"""A worker's start and stop: everything that can go wrong is checked before it consumes.
+"""A worker's start: every check that can fail runs before it consumes (``worker_init``).
 
-In the main process, before Celery starts the pool and the consumer (``worker_init``):
-``REDIS_URL`` is no open door (``broker.check_auth``); Redis answers and keeps its data
-(``broker.check_persistence``); the run context is built (waiting for the server while it loads
-the model; the longest input it takes is checked against ``FARM_MAX_TOKENS``,
-``server_limits``, before anything is written); the output directory's manifest matches the
-run; temp files of dead writers go; and one probe request of ours comes back as a dump in this
-worker's dump dir (``sglang_patch.probe``: while the server runs without the hook, or writes
-elsewhere, the worker waits and says why), saying which weights the server serves: the run's
-and FARM_MODEL_PATH's, captured with the run's layers and config, stored in its dtype, or the
-worker stops (``served_identity``: the check ``adopt`` runs too); only then is the canary
-(``canary_check``) recorded, or compared with the run's recording (while it does not match,
-the worker waits, says per layer what differs, and shows the pause in ``status``).
-Any ``ConfigError`` stops the process here with exit code 2 and the fix, before a single
-message is taken. Pool processes inherit the context when they fork and only open their own
-connections.
-"""
+Order: Redis auth and persistence, the run context (waiting for the server; its longest input
+against ``FARM_MAX_TOKENS``), the output dir's manifest, dead writers' temp files, the hook
+probe (the worker waits while the hook is off or writes elsewhere), the served weights, layers,
+config and dtype (``served_identity``), the canary (recorded, or compared: waits while it
+differs). A ConfigError exits 2 with the fix; pool processes inherit the context at fork.
+Test: tests/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
 
 from __future__ import annotations
 

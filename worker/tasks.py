@@ -1,37 +1,11 @@
 """The Celery task: one sample per task, acknowledged only once the sample has an outcome.
 
-Outcomes are recorded in the run index first, then the message is acknowledged:
-- done: a verified final file; the task succeeds;
-- rejected (``BadInput``), failed (attempts exhausted, or ``KeyTaken``), stale (the record
-  changed after enqueue), parked (its data file cannot be read: the sample waits without a
-  message, worker/state/corpus.py), removed (the sample left the run: its record left the corpus)
-  or refused (a malformed message): the task ends in Celery's FAILURE state, so Flower and
-  its metrics count it as failed.
-
-A message is resolved through the run's record in Redis (``Corpus.resolve``): the data file's
-current path (a file enqueued again from a new path is read there) and the record as last
-enqueued, whatever path or content the message was published with.
-
-Every other way out hands the message back (``Reject(requeue=True)``), never an
-acknowledgement without an outcome:
-- ``Transient``, ``Corrupt``, anything unexpected: a counted attempt, retried with backoff
-  within this delivery while its time limit allows (so failures show at once), else handed
-  back; after ``FARM_MAX_ATTEMPTS`` started attempts the sample is recorded as failed;
-- the environment (server down or hung, a gateway or the server refusing requests for now,
-  disk full, read-only or failing, the dump dir gone, a server capturing other layers, a
-  canary that no longer matches:
-  the server serves another model): the task waits,
-  holding its message, and the attempt is refunded; at the time limit it hands it back, and
-  an attempt starts only with half a delivery's time or more left (else handed back), so a
-  pause never makes the time limit cut an attempt short;
-- ``ConfigError``: hands the message back and stops the worker.
-
-Two deliveries of one sample never run at once: each attempt holds the sample's lease.
-
-A message of another run (its task id names another run: two runs given one ``FARM_QUEUE``)
-is handed back untouched before anything else: an identical copy is published at the far end
-of the queue, then this delivery is acknowledged; nothing is recorded.
-"""
+An outcome (done, rejected, failed, stale, parked, removed, refused) is recorded in the run
+index before the ack; every other way out hands the message back (``Reject(requeue=True)``). A
+counted attempt (``Transient``, ``Corrupt``, anything unexpected) retries with backoff while
+the time limit allows; the environment's faults make the task wait holding its message, its
+attempt refunded; ``ConfigError`` stops the worker. Each attempt holds the sample's lease.
+Test: tests/test_faults.py::test_hung_server_spends_no_attempts."""
 
 from __future__ import annotations
 
@@ -143,16 +117,11 @@ def extract(self: Task, ref_json: Any) -> dict[str, Any]:
 def _hand_back_foreign(rt: Runtime, task_id: object, ref_json: Any) -> dict[str, Any] | None:
     """Hands a message of another run back untouched, for its own workers; None for ours.
 
-    The copy goes to the far end of the queue (the same task id and body), and only then is
-    this delivery acknowledged: a crash in between leaves two messages of one sample, which
-    its run's lease and done check make harmless; never none. Handing it back by a requeue
-    (``Reject``) would put it next in line, where this worker, its only idle consumer while
-    the other run's workers hold our messages, takes it again: two runs on one queue would
-    pass their last messages back and forth to themselves. The pause after the copy keeps a
-    worker left with only another run's messages from spinning on them; it is random, so the
-    first process to ask for work again is as likely one of the other run's as this one
-    (with equal pauses, the first to hand back would wake first and take the oldest copy in
-    the queue, its own).
+    The copy goes to the far end of the queue, then this delivery is acked: a crash in between
+    leaves two messages (the lease and done check make that harmless), never none. A requeue
+    (``Reject``) would put it next in line, where this worker, the only idle consumer, takes it
+    again. The random pause after the copy keeps a worker left with another run's messages from
+    spinning, and makes the other run's processes as likely as ours to take the copy first.
     """
     other = run_of_task(task_id)
     if other is None or other == rt.run_id:
