@@ -164,8 +164,7 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
         ServerMisconfigured: its server stores another dtype, captures other layers or
             serves another model's config (``identity_problems``): the environment's fault.
         Transient: the dump could not be read.
-        ConfigError: it is a link or another user's file (``open_file``).
-    """
+        ConfigError: it is a link or another user's file (``open_file``)."""
     try:
         f = open_file(path)  # closed by Dump, or below on error
     except OSError as e:

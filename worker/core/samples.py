@@ -48,7 +48,7 @@ class SampleRef:
     """Where a sample lives: small enough for a task message (well under 1 KB).
 
     The data file goes in a message by its id in the run (``d``, from ``enqueue``), or by
-    its path (``f``: ``audit --requeue``, and messages of earlier versions); either way the
+    its path (``f``: ``audit --requeue``, and messages that carry no id); either way the
     worker accepts only a data file registered for the run.
     """
 

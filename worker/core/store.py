@@ -255,8 +255,7 @@ class OutputStore:
 
         Raises: NoSpace (ENOSPC/EDQUOT); OutputUnavailable (any other I/O error); Corrupt (not
         this run's layout, from ``validate``, or not read back whole: nothing is left); LeaseLost
-        (the temp file was removed before its rename, by the attempt that holds the lease now).
-        """
+        (the temp file was removed before its rename, by the attempt that holds the lease now)."""
         final = self.final_path(key)
         layout = {name: (p.dtype, p.shape) for name, p in parts.items()}
         problems = self._layout_problems(layout, layout.get(c.T_INPUT_IDS, ("", (-1,)))[1])

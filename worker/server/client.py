@@ -5,8 +5,7 @@ what an answer means). A refused connection, or a failed request while the serve
 health check, is ``ServerUnavailable``; a reset or dropped connection while it is healthy is
 ``ServerBusy`` (the network or a gateway); a timeout while it is healthy is ``Transient``, a
 counted attempt, as the request timeout is sized for one sample.
-Test: tests/test_faults.py::test_hung_server_spends_no_attempts.
-"""
+Test: tests/test_faults.py::test_hung_server_spends_no_attempts."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ class ServerClient:
             ServerUnavailable: the request failed and the server fails its health check too
                 (down, or hung: a SIGSTOPped server accepts connections and answers nothing).
             ServerBusy: refused for now by the server or a gateway, or reset while it is healthy.
-            BadInput: SGLang refused the request for its content.
-        """
+            BadInput: SGLang refused the request for its content."""
         body: dict[str, Any] = {"rid": rid, "input_ids": input_ids,
                                 "sampling_params": {"max_new_tokens": 0}}
         if dp_rank is not None:
