@@ -2,22 +2,10 @@
 
     python bench/adopt.py [--files 8] [--tokens 1500] [--rounds 2] [--dir DIR] [--json out.json]
 
-Synthetic SpecForge-style files (``torch.save`` dicts: ``input_ids``, ``loss_mask``,
-``hidden_state`` [1, T, 7168], ``aux_hidden_state`` [1, T, 21504], bf16; 1500 tokens: 86 MB)
-are written under DIR (default: a temp dir on the disk of the current dir), synced and
-dropped from the page cache. Then, file by file, alternating (the order flips every round):
-
-- ``adopt``: ``producer.adopt.procedure.write_adopted`` on the file opened by ``adopt_formats``
-  (``torch.load(weights_only=True, mmap=True)``): NaN/Inf test, the store's durable write
-  (temp → fsync → rename → fsync dir), read back from the device, every checksum compared;
-- ``copy``: ``shutil.copyfile`` of the same file + fsync, its pages dropped, read back.
-
-Each side's source pages are dropped before it reads. Reported: MB/s of source bytes per
-side, and adopt / copy. Matching and the compatibility check are not timed (they read the
-ids of each file and K files through the server, not the disk-bound part); the per-file
-check's source side is (``rows``: the file opened cold and its states at ``adopt_rows``'
-rows read, files/s); its server side is one prefill of ``adopt_rows.PREFIX_TOKENS`` tokens
-per file, which needs the server.
+Synthetic SpecForge-style files (86 MB at 1500 tokens) go through ``write_adopted`` (durable
+write, read back, every checksum compared) and through ``shutil.copyfile`` + fsync + read-back,
+alternating file by file from a cold page cache. Matching and the K-file check need the
+server and are not timed. Results: docs/benchmarks.md, "Adopting an earlier run's files".
 """
 
 from __future__ import annotations

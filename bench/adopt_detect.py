@@ -1,17 +1,11 @@
 """How often ``adopt`` catches a foreign minority, against the fraction of foreign files.
 
     python bench/adopt_detect.py [--files 100] [--fractions 0.01,0.05,0.2] [--seeds 5]
-                                 [--json out.json]
 
-A private Redis and the reference server (the tiny model: checkpoint A) are started. FILES
-records of the example data are extracted by A and by another checkpoint of the same config
-and tokenizer (B, the tiny model of seed 1); for each fraction and seed a SpecForge-format
-source (no header to tell) holds that fraction of B's files among A's, at random places, and
-``adopt --dry-run`` (default K) judges it. Per run: whether the K-file check alone caught it
-(what ``adopt`` did before the per-file check), how many of the foreign files the per-file
-check refused (in the run, and on its own: every foreign file checked, whatever the K check
-said), how many good files it refused, and whether any foreign file would have been adopted;
-and the time of each phase (files/s).
+Records extracted by the tiny model (checkpoint A) and another seed's (B) are mixed into
+SpecForge-format sources, B's files at random places, and ``adopt --dry-run`` judges each: did
+the K-file check catch it, how many foreign files the per-file check refused, how many good
+ones it refused, and each phase's files/s. Results: docs/benchmarks.md, "What adopt catches".
 """
 
 from __future__ import annotations

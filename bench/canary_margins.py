@@ -1,26 +1,11 @@
 """The canary's margins: how far re-extracted canary states move for what must pass and for
 what must fail, on the reference server and on a live SGLang server (CPU).
 
-    python bench/canary_margins.py --server reference [--json out.json]
-    python bench/canary_margins.py --server sglang [--json out.json]   # needs .venv-sglang
+    python bench/canary_margins.py --server reference|sglang [--json out.json]
 
-For each scenario a server is started (a restart every time), the canary prompts of
-``worker/core/canary.py`` (short, medium, and a long one chunked by a chunk-64 server) are sent
-through it exactly as a worker sends them, and the states at the recorded rows are compared
-with the baseline recording (``worker.core.canary.compare``): per layer, the max and mean over
-tokens of |new - recorded| / |recorded|. Scenarios:
-
-- restart: the baseline server's configuration, started again;
-- batching: the same server, the canary sent while 8 other requests are in flight;
-- chunking: ``--chunked-prefill-size 64`` against the unchunked baseline;
-- TP 2 (sglang only): ``--tp-size 2`` against TP 1;
-- float64 (reference only): the same weights computed in float64 (a numerics change that
-  does not matter);
-- another checkpoint: the tiny model drawn with another seed (same config and tokenizer);
-- another quantisation: the linear weights fake-quantised to INT4 (groups of 32);
-- bfloat16 compute against float32 (the reference server's default), or float32 against
-  bfloat16 (SGLang): reported, not judged: it is as large as bf16 noise on a tiny model;
-- another layer set (reference only): ``--layers-to-capture 1 3 6``.
+Per scenario (``run``: restart, batching, chunking, TP 2, another checkpoint, quantisation or
+layer set, ...) a server is started afresh, the canary prompts are sent as a worker sends them
+and compared with the baseline (``worker.core.canary.compare``). Results: docs/canary.md.
 """
 
 from __future__ import annotations

@@ -2,22 +2,10 @@
 
     python bench/dataplane.py [--sizes-mb 1 86 470] [--samples 8] [--json out.json]
 
-For Kimi-shaped dumps (H = 7168, 57,344 B/token) of about 1, 86 and 470 MB, written into
-tmpfs by the real ``DumpWriter`` from the synthetic model, it times in one process, alternating
-sample by sample (the order rotates, so drift and cache effects fall on every path alike):
-
-- ``farm``: what a worker does after the dump appears — ``worker.extract.store_dump``: validate
-  the dump (ids, shapes, dtypes, NaN/Inf, layers/config), write the final file durably
-  (temp → fsync → rename → fsync dir), read it back from the disk and check every checksum;
-- ``legacy``: the same steps as the worker did them before issue 9 (whole-file reads,
-  safetensors' deserialize/serialize_file, sha256), kept here verbatim as the "before";
-- ``(a) copy``: ``shutil.copyfile`` (sendfile) + fsync: a plain durable copy;
-- ``(b) copy+readback``: (a), then the copy's cached pages dropped and the file read back.
-
-Per path and size: bytes/s (dump bytes / wall time), CPU per sample (user + sys of this
-process) and the peak RSS of the process during the sample (``/proc/self/clear_refs``). The
-measuring process never imports torch (a worker does not); the dumps are made by a child
-process that does. Needs ``/dev/shm`` room for the dumps (~1.5 GB by default).
+Kimi-shaped dumps written by the real ``DumpWriter`` go through ``farm`` (``store_dump``),
+``legacy`` (whole-file reads, safetensors' serialize_file, sha256: the plain-library baseline),
+(a) ``copyfile`` + fsync and (b) (a) + read-back, alternating sample by sample so drift falls on
+every path alike; the measuring process never imports torch. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -124,7 +112,7 @@ class Paths:
 
 
 def legacy_path(dump: Path, ids: list[int], out: Path) -> None:
-    """The worker's data path before issue 9, step for step (load_dump, write, verify)."""
+    """The plain-library data path, step for step (load_dump, write, verify): the baseline."""
     from safetensors import TensorSpec, deserialize, serialize_file
 
     def load(path: Path, drop: bool) -> dict[str, np.ndarray]:

@@ -1,23 +1,11 @@
 """DP-group routing at Kimi sizes: SGLang's round robin against the worker's own choice.
 
     python bench/dp_routing.py [--groups 4] [--procs 8] [--tokens-per-s 2000] [--samples 40]
-                               [--rules server least-tokens least-bytes] [--rounds 1]
 
-Each arm is a fresh farm: a private Redis (AOF), the reference server in synthetic mode (H =
-7,168, 61 layers) emulating ``--groups`` attention-DP groups (``sglang_patch/dp_groups.py``:
-one scheduler and queue per group, chunked prefill ``--chunk`` per group, all groups stepping
-together, a step lasting N x its busiest group's tokens / ``--tokens-per-s``), and one
-``celery worker -c PROCS`` with ``FARM_DP_ROUTING`` set to the arm's rule. The same
-pre-tokenized samples (1,000-8,000 tokens, 57-459 MB of hidden states each) run in every arm;
-arms alternate within a round. Reported per arm, from the first to the last finished sample:
-
-- samples/s and the server's tokens/s; the ratio of each to the baseline arm (``server``:
-  SGLang's own round robin) of the same round;
-- step efficiency: tokens served / (N x the busiest group's tokens), over all steps (1.0:
-  every step balanced; what an uneven step wastes is the idle groups' share);
-- per-group tokens: max / mean over the groups (1.0: even);
-- per-group peak dump bytes in the dump dir (tmpfs), polled at 10 Hz; max and min over groups;
-  and the whole dump dir's peak.
+Each arm (``FARM_DP_ROUTING`` rule) is a fresh farm against the synthetic reference server
+emulating ``--groups`` attention-DP groups in lockstep (``sglang_patch/dp_groups.py``); the
+same samples run in every arm, arms alternating. Reported: samples/s and tokens/s against
+round robin, step efficiency, per-group tokens and dump bytes. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

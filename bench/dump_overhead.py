@@ -2,21 +2,10 @@
 
     python bench/dump_overhead.py [--tokens 2048 8192] [--hidden 7168] [--out results.json]
 
-A GPU workload stands in for the model's forward: ``--layers`` bf16 [T,H]x[H,H] matmuls with a
-residual, capturing the inputs of three layers (SGLang's aux convention) and the final state,
-calibrated to ``--target-tokens-per-s`` (a TP-8 Kimi-K2.5 prefill is in the 10k tokens/s range
-per host), so the ratio reflects a real model, not an empty loop. In the same run it measures:
-
-- forward alone (the baseline);
-- (a) a synchronous dump inside the forward: ``.cpu()`` to pageable memory, then
-  ``safetensors`` save to the dump dir, before the next forward may start;
-- (b) this project's hook: ``DumpCollector`` with the ``CudaStager`` (side stream, pinned
-  buffers, event) and the ``DumpWriter`` thread behind a bounded queue.
-
-For (b) it also reports whether the writer kept up: time the forward loop spent blocked on
-the full queue, the deepest the queue got, and the drain time after the last forward. It
-checks that every dump equals the GPU tensors bit for bit. On CPU (``--device cpu``) it runs
-as a smoke test of the same code with small sizes.
+A calibrated stand-in forward (bf16 matmuls at ``--target-tokens-per-s``: a real model's ratio,
+not an empty loop's) runs alone, with a synchronous ``.cpu()`` + save, and with the hook
+(``CudaStager``, ``DumpWriter``): whether the writer kept up, every dump checked bit for bit.
+``--device cpu``: a smoke test. Results: docs/benchmarks.md (``bash bench/gpu_run.sh``).
 """
 
 from __future__ import annotations

@@ -2,22 +2,10 @@
 
     python bench/enqueue.py [--samples 37312] [--done 18421] [--big-gb 1.0] [--json out]
 
-Against a private Redis (AOF on, as the farm runs it), with the tiny model's files for the
-fingerprint (FARM_MODEL_PATH: no server, no tokenizer), each step in a fresh process:
-
-1. baseline in the same run: the loop a person would write, one ``apply_async`` (here
-   ``send_task``, the same call) per record of the same file, onto a queue of its own;
-2. ``python -m producer enqueue`` on an empty run: wall time, peak RSS, Redis memory per
-   queued task;
-3. with ``--done`` outputs already on disk (real final files of 64 tokens each, with the
-   run's metadata) and marked done in the index, nothing queued (as after a crash), enqueue
-   again: how long deciding what to publish takes, and how many bytes of outputs it read
-   (``/proc/self/io``, beyond what a fresh enqueue of the same file reads); then the same
-   after Redis lost the run (FLUSHALL), when the headers (never the tensor data) must be read
-   to rebuild the index;
-4. ``status`` on the run of ``--samples`` with every sample done: in-process and as a CLI;
-   Redis memory per done sample;
-5. enqueue of a ``--big-gb`` JSONL (1 GB): peak RSS.
+Against a private Redis (AOF), each step in a fresh process: a plain ``send_task`` loop as the
+baseline; ``enqueue`` on an empty run; again with ``--done`` final files done (and after
+FLUSHALL, when headers rebuild the index), with bytes of outputs read; ``status`` on the done
+run; a ``--big-gb`` JSONL's peak RSS. Results: docs/benchmarks.md, "Enqueue and status".
 """
 
 from __future__ import annotations

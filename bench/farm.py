@@ -2,22 +2,10 @@
 
     python bench/farm.py [--procs 2 4 8] [--tokens-per-s 5000 0] [--samples 40] [--json out]
 
-For each server rate (0 = as fast as this CPU makes dumps) and each worker process count, it
-starts a fresh farm (private Redis with AOF, the reference server in synthetic mode: H=7168,
-61 layers, chunked prefill 8192, paced to the rate; one ``celery worker -c N``), enqueues
-``--samples`` pre-tokenized samples of 1,000–2,000 tokens (57–115 MB of hidden states each),
-and runs them to the end. Reported per run:
-
-- samples/s and GB/s of final files, from the first to the last finished sample;
-- server idle %: 1 - busy/uptime of the model thread over the same window (``/server_info``);
-- tmpfs peak: the most bytes of dumps in the dump dir at once, against the dump budget;
-- per-worker-process peak RSS, and how much it grew during the run; CPU per sample of the
-  workers (all processes) and of the server. Worker processes run without torch, as on a
-  worker host (``producer/localfarm/notorch/``; ``--torch-in-workers`` to keep this venv's);
-- baseline (b) in the same run: copy + fsync + read back (cache dropped) of dumps of the same
-  sizes on the same disk, measured before and after the farm runs.
-
-The dump dir (and Redis's files) live in ``--shm`` (tmpfs); final files in ``--out-dir``.
+Per server rate and worker process count a fresh farm (private Redis, synthetic reference
+server, one ``celery worker -c N`` without torch, as on a worker host) runs ``--samples``
+samples of 57-115 MB. Reported: samples/s, GB/s, server idle %, tmpfs peak, worker RSS and
+CPU per sample, beside copy + fsync + read-back of the same sizes. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

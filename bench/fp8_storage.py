@@ -1,32 +1,11 @@
 """fp8 storage against bf16: bytes per sample, the error per layer, CPU per sample.
 
     python bench/fp8_storage.py [--tokens 2048] [--hidden 7168] [--sglang] [--json out.json]
-    python bench/fp8_storage.py --outliers-only   # the per-value table alone (seconds)
 
-- **outliers** (H = ``--hidden``, 64 rows each): Gaussian rows, and rows whose channel 1234
-  is 10^3, 10^4, 10^5 (the rest ~N(0, 1), bf16-rounded): a residual stream's massive
-  activation. For one scale per token per layer (the layout before the blocks), blocks of
-  128 (the layout written now) and, for comparison, blocks of 32: the per-value error
-  ``|x - x'| / |x|`` over nonzero values (median, p99, max), the values flushed to zero, the
-  per-row L2 error, and the bytes per value (e4m3 plus the float32 scales).
-
-- **synthetic** (``sglang_patch/synthetic.py``, H = ``--hidden``, one sample of ``--tokens``):
-  the same bf16 states dumped by the hook's own writer (``DumpWriter``, CPU stager) in bf16
-  and in fp8, then stored by the worker's data path (``extract.store_dump``: checks, copy,
-  checksums, fsync, read-back verify) into an output dir on this machine's disk. Reports the
-  quantization's CPU time (the hook's code on one CPU thread: what a CPU server pays; a GPU
-  pays microseconds), dump and final-file bytes, the worker's CPU and wall per sample, and the
-  error of the dequantized fp8 states against the bf16 ones.
-- **tiny** (the reference server's model, random-init tiny Llama, float32 compute): per layer,
-  the fp8 states (quantized from float32, as the reference server's hook does) against the bf16
-  dump of the same states, over a few prompts.
-- **sglang** (``--sglang``, live SGLang 0.5.23 on CPU, the tiny model, in ``.venv-sglang``):
-  one server started with ``SGLANG_HS_DUMP_DTYPE=fp8_e4m3``; each prompt is sent twice, once as
-  a sample (dumped fp8) and once under the farm's internal key prefix (dumped bf16, as the
-  canary is), so the two dumps come from the same server and the same computation.
-
-Error: per token, ``|fp8 - bf16|_2 / |bf16|_2`` over the hidden dimension of one layer; per
-layer its max and mean over all tokens.
+Parts: **outliers** (rows with a massive channel: one scale per row against blocks of 128 and
+32), **synthetic** (the hook's writer in bf16 and fp8, then the worker's data path), **tiny**
+(the reference server's model) and **sglang** (live SGLang on CPU, one prompt as a sample and
+as the canary). Error: per token ``|fp8 - bf16|_2 / |bf16|_2``. Results: docs/fp8.md.
 """
 
 from __future__ import annotations

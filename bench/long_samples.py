@@ -2,16 +2,10 @@
 
     python bench/long_samples.py [--tokens 32768 65536 131072] [--json out.json]
 
-One farm (private Redis, the reference server in synthetic mode: H = 7168, 61 layers,
-chunked prefill 8192, context raised to the longest sample; one ``celery worker -c 1``
-without torch, as on a worker host), ``FARM_MAX_TOKENS`` = the longest sample. The samples
-go one at a time (one run, one enqueue each, waited for before the next). Reported per
-sample: its tokens, the final file's bytes, the wall time from enqueue to done, the worker
-pool process's peak RSS (``VmHWM``, which counts the dump's tmpfs pages it maps) after that
-sample, the server's peak RSS so far (the dump hook's host memory: since the dump writer writes
-each pass's rows as they come, it does not grow with the sample), and the most dump bytes held
-in tmpfs. The dump dir is in ``--shm`` (tmpfs), final
-files in ``--out-dir``.
+One farm (synthetic reference server, one torch-free ``celery worker -c 1``), samples one at a
+time. Reported per sample: bytes, wall time, the worker's peak RSS (``VmHWM``, counting the
+dump's mapped tmpfs pages), the server's peak RSS (flat: the writer writes each pass's rows
+as they come) and the most dump bytes in tmpfs. Results: docs/benchmarks.md, "Long samples".
 """
 
 from __future__ import annotations

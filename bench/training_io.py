@@ -1,22 +1,11 @@
 """Training-side I/O benchmark: export vs copy + fsync + read-back, loader vs raw reads.
 
-For each ``--tokens`` size (default 1,500 and 8,192 tokens at H = 7168: 86 MB and 470 MB
-samples), writes about ``--bytes-per-size`` of real output files (the farm's own
-``OutputStore.write``: checksums, fsync, rename), then measures pairs, each pass from a cold
-page cache (every source file's pages dropped, the disk given all pending work first) and
-its output removed after it:
-
-- export (``training.export.runner.export``, at each ``--jobs``) against the same work its
-  guarantee needs done plainly on the same files, right before or after it: ``cp``, fsync,
-  drop the copy's pages, read it back;
-- the loader (``training.loader.HiddenStates``, every tensor copied into a buffer, as a
-  pinned-memory stage would) against reading each file whole into a buffer.
-
-Which side of a pair runs first alternates (on this project's VM a pass right after another
-ran slower); each pair gives a ratio, and the figure quoted is the geometric mean of the two
-orders' median ratios (``summary``), with the range of single pairs beside it.
-
     python bench/training_io.py --work-dir /tmp/bench --json out.json
+
+Real output files (86 MB and 470 MB samples) are exported, each export paired with ``cp`` +
+fsync + read-back of the same files, and loaded, paired with whole-file reads; every pass from
+a cold page cache. The side that runs first alternates (a pass right after another runs
+slower); the figure is the geometric mean of both orders' median ratios (docs/benchmarks.md).
 """
 
 from __future__ import annotations

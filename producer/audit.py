@@ -1,13 +1,10 @@
 """``audit``: read every final file back from disk and check it against its source sample.
 
-Per sample of the data file: the final file exists, parses, has the right tensors, dtypes and
-shapes, its per-tensor checksums match, it belongs to this run (fingerprint), was written
-under the checkpoint the manifest records (weights identity), holds this content (hash), and
-its input_ids and loss_mask equal a fresh tokenization of the source record.
-
-Over every data file of the run it also names the output files no record of the corpus
-holds (``not in the corpus``: a record removed since the last ``enqueue``, which sets such
-files aside) and counts those kept aside in ``<out>/removed/``.
+Per sample: the file parses, its tensors, dtypes, shapes and checksums are right, its
+fingerprint, weights identity and content hash are this run's, and its input_ids and
+loss_mask equal a fresh tokenization of the record. It also names output files no record of
+the corpus holds and counts those kept aside in ``<out>/removed/``.
+Test: tests/test_audit.py::test_audit_finds_and_requeue_repairs.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """``python -m producer demo``: the whole farm end to end on this machine, then shut down.
 
-Uses the Redis that ``REDIS_URL`` names (and its TLS settings) when the environment sets it
-and it answers (on its own queue name), and otherwise starts a private ``redis-server`` (never
-the default URL's, which may be someone else's); starts the reference server with the tiny
-model and two Celery workers, storing bf16 or fp8 (``--store-dtype``, else
-``FARM_STORE_DTYPE``); runs ``python -m producer enqueue`` on the example data exactly as a
-user would; shows progress until every sample has an outcome; audits every output file; prints
-a summary; stops every process it started; and prints the commands that look at its run.
+Uses ``REDIS_URL``'s Redis when it answers (on its own queue name), else a private
+``redis-server``, never the default URL's, which may be someone else's. Starts the reference
+server and two workers, runs ``enqueue`` exactly as a user would, waits for every outcome,
+audits every file, stops what it started and prints the commands that look at its run.
+Test: tests/test_demo.py::test_the_demo_keeps_to_its_own_redis_and_its_printed_commands_work.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """Publish one idempotent task per sample of a data file.
 
-Safe to re-run, and to run twice at once: one ``enqueue`` per run works at a time (the others
-wait for its lock). Two passes over the file:
-
-1. **check**: every record is validated (size first, then JSON and shape), keyed, and its key
-   checked against the run: a key already registered by another data file for another
-   record, or whose final file holds another file's record, refuses the whole file before
-   anything is published (keys must be unique within a run);
-2. **publish**: each sample is registered in the run index and published, unless its final
-   file already verifies by its header (this run's fingerprint id, dtypes and shapes, this
-   record's hash; then the index learns it is done: this is how the
-   index is rebuilt after Redis lost it), its task is already queued, unacknowledged or
-   leased by a running attempt, or the run already rejected this content or gave up on it
-   (a rejection for an answer of the server or a gateway, not for the content, is retried).
-
-A data file is known by its content as well as its path (worker/state/corpus.py): a file enqueued
-from a new path with the content of one the run recorded is that file moved or renamed; its
-id is re-pointed to the new path, so its queued and parked samples read from there. So is a
-file whose first records are mostly one recorded file's, when that file's path is gone
-(moved and edited).
-
-Samples this file registered before but no longer holds (records removed from it, or, for
-records without ids, corrected: their key is their content) leave the run: unregistered,
-recorded as removed, and their output files moved to ``<out>/removed/`` (worker/core/setaside.py;
-deleted with ``delete_removed``), out of ``status``, ``index`` and ``export``. A record with an
-id whose content changed after its file was written (corrected) has its old file set aside
-the same way, and is extracted again.
-Memory grows with the number of records (8 bytes each), not with the size of the file.
+Two passes: **check** refuses the whole file before anything is published when a key clashes
+with the run's other data files (keys are unique within a run); **publish** registers and
+publishes each sample unless its task is in flight, the run rejected it, or its final file
+verifies by its header (then it is marked done: so the index is rebuilt after Redis lost it).
+The run's enqueue lock makes re-runs and two at once safe; a moved file is found by its
+content (docs/input.md). Tests: tests/test_enqueue.py, tests/test_corpus.py.
 """
 
 from __future__ import annotations
@@ -320,15 +299,12 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
             delete_removed: bool = False, redo_hosts: tuple[str, ...] = ()) -> Summary:
     """Publish tasks for every valid, not-yet-done sample of ``path``, on the run's queue.
 
-    ``redo_hosts``: hosts not heard from (``worker.state.hosts.unheard``) whose samples may be
-    extracted again; any other host not heard from refuses the enqueue.
+    ``redo_hosts``: unheard hosts (``worker.state.hosts.unheard``) whose samples may be redone.
 
     Raises:
         DataFileError: the file cannot be read as records at all.
-        EnqueueRefused: its keys clash with this run's other data files, or a host of the
-            run has not registered its files since Redis lost them.
-        ConfigError: Redis keeps nothing on disk (and that was not allowed), or the output
-            dir belongs to another run.
+        EnqueueRefused: keys clash with the run's other files, or a host lost its registrations.
+        ConfigError: Redis keeps nothing on disk (not allowed), or the dir is another run's.
     """
     r = broker.client(settings)
     if not dry_run:
@@ -419,7 +395,7 @@ def _refs(settings: Settings, path: Path, limit: int | None, progress: bool, des
 
 def _rejected_for_content(body: dict[str, Any] | None, sha256: str) -> bool:
     """This content was rejected for itself (a rejection for an answer of the server or a
-    gateway, recorded by older versions, is published again)."""
+    gateway is published again)."""
     return (body is not None and body.get("sha") == sha256
             and not environmental_rejection(str(body.get("reason", ""))))
 

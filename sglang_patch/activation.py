@@ -1,21 +1,11 @@
 """Bringing the dump hook up in one scheduler process, once SGLang has set the capture ids.
 
-In SGLang 0.5.23 the model's ``layers_to_capture`` is still empty when ``ModelRunner.load_model``
-returns: ``ModelRunner.init_attention_backends()`` fills it (through
-``configure_aux_hidden_state_capture`` → the model's ``set_eagle3_layers_to_capture``), and the
-scheduler calls that afterwards. Where SGLang sets them may move between versions, so the plugin
-looks at three points, on attention-TP rank 0 only: right after ``load_model``, right after
-``init_attention_backends``, and lazily at each forward pass holding a request of ours until the
-ids are known. The writer thread and the ready marker come up at the first point where the ids
-are known; the marker records them and that point. Before that nothing is written, and a request
-of ours that finishes while the ids are still unknown gets a ``<rid>.err`` naming the fix: never
-a crashed server, never a silent nothing.
-
-The weights identity (``contracts.weights_identity``) of the files SGLang loaded is computed
-once, right after ``load_model`` (a header and a few small reads per shard: seconds for a
-600 GB checkpoint), and published in the ready marker (whole) and in every dump's metadata
-(``contracts.M_WEIGHTS``), so that a worker can refuse a server that serves other weights than
-its run's.
+SGLang 0.5.23 fills ``layers_to_capture`` in ``init_attention_backends``, after ``load_model``,
+and that may move between versions, so attention-TP rank 0 looks at three points: after
+``load_model``, after ``init_attention_backends``, and at each forward holding a request of
+ours. Until the ids are known nothing is written and such a request gets a ``<rid>.err``
+naming the fix. The weights identity is computed once, published in the marker and each dump.
+Test: tests/sglang/test_plugin.py::test_ids_that_arrive_late_bring_the_hook_up_at_the_first_request
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The contracts shared by the server-side hook and the farm, in exactly one place.
 
-Both sides import this module; it imports nothing but the standard library, so the SGLang
-plugin can load it without the farm and the worker can load it without torch.
-
-- rid: ``hsd-<run>-<sample_key>-a<attempt>-n<token_count>`` (``<run>``: 16 hex digits)
-- dump file (tmpfs): ``<dump_dir>/<rid>.safetensors`` or ``<dump_dir>/<rid>.err``
-- final file (disk): ``<out>/samples/<shard>/<sample_key>.safetensors``
-- run fingerprint: the fields that make two hidden-state files comparable
-- weights identity: which checkpoint a model dir holds, cheap to compute (the server publishes
-  the identity of the files it loaded; the farm computes it from ``FARM_MODEL_PATH``)
+It imports nothing but the standard library, so the SGLang plugin loads it without the farm
+and the worker without torch. It names the rid (``hsd-<run>-<sample_key>-a<attempt>-n<tokens>``),
+the dump file (``<dump_dir>/<rid>.safetensors`` or ``.err``), the final file
+(``<out>/samples/<shard>/<sample_key>.safetensors``), the run fingerprint (what makes two
+files comparable) and the weights identity (which checkpoint a model dir holds, cheaply).
+Test: tests/test_contracts.py::test_rid_round_trip.
 """
 
 from __future__ import annotations
@@ -113,13 +110,11 @@ def is_user_sample_key(key: str) -> bool:
 def sample_key_for(source_id: object, content_sha256: str) -> str:
     """Turn a record's id (any JSON scalar, or None) into a safe, stable sample key.
 
-    An id that is already safe is kept as it is. Anything else (path separators, ``..``,
-    spaces, non-ASCII, over-long, the farm's own ``_hsfarm_`` prefix) is replaced character
-    by character and suffixed with a hash of the original, so two different ids never map to
-    the same key by sanitising.
-    Records without an id are keyed by their content: ``rec-<content hash>``. A position
-    would not do: two data files of one run both have a record 5, and inserting a record
-    would shift every key after it; the same content is the same sample wherever it sits.
+    A safe id is kept; any other is replaced character by character and suffixed with a hash of
+    the original, so two ids never collide by sanitising. A record without an id is keyed by its
+    content (``rec-<content hash>``), not its position: two data files both have a record 5, and
+    an inserted record would shift every key after it.
+    Test: tests/test_contracts.py::test_records_without_id_are_keyed_by_content_not_position.
     """
     if source_id is None:
         return f"rec-{content_sha256[:20]}"
@@ -172,13 +167,13 @@ M_WEIGHTS = "weights_identity"  # JSON: ``served_weights`` of the weights the se
 # scales per block of ``FP8_BLOCK`` values of each token's row of each layer (DeepSeek's FP8
 # layout): ``x ≈ float(q) * scale``, ``scale = max|block| / 448``. A massive channel (10^3-10^5
 # above the rest, as residual streams have) then coarsens only its own block, where one scale
-# per row flushed the small values of the whole row to zero. The hook quantizes (on the GPU,
+# per row would flush the small values of the whole row to zero. The hook quantizes (on the GPU,
 # before the copy to the host), so the dump and the final file hold the same bytes. The run's
 # fingerprint names the dtype: one output dir never mixes the two.
 #
 # The block is not part of the fingerprint nor of the ready marker: a file says its own layout
 # by its scales' shape ([T, layers * ceil(H / FP8_BLOCK)], or [T, layers]: one scale per token
-# per layer, as files were written before), every reader takes both, and both hold the same
+# per layer, which the hook does not write), every reader takes both, and both hold the same
 # states up to e4m3's rounding. Naming it in the fingerprint would change every fp8 run's id
 # and refuse the output dirs of runs in flight.
 
@@ -209,8 +204,8 @@ def fp8_blocks(h: int, block: int = FP8_BLOCK) -> int:
 
 def fp8_block_of(h: int, blocks: int) -> int:
     """The block of a layer's row of ``h`` values that holds ``blocks`` scales per token:
-    ``FP8_BLOCK``, or ``h`` (one scale per row: files written before). Raises ValueError for
-    any other count."""
+    ``FP8_BLOCK``, or ``h`` (one scale per row, which the hook does not write). Raises
+    ValueError for any other count."""
     if blocks == 1:
         return h
     if blocks == fp8_blocks(h):
@@ -225,8 +220,8 @@ def hidden_layout(dtype: str, n: int, h: int, found: Mapping[str, tuple[int, ...
     name -> (safetensors dtype tag, shape). Raises ValueError for an unknown dtype.
 
     ``found`` (a file's tensor shapes, for a reader's check): an fp8 file whose scales are one
-    per token per layer (written before the block layout) gets that layout; any other the
-    block layout written now."""
+    per token per layer gets that layout (the hook does not write it); any other the block
+    layout."""
     if dtype == DTYPE_BF16:
         return {T_HIDDEN: ("BF16", (n, h)), T_AUX: ("BF16", (n, AUX_LAYERS * h))}
     if dtype == DTYPE_FP8:

@@ -1,15 +1,11 @@
 """Asynchronous device-to-host copies for the dump hook: pinned memory, a side stream, an event.
 
-Inside the forward pass the hook only enqueues copies: the side stream waits for the compute
-stream (so the rows are final), copies into pinned host buffers with ``non_blocking=True``,
-and records an event. The writer thread waits on that event, never the forward. The source
-tensors are marked as used by the side stream so the caching allocator does not hand their
-memory to the next layer before the copy has read it. Pinned buffers come from PyTorch's
-caching host allocator, so steady state allocates nothing new.
-
-An ``encode`` (the fp8 quantization) runs on the side stream too, after it waited for the
-compute stream: the forward does not wait for it, and only its (half as large) outputs are
-copied to the host.
+The forward only enqueues: the side stream waits for the compute stream (the rows are final),
+runs any ``encode`` (fp8), copies into pinned buffers with ``non_blocking=True`` and records
+an event that the writer thread waits on, never the forward. The sources are marked as used by
+the side stream, so the caching allocator does not hand their memory to the next layer before
+the copy read it; pinned buffers come from PyTorch's caching host allocator.
+Tests: tests/live/test_live_fp8.py (on a GPU).
 """
 
 from __future__ import annotations

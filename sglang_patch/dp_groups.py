@@ -1,25 +1,11 @@
 """Attention-DP groups in the reference server: SGLang 0.5.23's dispatch and lockstep, emulated.
 
-``--attn-dp-size N`` gives the reference server N groups, each its own scheduler (its own queue
-and chunked prefill batches, ``Scheduler``), as SGLang runs ``--tp T --dp N
---enable-dp-attention``. What is copied from SGLang 0.5.23 (``srt/`` in its package):
-
-- dispatch (``managers/data_parallel_controller.py``): a request with ``routed_dp_rank`` goes
-  to that group (``maybe_external_dp_rank_routing``, :865); the tokenizer manager refuses one
-  out of range with a 400 (``managers/tokenizer_manager.py:915-924``), and ignores 0 on a
-  server without groups. Any other request goes round robin (``round_robin_scheduler``, :880):
-  ``--load-balance-method`` defaults to ``auto``, which resolves to ``round_robin`` outside
-  prefill/decode disaggregation (``arg_groups/serving_hook.py:217-236``). Routed requests do
-  not move the round-robin counter; health checks have a counter of their own (:845-863).
-- lockstep: every forward step all groups exchange their token counts and run together, a
-  group without work running an idle batch (``managers/scheduler_components/dp_attn.py``,
-  ``prepare_mlp_sync_batch_raw``): a step lasts as long as its busiest group. Paced at the
-  server's ``tokens_per_s``, a step of per-group token counts t_g lasts N x max(t_g) /
-  tokens_per_s: balanced groups serve the full rate, an uneven step wastes the others' share.
-- answers carry the group in ``meta_info.dp_rank`` (``tokenizer_manager.py:2616``).
-
-It also counts, per group, what a load test wants to see: tokens and requests served, idle
-passes, and the bytes of the group's dumps still in the dump dir (``load``).
+``--attn-dp-size N`` gives the reference server N groups, each its own scheduler, as SGLang
+runs ``--tp T --dp N --enable-dp-attention``: a request goes to its ``routed_dp_rank`` or round
+robin (``pick``); all groups step together, an idle one running an idle pass, so a step lasts
+as long as its busiest group (``_step``); answers carry ``meta_info.dp_rank`` (SGLang's
+``tokenizer_manager.py:2616``). ``load``: per group tokens, requests, idle passes, dump bytes.
+Test: tests/test_dp_groups.py::test_groups_step_together_and_an_idle_group_runs_idle_passes.
 """
 
 from __future__ import annotations
@@ -40,7 +26,10 @@ _UNSEEN_DUMP_TTL_S = 600.0  # a dump that never appeared (an .err, not ours) sto
 
 
 def routed_rank_error(rank: object, groups: int) -> str | None:
-    """SGLang's refusal of a ``routed_dp_rank`` (its message), None when it is acceptable."""
+    """SGLang's refusal of a ``routed_dp_rank`` (its message), None when it is acceptable.
+
+    As ``managers/tokenizer_manager.py:915-924`` of SGLang 0.5.23: out of range is a 400; 0 on a
+    server without groups is ignored."""
     if rank is None:
         return None
     if type(rank) is not int:
@@ -112,7 +101,12 @@ class DPGroups:
         return self.steps
 
     def pick(self, rid: str, routed_dp_rank: int | None) -> int:
-        """The group a request goes to, as SGLang's DataParallelController picks it."""
+        """The group a request goes to, as SGLang's DataParallelController picks it.
+
+        SGLang 0.5.23 ``managers/data_parallel_controller.py``: a routed request goes to its group
+        (:865) and moves no counter; health checks have a round-robin counter of their own
+        (:845-863); any other request goes round robin (:880): ``--load-balance-method auto`` is
+        ``round_robin`` outside disaggregation (``arg_groups/serving_hook.py:217-236``)."""
         if routed_dp_rank is not None:
             self._load[routed_dp_rank].requests_routed += 1
             return routed_dp_rank
@@ -158,7 +152,11 @@ class DPGroups:
                         load.dumps[req.rid] = (now, False)
 
     def _step(self, batches: list[Any]) -> None:
-        """One step of every group (idle ones included), paced to its busiest group."""
+        """One step of every group (idle ones included), paced to its busiest group.
+
+        As SGLang's ``prepare_mlp_sync_batch_raw`` (``managers/scheduler_components/dp_attn.py``):
+        a step of per-group token counts t_g lasts N x max(t_g) / ``tokens_per_s``, so balanced
+        groups serve the full rate and an uneven step wastes the others' share."""
         t0 = time.monotonic()
         tokens = []
         for g, b, load in zip(self.groups, batches, self._load, strict=True):

@@ -1,22 +1,11 @@
 """Model-agnostic dump writer: each request's rows, pass by pass, written into its dump file.
 
-Used unchanged by the SGLang plugin and by the reference server. The caller hands over one
-forward pass at a time as a flattened batch (rows of all requests, in request order) with the
-request ids and per-request prefix/extend lengths, exactly as SGLang's ForwardBatch carries
-them. Only rids that parse as ours (``contracts.parse_rid``) are kept; everything else
-(health checks, warm-up, other clients) is ignored without a copy. A request's rows go to its
-file as they come (``DumpWriter``): the server never holds a whole long prompt's states.
-
-Why the staging seam: on a GPU the copy must stay off the critical path, so a ``Stager``
-starts an asynchronous device-to-host copy and returns at once; the writer thread waits for
-it. On CPU the stager is a plain clone.
-
-Storage dtype: with ``dtype`` fp8_e4m3 (``contracts.DTYPE_FP8``) each chunk's rows are
-quantized (``fp8.quantize``, a scale per block of 128 values of a token's row) by the
-stager's ``encode`` before the copy: on a GPU on the copy's side stream, so the forward's
-stream does not wait for it and the device-to-host copy, tmpfs and the worker carry half the
-bytes. The farm's own requests
-(``contracts.dump_dtype_for``: the canary) stay bf16.
+Used unchanged by the SGLang plugin and the reference server. The caller hands over one
+forward pass at a time as SGLang's ForwardBatch carries it (flattened rows, rids, prefix and
+extend lengths); rids that are not ours (``contracts.parse_rid``) are ignored without a copy.
+A ``Stager`` starts the device-to-host copy (and the fp8 ``encode``) and returns at once, so
+on a GPU the copy stays off the forward's path; on CPU it is a plain clone.
+Test: tests/test_dump_writer.py::test_mixed_batches_with_chunks_spread_over_batches.
 """
 
 from __future__ import annotations
@@ -120,16 +109,12 @@ class _Open:
 class DumpWriter:
     """One background thread writing ``<rid>.safetensors`` / ``<rid>.err`` atomically.
 
-    A dump is written as its chunks arrive, not held until its request ends: the first chunk
-    opens a temp file of the whole dump's size (its header says every tensor's place, known
-    from the token count the rid declares), each chunk's rows go to their places, and the
-    last chunk's write renames it into place. The server therefore holds at most the passes
-    queued here, whatever the sample's length: a 128k-token prompt at Kimi's H = 7,168 is a
-    7.5 GB dump, which held whole (and then concatenated for the library's writer) cost the
-    server process twice that in (pinned) host memory.
-
-    The queue is bounded, in forward passes: when the disk (tmpfs) is slower than the model,
-    ``submit`` blocks the caller instead of letting host memory grow without limit.
+    A dump is written as its chunks arrive into a temp file of the whole dump's size (the rid
+    declares the token count), renamed at the last chunk, so the server holds at most the
+    queued passes: a 128k-token prompt at H = 7,168 is a 7.5 GB dump it never holds whole. The
+    queue is bounded, in passes: when tmpfs is slower than the model, ``submit`` blocks. Tests:
+    tests/test_dump_writer.py::test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes
+    and ::test_bounded_queue_applies_backpressure.
     """
 
     def __init__(
@@ -286,14 +271,11 @@ class _Pending:
 class DumpCollector:
     """Follows each of our requests chunk by chunk and hands each pass's rows to the writer.
 
-    Detects, and reports as ``<rid>.err`` (never a silently short file):
-    - a gap: a chunk whose prefix is not where the previous chunk ended (also what a radix-cache
-      hit looks like: the first chunk arrives with a non-zero prefix);
-    - truncation/overrun: more tokens than the rid declares;
-    - abandonment: no chunk for ``ttl_s`` (aborted requests; the state is dropped).
-
-    Rows past the prompt the rid declares are tokens generated after it (a decoding request
-    of ours inside a ``--enable-mixed-chunk`` batch): not prompt rows, so they are skipped.
+    A gap (a chunk whose prefix is not where the last one ended: also a radix-cache hit), more
+    tokens than the rid declares, or no chunk for ``ttl_s`` is reported as ``<rid>.err``, never a
+    short file. Rows past the declared prompt are generated tokens of a decoding request in a
+    ``--enable-mixed-chunk`` batch, not prompt rows: skipped.
+    Test: tests/test_dump_writer.py::test_gap_prefix_hit_and_overrun_write_err.
     """
 
     def __init__(

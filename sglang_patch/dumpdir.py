@@ -1,39 +1,11 @@
 """The dump dir belongs to the server and the workers alone: who may own it, and its files.
 
-Whoever can write into the dump dir can put forged hidden states where a worker reads them,
-and whoever can read it reads another model's hidden states. ``/dev/shm`` is world-writable,
-so another local user can create the dump dir first. So every side (the SGLang plugin, the
-reference server, the workers, preflight, ``ops/launch-sglang.sh``) refuses at start-up a dump
-dir that:
-
-- is owned by another user than this process's (root's is accepted: root can do anything);
-- others can write to (``o+w``), or its group can write to without the setgid bit: group
-  write is for a deliberately shared group only (see below);
-- sits in a directory that others can write to without the sticky bit (``/dev/shm`` and
-  ``/tmp`` have it): someone could rename it away and put another in its place;
-- is a symbolic link owned by another user;
-- has a parent, or a parent's parent up to ``/``, that another user owns (its owner can rename
-  the dump dir away and put their own at its path), or that others or its group can write to
-  without the sticky bit.
-
-Every file is then read and created through the directory that passed these checks: the dir
-now at the path is opened (``open_dir``) and must be the very one checked (its device and
-inode); a file is opened relative to that descriptor (``openat``, no link followed). A dir at
-that path that is not the one checked (deleted and made again, or put there by someone) is
-checked as at start-up before a byte of it is read or written: the check's verdict holds for
-what is read, not only for what was at the path when the process started. The directory is
-opened per file rather than held open for the process's life: a held descriptor of a dump dir
-that was deleted and made again would go on writing (hook) and waiting (worker) in the deleted
-one, while opening it per file finds the new one and checks it. The hook's writer takes the
-same path: the server's hidden states are written only into a directory that passed the check.
-
-Layouts: the server and the workers run as one user → the first of them creates the dir 0700.
-They run as different users → root creates it for a group that holds both (setgid, so every
-file inherits that group): ``install -d -o root -g hsfarm -m 2770 /dev/shm/hsfarm-dumps``
-(a ``tmpfiles.d`` line makes it survive reboots). Dumps, error files and ready markers are 0600,
-0640 in such a group dir. A worker opens a dump without following links and checks, on the
-opened descriptor, that it is a regular file of the dump dir's owner (or of its group, in a
-group dir) that no one else can write, before reading a byte.
+Whoever can write into it can put forged hidden states where a worker reads them, and
+``/dev/shm`` is world-writable, so every side refuses at start-up a dump dir another user owns
+or can write to, or can rename away (``problem``). Every file is then opened through the very
+directory that passed (``open_dir``: device and inode), without following links. Layouts (one
+user: 0700; two users: a setgid group dir, 2770): docs/deployment.md. Test:
+tests/test_dumpdir.py::test_a_dump_dir_put_in_place_of_the_checked_one_is_never_read_or_written
 """
 
 from __future__ import annotations
@@ -168,7 +140,8 @@ def _trust(path: Path, seen: os.stat_result | None = None) -> os.stat_result:
 def open_dir(path: Path) -> int:
     """A descriptor of the dump dir ``path``, the very directory that passed the checks (its
     device and inode); a directory at that path that is not the one checked (deleted and made
-    again) is checked first, as at start-up. The caller closes it.
+    again) is checked first, as at start-up. Opened per file, never held: a held descriptor of a
+    dir deleted and made again would write and wait in the deleted one. The caller closes it.
 
     Raises:
         DumpDirUnsafe: the directory now at ``path`` fails the checks.
@@ -236,13 +209,12 @@ def seal(path: Path) -> None:
 
 def open_trusted(path: Path) -> int:
     """Open a file of the dump dir for reading, in the directory that passed the checks
-    (``open_dir``) and without following a link, and check it on the opened descriptor: a
-    regular file, one link, owned by the dump dir's owner or this user (or, in a shared group
-    dir, of its group), writable by no one else. Returns the fd.
+    (``open_dir``) without following a link, and check the opened descriptor: a regular file,
+    one link, the dump dir's owner's or this user's (or its group's, in a group dir), writable
+    by no one else. Returns the fd.
 
     Raises:
-        DumpDirUnsafe: it is a link, or another user's file, or others can write to it; or
-            the directory now at the dump dir's path fails the checks.
+        DumpDirUnsafe: a link, another user's file, writable by others; or the dir fails the checks.
         OSError: it cannot be opened (FileNotFoundError: it, or the dump dir, is not there).
     """
     dir_fd = open_dir(path.parent)

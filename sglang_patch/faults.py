@@ -1,19 +1,11 @@
 """Fault injection for the reference server: dumps that are wrong in one specific way.
 
-    --inject-fault KIND:KEY_PREFIX[:ATTEMPTS]
-
-corrupts the dumps of requests whose sample key starts with KEY_PREFIX, on attempts up to
-ATTEMPTS (every attempt when omitted). KIND is one of:
-
-- ``nan``: one hidden-state value becomes NaN (in an fp8 dump: the e4m3 NaN byte);
-- ``scale``: (fp8 dumps) one token's scale of the final layer becomes 0;
-- ``ids``: the first token id is off by one (the server ran something else);
-- ``shape``: the aux tensor loses a column;
-- ``truncate``: the file is cut in half.
-
-The finished temp file is rewritten with the corruption before the atomic rename, so a worker
-only ever sees the final, wrong file — as it would from a faulty server. For the fault tests
-and for trying the farm's checks by hand; never part of a real server.
+``--inject-fault KIND:KEY_PREFIX[:ATTEMPTS]`` corrupts the dumps of sample keys starting with
+KEY_PREFIX, on attempts up to ATTEMPTS (all when omitted). KIND (``KINDS``): ``nan`` (one
+value, the e4m3 NaN byte in fp8), ``scale`` (fp8: one final-layer scale 0), ``ids`` (first id
+off by one), ``shape`` (aux loses a column), ``truncate`` (cut in half). The temp file is
+rewritten before the atomic rename, so a worker sees only the final, wrong file. Tests only.
+Test: tests/test_faults.py::test_corrupt_dumps_are_retried_then_recorded.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """float8 e4m3 storage of hidden states: a float32 scale per block of values (torch, hook side).
 
-``quantize`` runs where the hook hands rows over for the copy to the host: on a GPU, on the
-copy's side stream, so the compute stream only waits for its own work, and the host, tmpfs and
-the worker then move half the bytes. On a GPU it reads 2 bytes and writes ~1 per value (a few
-elementwise kernels over one chunk: tens of microseconds for 2k tokens of Kimi-K2.5); on CPU
-(the reference server) it costs ~0.5 s per 2k tokens at H = 7168 (docs/fp8.md).
-
-Each layer's row of a token is cut into blocks of ``contracts.FP8_BLOCK`` values (the last one
-shorter when H is not a multiple); ``scale = max|block| / 448`` (448: e4m3fn's largest finite
-value), so every value maps into range and none saturates, and a massive channel coarsens
-only its own block; a block of zeros gets the smallest positive scale. A NaN or Inf in a block
-makes its scale non-finite, which the worker refuses, as it refuses NaN/Inf in bf16.
-``dequantize`` also reads one scale per token per layer (files written before the blocks:
-a block of the whole row).
+``quantize`` runs on the copy's side stream on a GPU, so the compute stream waits only for its
+own work (costs: docs/fp8.md). Each layer's row of a token is cut into blocks of
+``contracts.FP8_BLOCK`` values, ``scale = max|block| / 448`` (e4m3fn's largest finite value):
+nothing saturates and a massive channel coarsens only its own block; a zero block gets the
+smallest positive scale, a NaN or Inf a non-finite one, which the worker refuses.
+Test: tests/test_fp8.py::test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ def quantize(x: torch.Tensor, layers: int, block: int = c.FP8_BLOCK
 
     The uint8 tensor holds the float8 e4m3fn bits (a view, so concatenation and the copy to the
     host handle it as plain bytes). ``block`` = H writes one scale per token per layer (the
-    layout before the blocks; benchmarks compare it). Works layer by layer: the float32
+    per-row layout; benchmarks compare it). Works layer by layer: the float32
     temporary is [T, H] (padded to whole blocks).
     """
     t, width = x.shape
@@ -56,8 +49,8 @@ def quantize(x: torch.Tensor, layers: int, block: int = c.FP8_BLOCK
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
                layers: int) -> torch.Tensor:
     """uint8 (e4m3fn bits) [T, layers*H] and float32 scales [T, layers*blocks] -> ``dtype``
-    [T, layers*H]; blocks of ``contracts.FP8_BLOCK`` values, or one scale per row (files
-    written before the blocks). Raises ValueError for any other scale shape."""
+    [T, layers*H]; blocks of ``contracts.FP8_BLOCK`` values, or one scale per row (the
+    per-row layout, still read). Raises ValueError for any other scale shape."""
     t, width = q.shape
     h = width // layers
     nb = scale.shape[1] // layers

@@ -1,15 +1,11 @@
 """Which SGLang launch layouts the dump hook handles, and what to change when it does not.
 
-The hook reads per-token rows at ``LogitsProcessor.forward``. That is only correct when every
-rank there holds all rows of its batch in order (tensor parallelism, pipeline size 1; under DP
-attention each DP group has its own scheduler and batch, and its attention-TP rank 0 holds
-that batch's rows there: one writer per group, each request in exactly one group),
-when every prefill runs eagerly through Python (no prefill CUDA graph replays), and when no
-request's prompt is partly served from the prefix cache (its rows would never be computed).
-Anything else is refused at model load, with the flag that fixes it.
-
-Works on SGLang 0.5.23's ``ServerArgs``; attribute names are read defensively so that an
-unsupported version fails ``verify`` with a message rather than here with an AttributeError.
+The hook reads per-token rows at ``LogitsProcessor.forward``, correct only when each rank
+there holds all rows of its batch in order (TP, pipeline size 1; under DP attention each
+group's attention-TP rank 0), every prefill runs eagerly (no prefill CUDA graph) and no prompt
+is partly served from the prefix cache. Anything else is refused at model load, with the
+flag that fixes it. Attributes of SGLang 0.5.23's ``ServerArgs`` are read defensively, so
+another version fails ``verify`` with a message. Test: tests/sglang/test_plugin.py.
 """
 
 from __future__ import annotations

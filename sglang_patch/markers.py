@@ -1,16 +1,11 @@
 """Ready markers: the hook's proof that it runs in a serving process, and which ones are dead.
 
-A marker is ``<dump dir>/.ready.<pid>`` (JSON, written atomically) with what the hook serves
-(versions, layer ids, model) and who wrote it: the pid, the process's start time in clock
-ticks since boot, the boot id and the pid namespace. A pid alone names a process only within
-one pid namespace of one boot, and pids are reused (a container's server is often the same
-small pid after every restart), so a marker is **dead** only when all of this holds:
-
-- it was written in this boot (same ``boot_id``) and this pid namespace (same ``pid_ns``);
-- no process has its pid here, or the one that has it started at another time.
-
-Anything else (another container or host sharing the dump dir, an older marker without these
-fields) is **unknown** and left alone: a live server's marker is never removed.
+A marker ``<dump dir>/.ready.<pid>`` (JSON, atomic) holds what the hook serves and who wrote
+it: pid, start time, boot id, pid namespace. Pids are reused and mean something only in one
+pid namespace of one boot, so a marker is **dead** only when it is of this boot and pid
+namespace and no process with its pid and start time runs; anything else (another container
+or host, a marker without these fields) is **unknown** and left alone: a live server's
+marker is never removed. Test: tests/test_markers.py::test_dead_live_reused_and_legacy_markers.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The SGLang plugin: entry point ``sglang.srt.plugins: hsfarm_dump = sglang_patch.plugin:load``.
 
-SGLang runs ``load_plugins()`` at the start of every scheduler process (they are spawned, so a
-monkeypatch in the launcher would never reach them). When ``SGLANG_HS_DUMP_DIR`` is set,
-``load`` registers three AROUND hooks through SGLang's own ``HookRegistry``; without it, it
-returns at once and nothing is patched.
-
-- ``ModelRunner.load_model``: refuses layouts the hook cannot handle (``layout.py``), an unknown
-  ``SGLANG_HS_DUMP_DTYPE`` (bfloat16, the default, or fp8_e4m3) and a dump
-  dir that another user owns or can write to (``dumpdir.py``; created 0700 when missing)
-  before any weight is loaded; then, on the attention-TP rank 0 only, remembers the runner and
-  brings the hook up if the capture ids are already known (``activation.py``). Other ranks
-  build nothing: no copy, no synchronisation.
-- ``ModelRunner.init_attention_backends``: where SGLang 0.5.23 sets the capture ids; the hook
-  comes up right after it.
-- ``LogitsProcessor.forward``: before the LM head, hands the batch's rows (final post-norm
-  hidden states, packed aux states, token ids from the ForwardBatch, since Kimi-K2.5 passes
-  ``input_ids=None`` to its language model) to the shared ``DumpCollector``. While the ids are
-  still unknown it looks for them again, and answers requests of ours with a ``.err``.
+SGLang runs ``load_plugins()`` in every scheduler process (spawned: a monkeypatch in the
+launcher would never reach them). With ``SGLANG_HS_DUMP_DIR`` set, ``load`` registers three
+AROUND hooks in SGLang's ``HookRegistry``: ``load_model`` (refuses the layout, dump dtype or
+dump dir before any weight loads; only attention-TP rank 0 builds a writer),
+``init_attention_backends`` (where the capture ids are set) and ``LogitsProcessor.forward``.
+Test: tests/sglang/test_plugin.py::test_sglang_loader_installs_plugin_only_with_variable
 """
 
 from __future__ import annotations
@@ -115,7 +104,8 @@ def attn_tp_rank() -> int:
 def around_logits_forward(original: Any, processor: Any, input_ids: Any, hidden_states: Any,
                           lm_head: Any, logits_metadata: Any, aux_hidden_states: Any = None,
                           *args: Any, **kwargs: Any) -> Any:
-    """Dump our requests' rows, then run the LM head as usual."""
+    """Dump our requests' rows, then run the LM head as usual. The token ids come from the
+    ForwardBatch, not ``input_ids``: Kimi-K2.5 passes ``input_ids=None`` to its language model."""
     hook = _hook if _hook is not None else _activate_at_request(logits_metadata)
     if hook is not None:
         hook.on_logits(hidden_states, logits_metadata, aux_hidden_states)

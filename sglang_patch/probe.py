@@ -1,15 +1,11 @@
 """The live half of ``verify``: one request of ours through a running server, and its dump.
 
-``python -m sglang_patch verify --server URL --dump-dir D`` sends a short prefill-only request
-with a valid rid (``contracts.make_rid``) to the server, as a worker would, waits for the hook's
-``<rid>.safetensors`` in ``D``, checks it (token ids, shapes, dtypes, the three layers, finite
-values), removes it and says what it found, with the weights the server says it serves (the
-dump's ``contracts.M_WEIGHTS``). It needs neither torch nor SGLang here: only the HTTP API, the
-dump dir and safetensors' own parser, so it runs with any python on the host.
-
-Under DP attention (``/server_info``'s ``attn_dp_size``, ``layout.dp_groups``) each group has
-its own scheduler and dump writer, so ``probe_groups`` sends one request pinned to each group
-(SGLang's ``routed_dp_rank``), checks each group's dump and names every group that fails.
+``verify --server URL --dump-dir D`` sends a short prefill-only request with a valid rid, as a
+worker would, waits for the hook's ``<rid>.safetensors`` in ``D``, checks it (ids, shapes,
+dtypes, layers, finite values), removes it and names the weights the server serves. It needs
+only HTTP, the dump dir and safetensors' parser, so any python on the host runs it. Under DP
+attention ``probe_groups`` pins one request to each group and names every group that fails.
+Test: tests/test_dp_groups.py::test_verify_probes_every_group_and_names_the_one_that_fails
 """
 
 from __future__ import annotations

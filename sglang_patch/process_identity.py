@@ -1,14 +1,11 @@
 """Which process this is, in terms that hold across machines: pid, start time, boot, pid namespace.
 
-A pid names a process only within one pid namespace of one boot of one kernel, and pids are
-reused. So a process is named by its pid and start time (clock ticks since boot, from
-``/proc``), and where that pid means something: the boot id
-(``/proc/sys/kernel/random/boot_id``, new at every boot and different on every machine, clones
-of one image included) and the pid namespace (``/proc/self/ns/pid``: containers on one kernel
-differ here). Only a process of the same boot and pid namespace can be looked up in our
-``/proc``; for any other, ``/proc`` says nothing.
-
-Shared by the server side (ready markers) and the farm (worker liveness); imports nothing.
+A pid names a process only within one pid namespace of one boot, and pids are reused, so a
+process is named by pid and start time (clock ticks since boot, ``/proc``), with the boot id
+(``/proc/sys/kernel/random/boot_id``: new at every boot, different on every machine) and the
+pid namespace (``/proc/self/ns/pid``: containers differ). Only a process of the same boot and
+namespace can be looked up in our ``/proc``. Shared by ready markers and worker liveness.
+Test: tests/test_markers.py::test_a_live_marker_of_another_pid_namespace_is_never_removed
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Reference server: SGLang's HTTP subset over a transformers model, through the same dump code.
 
-    python -m sglang_patch.reference_server --port 30000 --dump-dir /dev/shm/hsd \
-        [--model tiny|synthetic|PATH] [--chunked-prefill-size 8192] [--tokens-per-s N]
-
-``--attn-dp-size N`` serves N attention-DP groups as SGLang does (``dp_groups.py``).
-``--model synthetic`` needs no model: deterministic Kimi-sized hidden states
-(``--hidden-size``, default 7168; see ``synthetic.py``) at ``--tokens-per-s``, for load tests.
-
-Endpoints: ``POST /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``
-(alias ``/get_model_info``), ``GET /server_info`` (alias ``/get_server_info``).
-
-Like SGLang, concurrent requests are batched, a prompt longer than the chunk budget is split
-across forward passes (and batches), health checks run a real forward with a
-``HEALTH_CHECK_*`` rid, and the HTTP answer may come before the dump file is renamed into
-place. It is what tests, the demo and CPU-only users run; it never stands in for checking the
-SGLang path against SGLang's own source.
+``python -m sglang_patch.reference_server --dump-dir D [--model tiny|synthetic|PATH]`` serves
+``POST /generate`` and ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info``
+(and their ``/get_`` aliases). As SGLang, it batches concurrent requests, splits a prompt over
+the chunk budget across passes, runs health checks as real forwards (``HEALTH_CHECK_*`` rids)
+and may answer before the dump is renamed into place. What tests, the demo and CPU-only users
+run; SGLang itself is checked in tests/live/. Test: tests/test_reference_server.py.
 """
 
 from __future__ import annotations

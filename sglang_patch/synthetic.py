@@ -1,14 +1,11 @@
 """A synthetic model for load tests: Kimi-sized hidden states without a model, at a set rate.
 
-No weights and no matmuls: every token's hidden states are a deterministic function of its
-id and position, cheap enough to produce at a GPU host's rate on a CPU. Each row is a window
-of a fixed random bf16 "tape" whose start depends on (id, position), so values are finite,
-differ between tokens and positions (a chunking or ordering bug shows), and a test can
-recompute them exactly with ``SyntheticModel.rows``.
-
-The farm needs a model directory to tokenize and fingerprint: ``ensure_synthetic_model``
-writes one with a Kimi-like ``config.json`` (hidden size 7168, 61 layers by default) and the
-tiny model's tokenizer and chat template. It holds no weights.
+No weights and no matmuls: each row is a window of a fixed random bf16 "tape" starting at a
+place given by (token id, position), cheap at a GPU host's rate on a CPU, finite, different
+per token and position (a chunking or ordering bug shows), and recomputable by a test
+(``SyntheticModel.rows``). ``ensure_synthetic_model`` writes the model dir the farm tokenizes
+and fingerprints: a Kimi-like ``config.json`` and the tiny model's tokenizer, no weights.
+Test: tests/test_synthetic.py::test_values_depend_on_token_and_position_only.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """``python -m sglang_patch verify [--dump-dir D [--server URL]]``: does SGLang run our hook?
 
-Run it with the server's interpreter. Each check prints one line, PASS or FAIL with the fix;
-the exit code is 0 only when every check passes.
-
-1. SGLang is installed here, and its version is supported;
-2. SGLang's own plugin loader, from this interpreter, finds and applies our plugin;
-3. every hook target exists with the parameters we expect;
-4. the launch flags extraction needs parse with this SGLang's own argument parser;
-5. (``--dump-dir``) a running server wrote a fresh ready marker: versions, layers, model; under
-   DP attention one per DP group, every group of the newest server start (``_check_groups``);
-6. (``--server`` with ``--dump-dir``) one request of ours through that server leaves a dump in
-   the dump dir with the ids sent, the right shapes and layers, and finite values (``probe``);
-   under DP attention one request pinned to each group (``routed_dp_rank``), every group's dump
-   checked, and each group that fails named.
-
-``--live-only`` skips 1-4 (the install, checked once before the launch): what
-``ops/launch-sglang.sh`` polls while the server starts. 5 and 6 need no SGLang here.
+With the server's interpreter; one line per check, PASS or FAIL with the fix; exit 0 only when
+all pass. Install checks: SGLang's version, its plugin loader applying ours, each hook target's
+parameters, the launch flags under its own parser. Live checks (no SGLang needed here): a fresh
+ready marker of every DP group of the newest server start (``--dump-dir``), one request of ours
+per group dumped right (``--server``, ``probe``). ``--live-only`` skips the install checks: what
+launch-sglang.sh polls. Test: tests/sglang/test_plugin.py::test_verify_passes_on_this_install
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """fp8 runs on the training side: float8 e4m3 hidden states and their scales back to bf16.
 
-Every trainer reads bf16 (speculators 0.9.0 included: its loader has no fp8 path), so the
-loader and ``export`` hand out ``float(q) * scale`` (per block of a row, or per row in files
-written before the blocks: the scales' shape says which) rounded to bf16 (torch, round to nearest
-even: the same bytes on every machine). What a file's checksums cover are its stored bytes
-(fp8 and scales): they are checked before anything is dequantized, and an export's outputs
-are compared with the checksums of the bf16 tensors computed here (``as_exported``), which
-its ledger keeps so that a later run checks them again without dequantizing. torch is
-imported only when a sample is dequantized.
+Every trainer reads bf16 (speculators 0.9.0 has no fp8 path), so the loader and ``export``
+hand out ``float(q) * scale`` (per block of a row, or per row: the scales' shape says which)
+rounded to bf16 as torch rounds, the same bytes on every machine. Checksums cover the stored
+fp8 bytes and are checked before dequantizing; an export's ledger keeps the bf16 tensors'
+checksums (``as_exported``), so a later run checks them again without dequantizing.
+Test: tests/test_fp8.py::test_an_fp8_run_end_to_end_read_by_the_training_side.
 """
 
 from __future__ import annotations

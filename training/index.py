@@ -1,18 +1,11 @@
 """The index beside the manifest: one row per sample, refreshed incrementally.
 
-``<out>/index.jsonl``: one JSON object per line: ``key``, ``path`` (relative to ``<out>``),
-``tokens``, ``loss_tokens``, ``bytes``, ``mtime_ns``, ``checksums`` (per tensor, as in the
-file), ``source_id``, ``truncated_from``. Sorted by key. Trainers bucket by length, split and
-start from it without opening a sample file.
-
-``<out>/token_counts.safetensors``: ``counts`` I64 [max id + 1], loss-masked tokens over the
-indexed samples; its metadata names the index it matches (``index_sha256``), so a crash between
-the two writes is noticed and the counts are recounted.
-
-A refresh opens only files it has not indexed yet (a file whose size or mtime changed counts
-as new): for those it reads the header and the ids and mask (a few KB) and checks their
-checksums and the manifest; ``verify=True`` also reads the hidden states and checks theirs.
-Files already indexed are only ``stat``-ed: no tensor data is read.
+``<out>/index.jsonl`` (its fields: docs/output.md) lets trainers bucket, split and start
+without opening a sample file. ``token_counts.safetensors`` names the index it matches
+(``index_sha256``), so a crash between the two writes is noticed and the counts recounted.
+A refresh reads a few KB of each file not yet indexed (a changed size or mtime counts as new)
+and only ``stat``-s the rest; ``verify=True`` also hashes the hidden states.
+Test: tests/test_training.py::test_index_refresh_with_nothing_new_reads_no_tensor_data.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """A ``torch.utils.data.Dataset`` over an output directory, read in place.
 
-Each item is one sample in the chosen trainer's view (``training.views``); nothing is copied
-on disk. Each file is memory-mapped (copy-on-write): its tensors are the page cache's pages,
-with no memory allocated and filled per sample (at 86-470 MB samples that fill cost 4x the
-read itself on this project's VM: docs/benchmarks.md). By default the whole file is asked
-for at getitem (read ahead in file order, for a loop that uses whole samples); ``lazy=True``
-reads only the pages the loop touches (a loop that truncates). The manifest is checked
-once, and every file's header on access (fingerprint, tensor shapes); ``verify=True`` also
-checks every tensor's checksum. An fp8 run's states are dequantized to bf16
-(``training.fp8``), so every view holds bf16 whatever the run stores. Samples come in index
-order when ``<out>/index.jsonl`` exists (``python -m producer index``), else in file order;
-``lengths`` gives T per item for bucketing.
+Each item is one sample in a trainer's view (``training.views``); its tensors are the page
+cache's pages of a memory-mapped file, because allocating and filling a copy costs 4x the read
+at 86-470 MB samples (docs/benchmarks.md). The whole file is asked for at getitem (read ahead);
+``lazy=True`` reads only the pages a loop touches. Headers are checked on access, checksums
+with ``verify=True``; fp8 states come as bf16; the order is ``index.jsonl``'s when it exists.
+Test: tests/test_training.py::test_loader_views_hold_our_tensors_without_a_copy.
 """
 
 from __future__ import annotations

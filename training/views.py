@@ -1,15 +1,11 @@
 """Each trainer's view of one sample: its key names, shapes and dtypes, as torch tensors.
 
-The tensors share memory with the arrays given (memory maps in the loader): no copy, except
-speculators' stacked ``[T, 4, H]`` (which has to interleave) and its derived pre-norm slot.
-
-| view | keys and shapes |
-|---|---|
-| ``hsfarm`` | ours: ``input_ids`` [T], ``loss_mask`` [T], ``hidden_state`` [T,H], ``aux_hidden_state`` [T,3H] |
-| ``specforge`` | what its ``.ckpt`` holds: ids and mask [T]; ``hidden_state`` [1,T,H], ``aux_hidden_state`` [1,T,3H] |
-| ``modelopt`` | its ``.pt``: ``input_ids``, ``hidden_states`` [T,H], ``aux_hidden_states`` [T,3H], ``loss_mask``, ``conversation_id``, ``hidden_states_prenorm`` False |
-| ``speculators`` | its ``hs_{i}.safetensors``: ``token_ids`` [T], ``hidden_states`` [T,4,H] (slot 4 pre-norm); plus ``loss_mask`` [T] (its Arrow row) |
-"""  # noqa: E501
+Views: ``hsfarm`` (ours), ``specforge``, ``modelopt`` and ``speculators`` (each as its own
+loader reads it; keys and shapes: docs/output.md). The tensors share memory with the arrays
+given (the loader's memory maps): no copy, except speculators' stacked ``[T, 4, H]``, which
+has to interleave, and its derived pre-norm slot.
+Test: tests/test_training.py::test_loader_views_hold_our_tensors_without_a_copy.
+"""
 
 from __future__ import annotations
 

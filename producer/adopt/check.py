@@ -1,20 +1,11 @@
 """The compatibility check of ``adopt``: K matched source files extracted again through the
-live server, exactly as the canary extracts (``canary_check.extract``: the request a task
-sends, the dump the hook writes, read back from the dump dir), and compared per layer with
-the canary's measure and tolerance (``canary.compare``).
+live server as the canary extracts them, compared per layer with the canary's tolerance.
 
-When a layer is over the tolerance the check says what it most likely means, from what the
-numbers can show:
-
-- every layer, the final one too, differs: another model or checkpoint;
-- the final state matches and an aux layer does not: other layers. A file's aux layer that
-  matches the server's capture of the next (or previous) layer, where the run captures both
-  (adjacent ids), proves the off-by-one between "input of layer i" and "output of layer i";
-- the aux layers match and the final state does not, but does once the model's final RMSNorm
-  is applied to the file's (the run keeps its weight): the file holds the pre-norm state.
-
-A source written with another chat template matches no record of the data file at all (its
-``input_ids`` differ), so it never reaches this check; ``adopt`` says so.
+Over the tolerance, it names the likely cause from what the numbers show: every layer off
+(another checkpoint); only aux layers off (other layers; an off-by-one when an adjacent
+captured layer matches); only the final state off until the final RMSNorm is applied (pre-norm).
+Tests: tests/test_adopt.py::test_off_by_one_layers_diagnosed,
+tests/test_adopt.py::test_pre_norm_final_state_diagnosed.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Readers of the files ``adopt`` takes: another hsfarm output dir, SpecForge's offline
-``data_<i>.ckpt`` files, and plain torch ``.pt`` dicts with key names given by the user.
+"""Readers of the files ``adopt`` takes: hsfarm output dirs, SpecForge's ``data_<i>.ckpt`` files
+and plain torch ``.pt`` dicts with user-given key names; lazy, and never writing a file.
 
-Only regular files are read: an entry of SOURCE is looked at with ``lstat`` first (a FIFO,
-socket, device or directory is never opened; a link is followed only to a file inside
-SOURCE), then opened with ``O_NONBLOCK | O_NOFOLLOW`` and checked again on the open
-descriptor (``fstat``), so nothing swapped in between blocks or leads the reader out.
-
-Every reader is lazy and safe: a safetensors file is memory-mapped after its header is
-checked; a torch file is loaded with ``torch.load(weights_only=True)`` (memory-mapped when
-it is a zip archive, as ``torch.save`` writes since 1.6), so a pickle that would run code or
-build anything but tensors is refused by torch's restricted unpickler before any of it runs.
-Touching ``input_ids`` reads a few KB; the hidden states are paged in only when copied. A
-file is never written, renamed or deleted.
-
-What a reader returns (``SourceSample``) holds the states as bf16 bit patterns (uint16),
-the run's final-file dtype; bf16 sources are passed through bit for bit, f16/f32 ones are
-rounded to bf16 (to nearest even, as torch does) and say so.
+Only regular files are read: ``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``
+on the descriptor, so nothing swapped in between blocks or leads outside SOURCE. Torch files
+load with ``weights_only=True``: a pickle that would run code is refused before it runs.
+States come back as bf16 bit patterns; f16/f32 sources are rounded to nearest even. Test:
+tests/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """``python -m producer adopt SOURCE --data DATA``: take an earlier run's files into this run.
 
-0. Before a source file is read or anything is written, the server must be the run's, as a
-   worker's start checks it (``adopt_canary.served_check``: weights, layers, config, dtype).
-1. DATA is tokenized as this run's tasks tokenize it; each source file is opened (its ids and
-   shapes, never its states) and matched to the record with exactly its ``input_ids``
-   (``adopt_match``). Files that match nothing, or a sample already done, are reported; an
-   hsfarm file whose header names another run's layers, fingerprint, weights or dtype is
-   refused (``adopt_header``).
-2. K of the matched files are extracted again through the live server and compared per layer
-   with the canary's tolerance (``adopt_check``); if any layer is over it, nothing is adopted.
-   Then every matched file's first rows are compared with the server's, file by file
-   (``adopt_rows``); a file that differs is refused on its own.
-3. Each matched file is written as this run's own final file under the sample's lease (the
-   one a task holds: a worker and ``adopt`` never write one sample at once): the store's
-   durable write, read back from the device and every checksum compared, then marked done in
-   the run's index. The ids and states are the source's, bit for bit (bf16 sources; in an fp8
-   run quantized by the hook's own ``sglang_patch.fp8.quantize``); the loss mask is this
-   run's. Each file's metadata names its source; the run's manifest lists the
-   adoption with the check's numbers.
-
-Only step 3 holds the run's enqueue lock, so two ``adopt`` (or ``adopt`` and ``enqueue``)
-never interleave their writes, while a slow source or server in steps 1-2 stalls neither
-``enqueue`` nor the reconciler's healing; step 3 reads each sample's state again under its
-lease. Only regular files of SOURCE are read (``adopt_formats.readable_entry``). Killed at any
-point, it leaves whole files or temp files that the store removes; run again, it finds the
-adopted ones done and adopts the rest.
+Steps: check the server is the run's; match each source file to the record with exactly its
+``input_ids``; re-extract K files and compare every file's first rows; write each as this
+run's final file under the sample's lease. Only the write step holds the run's enqueue lock,
+so a slow source or server stalls neither ``enqueue`` nor the reconciler. Killed anywhere, it
+leaves whole or temp files; run again, it adopts the rest (docs/adopt.md).
+Test: tests/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once.
 """
 
 from __future__ import annotations

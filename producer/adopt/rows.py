@@ -1,18 +1,11 @@
 """Every matched file's first rows against the live server: ``adopt``'s per-file check.
 
-The K-file check (``adopt_check``) extracts a few whole files again; a foreign minority among
-many files slips past it with probability C(n-f, K) / C(n, K) (2 foreign files of 100, K = 10:
-80%). This check covers every file: each file's first ``PREFIX_TOKENS`` tokens are sent to
-the server (``BATCH`` files at once, as the canary's prompts are sent) and the file's states
-at ``ROWS`` of them, all four layers, are compared with the dump's, file by file, with the
-canary's measure and tolerance. A row's state depends only on the tokens up to it (causal
-attention), so the prefix's rows are the whole file's rows; and a file written by another
-model, checkpoint, layer set or norm placement differs at every row, so each such file is
-refused on its own, whatever the fraction of them.
-
-What it cannot see: a file whose first rows are the run's and whose later rows are not (an
-edit rather than another run's states). The sources' own checksums (hsfarm files) and the K
-full re-extractions look there.
+The K-file check misses a foreign minority with probability C(n-f, K) / C(n, K), so every
+file's first ``PREFIX_TOKENS`` tokens are sent (``BATCH`` files at once) and its states at
+``ROWS`` of them compared with the dump's. Causal attention makes the prefix's rows the whole
+file's rows, and another model, layer set or norm differs at every row, so each such file is
+refused on its own. A file edited only after its first rows is left to the checksums.
+Test: tests/test_adopt_checks.py::test_a_foreign_minority_is_caught_file_by_file.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """``python -m producer dashboard``: one page of plots of the whole run, and ``/metrics``.
 
-An aiohttp app (aiohttp is already the farm's HTTP library). HTTP basic auth on every path,
-``/metrics`` included, as Flower's ``--basic-auth``; it listens on loopback by default and
-refuses to serve without a password unless told to (``--no-auth``), and then only on loopback.
-The plots are drawn in the browser by uPlot (``producer/dashboard/static/``; see
-docs/dependencies.md).
-
-Routes: ``/`` the page, ``/static/<file>``, ``/api/run`` (the snapshot as JSON), ``/metrics``
-(Prometheus text).
+An aiohttp app (the farm's HTTP library) with HTTP basic auth on every path, ``/metrics``
+included; it listens on loopback by default and serves without a password only when told
+(``--no-auth``), and then only on loopback. uPlot draws the plots in the browser
+(``producer/dashboard/static/``). Routes: ``/``, ``/static/<file>``, ``/api/run``, ``/metrics``.
+Test: tests/test_dashboard.py::test_dashboard_requires_the_password.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The three containers: where each sample goes, how it is written and read back.
 
-torch is imported only where a container needs it (``torch.save``), so the producer CLI that
-imports this module runs on a machine without torch.
-
-- ``specforge``: ``samples/<shard>/<key>.ckpt``, ``torch.save`` of ``input_ids`` [T],
-  ``loss_mask`` [T], ``hidden_state`` [1,T,H], ``aux_hidden_state`` [1,T,3H] (its writer's
-  shapes; its loader squeezes the leading 1 of the hidden tensors only).
-- ``modelopt``: ``samples/<shard>/<key>.pt``, ``torch.save`` of its key names, post-norm
-  (``hidden_states_prenorm`` False), ``conversation_id`` = our sample key.
-- ``speculators``: ``hidden_states/hs_{i}.safetensors`` with ``token_ids`` [T] and
-  ``hidden_states`` [T,4,H] (slot 4 = pre-norm final state), plus our ``loss_mask`` for the
-  Arrow rows; ``i`` is given at commit, so the numbers stay contiguous whatever fails.
-
-Read back from the disk, every output tensor that copies a source tensor is checked against
-the source's recorded checksum (so a damaged source is caught too, with one hash pass in all);
-speculators' stacked tensor is compared with the checksum of what was computed in memory
-(kept in the ledger, so a later run checks it again), and its aux part against the source's
-checksum, after the source ``hidden_state`` it derives from passed its own. speculators' stack
-is derived, written and hashed a few tokens at a time, and read back in chunks from the disk
-(``check``), so no [T, 4, H] copy of it is ever in memory.
+``specforge``: ``samples/<shard>/<key>.ckpt``; ``modelopt``: ``samples/<shard>/<key>.pt``;
+``speculators``: ``hidden_states/hs_{i}.safetensors``, ``i`` given at commit so the numbers
+stay contiguous (keys and shapes: docs/output.md). torch is imported only where a container
+needs it, so the producer CLI runs without torch. Each copied tensor read back is checked
+against the source's checksum, which catches a damaged source in the same pass; speculators'
+[T, 4, H] stack is derived and checked a few tokens at a time. Test: tests/test_export_formats.py.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """``export``: stream every sample of an output dir into a trainer's container, never losing one.
 
-One export per DEST at a time (``lock``). Per sample: read the source and check its header
-against the manifest; write the output to a temp file, fsync, drop it from the page cache and
-read it back from the disk; compare every output tensor with the source's recorded checksums
-(which also catches a damaged source) or, where derived, with what was computed; rename into
-place, fsync the directory; append a ledger line (fsync) with the source's checksums and the
-derived tensors'; only then, with ``delete_source``, remove the source, and only if the file at
-its path is still the one whose bytes were exported.
-
-A sample is skipped only when its ledger line records the source's current checksums and its
-file in DEST, read back from the disk, matches them: a changed source is exported again, a
-missing or damaged file is rewritten (numbered layouts: under the same number). Entries whose
-source is gone are checked the same way; one whose file is gone too is reported and leaves the
-ledger. A crash at any point leaves the source or a ledger line, so re-running resumes.
-
-A sample exported before its record left the corpus (its source gone from ``<out>/samples``,
-a file of its key kept aside in ``<out>/removed/``: worker/core/setaside.py) is *withdrawn*: its
-file leaves DEST and its key the ledger, so DEST holds exactly the current corpus.
+Per sample: a temp file, fsynced, dropped from the page cache, read back and compared with the
+source's checksums, renamed, the dir fsynced, a ledger line appended (fsync); only then may
+``delete_source`` remove the source, if its bytes are still the exported ones. A sample is
+skipped only when its ledger line and DEST file match the source; a crash leaves the source
+or a ledger line, so a re-run resumes. One export per DEST (``lock``); records that left the
+corpus are withdrawn. Test: tests/test_training.py::test_sigkill_mid_export_loses_nothing.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """speculators' side files: the Arrow dataset of ids and masks, and ``token_freq.pt``.
 
-Its ``ArrowDataset`` reads ``datasets.load_from_disk(DEST)`` (columns ``input_ids``,
-``loss_mask``, ``seq_len``, torch format) and matches row ``i`` with
-``DEST/hidden_states/hs_{i}.safetensors``. Written here with pyarrow alone, in the layout
-``Dataset.save_to_disk`` produces (an Arrow stream file, ``state.json``,
-``dataset_info.json``), rebuilt from the exported files, so it also covers samples exported
-by an earlier run whose sources were deleted. ``token_freq.pt`` is ``{token id: count}`` over
-loss-masked tokens, as its ``save_token_frequency_distribution`` writes it.
+Its ``ArrowDataset`` reads ``datasets.load_from_disk(DEST)`` (``input_ids``, ``loss_mask``,
+``seq_len``) and matches row ``i`` with ``DEST/hidden_states/hs_{i}.safetensors``. Written
+with pyarrow alone in ``Dataset.save_to_disk``'s layout, rebuilt from the exported files, so
+it covers samples whose sources were deleted. ``token_freq.pt`` is ``{token id: count}`` over
+loss-masked tokens, as ``save_token_frequency_distribution`` writes it.
+Test: tests/trainers/test_speculators.py::test_its_dataset_and_collator_give_our_tensors.
 """
 
 from __future__ import annotations
