@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The packages held to it so far (producer, training and sglang_patch join when theirs are cut).
+# The packages held to it.
 PACKAGES = ("worker", "producer", "training", "sglang_patch", "bench")
 MAX_LINES = 8
 ISSUE_NUMBER = re.compile(r"issue ?#?\d", re.IGNORECASE)
