@@ -15,7 +15,7 @@ host sustains for a sample's bytes, prefill included (measured: 0.3–1 GB/s on 
 2-core test machine; docs/benchmarks.md, long samples). The wait for a dump grows the same way.
 
 The worker's main process sets the limits of each message before a pool process runs it
-(``worker.steps.reaper.OwnedRequest``), from a bound of its tokens known without reading the
+(``worker.request.OwnedRequest``), from a bound of its tokens known without reading the
 sample: the record's bytes (a record spends at least one byte per token: text under a
 byte-level tokenizer, or ``input_ids`` written as numbers and commas), at most
 ``FARM_MAX_TOKENS``. At start-up the worker checks that the longest sample's limit still
