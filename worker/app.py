@@ -81,13 +81,17 @@ def celery_config(s: Settings) -> dict[str, object]:
 class FarmApp(Celery):
     """The farm's Celery app: its settings, and the run's context once a worker built it."""
 
-    def __init__(self, settings: Settings, **kwargs: Any) -> None:
-        super().__init__("hsfarm", **kwargs)
+    def __init__(self, settings: Settings, main: str = "hsfarm", **kwargs: Any) -> None:
+        super().__init__(main, **kwargs)
         self.settings = settings
         self.context: RunContext | None = None  # built in worker_init; inherited by the pool
         self.conf.update(celery_config(settings))
         self.conf.imports = ("worker.tasks",)
         self.steps["worker"].update(STEPS)
+
+    def __reduce_keys__(self) -> dict[str, Any]:
+        """Celery's, with the settings: an app pickled to another process keeps them."""
+        return {**super().__reduce_keys__(), "settings": self.settings}
 
 
 def create_app(settings: Settings) -> FarmApp:

@@ -46,7 +46,23 @@ def farm_of(worker: Any) -> Farm:
     return app
 
 
-class TimerStep(bootsteps.StartStopStep):
+class TickStep(bootsteps.StartStopStep):
+    """A step that runs one tick, over and over; ``ticker`` says what and how often."""
+
+    def ticker(self, worker: Any) -> tuple[Tick, float] | None:
+        """What to run and how often (seconds); None: nothing to do in this worker."""
+        raise NotImplementedError
+
+    def start(self, worker: Any) -> None:
+        got = self.ticker(worker)
+        if got is not None:
+            self.begin(worker, *got)
+
+    def begin(self, worker: Any, tick: Tick, every_s: float) -> None:
+        raise NotImplementedError
+
+
+class TimerStep(TickStep):
     """Ticks once at start, then every ``every_s`` on the worker main process's timer."""
 
     requires = ("celery.worker.components:Timer",)
@@ -55,15 +71,7 @@ class TimerStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         self.tref: Any = None
 
-    def ticker(self, worker: Any) -> tuple[Tick, float] | None:
-        """What to run and how often (seconds); None: nothing to do in this worker."""
-        raise NotImplementedError
-
-    def start(self, worker: Any) -> None:
-        got = self.ticker(worker)
-        if got is None:
-            return
-        tick, every_s = got
+    def begin(self, worker: Any, tick: Tick, every_s: float) -> None:
         tick()
         self.tref = worker.timer.call_repeatedly(every_s, tick, priority=10)
 
@@ -72,7 +80,7 @@ class TimerStep(bootsteps.StartStopStep):
             self.tref.cancel()
 
 
-class ThreadStep(bootsteps.StartStopStep):
+class ThreadStep(TickStep):
     """Ticks every ``every_s`` (none at start) on a daemon thread of the worker main process."""
 
     thread_name = "hsfarm-step"
@@ -83,15 +91,8 @@ class ThreadStep(bootsteps.StartStopStep):
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def ticker(self, worker: Any) -> tuple[Tick, float] | None:
-        """What to run and how often (seconds); None: nothing to do in this worker."""
-        raise NotImplementedError
-
-    def start(self, worker: Any) -> None:
-        got = self.ticker(worker)
-        if got is None:
-            return
-        self.thread = threading.Thread(target=self._loop, args=got, daemon=True,
+    def begin(self, worker: Any, tick: Tick, every_s: float) -> None:
+        self.thread = threading.Thread(target=self._loop, args=(tick, every_s), daemon=True,
                                        name=self.thread_name)
         self.thread.start()
 
