@@ -24,7 +24,7 @@ import redis
 from tqdm import tqdm
 
 from sglang_patch import contracts as c
-from worker.app import TASK_NAME, app
+from worker.app import FarmApp, create_app
 from worker.core import run as runs
 from worker.core import setaside, tensorfile
 from worker.core import store as st
@@ -33,7 +33,7 @@ from worker.core.errors import BadInput, Corrupt
 from worker.core.samples import SampleRef, content_hash, parse_record
 from worker.core.settings import Settings
 from worker.server.answers import environmental_rejection
-from worker.state import broker, hosts, keys, ledger
+from worker.state import broker, hosts, keys, ledger, queue_scan
 from worker.state import lease as leases
 from worker.state.corpus import Corpus, Identified
 from worker.state.index import Registered, RunIndex
@@ -318,9 +318,9 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     index = RunIndex(r, run_id)
     abs_path = str(path.resolve())
     summary = Summary()
-    others = runs.note_queue(r, queue, run_id) if not dry_run else []
+    others = queue_scan.note_queue(r, queue, run_id) if not dry_run else []
     if others:
-        summary.notes.append(("FARM_QUEUE", runs.sharing_warning(queue, run_id, others)))
+        summary.notes.append(("FARM_QUEUE", queue_scan.sharing_warning(queue, run_id, others)))
     _check_hosts(r, run_id, settings, redo_hosts, dry_run)
     with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0):
@@ -417,7 +417,8 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
         hosts.claim(r, index.fp, hosts.host_id(settings), plan.relearn_sha)
         index.clear_invalid(plan.fid)
     refs = _refs(settings, path, limit, progress, "enqueue", summary)
-    with app.producer_or_acquire() as producer, producer.batch(max_size=500):
+    with create_app(settings) as app, app.producer_or_acquire() as producer, \
+            producer.batch(max_size=500):
         for batch in _batches(refs):
             if not dry_run:
                 index.register({ref.key: Registered(plan.fid, ref.offset, ref.length,
@@ -440,7 +441,7 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
                     if not dry_run:
                         if ref.key in settled:
                             index.forget_outcome(ref.key)
-                        _send(producer, queue, index.fp, publication,
+                        _send(app, producer, queue, index.fp, publication,
                               replace(ref, fid=plan.fid))
                     summary.published += 1
     summary.records += len(summary.rejected)
@@ -462,11 +463,12 @@ def _leased(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[bool]:
     return [bool(x) for x in p.execute()]
 
 
-def _send(producer: Any, queue: str, run_id: str, publication: int, ref: SampleRef) -> None:
+def _send(app: FarmApp, producer: Any, queue: str, run_id: str, publication: int,
+          ref: SampleRef) -> None:
     # argsrepr: Flower shows the sample key; the default (the repr of the args) would cost
     # ~150 bytes of Redis per queued message for nothing. The task id names the run: a
     # worker of another run hands the message back untouched (worker/tasks.py)
-    app.send_task(TASK_NAME, args=[ref.to_json()],
+    app.send_task(runs.TASK_NAME, args=[ref.to_json()],
                   task_id=task_id(run_id, publication, ref.key), queue=queue,
                   producer=producer, argsrepr=ref.key, kwargsrepr="{}")
 
@@ -503,12 +505,12 @@ def requeue(settings: Settings, store: st.OutputStore, refs: list[SampleRef]) ->
     publication = index.next_publication()
     sent = 0
     with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
-                     deadline=math.inf, poll_s=1.0), \
+                     deadline=math.inf, poll_s=1.0), create_app(settings) as app, \
             app.producer_or_acquire() as producer, producer.batch(max_size=500):
         for ref, busy in zip(refs, _leased(r, run_id, [x.key for x in refs]), strict=True):
             if busy or ref.key in in_broker:
                 continue
             index.forget_outcome(ref.key)
-            _send(producer, queue, run_id, publication, ref)
+            _send(app, producer, queue, run_id, publication, ref)
             sent += 1
     return sent

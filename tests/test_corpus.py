@@ -192,11 +192,11 @@ def test_parked_samples_are_published_again_once_their_file_reads(tmp_path: Path
         data.rename(tmp_path / "away.jsonl")
 
         # When janitor rounds run while the file is away, then after it is put back
-        script = ("import os, sys; from worker.app import settings; "
+        script = ("import os, sys; from worker.app import app; s = app.settings; "
                   "from worker.steps.parking import resume_parked; "
-                  "run, away, back = sys.argv[1:]; n = [resume_parked(settings, run)]; "
+                  "run, away, back = sys.argv[1:]; n = [resume_parked(s, run, app)]; "
                   "os.rename(away, back); "
-                  "n += [resume_parked(settings, run), resume_parked(settings, run)]; print(n)")
+                  "n += [resume_parked(s, run, app), resume_parked(s, run, app)]; print(n)")
         res = subprocess.run([sys.executable, "-c", script, index.fp,
                               str(tmp_path / "away.jsonl"), str(data)],
                              env=farm.env(), capture_output=True, text=True, timeout=60)

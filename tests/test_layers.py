@@ -22,21 +22,6 @@ FORBIDDEN = {
     "worker.steps": ("aiohttp", "transformers", "torch"),
     "training": ("celery", "kombu", "redis", "aiohttp"),
 }
-# Today's breaks of the rules, each to go (the tests fail on any other and on one fixed
-# but still listed).
-KNOWN_BREAKS = {
-    "worker.core.run imports redis", "worker.core.run imports worker.state.keys (a layer above it)",
-    *(f"worker.steps.{m} imports worker.{a} (a layer never imports the app's modules)"
-      for m in ("host_beat", "janitor", "outage", "reaper", "reconciler")
-      for a in ("app", "startup")),
-    "worker.steps.parking imports worker.app (a layer never imports the app's modules)",
-}
-KNOWN_CIRCLES = [
-    ["worker.app", "worker.startup", "worker.steps.host_beat", "worker.steps.janitor",
-     "worker.steps.outage", "worker.steps.parking", "worker.steps.reaper",
-     "worker.steps.reconciler"],
-    ["training.index", "training.roots"],
-]
 # Flat modules per package, at most (subpackages hold families and layers).
 MAX_FLAT = 25
 
@@ -107,7 +92,7 @@ def test_each_layer_imports_only_the_layers_below_it_and_its_libraries() -> None
                 bad.append(f"{mod} imports {imp} (a layer never imports the app's modules)")
             elif there is not None and LAYERS.index(there) > LAYERS.index(here):
                 bad.append(f"{mod} imports {imp} (a layer above it)")
-    assert set(bad) == KNOWN_BREAKS
+    assert bad == []
 
 
 def test_no_module_is_part_of_an_import_circle() -> None:
@@ -115,7 +100,7 @@ def test_no_module_is_part_of_an_import_circle() -> None:
     graph = {m: {i for i, typing in imports(p, known) if i in known and i != m and not typing}
              for m, p in known.items()}
     circles = [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
-    assert sorted(circles) == sorted(KNOWN_CIRCLES)
+    assert circles == []
 
 
 def test_no_package_keeps_more_than_25_flat_modules() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable, vocab
+from training import checksums, durable, roots, vocab
 from training.manifest import RunInfo, load_run_info
+from training.roots import sample_files as sample_files  # read here by its callers
 from training.sample_file import SampleFile
 from worker.core import tensorfile
 from worker.core.errors import Corrupt
@@ -71,16 +72,6 @@ def read_counts(out_dir: Path) -> np.ndarray:
     return tf.tensors["counts"].array
 
 
-def sample_files(out_dir: Path) -> Iterator[Path]:
-    """Every final file under ``<out>/samples`` (never temp files), sorted."""
-    if not (out_dir / "samples").is_dir():
-        return
-    for shard in sorted((out_dir / "samples").iterdir()):
-        if shard.is_dir():
-            yield from sorted(p for p in shard.glob(f"*{c.DUMP_SUFFIX}")
-                              if not c.is_temp_name(p.name))
-
-
 def refresh(out_dir: Path, verify: bool = False,
             progress: Callable[[int], None] | None = None,
             also: Sequence[Path] = ()) -> RefreshReport:
@@ -89,8 +80,6 @@ def refresh(out_dir: Path, verify: bool = False,
     ``also``: more roots of this run (other hosts' output dirs, or copies of them), indexed
     into ``out_dir``'s index with paths relative to it; each sample once (``training.roots``).
     """
-    from training import roots
-
     info = load_run_info(out_dir)
     roots.check_same_run([out_dir, *also])
     gathered = roots.gather([out_dir, *also])

@@ -16,7 +16,7 @@ __all__ = ["app"]
 def __getattr__(name: str) -> Any:
     """``worker.app``: the Celery app, imported on first use."""
     if name == "app":
-        from worker.app import app as celery_app
+        from worker.app import app as celery_app  # on use: training imports worker.core alone
 
         # importing the submodule bound ``worker.app`` to the module; bind the app instead,
         # as the eager ``from worker.app import app`` did

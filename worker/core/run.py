@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from sglang_patch import contracts as c
 from worker.core.settings import Settings
-from worker.state import keys
-
-if TYPE_CHECKING:  # the training side reads run ids through the store, without Redis
-    import redis
 
 MANIFEST = "manifest.json"
 M_RUN_NONCE = "run_nonce"  # manifest key: random, written once with the manifest
 QUEUE_PREFIX = "hsfarm."
 TASK_PREFIX = "hsd"  # task ids: hsd-<run id>-<publication>:<sample key> (task_id)
-QUEUE_SEEN_S = 7 * 24 * 3600.0  # a run seen on a queue this recently counts as sharing it
+TASK_NAME = "hsfarm.extract"  # the one task; its name and message body outlive upgrades
 
 
 def run_id(manifest: Mapping[str, Any]) -> str:
@@ -107,25 +102,3 @@ def message_task_id(raw: bytes | str, unacked: bool = False) -> str | None:
         return str(message["headers"]["id"])
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
         return None
-
-
-def note_queue(r: redis.Redis, queue: str, run: str, now: float | None = None) -> list[str]:
-    """Record that ``run`` uses ``queue``; the other runs seen on it lately (sharing it).
-
-    Runs that share a queue lose nothing (a worker hands another run's message back
-    untouched), but each worker takes and returns the other run's messages: say so.
-    """
-    now = time.time() if now is None else now
-    name = keys.queue_runs(queue)
-    r.hset(name, run, f"{now:.0f}")
-    seen = {k.decode() if isinstance(k, bytes) else k: float(v)
-            for k, v in r.hgetall(name).items()}
-    return sorted(k for k, at in seen.items() if k != run and now - at < QUEUE_SEEN_S)
-
-
-def sharing_warning(queue: str, run: str, others: list[str]) -> str:
-    """What to tell a person whose run shares its queue with other runs."""
-    return (f"queue {queue!r} (FARM_QUEUE) is shared by run {run} with run(s) "
-            f"{', '.join(others)}: each worker takes the other runs' messages and hands them "
-            "back untouched (nothing is lost, but work slows down). Unset FARM_QUEUE so each "
-            f"run gets its own queue ({QUEUE_PREFIX}<run id>), or give each run its own name")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
+from sglang_patch.probe import served_weights
 from worker.core import dumps, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
@@ -31,8 +32,6 @@ def problems(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[st
         started: hidden states of the run exist (its canary is recorded).
         refusing: what the caller does while the server is wrong (one sentence).
     """
-    from sglang_patch.probe import served_weights
-
     out = []
     why = weights.served_mismatch(served_weights(probe_meta), recorded, local,
                                   server_url=settings.server_url, model_path=model_path,

@@ -28,7 +28,7 @@ from worker.core import store as st
 from worker.core.errors import Corrupt
 from worker.core.settings import Settings
 from worker.state import keys
-from worker.state.index import as_text
+from worker.state.index import RunIndex, as_text
 
 KNOWN_FILE = "hosts.json"  # in each output dir: the run's hosts as last seen
 BATCH = 1000
@@ -126,8 +126,6 @@ def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_
     there) is moved to ``SET_ASIDE`` in this output dir: kept, never deleted, out of the
     training set, so each sample is in one place.
     Then the entry's ``registered_at``: the host has been heard from."""
-    from worker.state.index import RunIndex
-
     index, reg = RunIndex(r, run_id), Registration()
     batch: list[Held] = []
     for held in scan(out_dir, fingerprint_id):

@@ -9,9 +9,11 @@ Test: tests/test_queue_scan.py::test_task_ids_name_their_sample_and_publication.
 
 from __future__ import annotations
 
+import time
+
 import redis
 
-from worker.core.run import message_task_id, sample_key_of, task_id
+from worker.core.run import QUEUE_PREFIX, message_task_id, sample_key_of, task_id
 from worker.state import keys
 
 __all__ = ["broker_depth", "broker_sample_keys", "broker_task_ids", "sample_key_of", "task_id"]
@@ -51,3 +53,28 @@ def broker_depth(r: redis.Redis, queue: str) -> tuple[int, int]:
     p.hlen(keys.KOMBU_UNACKED)
     waiting, unacked = p.execute()
     return int(waiting), int(unacked)
+
+
+QUEUE_SEEN_S = 7 * 24 * 3600.0  # a run seen on a queue this recently counts as sharing it
+
+
+def note_queue(r: redis.Redis, queue: str, run: str, now: float | None = None) -> list[str]:
+    """Record that ``run`` uses ``queue``; the other runs seen on it lately (sharing it).
+
+    Runs that share a queue lose nothing (a worker hands another run's message back
+    untouched), but each worker takes and returns the other run's messages: say so.
+    """
+    now = time.time() if now is None else now
+    name = keys.queue_runs(queue)
+    r.hset(name, run, f"{now:.0f}")
+    seen = {k.decode() if isinstance(k, bytes) else k: float(v)
+            for k, v in r.hgetall(name).items()}
+    return sorted(k for k, at in seen.items() if k != run and now - at < QUEUE_SEEN_S)
+
+
+def sharing_warning(queue: str, run: str, others: list[str]) -> str:
+    """What to tell a person whose run shares its queue with other runs."""
+    return (f"queue {queue!r} (FARM_QUEUE) is shared by run {run} with run(s) "
+            f"{', '.join(others)}: each worker takes the other runs' messages and hands them "
+            "back untouched (nothing is lost, but work slows down). Unset FARM_QUEUE so each "
+            f"run gets its own queue ({QUEUE_PREFIX}<run id>), or give each run its own name")

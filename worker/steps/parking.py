@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from worker.app import TASK_NAME, app
+from celery import Celery
+
 from worker.core import run as runs
 from worker.core.errors import Transient
 from worker.core.samples import SampleRef
@@ -22,12 +23,12 @@ from worker.state.index import RunIndex
 log = logging.getLogger("hsfarm.parking")
 
 
-def resume_parked(settings: Settings, run_id: str) -> int:
+def resume_parked(settings: Settings, run_id: str, app: Celery) -> int:
     """Publish the parked samples of every unreadable data file that reads here now.
     Returns how many. A Redis that does not answer (or any other failure: this runs on the
     worker's timer, which must go on) is tried again on the next round."""
     try:
-        return _resume(settings, run_id)
+        return _resume(settings, run_id, app)
     except Transient as e:
         log.warning("parked samples not checked: %s", e)
     except Exception:
@@ -35,7 +36,7 @@ def resume_parked(settings: Settings, run_id: str) -> int:
     return 0
 
 
-def _resume(settings: Settings, run_id: str) -> int:
+def _resume(settings: Settings, run_id: str, app: Celery) -> int:
     index = RunIndex(broker.client(settings), run_id)
     corpus = Corpus(index)
     files = corpus.files()
@@ -46,7 +47,7 @@ def _resume(settings: Settings, run_id: str) -> int:
             continue
         taken = corpus.take_parked(fid)
         try:
-            sent += publish(settings, index, taken) if taken else 0
+            sent += publish(app, settings, index, taken) if taken else 0
         except BaseException:
             corpus.repark(taken, fid)  # none is left in no state
             raise
@@ -56,7 +57,7 @@ def _resume(settings: Settings, run_id: str) -> int:
     return sent
 
 
-def publish(settings: Settings, index: RunIndex, sample_keys: list[str]) -> int:
+def publish(app: Celery, settings: Settings, index: RunIndex, sample_keys: list[str]) -> int:
     """Publish one message per registered sample of ``sample_keys`` on the run's queue."""
     queue = runs.queue_for(settings, index.fp)
     publication = index.next_publication()
@@ -67,7 +68,7 @@ def publish(settings: Settings, index: RunIndex, sample_keys: list[str]) -> int:
                 continue
             ref = SampleRef(key=key, file="", offset=reg.offset, length=reg.length,
                             sha256=reg.sha256, index=reg.index, fid=reg.fid)
-            app.send_task(TASK_NAME, args=[ref.to_json()], queue=queue, producer=producer,
+            app.send_task(runs.TASK_NAME, args=[ref.to_json()], queue=queue, producer=producer,
                           task_id=runs.task_id(index.fp, publication, key), argsrepr=key,
                           kwargsrepr="{}")
             sent += 1

@@ -2,9 +2,9 @@
 
 kombu restores an unacknowledged message only after ``FARM_VISIBILITY_TIMEOUT_S`` (20 min),
 as it cannot tell a dead consumer from a slow one. We can: each main process heartbeats and
-records the delivery tags it receives as its own (``OwnedRequest``); every interval, a message
-whose owner is gone (``liveness``), that its owner no longer holds, or unowned past
-``ORPHAN_AGE_S`` goes back through kombu's ``restore_by_tag`` (a concurrent ack wins). Pool
+records the delivery tags it receives as its own (``worker.request.OwnedRequest``); every
+interval, a message whose owner is gone (``liveness``), that its owner no longer holds, or
+unowned past ``ORPHAN_AGE_S`` goes back through kombu's ``restore_by_tag`` (a concurrent ack wins). Pool
 processes killed alone are Celery's. Test: tests/test_crash.py::test_sigkill_worker_main_process."""
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
-from celery import Celery, bootsteps
+from celery import Celery
 from celery.worker import state as worker_state
-from celery.worker.request import Request
 
-from worker.core import liveness, time_limits
+from worker.core import liveness
 from worker.core.settings import Settings
 from worker.state import broker, keys
+from worker.steps.base import TimerStep, farm_of
 
 log = logging.getLogger("hsfarm.reaper")
 
@@ -132,7 +133,7 @@ def forget(r: redis.Redis, tag: str, owner: str) -> None:
     r.eval(_FORGET, 1, keys.OWNERS, tag, owner)
 
 
-def _forget_if_settled(r: redis.Redis, tag: str) -> None:
+def forget_if_settled(r: redis.Redis, tag: str) -> None:
     """After an acknowledgement or a hand-back: forget the message, unless it is still
     unacknowledged (kombu logs and swallows a failed ack while Redis is away); then it stays
     ours, and the reaper returns it once Redis answers, since we no longer hold it."""
@@ -140,77 +141,26 @@ def _forget_if_settled(r: redis.Redis, tag: str) -> None:
         forget(r, tag, liveness.identity())
 
 
-class OwnedRequest(Request):
-    """A task request that records, in the worker main process, who holds its message."""
-
-    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(message, *args, **kwargs)
-        self._owner_call(lambda r, tag: r.hset(keys.OWNERS, tag, liveness.identity()))
-        self._size_time_limits()
-
-    def _size_time_limits(self) -> None:
-        """This delivery's time limits, from its record's size (worker/core/time_limits.py)."""
-        from worker.app import settings
-        from worker.startup import CONTEXT
-
-        try:
-            record_bytes = int(self.args[0]["n"])
-        except (IndexError, KeyError, TypeError, ValueError):
-            return  # not a sample reference: the task refuses it under the app's limits
-        if CONTEXT is None or record_bytes < 1:
-            return
-        limits = time_limits.for_record(settings, record_bytes, CONTEXT.limits.bytes_per_token)
-        self.time_limits = limits.as_celery()
-        self._request_dict["timelimit"] = limits.as_celery()  # the task's self.request sees it
-
-    def acknowledge(self) -> None:
-        super().acknowledge()
-        self._owner_call(_forget_if_settled)
-
-    def reject(self, requeue: bool = False) -> None:
-        super().reject(requeue=requeue)
-        self._owner_call(_forget_if_settled)
-
-    def _owner_call(self, fn: Any) -> None:
-        from worker.app import settings
-
-        tag = getattr(self.message, "delivery_tag", None)
-        if tag is None:
-            return
-        try:
-            fn(_client_for(settings), tag)
-        except redis.RedisError as e:  # the visibility timeout still covers this message
-            log.warning("cannot record the owner of message %s: %s", tag, e)
-
-
 _CLIENTS: dict[str, redis.Redis] = {}
 
 
-def _client_for(settings: Settings) -> redis.Redis:
+def client_for(settings: Settings) -> redis.Redis:
+    """One client per Redis URL in this process, shared by the steps and each request."""
     client = _CLIENTS.get(settings.redis_url)
     if client is None:
         client = _CLIENTS[settings.redis_url] = _client(settings)
     return client
 
 
-class Reaper(bootsteps.StartStopStep):
+class Reaper(TimerStep):
     """Heartbeat and reaping on the worker main process's timer."""
 
-    requires = ("celery.worker.components:Timer",)
-
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.tref: Any = None
-
-    def start(self, worker: Any) -> None:
-        from worker.app import settings
-
-        self.tick(worker.app, settings)
-        self.tref = worker.timer.call_repeatedly(settings.reaper_interval_s, self.tick,
-                                                 (worker.app, settings), priority=10)
+    def ticker(self, worker: Any) -> tuple[Callable[[], None], float]:
+        settings = farm_of(worker).settings
+        return (lambda: self.tick(worker.app, settings)), settings.reaper_interval_s
 
     def tick(self, app: Celery, settings: Settings) -> None:
-        r = _client_for(settings)
+        r = client_for(settings)
         try:
             beat(r, settings)
             reap(app, r, held_tags())
@@ -218,9 +168,6 @@ class Reaper(bootsteps.StartStopStep):
             log.warning("reaper: redis: %s", e)
 
     def stop(self, worker: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-        from worker.app import settings
-
+        super().stop(worker)
         with contextlib.suppress(redis.RedisError):
-            _client_for(settings).delete(heartbeat_key(liveness.identity()))
+            client_for(farm_of(worker).settings).delete(heartbeat_key(liveness.identity()))

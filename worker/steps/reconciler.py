@@ -26,14 +26,13 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery import Celery, bootsteps
+from celery import Celery
 
 from worker.core import run as runs
 from worker.core.errors import Corrupt, FarmError
@@ -43,6 +42,7 @@ from worker.core.store import OutputStore
 from worker.state import broker, keys, ledger
 from worker.state import lease as leases
 from worker.state.index import Registered, RunIndex, as_text
+from worker.steps.base import ThreadStep, farm_of
 
 log = logging.getLogger("hsfarm.reconciler")
 
@@ -196,8 +196,6 @@ class Reconciler:
         return True
 
     def _publish(self, refs: Iterable[SampleRef]) -> int:
-        from worker.app import TASK_NAME
-
         refs = list(refs)
         if not refs:
             return 0
@@ -205,7 +203,7 @@ class Reconciler:
         with self.app.producer_or_acquire() as producer:
             for ref in refs:
                 self.app.send_task(
-                    TASK_NAME, args=[ref.to_json()],
+                    runs.TASK_NAME, args=[ref.to_json()],
                     task_id=runs.task_id(self.run_id, publication, ref.key), queue=self.queue,
                     producer=producer, argsrepr=ref.key, kwargsrepr="{}")
                 self.r.hincrby(self.index.k(keys.REPUBLISHED), ref.key, 1)
@@ -219,29 +217,19 @@ def republished(index: RunIndex) -> dict[str, int]:
     return {as_text(k): int(v) for k, v in raw.items()}
 
 
-class ReconcilerStep(bootsteps.StartStopStep):
+class ReconcilerStep(ThreadStep):
     """Runs reconciler passes on a thread of the worker main process (a pass waits
     ``FARM_RECONCILE_CONFIRM_S`` between its reads; the event loop must not)."""
 
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
+    thread_name = "hsfarm-reconciler"
 
-    def start(self, worker: Any) -> None:
-        from worker import startup
-        from worker.app import settings
+    def ticker(self, worker: Any) -> tuple[Callable[[], None], float] | None:
+        app = farm_of(worker)
+        if app.context is None:  # worker_init did not build the run: nothing is ours
+            return None
+        rec = Reconciler(worker.app, app.settings, app.context.store)
 
-        if startup.CONTEXT is None:  # worker_init did not build the run: nothing is ours
-            return
-        rec = Reconciler(worker.app, settings, startup.CONTEXT.store)
-        self.thread = threading.Thread(target=self._loop, args=(rec,), daemon=True,
-                                       name="hsfarm-reconciler")
-        self.thread.start()
-
-    def _loop(self, rec: Reconciler) -> None:
-        interval_s = rec.settings.reconcile_interval_s
-        while not self.stopping.wait(interval_s):
+        def tick() -> None:
             try:
                 rec.run_pass(sleep=self.stopping.wait)
             except (redis.RedisError, FarmError, OSError) as e:  # the next pass tries again
@@ -249,7 +237,4 @@ class ReconcilerStep(bootsteps.StartStopStep):
             except Exception:  # never let the thread die: a run would stop healing
                 log.exception("reconciler pass failed")
 
-    def stop(self, worker: Any) -> None:
-        self.stopping.set()
-        if self.thread is not None:
-            self.thread.join(timeout=5)
+        return tick, app.settings.reconcile_interval_s
