@@ -5,8 +5,7 @@ it cannot tell a dead consumer from a slow one. We can: each main process heartb
 the delivery tags it receives as its own (``worker.request.OwnedRequest``); every interval, a
 message whose owner is gone (``liveness``), that its owner no longer holds, or unowned past
 ``ORPHAN_AGE_S`` goes back through kombu's ``restore_by_tag`` (a concurrent ack wins). Pool
-processes killed alone are Celery's. Test:
-tests/test_crash.py::test_sigkill_worker_main_process."""
+processes killed alone are Celery's. Test: tests/test_crash.py::test_sigkill_worker_main_process."""
 
 from __future__ import annotations
 
