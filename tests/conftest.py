@@ -39,6 +39,17 @@ FAST_ENV = {
 }
 
 
+TIERS = ("unit", "state", "farm")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its tier, the folder it is in (``-m unit``, ``-m "not farm"``)."""
+    for item in items:
+        parts = item.path.relative_to(ROOT).parts
+        if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
+            item.add_marker(parts[1])
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return ensure_tiny_model(CACHE)
