@@ -17,10 +17,10 @@ from worker.state import keys
 from worker.steps import reaper
 
 
-def test_a_redelivered_message_is_not_returned_for_its_old_owner(tmp_path: Path) -> None:
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+def test_a_redelivered_message_is_not_returned_for_its_old_owner(
+        tmp_path: Path, redis_url: str) -> None:
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, redis_url=redis_url)
     try:
-        farm.start_redis()
         r = farm.redis()
         # Given a message of a worker that died, delivered a while ago
         r.hset(keys.OWNERS, "T", "host:1:dead")
@@ -41,10 +41,10 @@ def test_a_redelivered_message_is_not_returned_for_its_old_owner(tmp_path: Path)
         farm.close(kill=True)
 
 
-def test_an_owner_is_judged_from_proc_only_on_its_own_machine(tmp_path: Path) -> None:
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+def test_an_owner_is_judged_from_proc_only_on_its_own_machine(
+        tmp_path: Path, redis_url: str) -> None:
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, redis_url=redis_url)
     try:
-        farm.start_redis()
         r = farm.redis()
         proc = subprocess.Popen([sys.executable, "-c", "pass"])
         proc.wait()

@@ -36,11 +36,12 @@ def _message(run_id: str, key: str) -> bytes:
 
 
 @pytest.mark.timeout(60)
-def test_nothing_queued_running_or_about_to_be_acked_is_republished(tmp_path: Path) -> None:
+def test_nothing_queued_running_or_about_to_be_acked_is_republished(
+        tmp_path: Path, redis_url: str) -> None:
     # Given a run on a real Redis whose samples are in every state at once
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, extra_env=HEAL_ENV)
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, redis_url=redis_url,
+                     extra_env=HEAL_ENV)
     try:
-        farm.start_redis()
         settings = farm.settings()
         store = OutputStore(settings.output_dir, _fingerprint()).open()
         app = Celery("reconciler-test")
@@ -86,11 +87,11 @@ def test_nothing_queued_running_or_about_to_be_acked_is_republished(tmp_path: Pa
 
 
 @pytest.mark.timeout(60)
-def test_the_output_dir_tells_which_enqueues_redis_lost(tmp_path: Path) -> None:
+def test_the_output_dir_tells_which_enqueues_redis_lost(
+        tmp_path: Path, redis_url: str) -> None:
     # Given two complete enqueues recorded in Redis and in the output dir
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, redis_url=redis_url)
     try:
-        farm.start_redis()
         r, out = farm.redis(), tmp_path / "out"
         out.mkdir()
         ledger.record(r, "run1", out, "/data/a.json")
