@@ -21,7 +21,8 @@ TRAINERS := specforge modelopt speculators
 TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
 TDATA := .trainer-data
 
-.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-live test-trainers trainer-data build-side-venvs \
+.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-live test-trainers \
+	trainer-data build-side-venvs \
 	lint system-deps test-system-deps clean
 
 $(STAMP): pyproject.toml
@@ -32,8 +33,8 @@ $(STAMP): pyproject.toml
 
 # System packages, installed only where missing: redis-server (the broker) for everything;
 # for the tests also strace (the live TP=2 test watches which rank writes), chromium
-# (tests/farm/test_dashboard.py renders the dashboard headless) and nftables (a host's firewall cuts
-# it off from Redis in tests/farm/test_lease_partition.py), which the demo does not need.
+# (tests/farm/test_dashboard.py renders the dashboard headless) and nftables (a host's firewall
+# cuts it off from Redis in tests/farm/test_lease_partition.py), which the demo does not need.
 system-deps:
 	@command -v redis-server >/dev/null || \
 		{ apt-get update -qq && apt-get install -y -qq redis-server; }

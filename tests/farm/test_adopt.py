@@ -12,7 +12,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from producer.enqueue import sample_refs
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
-from tests.conftest import CACHE, EXAMPLES, served_farm, wait_finished
+from tests.conftest import CACHE, EXAMPLES, FarmFactory, wait_finished
 from tests.support import adopt_sources as srcs
 from training import index as training_index
 from worker.core import tensorfile
@@ -43,9 +43,8 @@ N_COPIES = 300  # copies of one source file: a scan that takes a while
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalFarm]:
-    with served_farm(tmp_path_factory.mktemp("adopt") / "farm", chunked_prefill_size=64) as f:
-        yield f
+def farm(module_farm_factory: FarmFactory) -> LocalFarm:
+    return module_farm_factory("adopt", chunked_prefill_size=64)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
-from tests.conftest import CACHE, EXAMPLES, served_farm
+from tests.conftest import CACHE, EXAMPLES, FarmFactory
 from tests.support import adopt_sources as srcs
 from tests.support.faults import running_farm
 from worker.core import checksums, tensorfile, weights
@@ -108,9 +107,8 @@ def test_adopt_refuses_a_server_capturing_other_layers(tmp_path: Path, tiny_mode
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalFarm]:
-    with served_farm(tmp_path_factory.mktemp("adoptchecks") / "farm", chunked_prefill_size=64) as f:
-        yield f
+def farm(module_farm_factory: FarmFactory) -> LocalFarm:
+    return module_farm_factory("adoptchecks", chunked_prefill_size=64)
 
 
 def _write_hsfarm_of_another_run(src: Path, items: list[srcs.Extracted], name: str) -> None:

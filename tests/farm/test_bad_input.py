@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
-from tests.conftest import CACHE, FAST_ENV, wait_finished
+from tests.conftest import FarmFactory, wait_finished
 from tests.support.faults import run_hash
 from worker.state import keys
 
@@ -20,15 +19,8 @@ CORPUS = Path(__file__).resolve().parents[1] / "support" / "bad_input"
 
 
 @pytest.fixture(scope="module")
-def server_farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalFarm]:
-    farm = LocalFarm(tmp_path_factory.mktemp("bad") / "farm", cache_dir=CACHE,
-                     extra_env=dict(FAST_ENV))
-    try:
-        farm.start_redis()
-        farm.start_server()
-        yield farm
-    finally:
-        farm.close(kill=True)
+def server_farm(module_farm_factory: FarmFactory) -> LocalFarm:
+    return module_farm_factory("bad", chunked_prefill_size=512)
 
 
 CASES = [
@@ -66,45 +58,40 @@ def test_each_kind_of_bad_input(server_farm: LocalFarm, name: str, rc: int,
         assert m in out, out
 
 
-def test_worker_side_rejections_and_safe_paths(tmp_path: Path, tiny_model: Path) -> None:
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
-                     extra_env={**FAST_ENV, "FARM_MAX_TOKENS": "512"})
-    try:
-        farm.start_redis()
-        farm.start_server()
-        # Given a file with an over-long sample, one with hostile ids, and one that will be
-        # edited after it is enqueued
-        changing = tmp_path / "changing.jsonl"
-        rec = {"id": "edit-me", "messages": [{"role": "user", "content": "q"},
-                                             {"role": "assistant", "content": "a"}]}
-        changing.write_text(json.dumps(rec) + "\n")
-        for f in (CORPUS / "over_max_length.json", CORPUS / "path_ids.json", changing):
-            assert farm.cli("enqueue", str(f), "--no-progress").returncode == 0
-        changing.write_text(json.dumps({**rec, "messages": rec["messages"][::-1]}) + "\n")
-        # When the worker runs
-        farm.start_worker("w1", concurrency=2)
-        wait_finished(farm, 5)
-        # Then each problem is recorded with its record and reason, and the rest is done; the
-        # edited record is stale (no outcome: re-running enqueue would publish its new content)
-        rejected = {k: json.loads(v) for k, v in run_hash(farm, keys.REJECTED).items()}
-        assert "over the maximum of 512" in rejected["long"]["reason"]
-        assert rejected["long"]["record"] == "record 1"
-        stale = {k: json.loads(v) for k, v in run_hash(farm, keys.STALE).items()}
-        assert list(stale) == ["edit-me"] and "changed after enqueue" in stale["edit-me"]["reason"]
-        status = farm.cli("status", "--failures").stdout
-        assert re.search(r"rejected +long: sample has \d+ tokens", status)
-        # and hostile ids made files only inside the output dir, with safe names
-        safe = [c.sample_key_for(i, "") for i in ["../../etc/passwd", "a/b\\c", ".."]]
-        names = sorted(p.name for p in (farm.output_dir / "samples").rglob("*.safetensors"))
-        assert names == sorted(f"{k}.safetensors" for k in ["ok-1", *safe])
-        audit = farm.cli("audit", "--data", str(CORPUS / "path_ids.json"))
-        assert audit.returncode == 0 and "whole: 3 " in audit.stdout, audit.stdout
-        # the edited record is what audit now reports missing: it was never extracted
-        audit = farm.cli("audit")
-        assert audit.returncode == 1 and "missing edit-me" in audit.stdout
-        for p in (farm.output_dir / "samples").rglob("*"):
-            assert p.resolve().is_relative_to(farm.output_dir.resolve())
-            if p.is_file():
-                assert p.stat().st_mode & 0o002 == 0  # not world-writable
-    finally:
-        farm.close(kill=True)
+def test_worker_side_rejections_and_safe_paths(tmp_path: Path,
+                                               farm_factory: FarmFactory) -> None:
+    farm = farm_factory(chunked_prefill_size=512, env={"FARM_MAX_TOKENS": "512"})
+    # Given a file with an over-long sample, one with hostile ids, and one that will be
+    # edited after it is enqueued
+    changing = tmp_path / "changing.jsonl"
+    rec = {"id": "edit-me", "messages": [{"role": "user", "content": "q"},
+                                         {"role": "assistant", "content": "a"}]}
+    changing.write_text(json.dumps(rec) + "\n")
+    for f in (CORPUS / "over_max_length.json", CORPUS / "path_ids.json", changing):
+        assert farm.cli("enqueue", str(f), "--no-progress").returncode == 0
+    changing.write_text(json.dumps({**rec, "messages": rec["messages"][::-1]}) + "\n")
+    # When the worker runs
+    farm.start_worker("w1", concurrency=2)
+    wait_finished(farm, 5)
+    # Then each problem is recorded with its record and reason, and the rest is done; the
+    # edited record is stale (no outcome: re-running enqueue would publish its new content)
+    rejected = {k: json.loads(v) for k, v in run_hash(farm, keys.REJECTED).items()}
+    assert "over the maximum of 512" in rejected["long"]["reason"]
+    assert rejected["long"]["record"] == "record 1"
+    stale = {k: json.loads(v) for k, v in run_hash(farm, keys.STALE).items()}
+    assert list(stale) == ["edit-me"] and "changed after enqueue" in stale["edit-me"]["reason"]
+    status = farm.cli("status", "--failures").stdout
+    assert re.search(r"rejected +long: sample has \d+ tokens", status)
+    # and hostile ids made files only inside the output dir, with safe names
+    safe = [c.sample_key_for(i, "") for i in ["../../etc/passwd", "a/b\\c", ".."]]
+    names = sorted(p.name for p in (farm.output_dir / "samples").rglob("*.safetensors"))
+    assert names == sorted(f"{k}.safetensors" for k in ["ok-1", *safe])
+    audit = farm.cli("audit", "--data", str(CORPUS / "path_ids.json"))
+    assert audit.returncode == 0 and "whole: 3 " in audit.stdout, audit.stdout
+    # the edited record is what audit now reports missing: it was never extracted
+    audit = farm.cli("audit")
+    assert audit.returncode == 1 and "missing edit-me" in audit.stdout
+    for p in (farm.output_dir / "samples").rglob("*"):
+        assert p.resolve().is_relative_to(farm.output_dir.resolve())
+        if p.is_file():
+            assert p.stat().st_mode & 0o002 == 0  # not world-writable

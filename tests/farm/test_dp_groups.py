@@ -8,7 +8,6 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch.layout import dp_groups
-from tests.conftest import CACHE, FAST_ENV, wait_finished, write_samples
+from tests.conftest import CACHE, FarmFactory, wait_finished, write_samples
 
 H = 256
 SERVER = ["--model", "synthetic", "--hidden-size", str(H), "--attn-dp-size", "2",
@@ -25,18 +24,11 @@ SERVER = ["--model", "synthetic", "--hidden-size", str(H), "--attn-dp-size", "2"
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFarm]:
+def farm(module_farm_factory: FarmFactory) -> LocalFarm:
     """Redis and a synthetic server with 2 DP groups (chunk 64 per group); workers that pin
     their requests (least-tokens)."""
-    f = LocalFarm(tmp_path_factory.mktemp("dp"), model="synthetic", cache_dir=CACHE,
-                  chunked_prefill_size=64,
-                  extra_env={**FAST_ENV, "FARM_DP_ROUTING": "least-tokens"})
-    try:
-        f.start_redis()
-        f.start_server(SERVER[2:])
-        yield f
-    finally:
-        f.close(kill=True)
+    return module_farm_factory("dp", model="synthetic", chunked_prefill_size=64,
+                               env={"FARM_DP_ROUTING": "least-tokens"}, server_args=SERVER[2:])
 
 
 def post(farm: LocalFarm, body: dict[str, Any]) -> tuple[int, Any]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from producer.localfarm.farm import LocalFarm
-from tests.conftest import CACHE, FAST_ENV, wait_finished, write_samples
+from tests.conftest import CACHE, FarmFactory, wait_finished, write_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOK = ROOT / "ops" / "RUNBOOK.md"
@@ -106,23 +106,19 @@ class Ran:
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalFarm]:
+def farm(module_farm_factory: FarmFactory) -> Iterator[LocalFarm]:
     """Redis (AOF), the reference server with its dumps on tmpfs, one worker; 6 samples done."""
-    work = tmp_path_factory.mktemp("runbook")
     dumps = Path(tempfile.mkdtemp(prefix="hsfarm-test-runbook-", dir="/dev/shm"))
-    f = LocalFarm(work / "farm", cache_dir=CACHE, chunked_prefill_size=256, dumps=dumps,
-                  extra_env=dict(FAST_ENV))
     try:
-        f.start_redis()
-        f.start_server()
-        f.start_worker("w1", concurrency=2)
-        write_samples(work / "train.jsonl", 6)
-        res = f.cli("enqueue", str(work / "train.jsonl"), "--no-progress")
+        f = module_farm_factory("runbook", dumps=dumps, workers=("w1",))
+        data = f.work_dir.parent / "train.jsonl"
+        write_samples(data, 6)
+        res = f.cli("enqueue", str(data), "--no-progress")
         assert res.returncode == 0, res.stderr
         wait_finished(f, 6)
         yield f
+        f.close(kill=True)  # before its dumps go
     finally:
-        f.close(kill=True)
         shutil.rmtree(dumps, ignore_errors=True)
 
 

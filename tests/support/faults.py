@@ -22,7 +22,7 @@ from producer.dashboard import metrics_text
 from producer.dashboard.data import Sampler
 from producer.localfarm.farm import LocalFarm, free_port, wait_until
 from producer.status import status_fingerprint
-from tests.conftest import CACHE, FAST_ENV, write_samples
+from tests.conftest import served_farm, write_samples
 from worker.core.settings import Settings
 from worker.state import keys
 
@@ -55,15 +55,9 @@ def dashboard_metrics(settings: Settings) -> tuple[dict[str, Any], str]:
 def running_farm(tmp_path: Path, server_args: list[str] | None = None,
                  env: dict[str, str] | None = None, chunk: int = 64,
                  start_redis: bool = True) -> Iterator[LocalFarm]:
-    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, chunked_prefill_size=chunk,
-                     extra_env={**FAST_ENV, **(env or {})})
-    try:
-        if start_redis:
-            farm.start_redis()
-        farm.start_server(server_args)
+    with served_farm(tmp_path / "farm", chunk, env=env, server_args=server_args,
+                     redis=start_redis) as farm:
         yield farm
-    finally:
-        farm.close(kill=True)
 
 
 def enqueue(farm: LocalFarm, tmp_path: Path, n: int, start: int = 0) -> list[str]:
