@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
-from tests.faults import enqueue, run_hash, text
 from tests.live.conftest import measured, running
 from tests.live.reference import BF16_TOLERANCE, reference, relative_error
 from tests.live.sglang_server import LiveServer
+from tests.support.faults import enqueue, run_hash, text
 from worker.state import keys as k
 
 # A live CPU server prefills a 4,451-token sample in seconds, not milliseconds, and a restart
