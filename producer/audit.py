@@ -4,7 +4,7 @@ Per sample: the file parses, its tensors, dtypes, shapes and checksums are right
 fingerprint, weights identity and content hash are this run's, and its input_ids and
 loss_mask equal a fresh tokenization of the record. It also names output files no record of
 the corpus holds and counts those kept aside in ``<out>/removed/``.
-Test: tests/test_audit.py::test_audit_finds_and_requeue_repairs.
+Test: tests/farm/test_audit.py::test_audit_finds_and_requeue_repairs.
 """
 
 from __future__ import annotations

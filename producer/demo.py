@@ -4,7 +4,7 @@ Uses ``REDIS_URL``'s Redis when it answers (on its own queue name), else a priva
 ``redis-server``, never the default URL's, which may be someone else's. Starts the reference
 server and two workers, runs ``enqueue`` exactly as a user would, waits for every outcome,
 audits every file, stops what it started and prints the commands that look at its run.
-Test: tests/test_demo.py::test_the_demo_keeps_to_its_own_redis_and_its_printed_commands_work.
+Test: tests/farm/test_demo.py::test_the_demo_keeps_to_its_own_redis_and_its_printed_commands_work.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ with the run's other data files (keys are unique within a run); **publish** regi
 publishes each sample unless its task is in flight, the run rejected it, or its final file
 verifies by its header (then it is marked done: so the index is rebuilt after Redis lost it).
 The run's enqueue lock makes re-runs and two at once safe; a moved file is found by its
-content (docs/input.md). Tests: tests/test_enqueue.py, tests/test_corpus.py.
+content (docs/input.md). Tests: tests/farm/test_enqueue.py, tests/farm/test_corpus.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and the worker without torch. It names the rid (``hsd-<run>-<sample_key>-a<attem
 the dump file (``<dump_dir>/<rid>.safetensors`` or ``.err``), the final file
 (``<out>/samples/<shard>/<sample_key>.safetensors``), the run fingerprint (what makes two
 files comparable) and the weights identity (which checkpoint a model dir holds, cheaply).
-Test: tests/test_contracts.py::test_rid_round_trip.
+Test: tests/unit/test_contracts.py::test_rid_round_trip.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def sample_key_for(source_id: object, content_sha256: str) -> str:
     the original, so two ids never collide by sanitising. A record without an id is keyed by its
     content (``rec-<content hash>``), not its position: two data files both have a record 5, and
     an inserted record would shift every key after it.
-    Test: tests/test_contracts.py::test_records_without_id_are_keyed_by_content_not_position.
+    Test: tests/unit/test_contracts.py::test_records_without_id_are_keyed_by_content_not_position.
     """
     if source_id is None:
         return f"rec-{content_sha256[:20]}"

@@ -5,7 +5,7 @@ forward pass at a time as SGLang's ForwardBatch carries it (flattened rows, rids
 extend lengths); rids that are not ours (``contracts.parse_rid``) are ignored without a copy.
 A ``Stager`` starts the device-to-host copy (and the fp8 ``encode``) and returns at once, so
 on a GPU the copy stays off the forward's path; on CPU it is a plain clone.
-Test: tests/test_dump_writer.py::test_mixed_batches_with_chunks_spread_over_batches.
+Test: tests/unit/test_dump_writer.py::test_mixed_batches_with_chunks_spread_over_batches.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class DumpWriter:
     declares the token count), renamed at the last chunk, so the server holds at most the
     queued passes: a 128k-token prompt at H = 7,168 is a 7.5 GB dump it never holds whole. The
     queue is bounded, in passes: when tmpfs is slower than the model, ``submit`` blocks. Tests:
-    tests/test_dump_writer.py::test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes
+    tests/unit/test_dump_writer.py::test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes
     and ::test_bounded_queue_applies_backpressure.
     """
 
@@ -275,7 +275,7 @@ class DumpCollector:
     tokens than the rid declares, or no chunk for ``ttl_s`` is reported as ``<rid>.err``, never a
     short file. Rows past the declared prompt are generated tokens of a decoding request in a
     ``--enable-mixed-chunk`` batch, not prompt rows: skipped.
-    Test: tests/test_dump_writer.py::test_gap_prefix_hit_and_overrun_write_err.
+    Test: tests/unit/test_dump_writer.py::test_gap_prefix_hit_and_overrun_write_err.
     """
 
     def __init__(

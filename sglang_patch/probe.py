@@ -5,7 +5,7 @@ worker would, waits for the hook's ``<rid>.safetensors`` in ``D``, checks it (id
 dtypes, layers, finite values), removes it and names the weights the server serves. It needs
 only HTTP, the dump dir and safetensors' parser, so any python on the host runs it. Under DP
 attention ``probe_groups`` pins one request to each group and names every group that fails.
-Test: tests/test_dp_groups.py::test_verify_probes_every_group_and_names_the_one_that_fails
+Test: tests/farm/test_dp_groups.py::test_verify_probes_every_group_and_names_the_one_that_fails
 """
 
 from __future__ import annotations

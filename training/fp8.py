@@ -5,7 +5,7 @@ hand out ``float(q) * scale`` (per block of a row, or per row: the scales' shape
 rounded to bf16 as torch rounds, the same bytes on every machine. Checksums cover the stored
 fp8 bytes and are checked before dequantizing; an export's ledger keeps the bf16 tensors'
 checksums (``as_exported``), so a later run checks them again without dequantizing.
-Test: tests/test_fp8.py::test_an_fp8_run_end_to_end_read_by_the_training_side.
+Test: tests/farm/test_fp8.py::test_an_fp8_run_end_to_end_read_by_the_training_side.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ without opening a sample file. ``token_counts.safetensors`` names the index it m
 (``index_sha256``), so a crash between the two writes is noticed and the counts recounted.
 A refresh reads a few KB of each file not yet indexed (a changed size or mtime counts as new)
 and only ``stat``-s the rest; ``verify=True`` also hashes the hidden states.
-Test: tests/test_training.py::test_index_refresh_with_nothing_new_reads_no_tensor_data.
+Test: tests/farm/test_training.py::test_index_refresh_with_nothing_new_reads_no_tensor_data.
 """
 
 from __future__ import annotations

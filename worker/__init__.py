@@ -2,7 +2,7 @@
 
 ``core`` (formats, the output store, settings) · ``state`` (the run in Redis) · ``server``
 (the served model seen from a worker) · ``steps`` (lifecycle bootsteps) · then ``app``,
-``startup``, ``tasks``. tests/test_layers.py enforces the order. ``celery -A worker`` finds
+``startup``, ``tasks``. tests/unit/test_layers.py enforces the order. ``celery -A worker`` finds
 ``app`` here, imported lazily so ``worker.core`` needs no Celery (training/ reads files only).
 """
 

@@ -5,7 +5,7 @@ against ``FARM_MAX_TOKENS``), the output dir's manifest, dead writers' temp file
 probe (the worker waits while the hook is off or writes elsewhere), the served weights, layers,
 config and dtype (``served_identity``), the canary (recorded, or compared: waits while it
 differs). A ConfigError exits 2 with the fix; pool processes inherit ``app.context`` at fork.
-Test: tests/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
+Test: tests/farm/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
 
 from __future__ import annotations
 

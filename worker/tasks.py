@@ -5,7 +5,7 @@ index before the ack; every other way out hands the message back (``Reject(reque
 counted attempt (``Transient``, ``Corrupt``, anything unexpected) retries with backoff while
 the time limit allows; the environment's faults make the task wait holding its message, its
 attempt refunded; ``ConfigError`` stops the worker. Each attempt holds the sample's lease.
-Test: tests/test_faults.py::test_hung_server_spends_no_attempts."""
+Test: tests/farm/test_faults.py::test_hung_server_spends_no_attempts."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Only regular files are read: ``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` a
 on the descriptor, so nothing swapped in between blocks or leads outside SOURCE. Torch files
 load with ``weights_only=True``: a pickle that would run code is refused before it runs.
 States come back as bf16 bit patterns; f16/f32 sources are rounded to nearest even. Test:
-tests/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan
+tests/farm/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Steps: check the server is the run's; match each source file to the record with 
 run's final file under the sample's lease. Only the write step holds the run's enqueue lock,
 so a slow source or server stalls neither ``enqueue`` nor the reconciler. Killed anywhere, it
 leaves whole or temp files; run again, it adopts the rest (docs/adopt.md).
-Test: tests/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once.
+Test: tests/farm/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ An aiohttp app (the farm's HTTP library) with HTTP basic auth on every path, ``/
 included; it listens on loopback by default and serves without a password only when told
 (``--no-auth``), and then only on loopback. uPlot draws the plots in the browser
 (``producer/dashboard/static/``). Routes: ``/``, ``/static/<file>``, ``/api/run``, ``/metrics``.
-Test: tests/test_dashboard.py::test_dashboard_requires_the_password.
+Test: tests/farm/test_dashboard.py::test_dashboard_requires_the_password.
 """
 
 from __future__ import annotations

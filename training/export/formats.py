@@ -5,7 +5,7 @@
 stay contiguous (keys and shapes: docs/output.md). torch is imported only where a container
 needs it, so the producer CLI runs without torch. Each copied tensor read back is checked
 against the source's checksum, which catches a damaged source in the same pass; speculators'
-[T, 4, H] stack is derived and checked a few tokens at a time. Test: tests/test_export_formats.py.
+[T, 4, H] stack is derived and checked a few tokens at a time (tests/unit/test_export_formats.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ source's checksums, renamed, the dir fsynced, a ledger line appended (fsync); on
 ``delete_source`` remove the source, if its bytes are still the exported ones. A sample is
 skipped only when its ledger line and DEST file match the source; a crash leaves the source
 or a ledger line, so a re-run resumes. One export per DEST (``lock``); records that left the
-corpus are withdrawn. Test: tests/test_training.py::test_sigkill_mid_export_loses_nothing.
+corpus are withdrawn. Test: tests/farm/test_training.py::test_sigkill_mid_export_loses_nothing.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The first worker records ``PROMPTS`` (one long enough for chunked prefill to spl
 ``<out>/canary.safetensors``, linked into place so one of several starting workers wins; every
 worker re-extracts the recorded token ids and compares per layer: the max and mean relative L2
 error over sampled tokens stay within ``FARM_CANARY_*_REL_ERR`` (margins in docs/canary.md).
-Test: tests/test_canary.py::test_recording_is_written_once_and_read_back."""
+Test: tests/unit/test_canary.py::test_recording_is_written_once_and_read_back."""
 
 from __future__ import annotations
 

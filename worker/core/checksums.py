@@ -3,7 +3,7 @@
 Two forms verify: ``checksum_algorithm`` = ``xxh3-128`` with ``checksums`` = JSON
 ``{tensor name: hex digest}`` (written), or ``sha256`` without it (read only). xxh3-128
 detects corruption, not tampering, at memory speed (~30 GB/s here, sha256 1.8 GB/s).
-Test: tests/test_store.py::test_files_of_the_previous_format_still_verify."""
+Test: tests/unit/test_store.py::test_files_of_the_previous_format_still_verify."""
 
 from __future__ import annotations
 

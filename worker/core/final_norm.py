@@ -5,7 +5,7 @@ scale-invariant, so ``hidden_state / w`` is a pre-norm state that the trainer's 
 to bf16 rounding: the run keeps ``w``'s exact bytes in ``<out>/final_norm.safetensors``. ``w`` is
 the ``…norm.weight`` (or ``ln_f``, ``final_layernorm``, ``norm_f``) of shape [H] outside any
 layer, vision tower or MTP block whose prefix is the LM head's (``pick_final_norm``).
-Test: tests/test_training.py::test_final_norm_is_found_in_nested_and_other_checkpoints."""
+Test: tests/unit/test_training.py::test_final_norm_is_found_in_nested_and_other_checkpoints."""
 
 from __future__ import annotations
 

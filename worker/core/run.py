@@ -4,8 +4,8 @@ Runs share a deployment's Redis, hosts, dump dir, corpus and model config, so ev
 puts anywhere shared carries its run id: keys ``hsfarm:<run id>:...``, leases, task ids, the
 queue ``hsfarm.<run id>`` (unless ``FARM_QUEUE``), rids and so dump files. The run id comes from
 the manifest: the fingerprint, the weights identity and a nonce written once, so two checkpoints
-of one model, or two output dirs wherever each host mounts them, are two runs.
-Test: tests/test_run.py::test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints."""
+of one model, or two output dirs wherever each host mounts them, are two runs. Test:
+tests/unit/test_run.py::test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints."""
 
 from __future__ import annotations
 

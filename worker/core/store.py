@@ -4,7 +4,8 @@
 is temp file → fsync → read back from the device → rename → fsync(dir), so a file that does not
 read back whole never takes a final path. Data streams through ``finalfile`` in bounded chunks;
 no step holds a whole tensor. ``Part`` is re-exported here for callers of ``write``.
-Test: tests/test_store.py::test_a_file_that_does_not_read_back_whole_never_takes_its_final_path."""
+Test: tests/unit/test_store.py::
+test_a_file_that_does_not_read_back_whole_never_takes_its_final_path."""
 
 from __future__ import annotations
 

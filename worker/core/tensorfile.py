@@ -5,7 +5,7 @@
 worker stream tensor bytes between files instead of materialising tensors; it applies the
 library's checks (known dtype, sizes that match shapes, ranges that tile the data). bf16 is held
 as ``uint16`` (numpy has no bf16), the hook's exact bytes.
-Test: tests/test_tensorfile.py::test_our_files_read_the_same_in_the_safetensors_library."""
+Test: tests/unit/test_tensorfile.py::test_our_files_read_the_same_in_the_safetensors_library."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A probe dump's metadata (``sglang_patch.probe``) names the loaded weights, the c
 and the model config, its ready marker the stored dtype; each is compared with the run's
 (``weights.served_mismatch``, ``dumps.identity_problems``, ``dumps.served_dtype_problem``).
 A worker checks at its start, ``adopt`` before it reads a source file: one check, so both
-refuse the same servers with the same words. Test: tests/test_weights.py::
+refuse the same servers with the same words. Test: tests/farm/test_weights.py::
 test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_later_starts."""
 
 from __future__ import annotations

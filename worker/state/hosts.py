@@ -4,7 +4,7 @@ A run may span several server hosts (``FARM_HOST_ID``), each with its own server
 and output dir (or a shared one), on one ``REDIS_URL``; their entries, heartbeats and holdings
 are keys of the run (keys.py). Redis may lose all of it: a host's workers register what their
 output dir holds at start and when their entry is gone; each output dir keeps ``hosts.json``,
-so ``enqueue`` waits for the hosts it has not heard from. Test: tests/test_hosts.py::
+so ``enqueue`` waits for the hosts it has not heard from. Test: tests/farm/test_hosts.py::
 test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_heard_from."""
 
 from __future__ import annotations

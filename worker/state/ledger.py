@@ -5,7 +5,7 @@ sample was registered and published, then durably into ``<out>/enqueued.json``. 
 keeps a prefix of its writes, so a matching token means the whole enqueue survived; a missing
 or different one makes the reconciler run ``enqueue`` of that file again. An ``enqueue --limit
 N`` is restored with its limit (the widest enqueue of a file is kept).
-Test: tests/test_reconciler.py::test_the_output_dir_tells_which_enqueues_redis_lost."""
+Test: tests/state/test_reconciler.py::test_the_output_dir_tells_which_enqueues_redis_lost."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ list plus kombu's ``unacked`` hash, where a delivered message sits until its ack
 ``hsd-<run id>-<publication>:<sample key>``: one publication per ``enqueue``/``requeue`` makes
 each a task of its own (redeliveries keep the id), so a monitor keeping states by id (Flower:
 a FAILURE outranks later states) shows a re-enqueued sample's new attempt, not its old outcome.
-Test: tests/test_queue_scan.py::test_task_ids_name_their_sample_and_publication."""
+Test: tests/unit/test_queue_scan.py::test_task_ids_name_their_sample_and_publication."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The worker's lifecycle steps (Celery bootsteps): each is given the app, never imports it.
 
-Imports ``worker.core``, ``worker.state`` and ``worker.server`` (tests/test_layers.py)."""
+Imports ``worker.core``, ``worker.state`` and ``worker.server`` (tests/unit/test_layers.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ server finished the request afterwards. At start and every ``FARM_JANITOR_INTERV
 main process removes this run's orphans: at once when the sample is done or their canary
 checker died here, else once older than a task can wait (request + dump timeout); another
 run's dumps in a shared dump dir stay. It also republishes parked samples (``parking``).
-Test: tests/test_liveness.py::test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only."""
+Test: tests/unit/test_liveness.py::test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only."""
 
 from __future__ import annotations
 

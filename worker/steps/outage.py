@@ -5,7 +5,7 @@ When Redis stops answering, Celery cancels the tasks this worker runs
 (``reaper``), but each attempt was counted at its start and cannot refund itself. So a thread
 of each main process PINGs Redis every second and remembers its attempts' ``running`` entries;
 once Redis answers after a failed PING, each not running here any more is refunded (``_REFUND``).
-Test: tests/test_reconciler.py::test_redis_killed_mid_run_loses_nothing."""
+Test: tests/farm/test_reconciler.py::test_redis_killed_mid_run_loses_nothing."""
 
 from __future__ import annotations
 

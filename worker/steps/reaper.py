@@ -1,11 +1,11 @@
 """Bring a dead worker's messages back in seconds, not after the visibility timeout.
 
-kombu restores an unacknowledged message only after ``FARM_VISIBILITY_TIMEOUT_S`` (20 min), as
-it cannot tell a dead consumer from a slow one. We can: each main process heartbeats and records
+kombu restores an unacknowledged message only after ``FARM_VISIBILITY_TIMEOUT_S``, as it
+cannot tell a dead consumer from a slow one. We can: each main process heartbeats and records
 the delivery tags it receives as its own (``worker.request.OwnedRequest``); every interval, a
 message whose owner is gone (``liveness``), that its owner no longer holds, or unowned past
-``ORPHAN_AGE_S`` goes back through kombu's ``restore_by_tag`` (a concurrent ack wins). Pool
-processes killed alone are Celery's. Test: tests/test_crash.py::test_sigkill_worker_main_process."""
+``ORPHAN_AGE_S`` goes back through ``restore_by_tag`` (a concurrent ack wins); pool processes
+killed alone are Celery's. Test: tests/farm/test_crash.py::test_sigkill_worker_main_process."""
 
 from __future__ import annotations
 

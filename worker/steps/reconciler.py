@@ -5,7 +5,7 @@ no lease: its message was lost (a worker SIGKILLed between kombu's BRPOP and its
 write, celery#4354; a Redis that lost its last second). One main process at a time finds them
 every ``FARM_RECONCILE_INTERVAL_S`` and again ``FARM_RECONCILE_CONFIRM_S`` later under
 ``ENQUEUE_LOCK``, marks done what is verified on disk and publishes the rest (see below).
-Test: tests/test_reconciler.py::test_lost_messages_are_published_again_by_the_run."""
+Test: tests/farm/test_reconciler.py::test_lost_messages_are_published_again_by_the_run."""
 
 # Why a pass never publishes a sample twice at once, one that runs, or one about to be acked:
 # - the queue and ``unacked`` are read in one MULTI (``broker_keys``); kombu moves a message
@@ -19,7 +19,7 @@ Test: tests/test_reconciler.py::test_lost_messages_are_published_again_by_the_ru
 # Left to the lease: a Redis that lost its last second may have lost the ``unacked`` entry of a
 # message a worker holds, not started; published again, the two deliveries never run at once
 # and the later one finds the verified file (``extract.already_done``).
-# (tests/test_reconciler.py::test_nothing_queued_running_or_about_to_be_acked_is_republished)
+# (tests/state/test_reconciler.py::test_nothing_queued_running_or_about_to_be_acked_is_republished)
 
 from __future__ import annotations
 

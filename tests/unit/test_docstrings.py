@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The packages held to it.
 PACKAGES = ("worker", "producer", "training", "sglang_patch", "bench")
 MAX_LINES = 8
@@ -59,3 +59,25 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     # Then the docstring reads as 9 lines and the comment as an issue number
     assert [len(d.strip().splitlines()) for _, _, d in docstrings(bad)] == [9]
     assert ISSUE_NUMBER.search(bad.read_text())
+
+
+# A test named in the source or the docs: ``tests/<tier>/test_x.py`` and, after ``::``
+# (possibly at the start of the next line), ``test_name``.
+TEST_REF = re.compile(r"tests/((?:\w+/)*)(test_\w+\.py)(?:::\s*(test_\w+))?")
+DOCS = ("README.md", "docs", "ops", "bench", *PACKAGES)
+
+
+def test_every_test_the_source_or_docs_names_exists() -> None:
+    # Given every reference to a test in the packages, README, docs/ and ops/
+    texts = [p for d in DOCS for p in ([ROOT / d] if (ROOT / d).is_file()
+                                       else (ROOT / d).rglob("*")) if p.suffix in (".py", ".md")]
+    missing = []
+    for p in texts:
+        for m in TEST_REF.finditer(p.read_text()):
+            path = ROOT / "tests" / m.group(1) / m.group(2)
+            name = m.group(3)
+            if not path.is_file() or (name and not re.search(
+                    rf"^(async )?def {name}\b", path.read_text(), re.M)):
+                missing.append(f"{p.relative_to(ROOT)}: {' '.join(m.group(0).split())}")
+    # Then each names a file that exists and, where given, a test in it
+    assert not missing, "references to tests that are not there:\n" + "\n".join(missing)

@@ -17,7 +17,7 @@ from producer.localfarm.farm import LocalFarm
 from tests.conftest import assert_farm_invariants, wait_finished, write_samples
 from worker.state.queue_scan import broker_depth
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OLD = "bea1d2e"  # the last commit before the reorganisation into layers
 N = 20
 
