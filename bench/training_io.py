@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sglang_patch import contracts as c
 from training import checksums, index
-from training.durable import drop_cache
 from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
 from worker.core import tensorfile
+from worker.core.durable import drop_cache
 from worker.core.final_norm import FinalNorm, write_final_norm
 from worker.core.finalfile import Part
 from worker.core.store import M_CONTENT, OutputStore

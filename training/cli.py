@@ -64,7 +64,7 @@ def write_vocab_mapping(out_dir: Path, draft_vocab_size: int, target_vocab_size:
     """``<out>/vocab_mapping-<N>.pt`` ({d2t, t2d}, SpecForge's ``model.vocab_mapping_path``)."""
     import torch
 
-    from training import durable
+    from worker.core import durable
 
     try:
         d2t, t2d = vocab.draft_vocab_mapping(index.read_counts(out_dir), draft_vocab_size,
@@ -72,7 +72,7 @@ def write_vocab_mapping(out_dir: Path, draft_vocab_size: int, target_vocab_size:
     except (ValueError, Corrupt) as e:
         raise ConfigError(str(e)) from e
     path = out_dir / f"vocab_mapping-{draft_vocab_size}.pt"
-    tmp = durable.tmp_for(path)
+    tmp = durable.temp_for(path)
     torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, tmp)
     durable.commit(tmp, path)
     return path

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable, vocab
+from training import checksums, vocab
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
-from worker.core import tensorfile
+from worker.core import durable, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.store import M_SOURCE_ID, M_TRUNCATED
 
@@ -178,11 +178,11 @@ def _write(out_dir: Path, rows: dict[str, dict[str, Any]], counts: np.ndarray) -
     """Counts first, then the index, each temp → fsync → rename."""
     body = "".join(json.dumps(rows[k], sort_keys=True) + "\n" for k in sorted(rows)).encode()
     digest = hashlib.sha256(body).hexdigest()
-    tmp = durable.tmp_for(out_dir / COUNTS)
+    tmp = durable.temp_for(out_dir / COUNTS)
     tensorfile.write(tmp, {"counts": tensorfile.Tensor("I64", counts.astype(np.int64))},
                      {_DIGEST: digest})
     durable.commit(tmp, out_dir / COUNTS)
-    tmp = durable.tmp_for(out_dir / INDEX)
+    tmp = durable.temp_for(out_dir / INDEX)
     tmp.write_bytes(body)
     durable.commit(tmp, out_dir / INDEX)
 

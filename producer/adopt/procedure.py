@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +51,7 @@ from producer.adopt.formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import _run_lock_name, open_run
 from sglang_patch import contracts as c
-from worker.core import diskio, liveness, tensorfile
+from worker.core import durable, tensorfile
 from worker.core import store as st
 from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
 from worker.core.samples import SampleRef, read_sample
@@ -456,12 +454,4 @@ def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -
         "data": str(data.resolve()), "adopted": report.adopted, "already_done": report.done,
         "refused": len(report.refused), "mask_differs": report.mask_differs,
         "check": report.check.to_json() if report.check else None})
-    tmp = path.with_name(f".{st.MANIFEST}{c.TMP_MARK}{liveness.temp_tag(uuid.uuid4().hex[:8])}")
-    try:
-        tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        diskio.fsync_dir(out_dir)
-    finally:
-        tmp.unlink(missing_ok=True)
+    durable.write_json(path, body)

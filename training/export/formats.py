@@ -33,11 +33,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable
+from training import checksums
 from training.prenorm import speculators_chunks
 from training.sample_file import NP_DTYPES, SampleFile
 from worker.core import checksums as ck
-from worker.core import diskio, tensorfile
+from worker.core import diskio, durable, tensorfile
 from worker.core.errors import Corrupt
 
 Arrays = Mapping[str, np.ndarray]

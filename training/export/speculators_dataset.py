@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from training import durable, vocab
+from training import vocab
 from training.export.formats import Speculators
 from training.export.ledger import Ledger
+from worker.core import durable
 from worker.core.errors import Corrupt
 
 ARROW = "data-00000-of-00001.arrow"
@@ -66,7 +67,7 @@ def write_dataset(dest: Path, ledger: Ledger) -> None:
 def _replacing(path: Path) -> Iterator[Path]:
     """A temp file to write ``path``'s new content into: committed over ``path`` when the
     block ends, removed when it raises (a full DEST keeps no temp file)."""
-    tmp = durable.tmp_for(path)
+    tmp = durable.temp_for(path)
     try:
         yield tmp
         durable.commit(tmp, path)

@@ -21,14 +21,12 @@ import json
 import os
 import re
 import struct
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
-from worker.core import liveness, tensorfile
+from worker.core import durable, tensorfile
 from worker.core.errors import ConfigError
 
 FILE = "final_norm.safetensors"
@@ -127,25 +125,21 @@ def read_final_norm(model_dir: Path, hidden_size: int) -> FinalNorm:
 
 
 def write_final_norm(out_dir: Path, norm: FinalNorm, checksums: dict[str, str]) -> Path:
-    """``<out>/final_norm.safetensors``, temp → fsync → link (first writer wins; same bytes).
+    """``<out>/final_norm.safetensors``, temp → fsync → link → fsync(dir)
+    (first writer wins; same bytes).
 
     ``checksums``: metadata entries holding the weight's checksum, as the store writes them.
     """
     path = out_dir / FILE
     if path.exists():
         return path
-    tag = liveness.temp_tag(uuid.uuid4().hex[:8])  # as the store's temps
-    tmp = out_dir / f".{FILE}{c.TMP_MARK}{tag}"
+    tmp = durable.temp_for(path)
     meta = {M_SOURCE_NAME: norm.source_name, M_CONFIG_SHA: norm.config_sha256,
             M_EPS: repr(norm.rms_norm_eps), **checksums}
-    tensorfile.write(tmp, {TENSOR: norm.weight}, meta)
     try:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        tensorfile.write(tmp, {TENSOR: norm.weight}, meta)
         os.chmod(tmp, 0o644)
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
+        durable.commit_new(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path

@@ -28,7 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker.core import checksums, diskio, final_norm, fp8, liveness, run, tensorfile, weights
+from worker.core import (
+    checksums,
+    diskio,
+    durable,
+    final_norm,
+    fp8,
+    liveness,
+    run,
+    tensorfile,
+    weights,
+)
 from worker.core.errors import (
     ConfigError,
     Corrupt,
@@ -154,17 +164,12 @@ class OutputStore:
                     "final_norm": self._write_final_norm()}
             if identity is not None:
                 body["weights"] = identity
-            tmp = path.with_name(f".{MANIFEST}{c.TMP_MARK}{_tmp_tag()}")
-            tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            tmp = durable.temp_for(path)
             try:
-                os.link(tmp, path)  # fails if another worker wrote it first: then compare
-            except FileExistsError:
-                pass
+                tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
+                durable.commit_new(tmp, path)  # another worker's first: then compare
             finally:
                 tmp.unlink(missing_ok=True)
-            fsync_dir(self.out_dir)
         manifest = self._check_manifest(path)
         if identity is not None:
             self._check_weights(manifest, identity)
@@ -276,7 +281,7 @@ class OutputStore:
         problems = self._layout_problems(layout, layout.get(c.T_INPUT_IDS, ("", (-1,)))[1])
         if problems:
             raise Corrupt(f"{final}: not this run's layout: " + "; ".join(problems))
-        tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
+        tmp = durable.temp_for(final)
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
             final.parent.mkdir(parents=True, exist_ok=True)

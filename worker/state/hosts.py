@@ -35,7 +35,7 @@ from typing import Any
 import redis
 
 from sglang_patch import contracts as c
-from worker.core import liveness, tensorfile
+from worker.core import durable, liveness, tensorfile
 from worker.core import store as st
 from worker.core.errors import Corrupt
 from worker.core.settings import Settings
@@ -314,16 +314,14 @@ def held_twice(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
 
 def remember_hosts(r: redis.Redis, run_id: str, out_dir: Path) -> None:
     """Write the run's hosts (as Redis knows them now, and as this dir knew them) into
-    ``out_dir/hosts.json``, atomically, when that changes what it says."""
+    ``out_dir/hosts.json``, durably, when that changes what it says."""
     known = read_known(out_dir)
     now = {h: {"output_dir": e.get("output_dir", ""), "root_id": e.get("root_id", "")}
            for h, e in hosts(r, run_id).items()}
     merged = {**known, **now}
     if merged == known:
         return
-    tmp = out_dir / f".{KNOWN_FILE}{c.TMP_MARK}{os.getpid()}"
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-    os.replace(tmp, out_dir / KNOWN_FILE)
+    durable.write_json(out_dir / KNOWN_FILE, merged)
 
 
 def read_known(out_dir: Path) -> dict[str, dict[str, Any]]:
@@ -336,13 +334,11 @@ def read_known(out_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def forget_hosts(out_dir: Path, names: Iterable[str]) -> None:
-    """Drop ``names`` from ``out_dir/hosts.json`` (their samples are to be redone)."""
+    """Drop ``names`` from ``out_dir/hosts.json``, durably (their samples are to be redone)."""
     known = read_known(out_dir)
     for name in names:
         known.pop(name, None)
-    tmp = out_dir / f".{KNOWN_FILE}{c.TMP_MARK}{os.getpid()}"
-    tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-    os.replace(tmp, out_dir / KNOWN_FILE)
+    durable.write_json(out_dir / KNOWN_FILE, known)
 
 
 def unheard(r: redis.Redis, run_id: str, out_dir: Path) -> dict[str, dict[str, Any]]:

@@ -18,15 +18,13 @@ enqueue of a file is kept: a whole one over any limit, the larger of two limits.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-from sglang_patch import contracts as c
-from worker.core.diskio import fsync_dir
+from worker.core import durable
 from worker.state import keys
 
 LEDGER = "enqueued.json"
@@ -66,13 +64,7 @@ def record(r: redis.Redis, run_id: str, out_dir: Path, path: str,
     entries[path] = Entry(path, token, _widest(entries.get(path), limit))
     files = {p: e.token for p, e in entries.items()}
     limits = {p: e.limit for p, e in entries.items() if e.limit is not None}
-    final = out_dir / LEDGER
-    tmp = final.with_name(f".{LEDGER}{c.TMP_MARK}{os.getpid()}")
-    tmp.write_text(json.dumps({"files": files, "limits": limits}, indent=1, sort_keys=True))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(out_dir)
+    durable.write_json(out_dir / LEDGER, {"files": files, "limits": limits})
 
 
 def _widest(before: Entry | None, limit: int | None) -> int | None:
