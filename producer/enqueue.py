@@ -45,7 +45,7 @@ import redis
 from tqdm import tqdm
 
 from sglang_patch import contracts as c
-from worker.app import TASK_NAME, app
+from worker.app import app
 from worker.core import run as runs
 from worker.core import setaside, tensorfile
 from worker.core import store as st
@@ -54,11 +54,11 @@ from worker.core.errors import BadInput, Corrupt
 from worker.core.samples import SampleRef, content_hash, parse_record
 from worker.core.settings import Settings
 from worker.server.answers import environmental_rejection
-from worker.state import broker, hosts, keys, ledger
+from worker.state import broker, hosts, keys, ledger, publish
 from worker.state import lease as leases
 from worker.state.corpus import Corpus, Identified
 from worker.state.index import Registered, RunIndex
-from worker.state.queue_scan import broker_sample_keys, task_id
+from worker.state.queue_scan import broker_sample_keys
 
 BATCH = 1000  # records per Redis round trip
 HEADER_THREADS = 8  # final-file headers read at once
@@ -487,12 +487,7 @@ def _leased(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[bool]:
 
 
 def _send(producer: Any, queue: str, run_id: str, publication: int, ref: SampleRef) -> None:
-    # argsrepr: Flower shows the sample key; the default (the repr of the args) would cost
-    # ~150 bytes of Redis per queued message for nothing. The task id names the run: a
-    # worker of another run hands the message back untouched (worker/tasks.py)
-    app.send_task(TASK_NAME, args=[ref.to_json()],
-                  task_id=task_id(run_id, publication, ref.key), queue=queue,
-                  producer=producer, argsrepr=ref.key, kwargsrepr="{}")
+    publish.send(app, queue, run_id, publication, ref, producer)
 
 
 def _drop_vanished(index: RunIndex, store: st.OutputStore, plan: _Plan, summary: Summary,

@@ -77,7 +77,7 @@ def enqueue(farm: LocalFarm, tmp_path: Path, n: int, start: int = 0) -> list[str
 
 def send_task(farm: LocalFarm, body: object, task_id: str) -> None:
     """Publish one task message with this body, as any client of the broker could."""
-    code = ("import json, sys; from worker.app import TASK_NAME, app; "
+    code = ("import json, sys; from worker.app import app; from worker.core.run import TASK_NAME; "
             "app.send_task(TASK_NAME, args=[json.loads(sys.stdin.read())], task_id=sys.argv[1], "
             "queue=sys.argv[2])")
     subprocess.run([sys.executable, "-c", code, task_id, farm.queue()], input=json.dumps(body),

@@ -17,7 +17,6 @@ from worker.core.time_limits import soft_for
 from worker.state.broker import tls_options
 
 SERIALIZER = "orjson"
-TASK_NAME = "hsfarm.extract"
 
 # orjson under its own content type (never application/json, which would replace kombu's
 # json decoder globally). JSON only: pickle is never accepted anywhere.

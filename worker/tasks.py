@@ -46,7 +46,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from worker import extract as ex
 from worker import waits
-from worker.app import TASK_NAME, app, settings
+from worker.app import app, settings
 from worker.core import setaside
 from worker.core.errors import (
     BadInput,
@@ -64,12 +64,13 @@ from worker.core.errors import (
     StaleRecord,
     Transient,
 )
-from worker.core.run import run_of_task, sharing_warning
+from worker.core.run import TASK_NAME, run_of_task, sharing_warning
 from worker.core.samples import SampleRef
 from worker.runtime import Runtime
 from worker.startup import runtime, stop_worker
 from worker.state import lease as leases
 from worker.state.corpus import Corpus
+from worker.state.publish import send_message
 
 log = logging.getLogger("hsfarm.task")
 # What an attempt may end with, short of an outcome: logged without a traceback.
@@ -160,8 +161,7 @@ def _hand_back_foreign(rt: Runtime, task_id: object, ref_json: Any) -> dict[str,
     log.warning("handing back untouched a message of run %s: %s", other,
                 sharing_warning(rt.queue, rt.run_id, [other]))
     key = ref_json.get("k") if isinstance(ref_json, dict) else None
-    app.send_task(TASK_NAME, args=[ref_json], task_id=str(task_id), queue=rt.queue,
-                  argsrepr=str(key), kwargsrepr="{}")
+    send_message(app, rt.queue, str(task_id), ref_json, str(key))
     time.sleep(min(1.0, settings.pause_poll_s) * random.uniform(0.2, 1.8))
     return {"status": "handed back", "run": other}
 

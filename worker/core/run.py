@@ -33,6 +33,7 @@ from worker.state import keys
 if TYPE_CHECKING:  # the training side reads run ids through the store, without Redis
     import redis
 
+TASK_NAME = "hsfarm.extract"  # the one task; its name is in every queued message
 MANIFEST = "manifest.json"
 M_RUN_NONCE = "run_nonce"  # manifest key: random, written once with the manifest
 QUEUE_PREFIX = "hsfarm."

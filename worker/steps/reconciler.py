@@ -58,7 +58,7 @@ from worker.core.errors import Corrupt, FarmError
 from worker.core.samples import SampleRef
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
-from worker.state import broker, keys, ledger
+from worker.state import broker, keys, ledger, publish
 from worker.state import lease as leases
 from worker.state.index import Registered, RunIndex, as_text
 
@@ -214,18 +214,13 @@ class Reconciler:
         return True
 
     def _publish(self, refs: Iterable[SampleRef]) -> int:
-        from worker.app import TASK_NAME
-
         refs = list(refs)
         if not refs:
             return 0
         publication = self.index.next_publication()
         with self.app.producer_or_acquire() as producer:
             for ref in refs:
-                self.app.send_task(
-                    TASK_NAME, args=[ref.to_json()],
-                    task_id=runs.task_id(self.run_id, publication, ref.key), queue=self.queue,
-                    producer=producer, argsrepr=ref.key, kwargsrepr="{}")
+                publish.send(self.app, self.queue, self.run_id, publication, ref, producer)
                 self.r.hincrby(self.index.k(keys.REPUBLISHED), ref.key, 1)
                 log.warning("%s republished: in no state (its task message was lost)", ref.key)
         return len(refs)
