@@ -46,8 +46,8 @@ from tqdm import tqdm
 
 from sglang_patch import contracts as c
 from worker.app import app
+from worker.core import outdir, setaside, tensorfile
 from worker.core import run as runs
-from worker.core import setaside, tensorfile
 from worker.core import store as st
 from worker.core.datafile import DataFileError, FileProblem, Oversized, file_sha256, scan
 from worker.core.errors import BadInput, Corrupt
@@ -113,7 +113,7 @@ class Summary:
                        "was written; extracted again")
         if self.set_aside:
             out.append(f"set aside: {self.set_aside} output files of removed or superseded "
-                       f"records (in {setaside.REMOVED_DIR}/ of the output dir)")
+                       f"records (in {outdir.REMOVED_DIR}/ of the output dir)")
         out.append(f"decided in {self.decide_s:.1f}s, published in {self.publish_s:.1f}s")
         out += [f"  {where}: {reason}" for where, reason in self.problems + self.rejected]
         out += [f"  note, {where}: {text}" for where, text in self.notes]
@@ -307,7 +307,7 @@ def open_run(settings: Settings, fingerprint: c.Fingerprint,
     Raises:
         ConfigError: the dir holds another fingerprint's run.
     """
-    if (settings.output_dir / st.MANIFEST).exists():
+    if (settings.output_dir / outdir.MANIFEST).exists():
         return st.OutputStore(settings.output_dir, fingerprint).open()
     return st.OutputStore(settings.output_dir, fingerprint,
                           versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
@@ -335,7 +335,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
         broker.check_persistence(r, settings)
     _file_version(path)  # a missing file is a DataFileError before any lock is taken
     store = st.OutputStore(settings.output_dir, fingerprint)
-    if not dry_run or (settings.output_dir / st.MANIFEST).exists():
+    if not dry_run or (settings.output_dir / outdir.MANIFEST).exists():
         store = open_run(settings, fingerprint, model_path)  # a dry run begins no run
     run_id = store.run_id or c.NO_RUN
     queue = runs.queue_for(settings, run_id)

@@ -280,10 +280,6 @@ def err_path(dump_dir: Path, rid: str) -> Path:
     return dump_dir / f"{rid}{ERR_SUFFIX}"
 
 
-def final_path(out_dir: Path, sample_key: str) -> Path:
-    return out_dir / "samples" / shard_of(sample_key) / f"{sample_key}{DUMP_SUFFIX}"
-
-
 def is_temp_name(name: str) -> bool:
     return TMP_MARK in name
 

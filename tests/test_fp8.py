@@ -18,7 +18,7 @@ from sglang_patch import fp8 as codec
 from sglang_patch.dump_writer import DumpCollector, DumpWriter
 from tests.conftest import wait_finished
 from tests.faults import enqueue, running_farm
-from worker.core import checksums, dumps, tensorfile
+from worker.core import checksums, dumps, outdir, tensorfile
 from worker.core import fp8 as checks
 from worker.core.errors import ConfigError, Corrupt, ServerMisconfigured
 from worker.core.settings import Settings
@@ -233,7 +233,7 @@ def test_the_worker_stores_fp8_dumps_and_refuses_nan_zero_scales_and_the_other_d
         path = _fp8_dump(tmp_path / "bad", ids, x, nan=nan, scale=scale)
         with dumps.open_dump(path, ids, _fp()) as d, pytest.raises(Corrupt, match=message):
             _copy(store, d, "bad")
-        assert not c.final_path(store.out_dir, "bad").exists()
+        assert not outdir.final_path(store.out_dir, "bad").exists()
     # A dump of the other dtype is the server's misconfiguration (the worker waits), with the fix
     with pytest.raises(ServerMisconfigured, match=f"{c.ENV_DUMP_DTYPE}=fp8_e4m3"):
         dumps.open_dump(_fp8_dump(tmp_path / "bf", ids, x, dtype=c.DTYPE_BF16), ids, _fp())
@@ -376,7 +376,7 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
         wait_finished(farm, 4)
         out = farm.output_dir
         assert json.loads((out / "manifest.json").read_text())["fingerprint"]["dtype"] == "fp8_e4m3"
-        files = [c.final_path(out, k) for k in keys]
+        files = [outdir.final_path(out, k) for k in keys]
         assert all(tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3" for p in files)
         # Then audit finds them whole, and a scale flipped on disk corrupt
         assert farm.cli("audit").returncode == 0

@@ -33,9 +33,8 @@ import redis
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from worker.app import settings
-from worker.core import canary, liveness, run, time_limits
+from worker.core import canary, liveness, outdir, run, time_limits
 from worker.core.errors import ConfigError, Transient
-from worker.core.store import MANIFEST
 from worker.runtime import RunContext, Runtime
 from worker.server import served_identity
 from worker.server.canary_check import Outcome
@@ -150,7 +149,7 @@ def _check_served(probe_meta: dict[str, str]) -> None:
     served_identity.check(
         settings, CONTEXT.fingerprint, probe_meta, recorded=store.weights_recorded,
         local=store.weights_local, model_path=CONTEXT.model_path,
-        manifest=settings.output_dir / MANIFEST,
+        manifest=settings.output_dir / outdir.MANIFEST,
         started=canary.path_in(settings.output_dir).exists())
 
 

@@ -51,7 +51,7 @@ from producer.adopt.formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import _run_lock_name, open_run
 from sglang_patch import contracts as c
-from worker.core import durable, tensorfile
+from worker.core import durable, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
 from worker.core.samples import SampleRef, read_sample
@@ -177,7 +177,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     fmt = detect(source) if fmt == "auto" else fmt
     served = served_check(s, run.fingerprint, run.model_path)  # before a source is read
     store = st.OutputStore(s.output_dir, run.fingerprint)
-    if not dry_run or (s.output_dir / st.MANIFEST).exists():
+    if not dry_run or (s.output_dir / outdir.MANIFEST).exists():
         store = open_run(s, run.fingerprint, run.model_path)
         store.debug_write_delay_s = s.debug_write_delay_s
     run_id = store.run_id or c.NO_RUN
@@ -447,7 +447,7 @@ def fp8_problem(settings: Settings) -> str | None:
 def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -> None:
     """Add this adoption to the manifest (temp file, fsync, rename, fsync dir). The run id
     does not depend on this entry (worker/core/run.py); the enqueue lock is held."""
-    path = out_dir / st.MANIFEST
+    path = out_dir / outdir.MANIFEST
     body = json.loads(path.read_text())
     body.setdefault(MANIFEST_ADOPTIONS, []).append({
         "at": time.time(), "source": str(source.resolve()), "format": fmt,

@@ -26,10 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker.core import checksums, diskio, durable, tensorfile
+from worker.core import checksums, diskio, durable, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, Transient
 
-FILE = "canary.safetensors"
 ROWS_PER_PROMPT = 48  # tokens sampled per prompt (plus the chunk boundary): small files
 LONG_CAP_TOKENS = 16384
 _TEXT = ("Hidden states are the activations of a model. Speculative decoding drafts tokens "
@@ -88,7 +87,7 @@ def layer_names(layers_to_capture: tuple[int, ...]) -> list[str]:
 # --- the recording ---------------------------------------------------------------------------
 
 def path_in(out_dir: Path) -> Path:
-    return out_dir / FILE
+    return out_dir / outdir.CANARY_FILE
 
 
 def record(out_dir: Path, canaries: list[Canary], meta: dict[str, str]) -> bool:
@@ -107,7 +106,7 @@ def record(out_dir: Path, canaries: list[Canary], meta: dict[str, str]) -> bool:
     sums = {k: checksums.tensor_checksum(np.ascontiguousarray(t.array).data)
             for k, t in tensors.items()}
     body = {**meta, "prompts": str(len(canaries)), **checksums.checksum_metadata(sums)}
-    tmp = durable.temp_for(path)
+    tmp = outdir.temp_path(path)
     try:
         tensorfile.write(tmp, tensors, body)
         won = durable.commit_new(tmp, path)  # of several workers starting at once, one wins

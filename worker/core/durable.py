@@ -11,20 +11,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
-from worker.core import diskio, liveness
+from worker.core import diskio, outdir
 
 fsync_dir = diskio.fsync_dir
-
-
-def temp_for(final: Path) -> Path:
-    """A temp path beside ``final``, named for this writer."""
-    tag = liveness.temp_tag(uuid.uuid4().hex[:8])
-    return final.with_name(f".{final.name}{c.TMP_MARK}{tag}")
 
 
 def fsync_file(path: Path) -> None:
@@ -62,7 +54,7 @@ def commit_new(tmp: Path, final: Path) -> bool:
 
 def write_bytes(final: Path, data: bytes) -> None:
     """``final`` holds ``data``, durably; no temp file is left when it fails."""
-    tmp = temp_for(final)
+    tmp = outdir.temp_path(final)
     try:
         tmp.write_bytes(data)
         commit(tmp, final)

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.core import durable, tensorfile
+from worker.core import durable, outdir, tensorfile
 from worker.core.errors import ConfigError
 
-FILE = "final_norm.safetensors"
 TENSOR = "weight"
 M_SOURCE_NAME, M_CONFIG_SHA, M_EPS = "source_tensor", "model_config_sha256", "rms_norm_eps"
 
@@ -130,10 +129,10 @@ def write_final_norm(out_dir: Path, norm: FinalNorm, checksums: dict[str, str]) 
 
     ``checksums``: metadata entries holding the weight's checksum, as the store writes them.
     """
-    path = out_dir / FILE
+    path = out_dir / outdir.FINAL_NORM_FILE
     if path.exists():
         return path
-    tmp = durable.temp_for(path)
+    tmp = outdir.temp_path(path)
     meta = {M_SOURCE_NAME: norm.source_name, M_CONFIG_SHA: norm.config_sha256,
             M_EPS: repr(norm.rms_norm_eps), **checksums}
     try:
@@ -147,7 +146,7 @@ def write_final_norm(out_dir: Path, norm: FinalNorm, checksums: dict[str, str]) 
 
 def load_final_norm(out_dir: Path) -> FinalNorm:
     """Read ``<out>/final_norm.safetensors``. Raises FileNotFoundError or Corrupt."""
-    tf = tensorfile.read(out_dir / FILE)
+    tf = tensorfile.read(out_dir / outdir.FINAL_NORM_FILE)
     m = tf.metadata
     return FinalNorm(m.get(M_SOURCE_NAME, ""), tf.tensors[TENSOR], float(m.get(M_EPS, "1e-6")),
                      m.get(M_CONFIG_SHA, ""))

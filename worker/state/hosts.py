@@ -35,14 +35,13 @@ from typing import Any
 import redis
 
 from sglang_patch import contracts as c
-from worker.core import durable, liveness, tensorfile
+from worker.core import durable, liveness, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import Corrupt
 from worker.core.settings import Settings
 from worker.state import keys
 from worker.state.index import as_text
 
-KNOWN_FILE = "hosts.json"  # in each output dir: the run's hosts as last seen
 BATCH = 1000
 HEADER_THREADS = 8
 
@@ -70,7 +69,7 @@ class Held:
 
 def _final_files(out_dir: Path) -> Iterator[Path]:
     """Final files under ``out_dir/samples/<shard>/`` (no temp files), by directory listing."""
-    samples = out_dir / "samples"
+    samples = out_dir / outdir.SAMPLES_DIR
     if not samples.is_dir():
         return
     for shard in os.scandir(samples):
@@ -114,7 +113,7 @@ def scan(out_dir: Path, fingerprint_id: str) -> Iterator[Held]:
 def _run_fingerprint(out_dir: Path, fingerprint_id: str) -> c.Fingerprint | None:
     """The fingerprint the output dir's manifest records, when it is run ``fingerprint_id``'s."""
     try:
-        fp = c.Fingerprint.from_json(json.loads((out_dir / st.MANIFEST).read_text())
+        fp = c.Fingerprint.from_json(json.loads((out_dir / outdir.MANIFEST).read_text())
                                      ["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -126,7 +125,7 @@ class Registration:
     files: int = 0
     relearnt: int = 0  # done again in the index (Redis had lost them)
     twice: int = 0  # also held by another host
-    set_aside: int = 0  # of those, the same record, done there: moved to SET_ASIDE here
+    set_aside: int = 0  # of those, the same record, done there: moved to done-elsewhere/ here
 
 
 def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_id: str,
@@ -135,7 +134,7 @@ def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_
     (unless another host claimed it first: then it is held twice), done in the run's index.
     A file of the same record that the run already records as done on another host (this
     host was lost after writing it, before the run learnt so, and the sample was done again
-    there) is moved to ``SET_ASIDE`` in this output dir: kept, never deleted, out of the
+    there) is moved to ``done-elsewhere/`` in this output dir: kept, never deleted, out of the
     training set, so each sample is in one place.
     Then the entry's ``registered_at``: the host has been heard from."""
     from worker.state.index import RunIndex
@@ -192,12 +191,9 @@ def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: l
     reg.set_aside += len(aside)
 
 
-SET_ASIDE = "done-elsewhere"  # in an output dir: files the run holds on another host
-
-
 def _set_aside(out_dir: Path, path: Path) -> Path:
-    """Move a final file out of ``samples/`` into ``SET_ASIDE/`` (same file system)."""
-    dest = out_dir / SET_ASIDE / path.name
+    """Move a final file out of ``samples/`` into ``done-elsewhere/`` (same file system)."""
+    dest = out_dir / outdir.DONE_ELSEWHERE_DIR / path.name
     dest.parent.mkdir(exist_ok=True)
     os.replace(path, dest)
     st.fsync_dir(dest.parent)
@@ -211,16 +207,13 @@ def same_output(r: redis.Redis, run_id: str, a: str, b: str) -> bool:
     return bool(ea and eb and ea.get("root_id") and ea.get("root_id") == eb.get("root_id"))
 
 
-ROOT_ID_FILE = ".hsfarm-root-id"  # a random id written once per output dir (never copied)
-
-
 def root_id(out_dir: Path) -> str:
     """The output dir's own id: hosts that share one mount see the same."""
-    path = out_dir / ROOT_ID_FILE
+    path = out_dir / outdir.ROOT_ID_FILE
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        tmp = out_dir / f"{ROOT_ID_FILE}{c.TMP_MARK}{os.getpid()}"
+        tmp = out_dir / f"{outdir.ROOT_ID_FILE}{outdir.TMP_MARK}{os.getpid()}"
         tmp.write_text(os.urandom(8).hex())
         try:
             os.link(tmp, path)  # a concurrent writer's id wins
@@ -321,13 +314,13 @@ def remember_hosts(r: redis.Redis, run_id: str, out_dir: Path) -> None:
     merged = {**known, **now}
     if merged == known:
         return
-    durable.write_json(out_dir / KNOWN_FILE, merged)
+    durable.write_json(out_dir / outdir.HOSTS_JSON, merged)
 
 
 def read_known(out_dir: Path) -> dict[str, dict[str, Any]]:
     """The hosts ``out_dir`` has known in this run (empty: none recorded)."""
     try:
-        data = json.loads((out_dir / KNOWN_FILE).read_text())
+        data = json.loads((out_dir / outdir.HOSTS_JSON).read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -338,7 +331,7 @@ def forget_hosts(out_dir: Path, names: Iterable[str]) -> None:
     known = read_known(out_dir)
     for name in names:
         known.pop(name, None)
-    durable.write_json(out_dir / KNOWN_FILE, known)
+    durable.write_json(out_dir / outdir.HOSTS_JSON, known)
 
 
 def unheard(r: redis.Redis, run_id: str, out_dir: Path) -> dict[str, dict[str, Any]]:

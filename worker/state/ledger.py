@@ -24,10 +24,8 @@ from pathlib import Path
 
 import redis
 
-from worker.core import durable
+from worker.core import durable, outdir
 from worker.state import keys
-
-LEDGER = "enqueued.json"
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,7 @@ def new_token() -> str:
 def read(out_dir: Path) -> list[Entry]:
     """The data files the output dir says were enqueued completely, with their tokens."""
     try:
-        body = json.loads((out_dir / LEDGER).read_text())
+        body = json.loads((out_dir / outdir.ENQUEUED_JSON).read_text())
         limits = body.get("limits", {})
         return [Entry(p, str(t), None if limits.get(p) is None else int(limits[p]))
                 for p, t in body["files"].items()]
@@ -64,7 +62,7 @@ def record(r: redis.Redis, run_id: str, out_dir: Path, path: str,
     entries[path] = Entry(path, token, _widest(entries.get(path), limit))
     files = {p: e.token for p, e in entries.items()}
     limits = {p: e.limit for p, e in entries.items() if e.limit is not None}
-    durable.write_json(out_dir / LEDGER, {"files": files, "limits": limits})
+    durable.write_json(out_dir / outdir.ENQUEUED_JSON, {"files": files, "limits": limits})
 
 
 def _widest(before: Entry | None, limit: int | None) -> int | None:
