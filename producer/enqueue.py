@@ -292,7 +292,7 @@ def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile
     return None
 
 
-def _run_lock_name(run_id: str) -> str:
+def run_lock_name(run_id: str) -> str:
     return keys.run_key(run_id, keys.ENQUEUE_LOCK)
 
 
@@ -346,7 +346,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
     if others:
         summary.notes.append(("FARM_QUEUE", runs.sharing_warning(queue, run_id, others)))
     _check_hosts(r, run_id, settings, redo_hosts, dry_run)
-    with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
+    with leases.held(r, run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0):
         t0 = time.monotonic()
         corpus = Corpus(index)
@@ -521,7 +521,7 @@ def requeue(settings: Settings, store: st.OutputStore, refs: list[SampleRef]) ->
     in_broker = broker_sample_keys(r, queue, run_id)
     publication = index.next_publication()
     sent = 0
-    with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
+    with leases.held(r, run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0), \
             app.producer_or_acquire() as producer, producer.batch(max_size=500):
         for ref, busy in zip(refs, _leased(r, run_id, [x.key for x in refs]), strict=True):

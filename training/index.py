@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, vocab
+from training import vocab
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
-from worker.core import durable, outdir, tensorfile
+from worker.core import checksums, durable, outdir, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.store import M_SOURCE_ID, M_TRUNCATED
 

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
-from training import checksums
 from training.sample_file import SampleFile
-from worker.core import final_norm, outdir
+from worker.core import checksums, final_norm, outdir
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.store import M_FINGERPRINT, M_KEY, final_layout
 

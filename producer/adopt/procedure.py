@@ -49,7 +49,7 @@ from producer.adopt import rows as ar
 from producer.adopt.canary import canary_outcome, served_check
 from producer.adopt.formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
-from producer.enqueue import _run_lock_name, open_run
+from producer.enqueue import open_run, run_lock_name
 from sglang_patch import contracts as c
 from worker.core import durable, outdir, tensorfile
 from worker.core import store as st
@@ -207,7 +207,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     if dry_run:
         return report
     # only the writing holds the lock: each sample's state is read again under its lease
-    with leases.held(r, _run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
+    with leases.held(r, run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
         _adopt_all(run, store, RunIndex(r, run_id), found, fmt, keys, source, report, jobs,
                    progress)
         _record(store.out_dir, source, fmt, data, report)

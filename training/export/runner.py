@@ -33,14 +33,14 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, fp8, roots
+from training import fp8, roots
 from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger
 from training.export.lock import dest_lock
 from training.export.numbered import close_gaps
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
-from worker.core import durable, outdir
+from worker.core import checksums, durable, outdir
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.setaside import removed_by_key
 from worker.core.store import free_bytes, is_no_space
