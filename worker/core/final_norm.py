@@ -20,12 +20,12 @@ import hashlib
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from sglang_patch import header_codec
 from worker.core import durable, outdir, tensorfile
 from worker.core.errors import ConfigError
 
@@ -73,10 +73,8 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
 def _header(path: Path) -> dict[str, dict[str, object]]:
     """The safetensors header of ``path`` (names → dtype, shape, offsets), without data."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return dict(header)
+        entries, _ = header_codec.decode(f.read(header_codec.length(f.read(8))))
+    return entries
 
 
 def _prefix(name: str) -> str:
@@ -112,8 +110,7 @@ def read_final_norm(model_dir: Path, hidden_size: int) -> FinalNorm:
     offsets: list[int] = list(entry["data_offsets"])  # type: ignore[call-overload]
     start, end = offsets
     with open(shard, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(8 + n + start)
+        f.seek(8 + header_codec.length(f.read(8)) + start)
         raw = f.read(end - start)
     np_dtype = np.dtype("<u2") if dtype == "BF16" else np.dtype("<f4")
     config_bytes = (model_dir / "config.json").read_bytes()
