@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from sglang_patch import contracts as c
-from sglang_patch import dumpdir, fp8, markers
+from sglang_patch import dumpdir, fp8, header_codec, markers
 
 log = logging.getLogger("hsfarm.dump")
 
@@ -213,7 +213,7 @@ class DumpWriter:
         n = rows.token_count
         spec = {k: (_TAGS[t.dtype], (n, *t.shape[1:])) for k, t in tensors.items()}
         meta = {**self.metadata, c.M_RID: rows.rid, c.M_DUMP_DTYPE: rows.dtype}
-        head, ranges = c.safetensors_header(spec, meta)
+        head, ranges = header_codec.encode(spec, meta)
         need = len(head) + max(end for _, end in ranges.values())
         promised = sum(d.left for d in self._open.values())  # other dumps' rows still to come
         free = free_bytes(self.dump_dir)

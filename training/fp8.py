@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums
 from training.manifest import RunInfo
 from training.sample_file import SampleFile
+from worker.core import checksums
 from worker.core.errors import Corrupt
 
 _PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1), (c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS))
@@ -58,7 +58,7 @@ def as_exported(info: RunInfo, arrays: Mapping[str, np.ndarray],
     out = to_bf16(arrays)
     sums = {k: v for k, v in src_sums.sums.items() if k not in STORED}
     sums.update({name: checksums.of(out[name]) for name, _, _ in _PAIRS})
-    return out, checksums.Recorded(checksums.ck.DEFAULT_ALGORITHM, sums)
+    return out, checksums.Recorded(checksums.DEFAULT_ALGORITHM, sums)
 
 
 def exported_bytes(info: RunInfo, path: Path) -> int:

@@ -21,16 +21,14 @@ from typing import Any
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable, roots, vocab
+from training import roots, vocab
 from training.manifest import RunInfo, load_run_info
 from training.roots import sample_files as sample_files  # read here by its callers
 from training.sample_file import SampleFile
-from worker.core import tensorfile
+from worker.core import checksums, durable, outdir, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.store import M_SOURCE_ID, M_TRUNCATED
 
-INDEX = "index.jsonl"
-COUNTS = "token_counts.safetensors"
 _DIGEST = "index_sha256"
 
 
@@ -57,7 +55,7 @@ class RefreshReport:
 
 def read_rows(out_dir: Path) -> dict[str, dict[str, Any]]:
     """The index's rows by key ({} when there is no index yet)."""
-    path = out_dir / INDEX
+    path = out_dir / outdir.INDEX_JSONL
     if not path.exists():
         return {}
     rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
@@ -66,9 +64,10 @@ def read_rows(out_dir: Path) -> dict[str, dict[str, Any]]:
 
 def read_counts(out_dir: Path) -> np.ndarray:
     """The token counts matching the current index. Raises FileNotFoundError or Corrupt."""
-    tf = tensorfile.read(out_dir / COUNTS)
-    if tf.metadata.get(_DIGEST) != _sha256(out_dir / INDEX):
-        raise Corrupt(f"{out_dir / COUNTS} does not match {INDEX}: run the index refresh")
+    tf = tensorfile.read(out_dir / outdir.TOKEN_COUNTS)
+    if tf.metadata.get(_DIGEST) != _sha256(out_dir / outdir.INDEX_JSONL):
+        raise Corrupt(f"{out_dir / outdir.TOKEN_COUNTS} does not match {outdir.INDEX_JSONL}: "
+                      "run the index refresh")
     return tf.tensors["counts"].array
 
 
@@ -160,13 +159,13 @@ def _write(out_dir: Path, rows: dict[str, dict[str, Any]], counts: np.ndarray) -
     """Counts first, then the index, each temp → fsync → rename."""
     body = "".join(json.dumps(rows[k], sort_keys=True) + "\n" for k in sorted(rows)).encode()
     digest = hashlib.sha256(body).hexdigest()
-    tmp = durable.tmp_for(out_dir / COUNTS)
+    tmp = outdir.temp_path(out_dir / outdir.TOKEN_COUNTS)
     tensorfile.write(tmp, {"counts": tensorfile.Tensor("I64", counts.astype(np.int64))},
                      {_DIGEST: digest})
-    durable.commit(tmp, out_dir / COUNTS)
-    tmp = durable.tmp_for(out_dir / INDEX)
+    durable.commit(tmp, out_dir / outdir.TOKEN_COUNTS)
+    tmp = outdir.temp_path(out_dir / outdir.INDEX_JSONL)
     tmp.write_bytes(body)
-    durable.commit(tmp, out_dir / INDEX)
+    durable.commit(tmp, out_dir / outdir.INDEX_JSONL)
 
 
 def _sha256(path: Path) -> str:

@@ -17,9 +17,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from sglang_patch import contracts as c
-from training import checksums, fp8, index, views
+from training import fp8, index, views
 from training.manifest import load_run_info
 from training.sample_file import SampleFile
+from worker.core import checksums
 from worker.core.errors import ConfigError, Corrupt
 
 

@@ -26,10 +26,9 @@ from celery.signals import worker_init, worker_process_init, worker_process_shut
 from sglang_patch.dumpdir import DumpDirUnsafe
 from sglang_patch.probe import ProbeFailed, probe
 from worker.app import FarmApp
-from worker.core import canary, liveness, run, time_limits
+from worker.core import canary, liveness, outdir, run, time_limits
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
-from worker.core.store import MANIFEST
 from worker.runtime import RunContext, Runtime
 from worker.server import served_identity
 from worker.server.canary_check import Outcome
@@ -140,7 +139,7 @@ def _check_served(ctx: RunContext, probe_meta: dict[str, str]) -> None:
     served_identity.check(
         settings, ctx.fingerprint, probe_meta, recorded=store.weights_recorded,
         local=store.weights_local, model_path=ctx.model_path,
-        manifest=settings.output_dir / MANIFEST,
+        manifest=settings.output_dir / outdir.MANIFEST,
         started=canary.path_in(settings.output_dir).exists())
 
 

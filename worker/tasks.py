@@ -45,6 +45,7 @@ from worker.runtime import Runtime
 from worker.startup import runtime, stop_worker
 from worker.state import lease as leases
 from worker.state.corpus import Corpus
+from worker.state.publish import send_message
 from worker.state.queue_scan import sharing_warning
 
 log = logging.getLogger("hsfarm.task")
@@ -132,8 +133,7 @@ def _hand_back_foreign(farm: FarmApp, rt: Runtime, task_id: object,
     log.warning("handing back untouched a message of run %s: %s", other,
                 sharing_warning(rt.queue, rt.run_id, [other]))
     key = ref_json.get("k") if isinstance(ref_json, dict) else None
-    farm.send_task(TASK_NAME, args=[ref_json], task_id=str(task_id), queue=rt.queue,
-                   argsrepr=str(key), kwargsrepr="{}")
+    send_message(farm, rt.queue, str(task_id), ref_json, str(key))
     time.sleep(min(1.0, rt.settings.pause_poll_s) * random.uniform(0.2, 1.8))
     return {"status": "handed back", "run": other}
 

@@ -32,6 +32,7 @@ from producer.dashboard import metrics_text
 from producer.dashboard.data import Sampler
 from producer.status import no_run, status_fingerprint
 from sglang_patch import contracts as c
+from worker.core import outdir
 from worker.core import run as runs
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
@@ -194,7 +195,7 @@ def main_dashboard(settings: Settings, args: argparse.Namespace) -> int:
     auth = read_auth(args)
     if args.sample_s <= 0:
         raise ConfigError(f"--sample-s must be > 0, not {args.sample_s}")
-    if not (Path(settings.output_dir) / runs.MANIFEST).is_file():
+    if not (Path(settings.output_dir) / outdir.MANIFEST).is_file():
         print(f"note: {no_run(settings)}; the dashboard shows the run once it begins",
               file=sys.stderr, flush=True)
     fingerprint, source = status_fingerprint(settings)

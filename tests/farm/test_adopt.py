@@ -31,7 +31,7 @@ from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, EXAMPLES, FarmFactory, wait_finished
 from tests.support import adopt_sources as srcs
 from training import index as training_index
-from worker.core import tensorfile
+from worker.core import outdir, tensorfile
 from worker.core.run import run_id_of
 from worker.core.settings import Settings
 from worker.server.chat import ChatTokenizer
@@ -414,7 +414,7 @@ def test_records_with_the_same_ids_each_get_the_file(
     assert len(refs) == 8
     by_ids = {tuple(e.ids): e for e in (extracted[0], extracted[1], extracted[5])}
     for ref, rec in zip(refs, [*twins, pretok], strict=True):
-        tf = tensorfile.read(c.final_path(out, ref.key))
+        tf = tensorfile.read(outdir.final_path(out, ref.key))
         e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
         assert np.array_equal(tf.tensors[c.T_AUX].array, srcs.bits(e.aux))
         want = chat.encode(validate_record(rec)).loss_mask

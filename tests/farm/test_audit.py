@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import enqueue, running_farm
+from worker.core import outdir
 
 
 def test_audit_finds_and_requeue_repairs(tmp_path: Path, tiny_model: Path) -> None:
@@ -23,7 +23,7 @@ def test_audit_finds_and_requeue_repairs(tmp_path: Path, tiny_model: Path) -> No
         quiet = farm.cli("audit", "--no-progress")
         assert quiet.returncode == 0 and "audit:" not in quiet.stderr, quiet.stderr
         # Given one file deleted, one with a flipped byte, one truncated
-        gone, flipped, cut = (c.final_path(farm.output_dir, k) for k in keys[:3])
+        gone, flipped, cut = (outdir.final_path(farm.output_dir, k) for k in keys[:3])
         gone.unlink()
         data = bytearray(flipped.read_bytes())
         data[-5] ^= 0x10

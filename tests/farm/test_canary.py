@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
 from tests.support.faults import (
@@ -28,7 +27,7 @@ from tests.support.faults import (
     text,
 )
 from worker.core import canary as cn
-from worker.core import liveness, tensorfile
+from worker.core import liveness, outdir, tensorfile
 from worker.server.canary_check import CanaryCheck, Outcome, server_epoch
 from worker.server.client import ServerClient
 from worker.server.fingerprint import compute_fingerprint
@@ -195,7 +194,7 @@ def test_server_on_other_weights_pauses_the_farm_and_loses_nothing(
         reasons = _paused(farm)
         # (every paused process says the mismatch: also those waiting while one re-checks)
         assert reasons and all("canary mismatch" in r for r in reasons), reasons
-        assert not any(c.final_path(farm.output_dir, k).exists() for k in more)
+        assert not any(outdir.final_path(farm.output_dir, k).exists() for k in more)
         assert not failed(farm)
         waiting, unacked = broker_depth(farm.redis(), farm.queue())
         assert waiting + unacked == 6
@@ -232,7 +231,7 @@ def test_other_checkpoint_is_refused_by_its_identity_before_any_request(
         assert info["forward_passes"] == 0  # not even the hook probe ran
         assert broker_depth(farm.redis(), farm.queue()) == (4, 0)
         # And audit calls a file written under another identity incompatible
-        path = c.final_path(farm.output_dir, keys_[0])
+        path = outdir.final_path(farm.output_dir, keys_[0])
         tf = tensorfile.read(path)
         tensorfile.write(path, tf.tensors, {**tf.metadata, "weights_id": "0123456789abcdef"})
         res = farm.cli("audit", "--data", str(tmp_path / "data.json"))

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished, write_samples
+from worker.core import outdir
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def test_end_to_end_two_workers(farm: LocalFarm, tmp_path: Path, tiny_model: Pat
     assert status["bytes"] > 0 and status["tokens"] > 0 and status["finished"]
     # And every file holds the model's real hidden states and the assistant-only loss mask
     for sample, key in zip(samples, keys, strict=True):
-        t = load_file(str(c.final_path(farm.output_dir, key)))
+        t = load_file(str(outdir.final_path(farm.output_dir, key)))
         ids = t[c.T_INPUT_IDS].tolist()
         hid, aux = direct_forward(tiny_model, ids, (2, 4, 5))
         assert t[c.T_HIDDEN].dtype == torch.bfloat16 and t[c.T_HIDDEN].shape == (len(ids), 64)

@@ -15,6 +15,7 @@ from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.support.faults import count_line, running_farm, write_jsonl
+from worker.core import outdir
 from worker.state import keys
 from worker.state.queue_scan import broker_depth
 
@@ -187,12 +188,12 @@ def test_index_is_rebuilt_from_disk_after_redis_lost_it(tmp_path: Path, tiny_mod
         status = json.loads(farm.cli("status", "--json").stdout)
         assert (status["total"], status["done"], status["finished"]) == (12, 12, True)
         assert farm.cli("status", "--check").returncode == 0
-        assert all(c.final_path(farm.output_dir, f"s-{i:04d}").exists() for i in range(12))
+        assert all(outdir.final_path(farm.output_dir, f"s-{i:04d}").exists() for i in range(12))
         # And each relearnt sample is done when its file was written, not when it was relearnt
         r = farm.redis()
         [done_key] = r.scan_iter(f"{keys.PREFIX}:*:{keys.DONE}")
         for i in range(12):
-            path = c.final_path(farm.output_dir, f"s-{i:04d}")
+            path = outdir.final_path(farm.output_dir, f"s-{i:04d}")
             assert r.zscore(done_key, f"s-{i:04d}") == pytest.approx(path.stat().st_mtime)
 
 
@@ -222,7 +223,7 @@ def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_mo
         def write(ref: object, layout: dict[str, tuple[str, tuple[int, ...]]]) -> None:
             tensors = {k: tensorfile.Tensor(dt, np.zeros(shape, tensorfile.numpy_dtype(dt)))
                        for k, (dt, shape) in layout.items()}
-            path = c.final_path(farm.output_dir, ref.key)  # type: ignore[attr-defined]
+            path = outdir.final_path(farm.output_dir, ref.key)  # type: ignore[attr-defined]
             path.parent.mkdir(parents=True, exist_ok=True)
             tensorfile.write(path, tensors, {st.M_KEY: ref.key, st.M_FINGERPRINT: fid,  # type: ignore[attr-defined]
                                              st.M_CONTENT: ref.sha256})  # type: ignore[attr-defined]

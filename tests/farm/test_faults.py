@@ -25,6 +25,7 @@ from tests.support.faults import (
     running_pids,
     small_tmpfs,
 )
+from worker.core import outdir
 from worker.state import keys as keys_mod
 from worker.state.queue_scan import broker_depth, broker_task_ids
 
@@ -213,7 +214,7 @@ def test_startup_cleans_stale_files_but_not_outputs(tmp_path: Path, tiny_model: 
 
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        shard = c.final_path(farm.output_dir, "zz").parent
+        shard = outdir.final_path(farm.output_dir, "zz").parent
         shard.mkdir(parents=True, exist_ok=True)
         stale = shard / f".zz.safetensors{c.TMP_MARK}{liveness.temp_tag('ab12', dead.pid)}"
         stale.write_bytes(b"half a file")

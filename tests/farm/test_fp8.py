@@ -15,7 +15,7 @@ import torch
 from sglang_patch import contracts as c
 from tests.conftest import wait_finished
 from tests.support.faults import enqueue, running_farm
-from worker.core import tensorfile
+from worker.core import outdir, tensorfile
 from worker.core.errors import ConfigError
 
 
@@ -40,7 +40,7 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
         wait_finished(farm, 4)
         out = farm.output_dir
         assert json.loads((out / "manifest.json").read_text())["fingerprint"]["dtype"] == "fp8_e4m3"
-        files = [c.final_path(out, k) for k in keys]
+        files = [outdir.final_path(out, k) for k in keys]
         assert all(tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3" for p in files)
         # Then audit finds them whole, and a scale flipped on disk corrupt
         assert farm.cli("audit").returncode == 0

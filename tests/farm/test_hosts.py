@@ -32,6 +32,7 @@ from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, write_samples
 from tests.support.faults import dashboard_metrics, text
+from worker.core import outdir
 from worker.core.settings import Settings
 from worker.state import hosts, keys
 
@@ -200,7 +201,7 @@ def _join_run(src: Path, dst: Path) -> None:
     """What the RUNBOOK's rsync does: the run's head files, not its samples or root id."""
     dst.mkdir(parents=True, exist_ok=True)
     for p in src.iterdir():
-        if p.is_file() and p.name != hosts.ROOT_ID_FILE and not c.is_temp_name(p.name):
+        if p.is_file() and p.name != outdir.ROOT_ID_FILE and not c.is_temp_name(p.name):
             shutil.copy2(p, dst / p.name)
 
 
@@ -312,7 +313,7 @@ def test_a_lost_host_s_samples_run_on_the_other_within_30_s_and_nothing_is_lost_
     # aside on A when A comes back: kept, out of the training set
     on_a, on_b = _files(cl.a.farm.output_dir), _files(cl.b.farm.output_dir)
     aside = {p.name.removesuffix(c.DUMP_SUFFIX)
-             for p in (cl.a.farm.output_dir / hosts.SET_ASIDE).glob(f"*{c.DUMP_SUFFIX}")}
+             for p in (cl.a.farm.output_dir / outdir.DONE_ELSEWHERE_DIR).glob(f"*{c.DUMP_SUFFIX}")}
     assert aside <= done_on_a and aside <= on_b
     assert set(hosts.held_twice(cl.r, cl.run_id())) == aside
     everything = {text(k) for k in cl.r.hkeys(cl.k(keys.SAMPLES))}
@@ -380,16 +381,16 @@ def test_a_file_done_on_two_hosts_is_set_aside_where_it_was_not_recorded(
     # lost after writing it, before the run learnt so)
     key = sorted(_files(cl.b.farm.output_dir))[0]
     a_out = cl.a.farm.output_dir
-    copy = c.final_path(a_out, key)
+    copy = outdir.final_path(a_out, key)
     copy.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(c.final_path(cl.b.farm.output_dir, key), copy)
+    shutil.copy2(outdir.final_path(cl.b.farm.output_dir, key), copy)
     # When host A registers its files (as its workers do when they start)
     fingerprint_id = json.loads((a_out / "manifest.json").read_text())["fingerprint_id"]
     got = hosts.register(cl.r, cl.run_id(), "hostA", a_out, fingerprint_id,
                          Settings.from_env(cl.a.env()))
     # Then A's copy is set aside (kept, out of the training set), B's counts
     assert got.set_aside == 1 and not copy.exists()
-    assert (a_out / hosts.SET_ASIDE / copy.name).is_file()
+    assert (a_out / outdir.DONE_ELSEWHERE_DIR / copy.name).is_file()
     assert hosts.held_twice(cl.r, cl.run_id())[key]["kept"] == "hostB"
     assert _held_by(cl, key) == "hostB"
 

@@ -22,6 +22,7 @@ from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
+from worker.core import outdir
 
 H = 512
 TOKENS = 65536
@@ -68,7 +69,7 @@ def test_a_64k_sample_goes_through_the_farm_under_a_limit_sized_for_it(tmp_path:
         assert pool and max(_peak_rss_mb(pid) for pid in pool) <= MAX_RSS_MB
         # And the file holds the synthetic model's values at the first and last positions
         model = SyntheticModel(ensure_synthetic_model(CACHE, H, 61))
-        with safe_open(str(c.final_path(farm.output_dir, "long64k")), "pt") as f:
+        with safe_open(str(outdir.final_path(farm.output_dir, "long64k")), "pt") as f:
             hidden = f.get_slice(c.T_HIDDEN)
             assert tuple(hidden.get_shape()) == (TOKENS, H)
             for lo in (0, TOKENS - 4):

@@ -19,6 +19,7 @@ from sglang_patch.synthetic import (
 )
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
 from worker.core import canary as canaries
+from worker.core import outdir
 
 H = 256
 
@@ -46,7 +47,7 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
         # Then every file holds exactly the synthetic model's values for its tokens
         model = _model()
         for key in keys:
-            t = load_file(str(c.final_path(farm.output_dir, key)))
+            t = load_file(str(outdir.final_path(farm.output_dir, key)))
             ids = t[c.T_INPUT_IDS].tolist()
             hidden, aux = model.rows(ids, range(len(ids)))
             assert t[c.T_HIDDEN].shape == (len(ids), H)
@@ -58,7 +59,7 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
         assert info["hsfarm"]["hidden_size"] == H and 0 < info["busy_s"] < info["uptime_s"]
         probes = 2 * len(PROBE_IDS)  # each worker's start-up probe request
         samples_tokens = sum(int(np.asarray(load_file(str(
-            c.final_path(farm.output_dir, k)))[c.T_INPUT_IDS]).size) for k in keys)
+            outdir.final_path(farm.output_dir, k)))[c.T_INPUT_IDS]).size) for k in keys)
         # each worker's start-up canary: one records it, the other compares (or, when both
         # recorded at once, the one whose recording did not stand compares too)
         canary = sum(len(x.input_ids) for x in canaries.load(farm.output_dir)[0])

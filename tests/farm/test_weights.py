@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from worker.core import weights
-from worker.core.store import MANIFEST
+from worker.core.outdir import MANIFEST
 
 # --- the server's weights against the run's ------------------------------------------------------
 

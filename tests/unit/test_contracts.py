@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_patch import contracts as c
+from worker.core import outdir
 
 RUN = "0123456789abcdef"
 
@@ -92,10 +93,10 @@ def test_records_without_id_are_keyed_by_content_not_position() -> None:
 
 
 def test_final_path_is_sharded_inside_the_output_dir(tmp_path) -> None:
-    p = c.final_path(tmp_path, "ex-0001")
+    p = outdir.final_path(tmp_path, "ex-0001")
     assert p.parent.parent == tmp_path / "samples"
     assert p.name == "ex-0001.safetensors"
-    assert p == c.final_path(tmp_path, "ex-0001")
+    assert p == outdir.final_path(tmp_path, "ex-0001")
 
 
 def _fp(**kw: object) -> c.Fingerprint:

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from sglang_patch import contracts as c
-from training import checksums
 from training.export.formats import FORMATS, Speculators, _StackFeed
 from training.prenorm import speculators_stack
+from worker.core import checksums, tensorfile
 from worker.core import checksums as ck
-from worker.core import tensorfile
 from worker.core.errors import Corrupt
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from sglang_patch import contracts as c
 from sglang_patch import fp8 as codec
 from sglang_patch.dump_writer import DumpCollector, DumpWriter
-from worker.core import checksums, dumps, tensorfile
+from worker.core import checksums, dumps, outdir, tensorfile
 from worker.core import fp8 as checks
 from worker.core.errors import ConfigError, Corrupt, ServerMisconfigured
 from worker.core.settings import Settings
@@ -229,7 +229,7 @@ def test_the_worker_stores_fp8_dumps_and_refuses_nan_zero_scales_and_the_other_d
         path = _fp8_dump(tmp_path / "bad", ids, x, nan=nan, scale=scale)
         with dumps.open_dump(path, ids, _fp()) as d, pytest.raises(Corrupt, match=message):
             _copy(store, d, "bad")
-        assert not c.final_path(store.out_dir, "bad").exists()
+        assert not outdir.final_path(store.out_dir, "bad").exists()
     # A dump of the other dtype is the server's misconfiguration (the worker waits), with the fix
     with pytest.raises(ServerMisconfigured, match=f"{c.ENV_DUMP_DTYPE}=fp8_e4m3"):
         dumps.open_dump(_fp8_dump(tmp_path / "bf", ids, x, dtype=c.DTYPE_BF16), ids, _fp())

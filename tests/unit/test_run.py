@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from sglang_patch import contracts as c
-from worker.core import run
+from worker.core import outdir, run
 from worker.core.settings import Settings
 from worker.state.queue_scan import task_id
 
@@ -28,7 +28,7 @@ def test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints() -> No
 
 def test_the_run_id_comes_from_the_output_dir(tmp_path: Path) -> None:
     assert run.read_run_id(tmp_path) is None and run.run_id_of(tmp_path) == c.NO_RUN
-    (tmp_path / run.MANIFEST).write_text(json.dumps(MANIFEST))
+    (tmp_path / outdir.MANIFEST).write_text(json.dumps(MANIFEST))
     assert run.read_run_id(tmp_path) == run.run_id(MANIFEST)
 
 

@@ -11,10 +11,10 @@ import pytest
 
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE
-from worker.core import weights
+from worker.core import outdir, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
-from worker.core.store import MANIFEST, OutputStore
+from worker.core.store import OutputStore
 from worker.server.fingerprint import compute_fingerprint
 
 
@@ -54,7 +54,7 @@ def test_open_refuses_another_checkpoint_before_anything_is_written(
     # Given an output dir opened with the tiny model: the manifest records its identity
     out = tmp_path / "out"
     first = _store(out, tiny_model).open()
-    manifest = json.loads((out / MANIFEST).read_text())
+    manifest = json.loads((out / outdir.MANIFEST).read_text())
     assert manifest["weights"]["id"] == first.weights_id == first.recorded_weights_id()
     # When it is opened with another checkpoint of the same config
     with pytest.raises(ConfigError) as e:
@@ -78,7 +78,7 @@ def test_truncated_shard_is_refused(tmp_path: Path, tiny_model: Path) -> None:
     # Then even a new run refuses it, saying so
     with pytest.raises(ConfigError, match="truncated or damaged"):
         _store(tmp_path / "out", model).open()
-    assert not (tmp_path / "out" / MANIFEST).exists()
+    assert not (tmp_path / "out" / outdir.MANIFEST).exists()
 
 
 def test_manifest_without_identity_still_opens(tmp_path: Path, tiny_model: Path,
@@ -86,9 +86,9 @@ def test_manifest_without_identity_still_opens(tmp_path: Path, tiny_model: Path,
     # Given an output dir of a run started before the weights identity existed
     out = tmp_path / "out"
     _store(out, tiny_model).open()
-    manifest = json.loads((out / MANIFEST).read_text())
+    manifest = json.loads((out / outdir.MANIFEST).read_text())
     del manifest["weights"]
-    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / outdir.MANIFEST).write_text(json.dumps(manifest))
     # When a worker opens it
     store = _store(out, tiny_model).open()
     # Then it keeps running, says what cannot be checked, and tags new files with the identity
@@ -110,9 +110,9 @@ def test_a_host_without_the_weight_files_or_another_scheme_is_not_refused(
     assert store.weights_id == recorded
     assert "no *.safetensors weight files" in caplog.text
     # And an identity of another scheme (another hsfarm version) is not a mismatch either
-    manifest = json.loads((out / MANIFEST).read_text())
+    manifest = json.loads((out / outdir.MANIFEST).read_text())
     manifest["weights"]["scheme"] = "hsfarm-weights-0"
-    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / outdir.MANIFEST).write_text(json.dumps(manifest))
     assert _store(out, tiny_model).open().weights_id == recorded
     assert "identity scheme" in caplog.text
 

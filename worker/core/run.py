@@ -18,9 +18,10 @@ from typing import Any
 import orjson
 
 from sglang_patch import contracts as c
+from worker.core import outdir
 from worker.core.settings import Settings
 
-MANIFEST = "manifest.json"
+TASK_NAME = "hsfarm.extract"  # the one task; its name is in every queued message
 M_RUN_NONCE = "run_nonce"  # manifest key: random, written once with the manifest
 QUEUE_PREFIX = "hsfarm."
 TASK_PREFIX = "hsd"  # task ids: hsd-<run id>-<publication>:<sample key> (task_id)
@@ -42,7 +43,7 @@ def run_id(manifest: Mapping[str, Any]) -> str:
 def read_run_id(out_dir: Path) -> str | None:
     """The run id of ``out_dir``; None while it has no readable manifest (no run began)."""
     try:
-        manifest = json.loads((out_dir / MANIFEST).read_text())
+        manifest = json.loads((out_dir / outdir.MANIFEST).read_text())
     except (OSError, ValueError):
         return None
     return run_id(manifest) if isinstance(manifest, dict) else None

@@ -16,7 +16,8 @@ import redis
 from worker.core.run import QUEUE_PREFIX, message_task_id, sample_key_of, task_id
 from worker.state import keys
 
-__all__ = ["broker_depth", "broker_sample_keys", "broker_task_ids", "sample_key_of", "task_id"]
+__all__ = ["broker_depth", "broker_sample_keys", "broker_sample_keys_at_once", "broker_task_ids",
+           "delivered_at", "is_unacked", "sample_key_of", "task_id", "unacked_older_than"]
 
 _PAGE = 2000
 
@@ -78,3 +79,32 @@ def sharing_warning(queue: str, run: str, others: list[str]) -> str:
             f"{', '.join(others)}: each worker takes the other runs' messages and hands them "
             "back untouched (nothing is lost, but work slows down). Unset FARM_QUEUE so each "
             f"run gets its own queue ({QUEUE_PREFIX}<run id>), or give each run its own name")
+def broker_sample_keys_at_once(r: redis.Redis, queue: str, run_id: str) -> set[str]:
+    """Sample keys of run ``run_id`` with a message queued on ``queue`` or unacknowledged,
+    read at one instant (one MULTI: no message is missed moving between the two)."""
+    p = r.pipeline(transaction=True)
+    p.lrange(queue, 0, -1)
+    p.hvals(keys.KOMBU_UNACKED)
+    queued, unacked = p.execute()
+    ids = [message_task_id(m) for m in queued]
+    ids += [message_task_id(m, unacked=True) for m in unacked]
+    found = (sample_key_of(t, run_id) for t in ids if t)
+    return {k for k in found if k is not None}
+
+
+def is_unacked(r: redis.Redis, tag: str) -> bool:
+    """The message of delivery tag ``tag`` is delivered and not acknowledged."""
+    return bool(r.hexists(keys.KOMBU_UNACKED, tag))
+
+
+def delivered_at(r: redis.Redis, tag: str) -> float | None:
+    """When kombu delivered the unacknowledged message ``tag`` (None: it is not)."""
+    at = r.zscore(keys.KOMBU_UNACKED_INDEX, tag)
+    return None if at is None else float(at)
+
+
+def unacked_older_than(r: redis.Redis, age_s: float) -> list[str]:
+    """Delivery tags of unacknowledged messages delivered more than ``age_s`` ago."""
+    old: list[bytes] = r.zrange(  # type: ignore[assignment]
+        keys.KOMBU_UNACKED_INDEX, 0, time.time() - age_s, byscore=True)
+    return [t.decode() if isinstance(t, bytes) else t for t in old]

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from worker.core import outdir
 from worker.core.settings import Settings
 from worker.state import hosts
 from worker.steps.base import Farm, ThreadStep, farm_of
@@ -30,7 +31,7 @@ def register_host(r: redis.Redis, settings: Settings, run_id: str, fingerprint_i
     if got.set_aside:
         log.warning("host %s: %d final files set aside in %s: the run records them as done on "
                     "another host (this host was lost before the run learnt it had done them)",
-                    name, got.set_aside, settings.output_dir / hosts.SET_ASIDE)
+                    name, got.set_aside, settings.output_dir / outdir.DONE_ELSEWHERE_DIR)
 
 
 class HostBeat(ThreadStep):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
+from worker.core import outdir
 from worker.core.settings import Settings
 from worker.server.canary_check import canary_writer_gone
 from worker.steps.base import TimerStep, farm_of
@@ -36,7 +37,7 @@ def sweep_dumps(settings: Settings, run: str, now: float | None = None) -> int:
             if rid is None or rid.run not in (run, c.NO_RUN) or not p.is_file():
                 continue
             old = now - p.stat().st_mtime > max_age_s
-            finished = rid.run == run and c.final_path(settings.output_dir,
+            finished = rid.run == run and outdir.final_path(settings.output_dir,
                                                        rid.sample_key).exists()
             if finished or old or (rid.run == run and canary_writer_gone(rid.sample_key)):
                 p.unlink()

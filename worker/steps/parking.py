@@ -19,6 +19,7 @@ from worker.core.settings import Settings
 from worker.state import broker
 from worker.state.corpus import Corpus, readable
 from worker.state.index import RunIndex
+from worker.state.publish import send_all
 
 log = logging.getLogger("hsfarm.parking")
 
@@ -61,15 +62,8 @@ def publish(app: Celery, settings: Settings, index: RunIndex, sample_keys: list[
     """Publish one message per registered sample of ``sample_keys`` on the run's queue."""
     queue = runs.queue_for(settings, index.fp)
     publication = index.next_publication()
-    sent = 0
-    with app.producer_or_acquire() as producer:
-        for key, reg in zip(sample_keys, index.registered(sample_keys), strict=True):
-            if reg is None:
-                continue
-            ref = SampleRef(key=key, file="", offset=reg.offset, length=reg.length,
-                            sha256=reg.sha256, index=reg.index, fid=reg.fid)
-            app.send_task(runs.TASK_NAME, args=[ref.to_json()], queue=queue, producer=producer,
-                          task_id=runs.task_id(index.fp, publication, key), argsrepr=key,
-                          kwargsrepr="{}")
-            sent += 1
-    return sent
+    refs = (SampleRef(key=key, file="", offset=reg.offset, length=reg.length,
+                      sha256=reg.sha256, index=reg.index, fid=reg.fid)
+            for key, reg in zip(sample_keys, index.registered(sample_keys), strict=True)
+            if reg is not None)
+    return send_all(app, queue, index.fp, publication, refs)

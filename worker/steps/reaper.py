@@ -21,7 +21,7 @@ from celery.worker import state as worker_state
 
 from worker.core import liveness
 from worker.core.settings import Settings
-from worker.state import broker, keys
+from worker.state import broker, keys, queue_scan
 from worker.steps.base import TimerStep, farm_of
 
 log = logging.getLogger("hsfarm.reaper")
@@ -68,7 +68,7 @@ def reap(app: Celery, r: redis.Redis, held: set[str]) -> int:
     for tag, owner in owners.items():
         if owner == me and tag in held:
             continue
-        if not r.hexists(keys.KOMBU_UNACKED, tag):
+        if not queue_scan.is_unacked(r, tag):
             forget(r, tag, owner)  # acknowledged, or restored by kombu: nothing to do
             continue
         if owner == me:
@@ -95,20 +95,17 @@ def _still_theirs(r: redis.Redis, tag: str, owner: str) -> bool:
     running sample in the queue. A delivery younger than ``DELIVERY_SETTLE_S`` is left to the
     next round, when its owner is known.
     """
-    p = r.pipeline(transaction=False)
-    p.hget(keys.OWNERS, tag)
-    p.zscore(keys.KOMBU_UNACKED_INDEX, tag)
-    current, delivered_at = p.execute()
-    return (current is not None and _text(current) == owner and delivered_at is not None
-            and time.time() - float(delivered_at) >= DELIVERY_SETTLE_S)
+    current = r.hget(keys.OWNERS, tag)
+    at = queue_scan.delivered_at(r, tag)
+    return (current is not None and _text(current) == owner and at is not None
+            and time.time() - at >= DELIVERY_SETTLE_S)
 
 
 def _return_orphans(app: Celery, r: redis.Redis, owners: dict[str, str]) -> int:
     """Unacknowledged messages older than ``ORPHAN_AGE_S`` that nobody owns (their receiver died
     between kombu recording the delivery and recording itself as their owner): back."""
-    old: list[bytes] = r.zrange(  # type: ignore[assignment]
-        keys.KOMBU_UNACKED_INDEX, 0, time.time() - ORPHAN_AGE_S, byscore=True)
-    orphans = [_text(t) for t in old if _text(t) not in owners]
+    old = queue_scan.unacked_older_than(r, ORPHAN_AGE_S)
+    orphans = [t for t in old if t not in owners]
     for tag in orphans:
         _restore(app, tag)
         log.warning("returned message %s, which no worker owns, to the queue", tag)
@@ -137,7 +134,7 @@ def forget_if_settled(r: redis.Redis, tag: str) -> None:
     """After an acknowledgement or a hand-back: forget the message, unless it is still
     unacknowledged (kombu logs and swallows a failed ack while Redis is away); then it stays
     ours, and the reaper returns it once Redis answers, since we no longer hold it."""
-    if not r.hexists(keys.KOMBU_UNACKED, tag):
+    if not queue_scan.is_unacked(r, tag):
         forget(r, tag, liveness.identity())
 
 

@@ -39,9 +39,10 @@ from worker.core.errors import Corrupt, FarmError
 from worker.core.samples import SampleRef
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
-from worker.state import broker, keys, ledger
+from worker.state import broker, keys, ledger, publish
 from worker.state import lease as leases
 from worker.state.index import Registered, RunIndex, as_text
+from worker.state.queue_scan import broker_sample_keys_at_once
 from worker.steps.base import ThreadStep, farm_of
 
 log = logging.getLogger("hsfarm.reconciler")
@@ -50,19 +51,6 @@ log = logging.getLogger("hsfarm.reconciler")
 # janitor publishes it again once the file reads
 _SETTLED = (keys.FAILED, keys.REJECTED, keys.STALE, keys.PARKED)
 Sleep = Callable[[float], object]
-
-
-def broker_keys(r: redis.Redis, queue: str, run_id: str) -> set[str]:
-    """Sample keys of run ``run_id`` with a message queued on ``queue`` or unacknowledged,
-    read at one instant (one MULTI: no message is missed moving between the two)."""
-    p = r.pipeline(transaction=True)
-    p.lrange(queue, 0, -1)
-    p.hvals(keys.KOMBU_UNACKED)
-    queued, unacked = p.execute()
-    ids = [runs.message_task_id(m) for m in queued]
-    ids += [runs.message_task_id(m, unacked=True) for m in unacked]
-    found = (runs.sample_key_of(t, run_id) for t in ids if t)
-    return {k for k in found if k is not None}
 
 
 def _settled(index: RunIndex) -> set[str]:
@@ -85,7 +73,7 @@ def in_no_state(index: RunIndex, queue: str) -> dict[str, Registered]:
     candidates = {k: reg for k, reg in index.iter_registered() if k not in settled}
     if not candidates:
         return {}
-    busy = broker_keys(r, queue, index.fp)
+    busy = broker_sample_keys_at_once(r, queue, index.fp)
     names = [k for k in candidates if k not in busy]
     p = r.pipeline(transaction=False)
     for key in names:
@@ -202,10 +190,7 @@ class Reconciler:
         publication = self.index.next_publication()
         with self.app.producer_or_acquire() as producer:
             for ref in refs:
-                self.app.send_task(
-                    runs.TASK_NAME, args=[ref.to_json()],
-                    task_id=runs.task_id(self.run_id, publication, ref.key), queue=self.queue,
-                    producer=producer, argsrepr=ref.key, kwargsrepr="{}")
+                publish.send(self.app, self.queue, self.run_id, publication, ref, producer)
                 self.r.hincrby(self.index.k(keys.REPUBLISHED), ref.key, 1)
                 log.warning("%s republished: in no state (its task message was lost)", ref.key)
         return len(refs)
