@@ -1,9 +1,11 @@
-"""The training side on real farm output: index, loader, exports, without Celery."""
+"""The training side's own arithmetic: the final norm found in a checkpoint (or said missing),
+a torn export-ledger line dropped, specforge's draft-vocab mapping, bf16 rounding and the
+pre-norm state against torch. No farm, no Celery.
+"""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,28 +13,11 @@ import pytest
 import torch
 
 from sglang_patch import contracts as c
-from tests.conftest import CACHE
-from tests.support.training_data import produce
 from training.export.ledger import NAME as LEDGER
 from training.export.runner import export
 from worker.core.errors import ConfigError
 from worker.core.final_norm import pick_final_norm
 from worker.core.store import OutputStore
-
-N = 12
-
-
-@pytest.fixture(scope="session")
-def farm_output(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
-    """Real output of a local farm (12 example samples), shared by this module's tests."""
-    return produce(tmp_path_factory.mktemp("training"), N, CACHE)
-
-
-@pytest.fixture
-def out(farm_output: Path, tmp_path: Path) -> Path:
-    """A private copy a test may change."""
-    shutil.copytree(farm_output, tmp_path / "out")
-    return tmp_path / "out"
 
 
 def test_final_norm_is_found_in_nested_and_other_checkpoints() -> None:
