@@ -1,20 +1,14 @@
-"""Every command ops/RUNBOOK.md tells a person to run exists, and the ones this machine can run
-are run, exactly as quoted, against a real farm (Redis with AOF, the reference server, a
-Celery worker) and print what the runbook says they print.
+"""The runbook commands this machine can run are run, exactly as quoted, against a real farm
+(Redis with AOF, the reference server, one Celery worker, 6 samples done) and print what the
+runbook says they print; so do its preflight checks of the output disk and the checkpoint.
 
-The commands are taken from the runbook's ``sh`` code blocks (every block is ``sh`` or
-``text``) and from its inline code that starts like a command. Each is checked by kind:
-``python -m producer`` / ``python -m sglang_patch`` against their own argument parsers;
-``ops/`` scripts exist and answer ``--help``; systemd units and compose services exist in
-ops/systemd and docker-compose.yml. What needs systemd, Docker or a GPU cannot run here and
-is said so (``NOT_HERE``).
+The commands are read by tests/support/runbook.py; that each exists is tests/unit/test_runbook.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -27,74 +21,7 @@ import pytest
 
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE, FarmFactory, wait_finished, write_samples
-
-ROOT = Path(__file__).resolve().parents[2]
-RUNBOOK = ROOT / "ops" / "RUNBOOK.md"
-# Not runnable on this machine, with the reason (they are still checked for existence).
-COMMAND_START = re.compile(r"^(?:[A-Z_]+=\S+ )*(python -m |ops/\S+\.sh|systemctl |journalctl "
-                           r"|celery |docker compose )")
-# Runnable here but not run: each starts something for good, or is run elsewhere.
-NOT_RUN = {"ops/launch-sglang.sh": "starts SGLang (its --dry-run runs here)",
-           "ops/start-redis.sh": "starts the production Redis",
-           "python -m producer demo": "the whole demo (tests/farm/test_demo.py runs it)",
-           "python -m producer dashboard --basic-auth-file /etc/hsfarm/dashboard-auth":
-               "serves until stopped (tests/farm/test_dashboard.py runs it against a farm)",
-           "python -m producer enqueue /data/train.jsonl --redo-host hostB":
-               "needs a second host the run has not heard from (tests/farm/test_hosts.py)",
-           "python -m producer index --from /data/hsfarm-out --from /mnt/hostB/hsfarm-out":
-               "needs a second host's output dir (tests/farm/test_training.py indexes two roots)",
-           "python -m producer export --to speculators /data/export --from /data/hsfarm-out "
-           "--from /mnt/hostB/hsfarm-out":
-               "needs a second host's output dir (tests/farm/test_training.py exports two roots)"}
-
-
-@dataclass(frozen=True)
-class Command:
-    line: str  # as quoted in the runbook (one command of a pipeline or list)
-    argv: tuple[str, ...]  # without leading VAR=value assignments
-
-    @property
-    def kind(self) -> str:
-        a = self.argv
-        if a[:2] == ("python", "-m"):
-            return f"python -m {a[2]}"
-        return "ops" if a[0].startswith("ops/") else a[0]
-
-
-def _split(line: str) -> list[list[str]]:
-    """Shell words of each simple command in ``line`` (split at ; | && ||), comments out."""
-    line = re.sub(r"<[a-z][a-z ]*>", "PLACEHOLDER", line)  # `<that service>`
-    lex = shlex.shlex(line, posix=True, punctuation_chars=";|&")
-    lex.whitespace_split = True
-    out: list[list[str]] = [[]]
-    for tok in lex:
-        if tok in (";", "|", "&&", "||"):
-            out.append([])
-        else:
-            out[-1].append(tok)
-    return [words for words in out if words]
-
-
-def runbook_commands() -> list[Command]:
-    text = RUNBOOK.read_text()
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
-    assert blocks and all(lang in ("sh", "text") for lang, _ in blocks), \
-        "every code block of the runbook is sh (commands) or text (what they print)"
-    lines = [x for lang, body in blocks if lang == "sh" for x in body.splitlines()]
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
-    lines += [x for x in re.findall(r"`([^`\n]+)`", prose) if COMMAND_START.match(x)]
-    cmds = []
-    for line in lines:
-        for words in _split(line):
-            while words and re.match(r"^[A-Z_]+=", words[0]):
-                words = words[1:]
-            if words:
-                cmds.append(Command(line.split("  #")[0].strip(), tuple(words)))
-    return cmds
-
-
-COMMANDS = runbook_commands()
-
+from tests.support.runbook import ROOT, RUNNABLE
 
 # --- the ones that run here, against a real farm ------------------------------------------
 
@@ -131,15 +58,6 @@ def run_here(farm: LocalFarm, line: str, **extra: str) -> Ran:
     res = subprocess.run(["bash", "-c", line.replace("/data/train.jsonl", str(data))],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     return Ran(line, res.returncode, res.stdout + res.stderr)
-
-
-def _runnable(cmd: Command) -> bool:
-    return cmd.kind in ("python -m producer", "python -m sglang_patch", "ops", "df") \
-        and "/path/to/" not in cmd.line and "--help" not in cmd.argv \
-        and cmd.line not in NOT_RUN
-
-
-RUNNABLE = sorted({c.line for c in COMMANDS if _runnable(c)})
 
 
 def expect(ran: Ran) -> None:
