@@ -1,6 +1,7 @@
-"""The dump dir is the server's and the workers' alone: one that another user made (or can
-write to) is refused by the server, the workers, preflight and the launcher; dumps, errors and
-markers are private; a dump that is a link or another user's file is never read."""
+"""A dump dir that another user made first (or can write to), or whose parent another user owns,
+is refused by every side that meets it: the reference server, the workers, preflight and the
+launcher, each run as a real process.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,19 +18,11 @@ from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from tests.conftest import CACHE, FAST_ENV
+from tests.support.dumpdir import AS_NOBODY, NOBODY
+from tests.support.dumpdir import shm_dir as shm_dir  # a fixture
+from tests.support.dumpdir import shm_parent as shm_parent  # a fixture
 
 ROOT = Path(__file__).resolve().parents[2]
-NOBODY = 65534
-AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A path under /dev/shm (world-writable, as in production) that nothing holds yet."""
-    path = Path(f"/dev/shm/hsfarm-test-dumpdir-{os.getpid()}")
-    shutil.rmtree(path, ignore_errors=True)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_dump_dir_another_user_made_first_is_refused_by_every_side(
@@ -87,16 +79,6 @@ def _refusal(path: Path) -> dumpdir.DumpDirUnsafe:
     with pytest.raises(dumpdir.DumpDirUnsafe) as e:
         dumpdir.ensure(path)
     return e.value
-
-
-@pytest.fixture
-def shm_parent() -> Iterator[Path]:
-    """A directory under /dev/shm for a dump dir to sit in, made by root (0755)."""
-    path = Path(f"/dev/shm/hsfarm-test-parent-{os.getpid()}")
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(mode=0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_dump_dir_whose_parent_another_user_owns_is_refused_by_server_and_worker(

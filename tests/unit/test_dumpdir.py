@@ -1,6 +1,7 @@
-"""The dump dir is the server's and the workers' alone: one that another user made (or can
-write to) is refused by the server, the workers, preflight and the launcher; dumps, errors and
-markers are private; a dump that is a link or another user's file is never read."""
+"""The dump dir's files are its users' alone: dumps, errors and markers are private, and a dump
+that is a link or another user's file, or a dump dir put in place of the checked one, is never
+read or written. Files, and ``nobody`` (setpriv) as the other user; no server or worker.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import shutil
 import stat
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,22 +18,13 @@ from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from sglang_patch.dump_writer import DumpWriter, Failed, Rows, _Done
 from sglang_patch.markers import write_ready_marker
+from tests.support.dumpdir import AS_NOBODY, NOBODY
+from tests.support.dumpdir import shm_dir as shm_dir  # a fixture
+from tests.support.dumpdir import shm_parent as shm_parent  # a fixture
 from worker.core import dumps as worker_dumps
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 from worker.server.fingerprint import compute_fingerprint
-
-NOBODY = 65534
-AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A path under /dev/shm (world-writable, as in production) that nothing holds yet."""
-    path = Path(f"/dev/shm/hsfarm-test-dumpdir-{os.getpid()}")
-    shutil.rmtree(path, ignore_errors=True)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_dump(d: Path, rid: str, n: int = 4, h: int = 8, config_sha256: str = "") -> Path:
@@ -103,16 +94,6 @@ def test_a_dump_that_is_a_link_or_another_users_file_is_never_read(tmp_path: Pat
 
     with pytest.raises(ConfigError, match="is a symbolic link"):
         asyncio.run(worker_dumps.wait_for_dump(d, "hsd-e-a1-n4", 2.0))
-
-
-@pytest.fixture
-def shm_parent() -> Iterator[Path]:
-    """A directory under /dev/shm for a dump dir to sit in, made by root (0755)."""
-    path = Path(f"/dev/shm/hsfarm-test-parent-{os.getpid()}")
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(mode=0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_dump_dir_put_in_place_of_the_checked_one_is_never_read_or_written(
