@@ -1,6 +1,8 @@
-"""ops/: preflight and the SGLang launcher as a person runs them, and deployment files that
-agree with the settings table. Real scripts, a real Redis; the GPU is the one thing this
-machine lacks: where a test needs nvidia-smi it puts a stand-in on PATH and says so."""
+"""ops/ against real processes: preflight on a private Redis (one per module) before anything is
+done and with the plugin checks, GPU holders named, the launcher's dry run, the reference
+server's dead marker gone after a restart, and each Dockerfile copying what the package needs.
+The GPU is the one thing this machine lacks: a stand-in nvidia-smi goes on PATH, said so.
+"""
 
 from __future__ import annotations
 
@@ -17,23 +19,7 @@ import pytest
 from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, write_samples
-
-ROOT = Path(__file__).resolve().parents[2]
-OPS = ROOT / "ops"
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without the farm's variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FARM_", "SGLANG_")) and k not in ("REDIS_URL", "PYTHON")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    return {**env, **extra}
-
-
-def sh(*argv: str, env: dict[str, str], cwd: Path = ROOT,
-       timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", *argv], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout_s)
+from tests.support.ops import OPS, ROOT, clean_env, sh
 
 
 @pytest.fixture(scope="module")

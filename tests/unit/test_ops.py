@@ -1,13 +1,14 @@
-"""ops/: preflight and the SGLang launcher as a person runs them, and deployment files that
-agree with the settings table. Real scripts, a real Redis; the GPU is the one thing this
-machine lacks: where a test needs nvidia-smi it puts a stand-in on PATH and says so."""
+"""ops/ without a farm: preflight's Python and GPU lines, the SGLang launcher's help, dry runs
+and refusals (real scripts in bash), and deployment files (the env example, compose, systemd,
+README, runbook) that agree with the settings table. Where a test needs nvidia-smi it puts a
+stand-in on PATH and says so.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -15,25 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.ops import OPS, ROOT, clean_env, sh
 from worker.core.settings import Settings, _env_name
 
-ROOT = Path(__file__).resolve().parents[2]
-OPS = ROOT / "ops"
 SETTING_NAMES = {_env_name(f.name) for f in fields(Settings)}
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without the farm's variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FARM_", "SGLANG_")) and k not in ("REDIS_URL", "PYTHON")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    return {**env, **extra}
-
-
-def sh(*argv: str, env: dict[str, str], cwd: Path = ROOT,
-       timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", *argv], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout_s)
 
 
 # --- preflight ---------------------------------------------------------------------------------
