@@ -1,5 +1,7 @@
-"""fp8 storage (FARM_STORE_DTYPE=fp8_e4m3): the codec, the hook, the worker's checks, the run's
-fingerprint, and one run end to end through real workers, read back by the training side."""
+"""fp8 storage through real processes: one run end to end through real workers, read back by
+the training side; an fp8 export's disk budget, and a full destination named whichever writer
+hits it.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +17,9 @@ import torch
 from sglang_patch import contracts as c
 from tests.conftest import wait_finished
 from tests.support.faults import enqueue, running_farm
+from tests.support.fp8 import rel_err
 from worker.core import outdir, tensorfile
 from worker.core.errors import ConfigError
-
-
-def _rel_err(x: torch.Tensor, y: torch.Tensor, layers: int) -> torch.Tensor:
-    """|x - y| / |x| (L2 over each layer's row): [T, layers]; 0 where x is 0."""
-    a, b = x.view(x.shape[0], layers, -1), y.view(y.shape[0], layers, -1)
-    return (a - b).norm(dim=2) / a.norm(dim=2).clamp_min(1e-30)
 
 
 def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_model: Path) -> None:
@@ -63,7 +60,7 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
         ref = model.forward_chunk(model.new_cache(), ids, 0)
         want = torch.cat([ref.aux, ref.hidden], dim=1).to(torch.bfloat16).float()
         got = torch.cat([item[c.T_AUX], item[c.T_HIDDEN]], dim=1).float()
-        err = _rel_err(want, got, 4)
+        err = rel_err(want, got, 4)
         assert err.max() < 0.06 and err.mean() < 0.04, (err.max(0), err.mean(0))
     # And index works, and every trainer's export verifies and holds the loader's bf16 values
     report = index.refresh(out, verify=True)

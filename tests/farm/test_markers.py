@@ -1,5 +1,4 @@
-"""Ready markers: which are dead (this boot, this pid namespace, the process gone or its pid
-reused), and that only those are ever removed. Real processes write every marker."""
+"""A ready marker of a live process in another pid namespace (``unshare``) is never removed."""
 
 from __future__ import annotations
 
@@ -13,11 +12,7 @@ import pytest
 
 from sglang_patch import contracts as c
 from sglang_patch import markers as mk
-
-WRITE = ("import os, sys, time; from pathlib import Path; "
-         "from sglang_patch.markers import write_ready_marker; "
-         "write_ready_marker(Path(sys.argv[1]), {'layers_to_capture': [2, 30, 58]}); "
-         "print(os.getpid(), flush=True); time.sleep(float(sys.argv[2]))")
+from tests.support.markers import WRITE
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,

@@ -18,10 +18,10 @@ from producer.localfarm.farm import free_port
 from producer.preflight import check_redis
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import enqueue, running_farm
+from tests.support.redis_auth import OPEN_DOOR
 from worker.core.errors import ConfigError
 from worker.state import broker
 
-OPEN_DOOR = "redis://alice@192.0.2.1:6379/0"  # TEST-NET-1; a user, no password
 # The default user stays on, with a password of its own: with it off, Redis 7.0 drops every
 # MULTI/EXEC from its AOF on restart (broker.replay_loss)
 ACL = ["--user", "default", "on", ">admin-pw", "~*", "&*", "+@all",

@@ -1,4 +1,6 @@
-"""The synthetic server mode: deterministic Kimi-shaped dumps, and the farm end to end on it."""
+"""The farm end to end on the synthetic server: real workers, Kimi-shaped dumps, every farm
+invariant held.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +15,10 @@ from safetensors.torch import load_file
 from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.probe import PROBE_IDS
-from sglang_patch.synthetic import (
-    SyntheticModel,
-    ensure_synthetic_model,
-)
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
+from tests.support.synthetic import H, synthetic_model
 from worker.core import canary as canaries
 from worker.core import outdir
-
-H = 256
-
-
-def _model(seed: int = 0) -> SyntheticModel:
-    return SyntheticModel(ensure_synthetic_model(CACHE, H, 61), seed=seed)
 
 
 def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
@@ -45,7 +38,7 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
         keys = [str(s["id"]) for s in samples]
         assert_farm_invariants(farm, keys)
         # Then every file holds exactly the synthetic model's values for its tokens
-        model = _model()
+        model = synthetic_model()
         for key in keys:
             t = load_file(str(outdir.final_path(farm.output_dir, key)))
             ids = t[c.T_INPUT_IDS].tolist()

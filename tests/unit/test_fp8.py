@@ -1,5 +1,7 @@
-"""fp8 storage (FARM_STORE_DTYPE=fp8_e4m3): the codec, the hook, the worker's checks, the run's
-fingerprint, and one run end to end through real workers, read back by the training side."""
+"""fp8 storage (FARM_STORE_DTYPE=fp8_e4m3) in one process: the codecs' error bounds and their
+agreement, the hook's dumps, the synthetic stager, the worker's store and its refusals, files
+of the older layout, verify, and the storage dtype in the run's fingerprint.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from sglang_patch import contracts as c
 from sglang_patch import fp8 as codec
 from sglang_patch.dump_writer import DumpCollector, DumpWriter
+from tests.support.fp8 import rel_err
 from worker.core import checksums, dumps, outdir, tensorfile
 from worker.core import fp8 as checks
 from worker.core.errors import ConfigError, Corrupt, ServerMisconfigured
@@ -39,12 +42,6 @@ def _states(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _rel_err(x: torch.Tensor, y: torch.Tensor, layers: int) -> torch.Tensor:
-    """|x - y| / |x| (L2 over each layer's row): [T, layers]; 0 where x is 0."""
-    a, b = x.view(x.shape[0], layers, -1), y.view(y.shape[0], layers, -1)
-    return (a - b).norm(dim=2) / a.norm(dim=2).clamp_min(1e-30)
-
-
 def test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree() -> None:
     # Given model-like rows (outlier channels, a row of zeros)
     x = _states(64)
@@ -58,7 +55,7 @@ def test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree() -> None:
     step = x.abs() * 2.0 ** -4 + per_value * 2.0 ** -10
     assert ((back - x).abs() <= step).all()
     assert checks.bad_scales(s.numpy()) == 0 and not back[3].any()
-    err = _rel_err(x, back, 4)
+    err = rel_err(x, back, 4)
     assert err.max() < 0.05 and err.mean() < 0.03, (err.max(), err.mean())
     # And the worker's table (numpy, no torch) reads the same values as torch
     assert np.array_equal(checks.dequantize(q.numpy(), s.numpy(), layers=4), back.numpy())

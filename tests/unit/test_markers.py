@@ -1,5 +1,7 @@
-"""Ready markers: which are dead (this boot, this pid namespace, the process gone or its pid
-reused), and that only those are ever removed. Real processes write every marker."""
+"""Ready markers: which are dead (this boot, the process gone or its pid reused), that only
+those are ever removed, and what ``python -m sglang_patch verify`` makes of them. Real child
+processes write every marker; no server, no other pid namespace.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +16,7 @@ from pathlib import Path
 from sglang_patch import contracts as c
 from sglang_patch import markers as mk
 from sglang_patch.verify import check_marker
-
-WRITE = ("import os, sys, time; from pathlib import Path; "
-         "from sglang_patch.markers import write_ready_marker; "
-         "write_ready_marker(Path(sys.argv[1]), {'layers_to_capture': [2, 30, 58]}); "
-         "print(os.getpid(), flush=True); time.sleep(float(sys.argv[2]))")
+from tests.support.markers import WRITE
 
 
 def _marker_of_dead_process(dump_dir: Path) -> Path:

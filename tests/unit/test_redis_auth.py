@@ -1,16 +1,15 @@
-"""Redis across hosts is not an open door: a password, TLS, and refusal of anything less.
-
-The refusal tests run their commands in a network namespace of their own (``unshare --net``,
-only a loopback that is down), so the non-loopback address they name is never reached.
+"""Which Redis URLs need a password: loopback and unix sockets do not, any other host does
+(a user without a password is still an open door), and the password is masked wherever the
+URL is shown. Settings only; no Redis.
 """
 
 from __future__ import annotations
 
+from tests.support.redis_auth import OPEN_DOOR
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 from worker.state import broker
 
-OPEN_DOOR = "redis://alice@192.0.2.1:6379/0"  # TEST-NET-1; a user, no password
 # The default user stays on, with a password of its own: with it off, Redis 7.0 drops every
 # MULTI/EXEC from its AOF on restart (broker.replay_loss)
 

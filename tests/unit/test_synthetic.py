@@ -1,4 +1,6 @@
-"""The synthetic server mode: deterministic Kimi-shaped dumps, and the farm end to end on it."""
+"""The synthetic server mode's model: a Kimi-shaped model dir without weights, values that depend
+on token and position only, and a pooled buffer never reused while a dump part points into it.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +16,7 @@ from sglang_patch.synthetic import (
     ensure_synthetic_model,
 )
 from tests.conftest import CACHE
-
-H = 256
-
-
-def _model(seed: int = 0) -> SyntheticModel:
-    return SyntheticModel(ensure_synthetic_model(CACHE, H, 61), seed=seed)
+from tests.support.synthetic import H, synthetic_model
 
 
 def test_the_model_dir_is_kimi_like_and_needs_no_weights() -> None:
@@ -32,7 +29,7 @@ def test_the_model_dir_is_kimi_like_and_needs_no_weights() -> None:
 
 
 def test_values_depend_on_token_and_position_only() -> None:
-    m, again = _model(), _model()
+    m, again = synthetic_model(), synthetic_model()
     ids = [5, 7, 5, 9, 11, 13]
     hidden, aux = m.rows(ids, range(6))
     # deterministic across instances, finite, and different for the same token elsewhere
@@ -40,7 +37,7 @@ def test_values_depend_on_token_and_position_only() -> None:
     assert hidden.shape == (6, H) and aux.shape == (6, 3 * H) and hidden.dtype == torch.bfloat16
     assert torch.isfinite(aux.float()).all()
     assert not torch.equal(hidden[0], hidden[2])
-    assert not torch.equal(_model(seed=1).rows(ids, range(6))[0], hidden)
+    assert not torch.equal(synthetic_model(seed=1).rows(ids, range(6))[0], hidden)
     # a batch of chunks at their prefixes gives the same rows as the whole request
     out = m.forward_batch([(ids[:4], 0), ([1, 2], 0), (ids[4:], 4)])
     assert torch.equal(out.hidden[:4], hidden[:4]) and torch.equal(out.hidden[6:], hidden[4:])
@@ -49,7 +46,7 @@ def test_values_depend_on_token_and_position_only() -> None:
 
 def test_a_pooled_buffer_is_not_reused_while_a_dump_part_points_into_it() -> None:
     # Given a forward pass into pooled buffers, with a part of it staged for the writer
-    m = _model()
+    m = synthetic_model()
     stager = PooledStager(m.pool)
     out = m.forward_batch([([1, 2, 3], 0)])
     staged = stager.stage([out.ids[:3], out.hidden[:3], out.aux[:3]])
