@@ -1,5 +1,6 @@
-"""Security: JSON-only messages (a pickle is refused, never run), no pickle loading anywhere,
-no file outside the output directory."""
+"""Security on a real farm: JSON-only messages (a pickle is refused, never run), and a crafted
+task message deletes nothing, no file outside the output directory.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The training side on real farm output: index, loader, exports, without Celery."""
+"""The training side on real farm output (one local farm run of 12 samples per session): index,
+loader and exports without Celery; exports that resume, are killed, find damage or share a
+destination lose and double nothing.
+"""
 
 from __future__ import annotations
 

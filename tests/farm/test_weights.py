@@ -1,5 +1,6 @@
-"""The weights identity: another checkpoint of the same config, or a truncated shard, is
-refused when the output dir is opened, before any request; old manifests still open."""
+"""A real farm whose server serves other weights than the run's: the workers refuse it at first,
+take nothing, and start once the run's checkpoint is served.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""``adopt``'s checks of what it lets in: the served identity before any source is read, each
-hsfarm file's own header, and every file's first rows against the live server.
-
-Real processes: a private Redis, the reference server (the tiny model, or a fine-tune of it:
-the same config and tokenizer, other weights), ``python -m producer adopt`` as a user runs it.
+"""``adopt``'s checks as functions: each problem of an hsfarm file's header named by field, and
+how many prefix rows are compared against the chance a foreign minority goes unseen. No
+processes.
 """
 
 from __future__ import annotations

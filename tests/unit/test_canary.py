@@ -1,6 +1,7 @@
-"""The canary: recorded once per run, re-checked by every worker; a server serving other
-weights pauses the farm with nothing lost, and the same model (restarted, chunked or not)
-passes. Real Redis, real ``celery worker`` processes, real reference servers."""
+"""The canary's parts in one process: a recording written once and read back, a damaged one
+refused, a small mismatch named a change of numerics and a large one not, rows that include the
+chunk boundary. No server, Redis or worker.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CLI exit codes and messages when the surroundings are wrong."""
+"""Every option of the long-running commands says what it does in its help."""
 
 from __future__ import annotations
 

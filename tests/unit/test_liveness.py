@@ -1,6 +1,6 @@
-"""Who is alive: a process identity unique per machine (boot id and pid namespace), so a
-process of another machine with the same hostname is never judged dead from our own /proc.
-Real processes, real pid namespaces (``unshare``), a real Redis and real workers."""
+"""The janitor sweeps only the canary dumps of a process gone from this machine: not a live
+one's, not another machine's, not another run's. One finished child process; no Redis.
+"""
 
 from __future__ import annotations
 

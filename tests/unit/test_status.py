@@ -1,7 +1,5 @@
-"""``status`` on a real Redis: stale entries cleaned, pauses and retries explained, no server.
-
-The farm's own run (workers, failures, the finished line) is checked in test_dashboard.py;
-here the index is written as workers write it, so each case is exact and takes a second.
+"""``status``'s wording from its inputs alone: durations read at a glance, an empty index that is
+not a finished run, failures grouped by reason whatever the sample keys. No Redis, no farm.
 """
 
 from __future__ import annotations

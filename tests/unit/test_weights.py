@@ -1,5 +1,7 @@
 """The weights identity: another checkpoint of the same config, or a truncated shard, is
-refused when the output dir is opened, before any request; old manifests still open."""
+refused when the output dir is opened, before any request; old manifests still open, and a
+host without the weight files is not refused. Files only; no server.
+"""
 
 from __future__ import annotations
 
