@@ -91,6 +91,18 @@ def served_farm(root: Path, chunked_prefill_size: int = 256, *, model: str = "ti
         f.close(kill=True)
 
 
+@contextlib.contextmanager
+def private_redis(root: Path) -> Iterator[LocalFarm]:
+    """A private redis-server in ``root`` (AOF always, as the broker's) and nothing else,
+    killed after: the state tier's Redis and that of tests needing only a broker."""
+    farm = LocalFarm(root, cache_dir=CACHE)
+    try:
+        farm.start_redis()
+        yield farm
+    finally:
+        farm.close(kill=True)
+
+
 FarmFactory = Callable[..., LocalFarm]
 
 

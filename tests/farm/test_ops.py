@@ -18,19 +18,15 @@ import pytest
 
 from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
-from tests.conftest import CACHE, write_samples
+from tests.conftest import CACHE, private_redis, write_samples
 from tests.support.ops import OPS, ROOT, clean_env, sh
 
 
 @pytest.fixture(scope="module")
 def redis_farm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFarm]:
     """A private Redis (AOF always), nothing else."""
-    farm = LocalFarm(tmp_path_factory.mktemp("ops") / "farm", cache_dir=CACHE)
-    try:
-        farm.start_redis()
+    with private_redis(tmp_path_factory.mktemp("ops") / "farm") as farm:
         yield farm
-    finally:
-        farm.close(kill=True)
 
 
 # --- preflight ---------------------------------------------------------------------------------

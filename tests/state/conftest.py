@@ -12,18 +12,14 @@ from collections.abc import Iterator
 import pytest
 
 from producer.localfarm.farm import LocalFarm
-from tests.conftest import CACHE
+from tests.conftest import private_redis
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFarm]:
     """A private redis-server (AOF always, as the broker's) for the whole tier."""
-    farm = LocalFarm(tmp_path_factory.mktemp("state") / "redis", cache_dir=CACHE)
-    try:
-        farm.start_redis()
+    with private_redis(tmp_path_factory.mktemp("state") / "redis") as farm:
         yield farm
-    finally:
-        farm.close(kill=True)
 
 
 @pytest.fixture
