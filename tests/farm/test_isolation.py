@@ -133,6 +133,25 @@ def assert_whole(farm: LocalFarm, keys_expected: list[str]) -> None:
     assert st["done"] == st["total"] == len(keys_expected) and st["finished"], st
 
 
+def one_corpus_through_both(a: LocalFarm, b: LocalFarm, tmp_path: Path) -> list[str]:
+    """``N`` samples enqueued to both runs and worked by both: each run whole (``assert_whole``).
+    Returns the samples' keys."""
+    data = tmp_path / "data.json"
+    keys_all = [str(s["id"]) for s in write_samples(data, N)]
+    enqueue_both(a, b, data, data)
+    start_workers(a, b)
+    wait_settled(a, b)
+    assert_whole(a, keys_all)
+    assert_whole(b, keys_all)
+    return keys_all
+
+
+def same_states(a: LocalFarm, b: LocalFarm, keys_all: list[str]) -> list[str]:
+    """The samples whose hidden states are the same in both runs' files."""
+    fa, fb = finals(a), finals(b)
+    return [k for k in keys_all if hidden_checksum(fa[k]) == hidden_checksum(fb[k])]
+
+
 @pytest.mark.parametrize("queue", ["", "shared"])
 def test_two_runs_on_one_redis_keep_their_messages(tmp_path: Path, tiny_model: Path,
                                                   queue: str) -> None:
@@ -168,18 +187,11 @@ def test_two_checkpoints_of_one_model_are_two_runs(tmp_path: Path, tiny_model: P
     # served by its own server into its own output dir, on one Redis, with the same corpus
     other = ensure_tiny_model(CACHE, seed=1)
     with two_farms(tmp_path, b_model=str(other)) as (a, b):
-        data = tmp_path / "data.json"
-        keys_all = [str(s["id"]) for s in write_samples(data, N)]
-        # When both enqueue it and both workers run
-        enqueue_both(a, b, data, data)
-        start_workers(a, b)
-        wait_settled(a, b)
-        # Then they are two runs, each with every sample in its own dir, of its own model
-        assert_whole(a, keys_all)
-        assert_whole(b, keys_all)
+        # When both enqueue it and both workers run: each run has every sample in its own dir
+        keys_all = one_corpus_through_both(a, b, tmp_path)
+        # Then they are two runs, each of its own model
         assert status(a)["run"] != status(b)["run"]
-        fa, fb = finals(a), finals(b)
-        same = [k for k in keys_all if hidden_checksum(fa[k]) == hidden_checksum(fb[k])]
+        same = same_states(a, b, keys_all)
         assert not same, f"files with the other checkpoint's states: {same}"
 
 
@@ -190,18 +202,11 @@ def test_two_servers_sharing_a_dump_dir_never_mix(tmp_path: Path, tiny_model: Pa
     other = ensure_tiny_model(CACHE, seed=1)
     with two_farms(tmp_path, b_model=str(other), share_redis=False, share_dumps=True,
                    server_args=("--forward-delay-s", "0.02")) as (a, b):
-        data = tmp_path / "data.json"
-        keys_all = [str(s["id"]) for s in write_samples(data, N)]
-        enqueue_both(a, b, data, data)
-        # When both workers run
-        start_workers(a, b)
-        wait_settled(a, b)
-        # Then each run's files hold its own model's states, and no attempt was lost to the
-        # other run (a dump taken or deleted by the other's worker or janitor)
-        assert_whole(a, keys_all)
-        assert_whole(b, keys_all)
-        fa, fb = finals(a), finals(b)
-        same = [k for k in keys_all if hidden_checksum(fa[k]) == hidden_checksum(fb[k])]
+        # When both workers run: no attempt was lost to the other run (a dump taken or deleted
+        # by the other's worker or janitor), each run is whole
+        keys_all = one_corpus_through_both(a, b, tmp_path)
+        # Then each run's files hold its own model's states
+        same = same_states(a, b, keys_all)
         assert not same, f"files with the other server's states: {same}"
         for farm in (a, b):
             spent = {k: int(v) for k, v in run_lists(farm, keys.ATTEMPTS).items()}
