@@ -118,7 +118,7 @@ def _gone_identity() -> str:
     import sys
 
     proc = subprocess.Popen([sys.executable, "-c",
-                             "from worker import liveness; print(liveness.identity())"],
+                             "from worker.core import liveness; print(liveness.identity())"],
                             stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=60)
     return out.strip()

@@ -22,7 +22,7 @@ from worker.state import keys as reaper_keys
 NEEDS_PID_NS = pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
                                   reason="needs unshare(1) and root for a new pid namespace")
 IN_OTHER_PID_NS = ["unshare", "--pid", "--fork", "--mount-proc"]
-IDENTITY = "from worker import liveness; print(liveness.identity(), flush=True)"
+IDENTITY = "from worker.core import liveness; print(liveness.identity(), flush=True)"
 
 
 def _identity(prefix: list[str], sleep_s: float = 0) -> tuple[subprocess.Popen[str], str]:
