@@ -43,7 +43,8 @@ from vllm_hook.layout import (
     split_ids,
 )
 
-log = logging.getLogger("hsfarm.vllm_hook")
+# a child of vLLM's own logger, so its lines are in the server's log like vLLM's
+log = logging.getLogger("vllm.hsfarm")
 
 ENV_QUEUE = "HSFARM_VLLM_DUMP_QUEUE"  # finished requests buffered for the writer (backpressure)
 ENV_RESERVE = "HSFARM_VLLM_DUMP_RESERVE_BYTES"  # free tmpfs kept; a dump that won't fit → .err

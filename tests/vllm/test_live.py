@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -26,7 +27,7 @@ from sglang_patch import fp8 as codec
 from tests.vllm.conftest import measured
 from tests.vllm.live import AUX_IDS, LiveVllm, prompt, wait_dump
 from tests.vllm.reference import bf16_ulps, reference, rel_errors
-from vllm_hook.layout import RID_PARAM
+from vllm_hook.layout import ENV_DUMP_DIR, RID_PARAM
 from worker.core import fp8 as farm_fp8
 
 L = 6
@@ -70,10 +71,10 @@ class Errors:
     def report(self) -> None:
         for name, errs, rounded in zip(LAYER_NAMES, self.errors, self.rounded, strict=True):
             e, r = torch.cat(errs), torch.cat(rounded)
-            measured(f"{self.case:<34} {name:<30} max {float(e.max()):.2e}  "
+            measured(f"{self.case:<36} {name:<30} max {float(e.max()):.2e}  "
                      f"mean {float(e.mean()):.2e}  (vs bf16(hf): max {float(r.max()):.1e}  "
                      f"mean {float(r.mean()):.1e})")
-        measured(f"{self.case:<34} {self.tokens} tokens: {self.equal / self.values:.5f} of "
+        measured(f"{self.case:<36} {self.tokens} tokens: {self.equal / self.values:.5f} of "
                  f"values equal transformers rounded to bf16, the rest within "
                  f"{self.worst_ulps} bf16 step")
         for errs in self.errors:
@@ -149,8 +150,8 @@ def test_prefix_cache_hits_lose_no_rows(plain: LiveVllm) -> None:
     hits = [plain.complete(ids, rid)["usage"] for rid, ids in ((second, other), (again, base))]
     # Then vLLM served the shared prefix from its cache, and the dumps are whole and right
     cached = [int(u["prompt_tokens_details"]["cached_tokens"]) for u in hits]  # type: ignore[index]
-    assert cached[0] >= 240 and cached[1] >= 288, cached
-    errors = Errors("prefix-cache hits (256, 288 cached)")
+    assert min(cached) >= 128, cached  # whole blocks of the shared prefix
+    errors = Errors(f"prefix-cache hits ({cached[0]}, {cached[1]} cached)")
     for rid, ids in ((second, other), (again, base)):
         errors.add(dump_of(plain, rid), ids, plain.model)
     errors.report()
@@ -188,6 +189,7 @@ def test_ready_marker_says_what_the_hook_serves(plain: LiveVllm) -> None:
     assert info["weights"]["id"] == c.weights_identity(plain.model)["id"]
     assert info["patch_version"] == c.PATCH_VERSION
     assert Path(f"/proc/{info['pid']}").exists()
+    assert "hsfarm dump hook active: aux ids [2, 3, 5]" in plain.log.read_text(errors="replace")
 
 
 # --- chunked: 64 tokens a step, fp8 -----------------------------------------------------------
@@ -205,8 +207,9 @@ def test_chunked_values_match_transformers(chunked: LiveVllm) -> None:
     chunked.complete(one[1], one[0])
     send_all(chunked, pair)
     usage = chunked.complete(hit[1], hit[0])["usage"]
-    assert int(usage["prompt_tokens_details"]["cached_tokens"]) >= 240  # type: ignore[index]
-    errors = Errors("chunked (64 tokens a step)")
+    cached = int(usage["prompt_tokens_details"]["cached_tokens"])  # type: ignore[index]
+    assert cached >= 128
+    errors = Errors(f"chunked (64 a step; {cached} cached)")
     for rid, ids in [one, *pair, hit]:
         dump = dump_of(chunked, rid)
         assert dump[c.T_AUX].dtype == torch.bfloat16
@@ -248,6 +251,20 @@ def test_fp8_dumps_read_back_within_e4m3s_rounding(chunked: LiveVllm) -> None:
                     worst_bf16 = max(worst_bf16, err)
                 else:
                     worst_hf = max(worst_hf, err)
-    measured(f"{'fp8 e4m3 (blocks of 128)':<34} vs bf16 dumps of the same prompts: max "
+    measured(f"{'fp8 e4m3 (blocks of 128)':<36} vs bf16 dumps of the same prompts: max "
              f"{worst_bf16:.2e}; vs transformers float32: max {worst_hf:.2e}")
     assert worst_bf16 < FP8_TOLERANCE and worst_hf < FP8_TOLERANCE
+
+
+def test_a_launch_without_the_dump_dir_is_refused_with_the_fix(
+        chunked: LiveVllm, tmp_path: Path) -> None:
+    # Given a server launched with the connector but without its dump dir (the last test:
+    # it stops ``chunked`` first)
+    chunked.stop()
+    server = LiveVllm(chunked.model, tmp_path / "dumps", tmp_path / "server.log",
+                      env={ENV_DUMP_DIR: ""})
+    # When it starts, then it exits, naming the variable to set
+    with pytest.raises(RuntimeError, match="exited") as e:
+        server.start()
+    assert f"set {ENV_DUMP_DIR}" in server.log.read_text(errors="replace"), str(e.value)
+    assert not (tmp_path / "dumps").exists()
