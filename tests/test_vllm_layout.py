@@ -23,13 +23,14 @@ def test_ids_split_into_the_three_stored_and_the_normed_last() -> None:
 
 
 def test_layout_problems_name_the_fix() -> None:
-    assert layout_problems(METHOD, [2, 3, 5, 6], 6, 1, 1, c.DTYPE_FP8) == []
-    problems = layout_problems("eagle3", [], 6, 3, 2, "fp16")
-    assert len(problems) == 3
-    assert f'"method":"{METHOD}"' in problems[0]
-    assert "--pipeline-parallel-size 1" in problems[1]
-    assert "HSFARM_VLLM_DUMP_DTYPE='fp16'" in problems[2]
-    wrong = layout_problems(METHOD, [2, 3, 3, 6], 6, 2, 1, c.DTYPE_BF16)
+    assert layout_problems(METHOD, [2, 3, 5, 6], 6, 1, 1, c.DTYPE_FP8, "0.32.0") == []
+    problems = layout_problems("eagle3", [], 6, 3, 2, "fp16", "0.33.1")
+    assert len(problems) == 4
+    assert "vLLM 0.33.1: the hook is tested with 0.32.x only" in problems[0]
+    assert f'"method":"{METHOD}"' in problems[1]
+    assert "--pipeline-parallel-size 1" in problems[2]
+    assert "HSFARM_VLLM_DUMP_DTYPE='fp16'" in problems[3]
+    wrong = layout_problems(METHOD, [2, 3, 3, 6], 6, 2, 1, c.DTYPE_BF16, "0.32.0")
     assert "three distinct ids below the layer count 6 and 6 itself" in wrong[0]
     assert "num_speculative_tokens 2: set it to 1" in wrong[1]
 

@@ -32,7 +32,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from sglang_patch.activation import loaded_weights, model_config_sha256
-from sglang_patch.dump_writer import DumpCollector, DumpWriter, Failed, remove_stale_files
+from sglang_patch.cuda_stager import stager_for
+from sglang_patch.dump_writer import (
+    DumpCollector,
+    DumpWriter,
+    Failed,
+    remove_stale_files,
+    write_err,
+)
 from sglang_patch.markers import write_ready_marker
 from vllm_hook.layout import (
     ENV_DUMP_DIR,
@@ -98,7 +105,7 @@ def check_launch(vllm_config: Any) -> tuple[list[int], int]:
     num_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
     problems = layout_problems(method, ids, num_layers, spec_tokens,
                                int(vllm_config.parallel_config.pipeline_parallel_size),
-                               dump_dtype())
+                               dump_dtype(), vllm_version())
     split = split_ids(ids, num_layers)
     if problems or split is None:
         raise LayoutError("hsfarm dump hook cannot run with this launch: " + "; ".join(problems))
@@ -114,7 +121,8 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
         dumpdir.ensure(self.dump_dir)  # DumpDirUnsafe stops the server, with the fix
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._saves: list[Save] = []  # scheduler side: finished since the last step
-        self.collector: DumpCollector | None = None  # worker side, TP rank 0, once registered
+        self.writer: DumpWriter | None = None  # worker side, TP rank 0, once registered
+        self.collector: DumpCollector | None = None  # at the first dump: its stager fits the rows
         self.norm: torch.nn.Module | None = None
 
     # --- scheduler side ---------------------------------------------------------------------
@@ -151,11 +159,11 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Find the cache, then on TP rank 0 the model's norm, and start the writer."""
         super().register_kv_caches(kv_caches)
-        if self._is_tp_rank_zero and self.collector is None:
+        if self._is_tp_rank_zero and self.writer is None:
             self.norm = find_final_norm(self.aux_ids, self.last_id)
-            self.collector = self._start_writer()
+            self.writer = self._start_writer()
 
-    def _start_writer(self) -> DumpCollector:
+    def _start_writer(self) -> DumpWriter:
         cfg = self._vllm_config
         info = marker_info(cfg, self.aux_ids, self.last_id)
         weights = loaded_weights(SimpleNamespace(
@@ -174,7 +182,7 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
         log.info("hsfarm dump hook active: aux ids %s, hidden_state = final norm of id %d, dump "
                  "dir %s, %d stale files of dead processes removed", self.aux_ids, self.last_id,
                  self.dump_dir, stale)
-        return DumpCollector(writer)
+        return writer
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Dump this step's finished requests of ours; report each held one done (its rows
@@ -190,19 +198,22 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
         return done or None, None
 
     def _dump(self, save: Save) -> None:
-        collector = self.collector
-        if collector is None:
-            log.error("hsfarm: request %s finished before the writer started", save.rid)
+        writer = self.writer
+        if writer is None:
+            write_err(self.dump_dir, save.rid, f"{c.ERR_HOOK_INACTIVE}: the request finished "
+                      "before the writer started")
             return
         if save.error:
-            collector.writer.submit(Failed(save.rid, save.error))
+            writer.submit(Failed(save.rid, save.error))
             return
         try:
             ids, hidden, aux = self.rows(save)
-            collector.on_request(save.rid, ids, hidden, aux)
+            if self.collector is None:  # GPU rows: copied on a side stream, off the step's path
+                self.collector = DumpCollector(writer, stager=stager_for(hidden))
+            self.collector.on_request(save.rid, ids, hidden, aux)
         except Exception as e:  # a serving process never dies for a dump: the request's .err
             log.exception("hsfarm: cannot dump %s", save.rid)
-            collector.writer.submit(Failed(save.rid, f"hook failed: {type(e).__name__}: {e}"))
+            writer.submit(Failed(save.rid, f"hook failed: {type(e).__name__}: {e}"))
 
     @torch.inference_mode()
     def rows(self, save: Save) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,9 +234,9 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
         return torch.tensor(save.token_ids, dtype=torch.int64), hidden, aux
 
     def shutdown(self) -> None:
-        if self.collector is not None:
-            self.collector.writer.flush()
-            self.collector.writer.close()
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
         super().shutdown()
 
 
@@ -236,13 +247,21 @@ def find_final_norm(aux_ids: list[int], last_id: int) -> torch.nn.Module:
     want = (*aux_ids, last_id)
     found = [o for o in gc.get_objects()
              if isinstance(o, torch.nn.Module)
-             and tuple(getattr(o, "aux_hidden_state_layers", ()) or ()) == want
+             and _ids(getattr(o, "aux_hidden_state_layers", None)) == want
              and isinstance(getattr(o, "norm", None), torch.nn.Module)]
     if len(found) != 1:
         raise LayoutError(f"hsfarm dump hook: {len(found)} modules of this worker carry the aux "
                           f"ids {list(want)} and a final norm (expected one); this model or "
                           "vLLM release keeps them elsewhere: run `python -m vllm_hook verify`")
     return found[0].norm
+
+
+def _ids(layers: Any) -> tuple[int, ...]:
+    """A module's aux ids as vLLM captures them: by layer (DeepSeek keeps them as given)."""
+    try:
+        return tuple(sorted({int(i) for i in layers or ()}))
+    except (TypeError, ValueError):
+        return ()
 
 
 def vllm_version() -> str:

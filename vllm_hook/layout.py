@@ -44,9 +44,13 @@ def launch_ids(num_layers: int, aux: Sequence[int] | None = None) -> list[int]:
 
 
 def layout_problems(method: str | None, ids: Sequence[int], num_layers: int,
-                    spec_tokens: int, pp_size: int, dtype: str) -> list[str]:
+                    spec_tokens: int, pp_size: int, dtype: str, version: str) -> list[str]:
     """What is wrong with a launch for the hook, each with its fix; [] when it is served."""
     problems = []
+    if not supported_version(version):
+        problems.append(f"vLLM {version or '(version unknown)'}: the hook is tested with "
+                        f"{', '.join(v + '.x' for v in SUPPORTED_VLLM)} only (the KV connector "
+                        f"API it uses is experimental); install vllm=={SUPPORTED_VLLM[-1]}.*")
     example = launch_ids(num_layers)
     if method != METHOD:
         problems.append(f"speculative method {method!r}: launch with --speculative-config "
