@@ -2,7 +2,7 @@ import sys
 
 from vllm_hook import verify
 
-USAGE = "usage: python -m vllm_hook verify"
+USAGE = "usage: python -m vllm_hook verify [--dump-dir DIR] [--live-only]"
 COMMANDS = {"verify": verify.main}
 
 if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

@@ -4,8 +4,8 @@ With the server's interpreter; one line per check, PASS or FAIL with the fix; ex
 all pass. vLLM's release is in the tested range (the KV connector API is experimental), its
 general-plugin loader registers ``HsfarmConnector``, and the vLLM code the hook relies on is
 there: the stock hidden-states connector's methods and attributes, the KV-cache reader, the
-``extract_hidden_states`` method and the models' aux-id attribute.
-Test: tests/vllm/test_plugin.py::test_verify_passes_on_this_install
+``extract_hidden_states`` method and the models' aux-id attribute. ``--dump-dir``: a running
+server's hook left its ready marker. Test: tests/vllm/test_plugin.py
 """
 
 from __future__ import annotations
@@ -15,9 +15,16 @@ import importlib
 import inspect
 import subprocess
 import sys
-from dataclasses import dataclass
+from pathlib import Path
 
-from vllm_hook.layout import CONNECTOR_NAME, METHOD, SUPPORTED_VLLM, supported_version
+from sglang_patch.verify import Check, check_marker
+from vllm_hook.layout import (
+    CONNECTOR_NAME,
+    ENV_DUMP_DIR,
+    METHOD,
+    SUPPORTED_VLLM,
+    supported_version,
+)
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 # What the hook uses of the stock connector: methods it inherits or calls, attributes it reads
@@ -27,16 +34,6 @@ BASE_METHODS = ("register_kv_caches", "get_finished", "request_finished",
                 "wait_for_save", "shutdown")
 BASE_ATTRIBUTES = ("self._kv_cache", "self._block_size", "self._is_tp_rank_zero",
                    "self._cache_kv_group_id")
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-
-    def line(self) -> str:
-        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
 
 
 def vllm_version() -> str:
@@ -143,13 +140,27 @@ def install_checks() -> list[Check]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog="python -m vllm_hook verify",
-                                   description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vllm_hook verify",
+                                description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--dump-dir", type=Path, default=None,
+                   help=f"the server's {ENV_DUMP_DIR}: check its hook's ready marker")
+    p.add_argument("--live-only", action="store_true",
+                   help="only the check of a running server (--dump-dir)")
+    p.add_argument("--max-age-s", type=float, default=3600.0,
+                   help="a marker older than this, whose process is gone, is stale")
+    p.add_argument("--since", type=float, default=0.0, metavar="UNIX_TIME",
+                   help="only a marker written at or after this time counts")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(argv)
-    results = install_checks()
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.live_only and args.dump_dir is None:
+        p.error("--live-only needs --dump-dir")
+    results = [] if args.live_only else install_checks()
+    if args.dump_dir is not None:
+        results.append(check_marker(args.dump_dir, args.max_age_s, args.since, ENV_DUMP_DIR))
     for r in results:
         print(r.line(), flush=True)
     return 0 if all(r.ok for r in results) else 1

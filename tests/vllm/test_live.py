@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -190,6 +192,12 @@ def test_ready_marker_says_what_the_hook_serves(plain: LiveVllm) -> None:
     assert info["patch_version"] == c.PATCH_VERSION
     assert Path(f"/proc/{info['pid']}").exists()
     assert "hsfarm dump hook active: aux ids [2, 3, 5]" in plain.log.read_text(errors="replace")
+    # And verify finds it, as a launcher polls for it
+    proc = subprocess.run([sys.executable, "-m", "vllm_hook", "verify", "--live-only",
+                           "--dump-dir", str(plain.dumps)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("PASS  ready marker: pid "), \
+        proc.stdout + proc.stderr
 
 
 # --- chunked: 64 tokens a step, fp8 -----------------------------------------------------------

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
-from vllm_hook.layout import CONNECTOR_NAME
+from vllm_hook.layout import CONNECTOR_NAME, ENV_DUMP_DIR
 
 
 def test_the_entry_point_registers_the_connector_by_name() -> None:
@@ -25,3 +26,11 @@ def test_verify_passes_on_this_install() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [x.split(":")[0] for x in lines] == ["PASS  vllm version", "PASS  plugin loader",
                                                 "PASS  connector api"]
+
+
+def test_verify_without_a_marker_names_the_vllm_variable(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "vllm_hook", "verify", "--live-only",
+                           "--dump-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert f"start the server with {ENV_DUMP_DIR}={tmp_path}" in proc.stdout
