@@ -26,7 +26,8 @@ TRAINERS := specforge modelopt speculators
 TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
 TDATA := .trainer-data
 
-.PHONY: demo test test-farm test-sglang test-vllm test-live test-trainers trainer-data build-side-venvs \
+.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-vllm test-live \
+	test-trainers trainer-data build-side-venvs \
 	lint system-deps test-system-deps clean
 
 $(STAMP): pyproject.toml
@@ -37,8 +38,8 @@ $(STAMP): pyproject.toml
 
 # System packages, installed only where missing: redis-server (the broker) for everything;
 # for the tests also strace (the live TP=2 test watches which rank writes), chromium
-# (tests/test_dashboard.py renders the dashboard headless) and nftables (a host's firewall cuts
-# it off from Redis in tests/test_lease_partition.py), which the demo does not need.
+# (tests/farm/test_dashboard.py renders the dashboard headless) and nftables (a host's firewall
+# cuts it off from Redis in tests/farm/test_lease_partition.py), which the demo does not need.
 system-deps:
 	@command -v redis-server >/dev/null || \
 		{ apt-get update -qq && apt-get install -y -qq redis-server; }
@@ -103,7 +104,7 @@ $(VLSTAMP): pyproject.toml
 	touch $@
 
 trainer-data: $(STAMP) system-deps
-	$(PY) -m tests.training_data $(TDATA) 16
+	$(PY) -m tests.support.training_data $(TDATA) 16
 
 # Each trainer's tests in its own venv; tests/trainers has its own conftest. PYTHONPATH: this
 # tree's training/ before the copy the venv was built with.
@@ -120,14 +121,26 @@ $(TDATA)/.complete: $(STAMP)
 # (mostly waiting on real processes); their own tests, the live-server tests and the trainers'
 # tests run after, one at a time, so the suites never compete for the two cores.
 test: lint
-	$(MAKE) -j2 test-farm build-side-venvs
+	$(MAKE) -j2 test-tiers build-side-venvs
 	$(MAKE) test-sglang
 	$(MAKE) test-live
 	$(MAKE) trainer-data test-trainers
 
 build-side-venvs: $(SGSTAMP) $(TRAINER_STAMPS)
 
+# The tiers of tests/ (markers unit, state, farm, set from the folder by tests/conftest.py):
+# test-unit starts no service (a few minutes), test-state one redis-server for the whole tier,
+# test-farm real farms of processes. test-tiers runs all three in one pytest, as make test does.
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+test-state: $(STAMP) system-deps
+	$(PY) -m pytest tests/state
+
 test-farm: $(STAMP) test-system-deps
+	$(PY) -m pytest tests/farm
+
+test-tiers: $(STAMP) test-system-deps
 	$(PY) -m pytest
 
 # tests/sglang has its own conftest; --confcutdir keeps the farm's out of that venv.

@@ -29,8 +29,8 @@ from producer.adopt.procedure import Run, adopt
 from producer.localfarm.farm import LocalFarm
 from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
-from tests import adopt_sources as srcs
 from tests.conftest import CACHE, EXAMPLES, FAST_ENV
+from tests.support import adopt_sources as srcs
 from worker.core.settings import Settings
 from worker.server.fingerprint import load_run
 

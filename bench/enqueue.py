@@ -40,8 +40,9 @@ MEASURED = ("import atexit, resource, runpy, sys, time; t0 = time.perf_counter()
 
 PLAIN_LOOP = """
 import sys, time
-from worker.app import TASK_NAME, app
+from worker.app import app
 from worker.core.datafile import Span, scan
+from worker.core.run import TASK_NAME
 from worker.core.samples import content_hash
 path, queue = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()

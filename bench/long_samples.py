@@ -22,10 +22,11 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from worker.core import outdir
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from worker.core.run import run_id_of
 from worker.state import keys
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert res.returncode == 0, res.stdout + res.stderr
             wait_done(farm, out, key, 1800, shm_peak)
             wall_s = time.monotonic() - t0
-            final = c.final_path(out, key)
+            final = outdir.final_path(out, key)
             row = {"tokens": tokens, "file_bytes": final.stat().st_size, "wall_s": wall_s,
                    "worker_peak_rss_mb": peak_rss_mb(child),
                    "server_peak_rss_mb": peak_rss_mb(server), "tmpfs_peak_bytes": shm_peak[0],

@@ -30,11 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sglang_patch import contracts as c
-from training import checksums, index
-from training.durable import drop_cache
+from training import index
 from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
-from worker.core import tensorfile
+from worker.core import checksums, tensorfile
+from worker.core.durable import drop_cache
 from worker.core.final_norm import FinalNorm, write_final_norm
 from worker.core.finalfile import Part
 from worker.core.store import M_CONTENT, OutputStore
@@ -192,7 +192,8 @@ def bench_size(a: argparse.Namespace, tokens: int) -> dict[str, object]:
     print(f"{samples} samples of {tokens} tokens ({total / samples / 1e6:.0f} MB)", flush=True)
     norm = FinalNorm("model.norm.weight", tensorfile.Tensor("F32", np.ones(a.hidden, np.float32)),
                      1e-6, "bench")
-    write_final_norm(out, norm, checksums.as_metadata({"weight": checksums.of(norm.weight.array)}))
+    sums = {"weight": checksums.of(norm.weight.array)}
+    write_final_norm(out, norm, checksums.checksum_metadata(sums))
     # Every export is paired with its own copy, made right before or right after it (in
     # turn), and judged by that pair's ratio: single passes of the same copy on this virtual
     # disk moved 2-3x between stretches of one run, so only neighbours compare.

@@ -4,7 +4,7 @@ Per sample: the file parses, its tensors, dtypes, shapes and checksums are right
 fingerprint, weights identity and content hash are this run's, and its input_ids and
 loss_mask equal a fresh tokenization of the record. It also names output files no record of
 the corpus holds and counts those kept aside in ``<out>/removed/``.
-Test: tests/test_audit.py::test_audit_finds_and_requeue_repairs.
+Test: tests/farm/test_audit.py::test_audit_finds_and_requeue_repairs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tqdm import tqdm
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
 from training.index import sample_files
-from worker.core import setaside, tensorfile
+from worker.core import outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord
 from worker.core.samples import SampleRef, read_sample
 from worker.core.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
@@ -94,7 +94,7 @@ class AuditReport:
             out += [f"not in the corpus: {len(self.not_in_corpus)} output files whose record "
                     "no data file holds (run enqueue on the edited data file to set them "
                     "aside)", f"kept aside: {self.kept_aside} output files of records removed "
-                    f"from the corpus or corrected (in {setaside.REMOVED_DIR}/)"]
+                    f"from the corpus or corrected (in {outdir.REMOVED_DIR}/)"]
             out += [f"  not in the corpus {k}" for k in self.not_in_corpus[:show]]
         out += [f"  missing {k}" for k in self.missing[:show]]
         out += [f"  corrupt {k}: {why}" for k, why in self.corrupt[:show]]

@@ -4,7 +4,7 @@ Uses ``REDIS_URL``'s Redis when it answers (on its own queue name), else a priva
 ``redis-server``, never the default URL's, which may be someone else's. Starts the reference
 server and two workers, runs ``enqueue`` exactly as a user would, waits for every outcome,
 audits every file, stops what it started and prints the commands that look at its run.
-Test: tests/test_demo.py::test_the_demo_keeps_to_its_own_redis_and_its_printed_commands_work.
+Test: tests/farm/test_demo.py::test_the_demo_keeps_to_its_own_redis_and_its_printed_commands_work.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tqdm import tqdm
 from producer.localfarm.farm import LocalFarm, wait_until
 from producer.status import Status, read_status
 from sglang_patch.contracts import Fingerprint
+from worker.core import outdir
 from worker.core import run as runs
 from worker.core.settings import Settings
 from worker.server.fingerprint import run_fingerprint
@@ -175,7 +176,7 @@ def look_commands(farm: LocalFarm, shared: Settings | None) -> list[str]:
 def _model_path(out_dir: Path) -> str:
     """The model path the run's manifest records ("" when it does not)."""
     try:
-        manifest = json.loads((out_dir / runs.MANIFEST).read_text())
+        manifest = json.loads((out_dir / outdir.MANIFEST).read_text())
         return str(manifest["versions"]["model_path"])
     except (OSError, ValueError, KeyError, TypeError):
         return ""

@@ -5,7 +5,7 @@ with the run's other data files (keys are unique within a run); **publish** regi
 publishes each sample unless its task is in flight, the run rejected it, or its final file
 verifies by its header (then it is marked done: so the index is rebuilt after Redis lost it).
 The run's enqueue lock makes re-runs and two at once safe; a moved file is found by its
-content (docs/input.md). Tests: tests/test_enqueue.py, tests/test_corpus.py.
+content (docs/input.md). Tests: tests/farm/test_enqueue.py, tests/farm/test_corpus.py.
 """
 
 from __future__ import annotations
@@ -24,20 +24,20 @@ import redis
 from tqdm import tqdm
 
 from sglang_patch import contracts as c
-from worker.app import TASK_NAME, app
+from worker.app import create_app
+from worker.core import outdir, setaside, tensorfile
 from worker.core import run as runs
-from worker.core import setaside, tensorfile
 from worker.core import store as st
 from worker.core.datafile import DataFileError, FileProblem, Oversized, file_sha256, scan
 from worker.core.errors import BadInput, Corrupt
 from worker.core.samples import SampleRef, content_hash, parse_record
 from worker.core.settings import Settings
 from worker.server.answers import environmental_rejection
-from worker.state import broker, hosts, keys, ledger
+from worker.state import broker, hosts, keys, ledger, publish, queue_scan
 from worker.state import lease as leases
 from worker.state.corpus import Corpus, Identified
 from worker.state.index import Registered, RunIndex
-from worker.state.queue_scan import broker_sample_keys, task_id
+from worker.state.queue_scan import broker_sample_keys
 
 BATCH = 1000  # records per Redis round trip
 HEADER_THREADS = 8  # final-file headers read at once
@@ -92,7 +92,7 @@ class Summary:
                        "was written; extracted again")
         if self.set_aside:
             out.append(f"set aside: {self.set_aside} output files of removed or superseded "
-                       f"records (in {setaside.REMOVED_DIR}/ of the output dir)")
+                       f"records (in {outdir.REMOVED_DIR}/ of the output dir)")
         out.append(f"decided in {self.decide_s:.1f}s, published in {self.publish_s:.1f}s")
         out += [f"  {where}: {reason}" for where, reason in self.problems + self.rejected]
         out += [f"  note, {where}: {text}" for where, text in self.notes]
@@ -271,7 +271,7 @@ def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile
     return None
 
 
-def _run_lock_name(run_id: str) -> str:
+def run_lock_name(run_id: str) -> str:
     return keys.run_key(run_id, keys.ENQUEUE_LOCK)
 
 
@@ -286,7 +286,7 @@ def open_run(settings: Settings, fingerprint: c.Fingerprint,
     Raises:
         ConfigError: the dir holds another fingerprint's run.
     """
-    if (settings.output_dir / st.MANIFEST).exists():
+    if (settings.output_dir / outdir.MANIFEST).exists():
         return st.OutputStore(settings.output_dir, fingerprint).open()
     return st.OutputStore(settings.output_dir, fingerprint,
                           versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
@@ -311,18 +311,18 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, *,
         broker.check_persistence(r, settings)
     _file_version(path)  # a missing file is a DataFileError before any lock is taken
     store = st.OutputStore(settings.output_dir, fingerprint)
-    if not dry_run or (settings.output_dir / st.MANIFEST).exists():
+    if not dry_run or (settings.output_dir / outdir.MANIFEST).exists():
         store = open_run(settings, fingerprint, model_path)  # a dry run begins no run
     run_id = store.run_id or c.NO_RUN
     queue = runs.queue_for(settings, run_id)
     index = RunIndex(r, run_id)
     abs_path = str(path.resolve())
     summary = Summary()
-    others = runs.note_queue(r, queue, run_id) if not dry_run else []
+    others = queue_scan.note_queue(r, queue, run_id) if not dry_run else []
     if others:
-        summary.notes.append(("FARM_QUEUE", runs.sharing_warning(queue, run_id, others)))
+        summary.notes.append(("FARM_QUEUE", queue_scan.sharing_warning(queue, run_id, others)))
     _check_hosts(r, run_id, settings, redo_hosts, dry_run)
-    with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
+    with leases.held(r, run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0):
         t0 = time.monotonic()
         corpus = Corpus(index)
@@ -417,7 +417,8 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
         hosts.claim(r, index.fp, hosts.host_id(settings), plan.relearn_sha)
         index.clear_invalid(plan.fid)
     refs = _refs(settings, path, limit, progress, "enqueue", summary)
-    with app.producer_or_acquire() as producer, producer.batch(max_size=500):
+    with create_app(settings) as app, app.producer_or_acquire() as producer, \
+            producer.batch(max_size=500):
         for batch in _batches(refs):
             if not dry_run:
                 index.register({ref.key: Registered(plan.fid, ref.offset, ref.length,
@@ -440,8 +441,8 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
                     if not dry_run:
                         if ref.key in settled:
                             index.forget_outcome(ref.key)
-                        _send(producer, queue, index.fp, publication,
-                              replace(ref, fid=plan.fid))
+                        publish.send(app, queue, index.fp, publication,
+                                     replace(ref, fid=plan.fid), producer)
                     summary.published += 1
     summary.records += len(summary.rejected)
     if not dry_run:
@@ -462,13 +463,6 @@ def _leased(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[bool]:
     return [bool(x) for x in p.execute()]
 
 
-def _send(producer: Any, queue: str, run_id: str, publication: int, ref: SampleRef) -> None:
-    # argsrepr: Flower shows the sample key; the default (the repr of the args) would cost
-    # ~150 bytes of Redis per queued message for nothing. The task id names the run: a
-    # worker of another run hands the message back untouched (worker/tasks.py)
-    app.send_task(TASK_NAME, args=[ref.to_json()],
-                  task_id=task_id(run_id, publication, ref.key), queue=queue,
-                  producer=producer, argsrepr=ref.key, kwargsrepr="{}")
 
 
 def _drop_vanished(index: RunIndex, store: st.OutputStore, plan: _Plan, summary: Summary,
@@ -502,13 +496,13 @@ def requeue(settings: Settings, store: st.OutputStore, refs: list[SampleRef]) ->
     in_broker = broker_sample_keys(r, queue, run_id)
     publication = index.next_publication()
     sent = 0
-    with leases.held(r, _run_lock_name(run_id), settings.lease_ttl_s,
-                     deadline=math.inf, poll_s=1.0), \
+    with leases.held(r, run_lock_name(run_id), settings.lease_ttl_s,
+                     deadline=math.inf, poll_s=1.0), create_app(settings) as app, \
             app.producer_or_acquire() as producer, producer.batch(max_size=500):
         for ref, busy in zip(refs, _leased(r, run_id, [x.key for x in refs]), strict=True):
             if busy or ref.key in in_broker:
                 continue
             index.forget_outcome(ref.key)
-            _send(producer, queue, run_id, publication, ref)
+            publish.send(app, queue, run_id, publication, ref, producer)
             sent += 1
     return sent

@@ -26,11 +26,11 @@ from sglang_patch import contracts as c
 from sglang_patch import dumpdir
 from sglang_patch import markers as mk
 from sglang_patch.verify import check_marker, sglang_missing
-from worker.core import canary, dumps, weights
+from worker.core import canary, dumps, outdir, weights
 from worker.core import run as runs
 from worker.core.errors import ConfigError, FarmError
 from worker.core.settings import Settings
-from worker.core.store import MANIFEST, free_bytes
+from worker.core.store import free_bytes
 from worker.server.client import ServerClient
 from worker.server.fingerprint import compute_fingerprint, resolve_model_path
 from worker.state import broker
@@ -116,7 +116,7 @@ def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
                        run_id=runs.run_id_of(settings.output_dir)), ""
         except FarmError as e:
             return None, str(e)
-    manifest = settings.output_dir / MANIFEST
+    manifest = settings.output_dir / outdir.MANIFEST
     try:
         fp = c.Fingerprint.from_json(json.loads(manifest.read_text())["fingerprint"])
         return Run(fp, f"the manifest {manifest}", run_id=runs.run_id_of(settings.output_dir)), ""
@@ -372,7 +372,7 @@ def check_plugin(sglang_python: str | None) -> list[Line]:
 def check_weights(settings: Settings) -> Line:
     """The checkpoint in FARM_MODEL_PATH against the identity the run recorded (the check a
     worker makes before it sends anything), so a swapped or truncated checkpoint shows here."""
-    manifest = settings.output_dir / MANIFEST
+    manifest = settings.output_dir / outdir.MANIFEST
     try:
         recorded = json.loads(manifest.read_text()).get("weights")
     except FileNotFoundError:
@@ -418,7 +418,7 @@ def check_served_weights(settings: Settings) -> Line:
     try:
         local = (weights.weights_identity(Path(settings.model_path)) if settings.model_path
                  else None)
-        recorded = json.loads((settings.output_dir / MANIFEST).read_text()).get("weights")
+        recorded = json.loads((settings.output_dir / outdir.MANIFEST).read_text()).get("weights")
     except FileNotFoundError:
         recorded = None
     except (ConfigError, OSError, ValueError, AttributeError) as e:
@@ -426,7 +426,7 @@ def check_served_weights(settings: Settings) -> Line:
     why = weights.served_mismatch(
         summary, recorded if isinstance(recorded, dict) else None, local,
         server_url=settings.server_url, model_path=Path(settings.model_path or "?"),
-        manifest=settings.output_dir / MANIFEST,
+        manifest=settings.output_dir / outdir.MANIFEST,
         started=canary.path_in(settings.output_dir).exists())
     if why:
         return fail(f"served weights: {why}")

@@ -15,11 +15,10 @@ from typing import Any
 import redis
 
 from sglang_patch import contracts as c
-from worker.core import liveness
+from worker.core import liveness, outdir
 from worker.core import run as runs
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
-from worker.core.store import MANIFEST
 from worker.server.admission import Admission, limits_for_host
 from worker.server.answers import environmental_rejection
 from worker.server.fingerprint import run_fingerprint
@@ -93,7 +92,7 @@ def status_fingerprint(settings: Settings) -> tuple[c.Fingerprint, str]:
     Raises:
         ConfigError: the manifest is unreadable, or there is none and the model cannot be found.
     """
-    path = Path(settings.output_dir) / MANIFEST
+    path = Path(settings.output_dir) / outdir.MANIFEST
     if path.is_file():
         return manifest_fingerprint(settings), str(path)
     try:
@@ -107,7 +106,7 @@ def status_fingerprint(settings: Settings) -> tuple[c.Fingerprint, str]:
 def no_run(settings: Settings) -> str:
     """Why ``settings.output_dir`` holds no run, and how to point at one."""
     out = Path(settings.output_dir)
-    why = f"it has no {MANIFEST}" if out.is_dir() else "no such directory"
+    why = f"it has no {outdir.MANIFEST}" if out.is_dir() else "no such directory"
     return (f"no run in {out}: {why} (a run begins with its first 'python -m producer "
             "enqueue'). Set FARM_OUTPUT_DIR to the run's output dir (the demo's: demo-out/out)")
 
@@ -119,7 +118,7 @@ def manifest_fingerprint(settings: Settings) -> c.Fingerprint:
         ConfigError: there is no run there (no manifest: ``no_run`` says so), or its manifest
             is unreadable.
     """
-    path = Path(settings.output_dir) / MANIFEST
+    path = Path(settings.output_dir) / outdir.MANIFEST
     if not path.is_file():
         raise ConfigError(no_run(settings))
     try:
@@ -229,7 +228,7 @@ def missing_done_files(settings: Settings, fingerprint: c.Fingerprint) -> list[s
     r, run_id = broker.client(settings), runs.run_id_of(settings.output_dir)
     out = Path(settings.output_dir)
     gone = sorted(k for k in RunIndex(r, run_id).done_keys()
-                  if not c.final_path(out, k).exists())
+                  if not outdir.final_path(out, k).exists())
     here = hosts.host_id(settings)
     return [k for k, by in zip(gone, hosts.holders(r, run_id, gone), strict=True)
             if by is None or by[0] == here or hosts.same_output(r, run_id, by[0], here)]

@@ -5,21 +5,21 @@ and the worker without torch. It names the rid (``hsd-<run>-<sample_key>-a<attem
 the dump file (``<dump_dir>/<rid>.safetensors`` or ``.err``), the final file
 (``<out>/samples/<shard>/<sample_key>.safetensors``), the run fingerprint (what makes two
 files comparable) and the weights identity (which checkpoint a model dir holds, cheaply).
-Test: tests/test_contracts.py::test_rid_round_trip.
+Test: tests/unit/test_contracts.py::test_rid_round_trip.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
-import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+from sglang_patch import header_codec
 
 PATCH_VERSION = "0.1.0"
 
@@ -114,7 +114,7 @@ def sample_key_for(source_id: object, content_sha256: str) -> str:
     the original, so two ids never collide by sanitising. A record without an id is keyed by its
     content (``rec-<content hash>``), not its position: two data files both have a record 5, and
     an inserted record would shift every key after it.
-    Test: tests/test_contracts.py::test_records_without_id_are_keyed_by_content_not_position.
+    Test: tests/unit/test_contracts.py::test_records_without_id_are_keyed_by_content_not_position.
     """
     if source_id is None:
         return f"rec-{content_sha256[:20]}"
@@ -236,35 +236,8 @@ def hidden_layout(dtype: str, n: int, h: int, found: Mapping[str, tuple[int, ...
 
 def bytes_per_token(dtype: str, h: int) -> int:
     """Bytes one token takes in a dump: its id and its hidden states (with scales)."""
-    return 8 + sum(_TAG_BYTES[tag] * shape[1]
+    return 8 + sum(header_codec.TAG_BYTES[tag] * shape[1]
                    for tag, shape in hidden_layout(dtype, 1, h).values())
-
-
-_TAG_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4, "I64": 8, "I32": 4, "U8": 1}
-# the order the safetensors library lays tensors out in: wider dtypes first, then by name
-_LAYOUT_RANK = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F8_E4M3": 4, "U8": 5}
-
-
-def safetensors_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
-                       metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """A safetensors file's leading bytes for ``{name: (dtype tag, shape)}``, and each tensor's
-    byte range after them, laid out as the library lays them out (its order; the JSON padded
-    with spaces to 8 bytes), so a file written piece by piece from this header holds what
-    ``safetensors.save_file`` would have written: the same header (the library orders the
-    metadata as its hash map does, so only up to that order) and the same data bytes. For the
-    hook's streamed dumps and the farm's final files; both sides need it, hence here."""
-    order = sorted(tensors, key=lambda k: (_LAYOUT_RANK[tensors[k][0]], k))
-    body: dict[str, object] = {"__metadata__": dict(metadata)}
-    ranges, pos = {}, 0
-    for k in order:
-        tag, shape = tensors[k]
-        n = _TAG_BYTES[tag] * math.prod(shape)
-        ranges[k] = (pos, pos + n)
-        body[k] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw, ranges
 
 
 def dump_path(dump_dir: Path, rid: str) -> Path:
@@ -273,10 +246,6 @@ def dump_path(dump_dir: Path, rid: str) -> Path:
 
 def err_path(dump_dir: Path, rid: str) -> Path:
     return dump_dir / f"{rid}{ERR_SUFFIX}"
-
-
-def final_path(out_dir: Path, sample_key: str) -> Path:
-    return out_dir / "samples" / shard_of(sample_key) / f"{sample_key}{DUMP_SUFFIX}"
 
 
 def is_temp_name(name: str) -> bool:
@@ -357,7 +326,6 @@ def default_layers_to_capture(num_layers: int) -> tuple[int, ...]:
 WEIGHTS_SCHEME = "shards-v1"  # bump when what is hashed changes: two schemes never match
 WEIGHTS_SAMPLES = 8
 WEIGHTS_SAMPLE_BYTES = 64 << 10
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
 class WeightsUnreadable(ValueError):
@@ -376,8 +344,8 @@ def shard_identity(path: Path) -> dict[str, Any]:
         head = f.read(8)
         if len(head) < 8:
             raise WeightsUnreadable(f"weight shard {path} is truncated: {size} bytes, no header")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        header_len = header_codec.length(head)
+        if not header_codec.plausible(header_len, size):
             raise WeightsUnreadable(f"weight shard {path} is truncated or not safetensors: "
                                     f"header of {header_len} bytes in a {size}-byte file")
         header = f.read(header_len)
@@ -396,9 +364,8 @@ def shard_identity(path: Path) -> dict[str, Any]:
 
 def _data_bytes(path: Path, header: bytes) -> int:
     try:
-        entries = json.loads(header)
-        ends = [int(t["data_offsets"][1]) for name, t in entries.items()
-                if name != "__metadata__"]
+        entries, _ = header_codec.decode(header)
+        ends = [int(t["data_offsets"][1]) for t in entries.values()]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise WeightsUnreadable(f"weight shard {path}: unreadable safetensors header ({e})") from e
     return max(ends, default=0)

@@ -5,7 +5,7 @@ runs ``--tp T --dp N --enable-dp-attention``: a request goes to its ``routed_dp_
 robin (``pick``); all groups step together, an idle one running an idle pass, so a step lasts
 as long as its busiest group (``_step``); answers carry ``meta_info.dp_rank`` (SGLang's
 ``tokenizer_manager.py:2616``). ``load``: per group tokens, requests, idle passes, dump bytes.
-Test: tests/test_dp_groups.py::test_groups_step_together_and_an_idle_group_runs_idle_passes.
+Test: tests/farm/test_dp_groups.py::test_groups_step_together_and_an_idle_group_runs_idle_passes.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ forward pass at a time as SGLang's ForwardBatch carries it (flattened rows, rids
 extend lengths); rids that are not ours (``contracts.parse_rid``) are ignored without a copy.
 A ``Stager`` starts the device-to-host copy (and the fp8 ``encode``) and returns at once, so
 on a GPU the copy stays off the forward's path; on CPU it is a plain clone.
-Test: tests/test_dump_writer.py::test_mixed_batches_with_chunks_spread_over_batches.
+Test: tests/unit/test_dump_writer.py::test_mixed_batches_with_chunks_spread_over_batches.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from sglang_patch import contracts as c
-from sglang_patch import dumpdir, fp8, markers
+from sglang_patch import dumpdir, fp8, header_codec, markers
 
 log = logging.getLogger("hsfarm.dump")
 
@@ -113,7 +113,7 @@ class DumpWriter:
     declares the token count), renamed at the last chunk, so the server holds at most the
     queued passes: a 128k-token prompt at H = 7,168 is a 7.5 GB dump it never holds whole. The
     queue is bounded, in passes: when tmpfs is slower than the model, ``submit`` blocks. Tests:
-    tests/test_dump_writer.py::test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes
+    tests/unit/test_dump_writer.py::test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes
     and ::test_bounded_queue_applies_backpressure.
     """
 
@@ -213,7 +213,7 @@ class DumpWriter:
         n = rows.token_count
         spec = {k: (_TAGS[t.dtype], (n, *t.shape[1:])) for k, t in tensors.items()}
         meta = {**self.metadata, c.M_RID: rows.rid, c.M_DUMP_DTYPE: rows.dtype}
-        head, ranges = c.safetensors_header(spec, meta)
+        head, ranges = header_codec.encode(spec, meta)
         need = len(head) + max(end for _, end in ranges.values())
         promised = sum(d.left for d in self._open.values())  # other dumps' rows still to come
         free = free_bytes(self.dump_dir)
@@ -275,7 +275,7 @@ class DumpCollector:
     tokens than the rid declares, or no chunk for ``ttl_s`` is reported as ``<rid>.err``, never a
     short file. Rows past the declared prompt are generated tokens of a decoding request in a
     ``--enable-mixed-chunk`` batch, not prompt rows: skipped.
-    Test: tests/test_dump_writer.py::test_gap_prefix_hit_and_overrun_write_err.
+    Test: tests/unit/test_dump_writer.py::test_gap_prefix_hit_and_overrun_write_err.
     """
 
     def __init__(
@@ -336,7 +336,7 @@ class DumpCollector:
         """Take one whole request's rows at once (an engine that hands over a finished
         request, as vLLM's KV connector does). A rid that is not ours is ignored; a row count
         other than the rid declares is its ``.err`` at once. True if rows went to the writer.
-        Test: tests/test_dump_writer.py::test_a_whole_request_at_once_equals_its_chunks.
+        Test: tests/unit/test_dump_writer.py::test_a_whole_request_at_once_equals_its_chunks.
         """
         rid = c.parse_rid(rid_s)
         if rid is None:

@@ -5,7 +5,7 @@ Whoever can write into it can put forged hidden states where a worker reads them
 or can write to, or can rename away (``problem``). Every file is then opened through the very
 directory that passed (``open_dir``: device and inode), without following links. Layouts (one
 user: 0700; two users: a setgid group dir, 2770): docs/deployment.md. Test:
-tests/test_dumpdir.py::test_a_dump_dir_put_in_place_of_the_checked_one_is_never_read_or_written
+tests/unit/test_dumpdir.py::test_a_dump_dir_put_in_place_of_the_checked_one_is_never_read_or_written
 """
 
 from __future__ import annotations

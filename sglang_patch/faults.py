@@ -5,7 +5,7 @@ KEY_PREFIX, on attempts up to ATTEMPTS (all when omitted). KIND (``KINDS``): ``n
 value, the e4m3 NaN byte in fp8), ``scale`` (fp8: one final-layer scale 0), ``ids`` (first id
 off by one), ``shape`` (aux loses a column), ``truncate`` (cut in half). The temp file is
 rewritten before the atomic rename, so a worker sees only the final, wrong file. Tests only.
-Test: tests/test_faults.py::test_corrupt_dumps_are_retried_then_recorded.
+Test: tests/farm/test_faults.py::test_corrupt_dumps_are_retried_then_recorded.
 """
 
 from __future__ import annotations

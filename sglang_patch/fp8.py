@@ -5,7 +5,7 @@ own work (costs: docs/fp8.md). Each layer's row of a token is cut into blocks of
 ``contracts.FP8_BLOCK`` values, ``scale = max|block| / 448`` (e4m3fn's largest finite value):
 nothing saturates and a massive channel coarsens only its own block; a zero block gets the
 smallest positive scale, a NaN or Inf a non-finite one, which the worker refuses.
-Test: tests/test_fp8.py::test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree
+Test: tests/unit/test_fp8.py::test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree
 """
 
 from __future__ import annotations

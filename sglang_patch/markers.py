@@ -5,7 +5,7 @@ it: pid, start time, boot id, pid namespace. Pids are reused and mean something 
 pid namespace of one boot, so a marker is **dead** only when it is of this boot and pid
 namespace and no process with its pid and start time runs; anything else (another container
 or host, a marker without these fields) is **unknown** and left alone: a live server's
-marker is never removed. Test: tests/test_markers.py::test_dead_live_reused_and_legacy_markers.
+marker is never removed. Test: tests/unit/test_markers.py::test_dead_live_reused_and_legacy_markers.
 """
 
 from __future__ import annotations

@@ -5,14 +5,13 @@ worker would, waits for the hook's ``<rid>.safetensors`` in ``D``, checks it (id
 dtypes, layers, finite values), removes it and names the weights the server serves. It needs
 only HTTP, the dump dir and safetensors' parser, so any python on the host runs it. Under DP
 attention ``probe_groups`` pins one request to each group and names every group that fails.
-Test: tests/test_dp_groups.py::test_verify_probes_every_group_and_names_the_one_that_fails
+Test: tests/farm/test_dp_groups.py::test_verify_probes_every_group_and_names_the_one_that_fails
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from sglang_patch import contracts as c
-from sglang_patch import dumpdir
+from sglang_patch import dumpdir, header_codec
 from sglang_patch.layout import dp_groups
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
@@ -198,8 +197,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, tuple[str, np.ndarray]], dic
 
     with open(dumpdir.open_trusted(path), "rb") as f:
         data = f.read()
-    (header_len,) = struct.unpack("<Q", data[:8])
-    meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+    _, meta = header_codec.decode(data[8 : 8 + header_codec.length(data)])
     raw = {"BF16": "<u2", "I64": "<i8", "F32": "<f4", "I32": "<i4"}
     out = {}
     for name, t in deserialize(data):

@@ -5,7 +5,7 @@ process is named by pid and start time (clock ticks since boot, ``/proc``), with
 (``/proc/sys/kernel/random/boot_id``: new at every boot, different on every machine) and the
 pid namespace (``/proc/self/ns/pid``: containers differ). Only a process of the same boot and
 namespace can be looked up in our ``/proc``. Shared by ready markers and worker liveness.
-Test: tests/test_markers.py::test_a_live_marker_of_another_pid_namespace_is_never_removed
+Test: tests/farm/test_markers.py::test_a_live_marker_of_another_pid_namespace_is_never_removed
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 (and their ``/get_`` aliases). As SGLang, it batches concurrent requests, splits a prompt over
 the chunk budget across passes, runs health checks as real forwards (``HEALTH_CHECK_*`` rids)
 and may answer before the dump is renamed into place. What tests, the demo and CPU-only users
-run; SGLang itself is checked in tests/live/. Test: tests/test_reference_server.py.
+run; SGLang itself is checked in tests/live/. Test: tests/farm/test_reference_server.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ place given by (token id, position), cheap at a GPU host's rate on a CPU, finite
 per token and position (a chunking or ordering bug shows), and recomputable by a test
 (``SyntheticModel.rows``). ``ensure_synthetic_model`` writes the model dir the farm tokenizes
 and fingerprints: a Kimi-like ``config.json`` and the tiny model's tokenizer, no weights.
-Test: tests/test_synthetic.py::test_values_depend_on_token_and_position_only.
+Test: tests/unit/test_synthetic.py::test_values_depend_on_token_and_position_only.
 """
 
 from __future__ import annotations

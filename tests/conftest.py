@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,17 @@ FAST_ENV = {
 }
 
 
+TIERS = ("unit", "state", "farm")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its tier, the folder it is in (``-m unit``, ``-m "not farm"``)."""
+    for item in items:
+        parts = item.path.relative_to(ROOT).parts
+        if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
+            item.add_marker(parts[1])
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return ensure_tiny_model(CACHE)
@@ -59,23 +70,68 @@ def write_samples(path: Path, n: int, start: int = 0) -> list[dict[str, object]]
 
 
 @contextlib.contextmanager
-def served_farm(root: Path, chunked_prefill_size: int = 256) -> Iterator[LocalFarm]:
-    """A private Redis (AOF always) and the reference server in ``root``, killed after."""
-    f = LocalFarm(root, cache_dir=CACHE, chunked_prefill_size=chunked_prefill_size,
-                  extra_env=dict(FAST_ENV))
+def served_farm(root: Path, chunked_prefill_size: int = 256, *, model: str = "tiny",
+                dumps: Path | None = None, env: dict[str, str] | None = None,
+                server_args: list[str] | None = None, redis: bool = True,
+                workers: tuple[str, ...] = ()) -> Iterator[LocalFarm]:
+    """A farm in ``root``: a private Redis (AOF always; ``redis=False``: the test starts its
+    own), the reference server (``server_args``: its flags) and ``workers`` (2 processes
+    each), with ``FAST_ENV`` and ``env``; every process killed after. The one place the tests
+    build a farm, so each starts and tears down the same way."""
+    f = LocalFarm(root, model=model, cache_dir=CACHE, chunked_prefill_size=chunked_prefill_size,
+                  dumps=dumps, extra_env={**FAST_ENV, **(env or {})})
     try:
-        f.start_redis()
-        f.start_server()
+        if redis:
+            f.start_redis()
+        f.start_server(server_args)
+        for name in workers:
+            f.start_worker(name, concurrency=2)
         yield f
     finally:
         f.close(kill=True)
 
 
+@contextlib.contextmanager
+def private_redis(root: Path) -> Iterator[LocalFarm]:
+    """A private redis-server in ``root`` (AOF always, as the broker's) and nothing else,
+    killed after: the state tier's Redis and that of tests needing only a broker."""
+    farm = LocalFarm(root, cache_dir=CACHE)
+    try:
+        farm.start_redis()
+        yield farm
+    finally:
+        farm.close(kill=True)
+
+
+FarmFactory = Callable[..., LocalFarm]
+
+
+def _factory(stack: contextlib.ExitStack, root: Callable[[str], Path]) -> FarmFactory:
+    def make(name: str = "farm", **options: Any) -> LocalFarm:
+        return stack.enter_context(served_farm(root(name), **options))
+    return make
+
+
 @pytest.fixture
-def farm(tmp_path: Path, tiny_model: Path) -> Iterator[LocalFarm]:
+def farm_factory(tmp_path: Path, tiny_model: Path) -> Iterator[FarmFactory]:
+    """``farm_factory(name, **options)``: a ``served_farm`` in this test's temp dir, torn down
+    after the test."""
+    with contextlib.ExitStack() as stack:
+        yield _factory(stack, lambda name: tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def module_farm_factory(tmp_path_factory: pytest.TempPathFactory,
+                        tiny_model: Path) -> Iterator[FarmFactory]:
+    """``farm_factory`` for a module's shared farm, torn down after the module's tests."""
+    with contextlib.ExitStack() as stack:
+        yield _factory(stack, lambda name: tmp_path_factory.mktemp(name) / "farm")
+
+
+@pytest.fixture
+def farm(farm_factory: FarmFactory) -> LocalFarm:
     """A private Redis (AOF always) and the reference server; tests start their workers."""
-    with served_farm(tmp_path / "farm") as f:
-        yield f
+    return farm_factory("farm")
 
 
 def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:

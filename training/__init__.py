@@ -5,5 +5,5 @@
 ``export`` writes SpecForge / Model-Optimizer / speculators containers; ``cli`` runs ``index``
 and ``export`` (``python -m training`` where only ``hsfarm[training]`` is installed).
 Never imports Celery or Redis: a trainer's machine has neither.
-Test: tests/test_training.py::test_training_imports_and_loads_without_celery_kombu_or_redis.
+Test: tests/farm/test_training.py::test_training_imports_and_loads_without_celery_kombu_or_redis.
 """

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from training import index, vocab
 from training.export.formats import FORMATS
 from training.export.runner import DEFAULT_JOBS, export
-from worker.core import store
+from worker.core import outdir
 from worker.core.errors import ConfigError, Corrupt
 
 EXIT_OK, EXIT_PARTIAL = 0, 1
@@ -64,15 +64,15 @@ def write_vocab_mapping(out_dir: Path, draft_vocab_size: int, target_vocab_size:
     """``<out>/vocab_mapping-<N>.pt`` ({d2t, t2d}, SpecForge's ``model.vocab_mapping_path``)."""
     import torch
 
-    from training import durable
+    from worker.core import durable
 
     try:
         d2t, t2d = vocab.draft_vocab_mapping(index.read_counts(out_dir), draft_vocab_size,
                                              target_vocab_size)
     except (ValueError, Corrupt) as e:
         raise ConfigError(str(e)) from e
-    path = out_dir / f"vocab_mapping-{draft_vocab_size}.pt"
-    tmp = durable.tmp_for(path)
+    path = outdir.vocab_mapping_path(out_dir, draft_vocab_size)
+    tmp = outdir.temp_path(path)
     torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, tmp)
     durable.commit(tmp, path)
     return path
@@ -93,8 +93,8 @@ def main(args: argparse.Namespace, default_out: Path) -> int:
     """Dispatch ``index`` / ``export``. Raises ConfigError for the caller to print."""
     out_dir, *also = args.out or [default_out]
     for root in (out_dir, *also):
-        if not (root / store.MANIFEST).exists():
-            raise ConfigError(f"{root} is not an hsfarm output dir (no {store.MANIFEST}); "
+        if not (root / outdir.MANIFEST).exists():
+            raise ConfigError(f"{root} is not an hsfarm output dir (no {outdir.MANIFEST}); "
                               "pass --from OUT or set FARM_OUTPUT_DIR")
     if args.cmd == "index":
         return run_index(out_dir, args, also)

@@ -5,7 +5,7 @@ hand out ``float(q) * scale`` (per block of a row, or per row: the scales' shape
 rounded to bf16 as torch rounds, the same bytes on every machine. Checksums cover the stored
 fp8 bytes and are checked before dequantizing; an export's ledger keeps the bf16 tensors'
 checksums (``as_exported``), so a later run checks them again without dequantizing.
-Test: tests/test_fp8.py::test_an_fp8_run_end_to_end_read_by_the_training_side.
+Test: tests/farm/test_fp8.py::test_an_fp8_run_end_to_end_read_by_the_training_side.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums
 from training.manifest import RunInfo
 from training.sample_file import SampleFile
+from worker.core import checksums
 from worker.core.errors import Corrupt
 
 _PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1), (c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS))
@@ -58,7 +58,7 @@ def as_exported(info: RunInfo, arrays: Mapping[str, np.ndarray],
     out = to_bf16(arrays)
     sums = {k: v for k, v in src_sums.sums.items() if k not in STORED}
     sums.update({name: checksums.of(out[name]) for name, _, _ in _PAIRS})
-    return out, checksums.Recorded(checksums.ck.DEFAULT_ALGORITHM, sums)
+    return out, checksums.Recorded(checksums.DEFAULT_ALGORITHM, sums)
 
 
 def exported_bytes(info: RunInfo, path: Path) -> int:

@@ -5,7 +5,7 @@ without opening a sample file. ``token_counts.safetensors`` names the index it m
 (``index_sha256``), so a crash between the two writes is noticed and the counts recounted.
 A refresh reads a few KB of each file not yet indexed (a changed size or mtime counts as new)
 and only ``stat``-s the rest; ``verify=True`` also hashes the hidden states.
-Test: tests/test_training.py::test_index_refresh_with_nothing_new_reads_no_tensor_data.
+Test: tests/farm/test_training.py::test_index_refresh_with_nothing_new_reads_no_tensor_data.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,15 +21,14 @@ from typing import Any
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable, vocab
+from training import roots, vocab
 from training.manifest import RunInfo, load_run_info
+from training.roots import sample_files as sample_files  # read here by its callers
 from training.sample_file import SampleFile
-from worker.core import tensorfile
+from worker.core import checksums, durable, outdir, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.store import M_SOURCE_ID, M_TRUNCATED
 
-INDEX = "index.jsonl"
-COUNTS = "token_counts.safetensors"
 _DIGEST = "index_sha256"
 
 
@@ -56,7 +55,7 @@ class RefreshReport:
 
 def read_rows(out_dir: Path) -> dict[str, dict[str, Any]]:
     """The index's rows by key ({} when there is no index yet)."""
-    path = out_dir / INDEX
+    path = out_dir / outdir.INDEX_JSONL
     if not path.exists():
         return {}
     rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
@@ -65,20 +64,11 @@ def read_rows(out_dir: Path) -> dict[str, dict[str, Any]]:
 
 def read_counts(out_dir: Path) -> np.ndarray:
     """The token counts matching the current index. Raises FileNotFoundError or Corrupt."""
-    tf = tensorfile.read(out_dir / COUNTS)
-    if tf.metadata.get(_DIGEST) != _sha256(out_dir / INDEX):
-        raise Corrupt(f"{out_dir / COUNTS} does not match {INDEX}: run the index refresh")
+    tf = tensorfile.read(out_dir / outdir.TOKEN_COUNTS)
+    if tf.metadata.get(_DIGEST) != _sha256(out_dir / outdir.INDEX_JSONL):
+        raise Corrupt(f"{out_dir / outdir.TOKEN_COUNTS} does not match {outdir.INDEX_JSONL}: "
+                      "run the index refresh")
     return tf.tensors["counts"].array
-
-
-def sample_files(out_dir: Path) -> Iterator[Path]:
-    """Every final file under ``<out>/samples`` (never temp files), sorted."""
-    if not (out_dir / "samples").is_dir():
-        return
-    for shard in sorted((out_dir / "samples").iterdir()):
-        if shard.is_dir():
-            yield from sorted(p for p in shard.glob(f"*{c.DUMP_SUFFIX}")
-                              if not c.is_temp_name(p.name))
 
 
 def refresh(out_dir: Path, verify: bool = False,
@@ -89,8 +79,6 @@ def refresh(out_dir: Path, verify: bool = False,
     ``also``: more roots of this run (other hosts' output dirs, or copies of them), indexed
     into ``out_dir``'s index with paths relative to it; each sample once (``training.roots``).
     """
-    from training import roots
-
     info = load_run_info(out_dir)
     roots.check_same_run([out_dir, *also])
     gathered = roots.gather([out_dir, *also])
@@ -171,13 +159,13 @@ def _write(out_dir: Path, rows: dict[str, dict[str, Any]], counts: np.ndarray) -
     """Counts first, then the index, each temp → fsync → rename."""
     body = "".join(json.dumps(rows[k], sort_keys=True) + "\n" for k in sorted(rows)).encode()
     digest = hashlib.sha256(body).hexdigest()
-    tmp = durable.tmp_for(out_dir / COUNTS)
+    tmp = outdir.temp_path(out_dir / outdir.TOKEN_COUNTS)
     tensorfile.write(tmp, {"counts": tensorfile.Tensor("I64", counts.astype(np.int64))},
                      {_DIGEST: digest})
-    durable.commit(tmp, out_dir / COUNTS)
-    tmp = durable.tmp_for(out_dir / INDEX)
+    durable.commit(tmp, out_dir / outdir.TOKEN_COUNTS)
+    tmp = outdir.temp_path(out_dir / outdir.INDEX_JSONL)
     tmp.write_bytes(body)
-    durable.commit(tmp, out_dir / INDEX)
+    durable.commit(tmp, out_dir / outdir.INDEX_JSONL)
 
 
 def _sha256(path: Path) -> str:

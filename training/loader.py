@@ -5,7 +5,7 @@ cache's pages of a memory-mapped file, because allocating and filling a copy cos
 at 86-470 MB samples (docs/benchmarks.md). The whole file is asked for at getitem (read ahead);
 ``lazy=True`` reads only the pages a loop touches. Headers are checked on access, checksums
 with ``verify=True``; fp8 states come as bf16; the order is ``index.jsonl``'s when it exists.
-Test: tests/test_training.py::test_loader_views_hold_our_tensors_without_a_copy.
+Test: tests/farm/test_training.py::test_loader_views_hold_our_tensors_without_a_copy.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from sglang_patch import contracts as c
-from training import checksums, fp8, index, views
+from training import fp8, index, views
 from training.manifest import load_run_info
 from training.sample_file import SampleFile
+from worker.core import checksums
 from worker.core.errors import ConfigError, Corrupt
 
 

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
-from training import checksums
 from training.sample_file import SampleFile
-from worker.core import final_norm
+from worker.core import checksums, final_norm, outdir
 from worker.core.errors import ConfigError, Corrupt
-from worker.core.store import M_FINGERPRINT, M_KEY, MANIFEST, final_layout
+from worker.core.store import M_FINGERPRINT, M_KEY, final_layout
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ class RunInfo:
                 belong to this run's model.
         """
         entry = self.manifest.get("final_norm") or {}
-        path = self.out_dir / final_norm.FILE
+        path = self.out_dir / outdir.FINAL_NORM_FILE
         if not path.exists():
             why = entry.get("error", "the manifest predates it")
             raise ConfigError(f"{path} is missing ({why}); the pre-norm state cannot be derived")
@@ -82,12 +81,12 @@ class RunInfo:
 
 def load_run_info(out_dir: Path) -> RunInfo:
     """Read ``<out>/manifest.json``. Raises ConfigError with what is wrong."""
-    path = out_dir / MANIFEST
+    path = out_dir / outdir.MANIFEST
     try:
         manifest = json.loads(path.read_text())
         fp = c.Fingerprint.from_json(manifest["fingerprint"])
     except FileNotFoundError:
-        raise ConfigError(f"{out_dir} is not an hsfarm output dir: no {MANIFEST}") from None
+        raise ConfigError(f"{out_dir} is not an hsfarm output dir: no {outdir.MANIFEST}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: unreadable manifest ({e})") from e
     if manifest.get("fingerprint_id") != fp.id:

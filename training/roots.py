@@ -9,12 +9,11 @@ it, and the choice is reported.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_patch import contracts as c
-from training import index
 from worker.core.errors import ConfigError
 from worker.core.run import read_run_id
 
@@ -48,11 +47,21 @@ def check_same_run(roots: Sequence[Path]) -> None:
                               "of one training set must be one run's")
 
 
+def sample_files(out_dir: Path) -> Iterator[Path]:
+    """Every final file under ``<out>/samples`` (never temp files), sorted."""
+    if not (out_dir / "samples").is_dir():
+        return
+    for shard in sorted((out_dir / "samples").iterdir()):
+        if shard.is_dir():
+            yield from sorted(p for p in shard.glob(f"*{c.DUMP_SUFFIX}")
+                              if not c.is_temp_name(p.name))
+
+
 def gather(roots: Sequence[Path]) -> Gathered:
     """Every final file of the roots, each sample once (the first root's copy)."""
     got = Gathered()
     for root in roots:
-        for path in index.sample_files(root):
+        for path in sample_files(root):
             key = path.name[: -len(c.DUMP_SUFFIX)]
             kept = got.files.get(key)
             if kept is None:

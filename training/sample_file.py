@@ -9,7 +9,6 @@ a copy on disk.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sglang_patch import header_codec
 from worker.core.errors import Corrupt
 
 # safetensors dtype tag -> numpy dtype holding the raw bytes (bf16 as uint16)
@@ -25,7 +25,6 @@ NP_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
     "F32": np.dtype("<f4"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
     "F8_E4M3": np.dtype("u1")}  # float8 e4m3fn bits (fp8 runs: training.fp8 dequantizes)
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
 @dataclass(frozen=True)
@@ -52,14 +51,14 @@ class SampleFile:
         """Read and check the header only. Raises Corrupt or OSError."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= min(_MAX_HEADER_BYTES, size - 8):
+            n = header_codec.length(f.read(8))
+            if n < 2 or not header_codec.plausible(n, size):
                 raise Corrupt(f"{path}: not a safetensors file (header length {n})")
             try:
-                header = json.loads(f.read(n))
+                header, raw_meta = header_codec.decode(f.read(n))
             except ValueError as e:
                 raise Corrupt(f"{path}: unreadable safetensors header: {e}") from e
-        meta = dict(header.pop("__metadata__", None) or {})
+        meta = dict(raw_meta)
         entries = {name: _entry(path, name, e, 8 + n, size) for name, e in header.items()}
         return cls(path, meta, entries, size)
 

@@ -4,7 +4,7 @@ Views: ``hsfarm`` (ours), ``specforge``, ``modelopt`` and ``speculators`` (each 
 loader reads it; keys and shapes: docs/output.md). The tensors share memory with the arrays
 given (the loader's memory maps): no copy, except speculators' stacked ``[T, 4, H]``, which
 has to interleave, and its derived pre-norm slot.
-Test: tests/test_training.py::test_loader_views_hold_our_tensors_without_a_copy.
+Test: tests/farm/test_training.py::test_loader_views_hold_our_tensors_without_a_copy.
 """
 
 from __future__ import annotations

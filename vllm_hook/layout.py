@@ -4,7 +4,7 @@ The hook reads each request's rows from the KV blocks vLLM's ``extract_hidden_st
 speculative method fills: four aux ids, the three the farm stores and the layer count L, whose
 state (pre-norm in vLLM) the hook normalises into ``hidden_state``. vLLM sorts and
 deduplicates the ids. Pure functions of the launch's values, so they run without vLLM.
-Test: tests/test_vllm_layout.py::test_layout_problems_name_the_fix
+Test: tests/unit/test_vllm_layout.py::test_layout_problems_name_the_fix
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``core`` (formats, the output store, settings) · ``state`` (the run in Redis) · ``server``
 (the served model seen from a worker) · ``steps`` (lifecycle bootsteps) · then ``app``,
-``startup``, ``tasks``. tests/test_layers.py enforces the order. ``celery -A worker`` finds
+``startup``, ``tasks``. tests/unit/test_layers.py enforces the order. ``celery -A worker`` finds
 ``app`` here, imported lazily so ``worker.core`` needs no Celery (training/ reads files only).
 """
 
@@ -16,7 +16,7 @@ __all__ = ["app"]
 def __getattr__(name: str) -> Any:
     """``worker.app``: the Celery app, imported on first use."""
     if name == "app":
-        from worker.app import app as celery_app
+        from worker.app import app as celery_app  # on use: training imports worker.core alone
 
         # importing the submodule bound ``worker.app`` to the module; bind the app instead,
         # as the eager ``from worker.app import app`` did

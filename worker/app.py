@@ -1,11 +1,15 @@
 """The Celery app, configured by DESIGN.md's reliability rules. Only the app lives here.
 
-``celery -A worker worker`` finds ``app`` through ``worker/__init__.py``.
+``create_app(settings)`` builds a ``FarmApp``: its bootsteps read ``.settings`` and the run's
+``.context`` (set by worker/startup.py) from the app they are given. ``app``, the worker's
+own, is built from the environment on first use (``celery -A worker worker`` finds it through
+``worker/__init__.py``), so importing this module reads no environment.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from celery import Celery
@@ -15,9 +19,12 @@ from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 from worker.core.time_limits import soft_for
 from worker.state.broker import tls_options
+from worker.steps import STEPS
+
+if TYPE_CHECKING:
+    from worker.runtime import RunContext
 
 SERIALIZER = "orjson"
-TASK_NAME = "hsfarm.extract"
 
 # orjson under its own content type (never application/json, which would replace kombu's
 # json decoder globally). JSON only: pickle is never accepted anywhere.
@@ -46,7 +53,7 @@ def celery_config(s: Settings) -> dict[str, object]:
         "task_acks_on_failure": True,
         "task_acks_on_timeout": False,  # a hard timeout requeues; attempts are bounded
         # A sample too short to add to the limits; each message gets its own by its size
-        # (worker/core/time_limits.py, set in worker/steps/reaper.py's OwnedRequest)
+        # (worker/core/time_limits.py, set in worker/request.py's OwnedRequest)
         "task_soft_time_limit": soft_for(s.task_time_limit_s),
         "task_time_limit": s.task_time_limit_s,
         "worker_prefetch_multiplier": 1,  # each process holds one message at most
@@ -71,24 +78,35 @@ def celery_config(s: Settings) -> dict[str, object]:
     }
 
 
-try:
-    settings = Settings.from_env()
-except ConfigError as e:  # at import: `celery -A worker` and the CLI both stop with the message
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from e
-app = Celery("hsfarm", set_as_current=True)
-app.conf.update(celery_config(settings))
-app.conf.imports = ("worker.tasks",)
+class FarmApp(Celery):
+    """The farm's Celery app: its settings, and the run's context once a worker built it."""
+
+    def __init__(self, settings: Settings, main: str = "hsfarm", **kwargs: Any) -> None:
+        super().__init__(main, **kwargs)
+        self.settings = settings
+        self.context: RunContext | None = None  # built in worker_init; inherited by the pool
+        self.conf.update(celery_config(settings))
+        self.conf.imports = ("worker.tasks",)
+        self.steps["worker"].update(STEPS)
+
+    def __reduce_keys__(self) -> dict[str, Any]:
+        """Celery's, with the settings: an app pickled to another process keeps them."""
+        return {**super().__reduce_keys__(), "settings": self.settings}
 
 
-def _add_bootsteps() -> None:
-    from worker.steps.host_beat import HostBeat
-    from worker.steps.janitor import Janitor
-    from worker.steps.outage import OutageStep
-    from worker.steps.reaper import Reaper
-    from worker.steps.reconciler import ReconcilerStep
-
-    app.steps["worker"].update({Janitor, OutageStep, Reaper, ReconcilerStep, HostBeat})
+def create_app(settings: Settings) -> FarmApp:
+    """The farm's app for these settings (a worker's, or a producer's to publish with)."""
+    return FarmApp(settings, set_as_current=True)
 
 
-_add_bootsteps()
+def __getattr__(name: str) -> FarmApp:
+    """``app``: the worker's app, from the environment (exit 2 with the fix when unreadable)."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        settings = Settings.from_env()
+    except ConfigError as e:  # `celery -A worker` and the scripts that use it stop here
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    built = globals()["app"] = create_app(settings)
+    return built

@@ -4,8 +4,8 @@ Order: Redis auth and persistence, the run context (waiting for the server; its 
 against ``FARM_MAX_TOKENS``), the output dir's manifest, dead writers' temp files, the hook
 probe (the worker waits while the hook is off or writes elsewhere), the served weights, layers,
 config and dtype (``served_identity``), the canary (recorded, or compared: waits while it
-differs). A ConfigError exits 2 with the fix; pool processes inherit the context at fork.
-Test: tests/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
+differs). A ConfigError exits 2 with the fix; pool processes inherit ``app.context`` at fork.
+Test: tests/farm/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
 
 from __future__ import annotations
 
@@ -20,35 +20,38 @@ import time
 from typing import Any
 
 import redis
+from celery import current_app
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from worker.app import settings
-from worker.core import canary, liveness, run, time_limits
+from sglang_patch.dumpdir import DumpDirUnsafe
+from sglang_patch.probe import ProbeFailed, probe
+from worker.app import FarmApp
+from worker.core import canary, liveness, outdir, run, time_limits
 from worker.core.errors import ConfigError, Transient
-from worker.core.store import MANIFEST
+from worker.core.settings import Settings
 from worker.runtime import RunContext, Runtime
 from worker.server import served_identity
 from worker.server.canary_check import Outcome
 from worker.server.client import ServerClient
-from worker.state import broker
+from worker.state import broker, queue_scan
 from worker.state.index import RunIndex
 from worker.steps import reaper
 from worker.steps.host_beat import register_host
 
 log = logging.getLogger("hsfarm.worker")
 
-CONTEXT: RunContext | None = None  # built in the main process; inherited by pool processes
 MAIN_PID = 0
-_runtime: Runtime | None = None
+_runtime: Runtime | None = None  # this process's own: never shared across a fork
 
 
-def runtime() -> Runtime:
-    """This process's runtime (a pool process builds its own after the fork)."""
-    global _runtime, CONTEXT
+def runtime(app: FarmApp) -> Runtime:
+    """This process's runtime over ``app.context`` (a pool process builds its own after the
+    fork)."""
+    global _runtime
     if _runtime is None:
-        if CONTEXT is None:  # a pool that does not fork from a started main process
-            CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
-        _runtime = Runtime.for_process(CONTEXT)
+        if app.context is None:  # a pool that does not fork from a started main process
+            app.context = RunContext.build(app.settings, server_wait_s=math.inf)
+        _runtime = Runtime.for_process(app.context)
     return _runtime
 
 
@@ -58,7 +61,7 @@ def stop_worker(reason: str) -> None:
     os.kill(MAIN_PID or os.getpid(), signal.SIGTERM)
 
 
-def _wait_for_redis() -> redis.Redis:
+def _wait_for_redis(settings: Settings) -> redis.Redis:
     allowed = broker.check_auth(settings)  # an open door stops the worker here (exit 2)
     if allowed:
         log.warning("%s", allowed)
@@ -75,12 +78,9 @@ def _wait_for_redis() -> redis.Redis:
             time.sleep(1.0)
 
 
-def _wait_for_hook() -> dict[str, str]:
+def _wait_for_hook(settings: Settings) -> dict[str, str]:
     """Until a probe request of ours comes back as a dump in this worker's dump dir; the dump's
     metadata (what the server says about the weights, layers and config it serves)."""
-    from sglang_patch.dumpdir import DumpDirUnsafe
-    from sglang_patch.probe import ProbeFailed, probe
-
     said = -math.inf
     while True:
         try:
@@ -98,10 +98,10 @@ def _wait_for_hook() -> dict[str, str]:
             time.sleep(2.0)
 
 
-def _wait_for_canary(r: redis.Redis) -> None:
+def _wait_for_canary(ctx: RunContext, r: redis.Redis) -> None:
     """Until the canary is recorded for this run, or the server's states match the recording."""
-    assert CONTEXT is not None
-    check, index = CONTEXT.canary, RunIndex(r, CONTEXT.store.run_id)
+    settings = ctx.settings
+    check, index = ctx.canary, RunIndex(r, ctx.store.run_id)
     said = -math.inf
 
     async def once() -> Outcome:
@@ -132,36 +132,37 @@ def _wait_for_canary(r: redis.Redis) -> None:
         time.sleep(settings.pause_poll_s)
 
 
-def _check_served(probe_meta: dict[str, str]) -> None:
+def _check_served(ctx: RunContext, probe_meta: dict[str, str]) -> None:
     """Raises ConfigError when the server serves other weights than the run's or than
     FARM_MODEL_PATH's, other layers, config or dtype (``served_identity``), with the fix."""
-    assert CONTEXT is not None
-    store = CONTEXT.store
+    settings, store = ctx.settings, ctx.store
     served_identity.check(
-        settings, CONTEXT.fingerprint, probe_meta, recorded=store.weights_recorded,
-        local=store.weights_local, model_path=CONTEXT.model_path,
-        manifest=settings.output_dir / MANIFEST,
+        settings, ctx.fingerprint, probe_meta, recorded=store.weights_recorded,
+        local=store.weights_local, model_path=ctx.model_path,
+        manifest=settings.output_dir / outdir.MANIFEST,
         started=canary.path_in(settings.output_dir).exists())
 
 
 @worker_init.connect
-def _on_worker_init(**_: Any) -> None:
-    global CONTEXT, MAIN_PID
+def _on_worker_init(sender: Any, **_: Any) -> None:
+    global MAIN_PID
+    app: FarmApp = sender.app
+    settings = app.settings
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     MAIN_PID = os.getpid()
     try:
-        r = _wait_for_redis()
+        r = _wait_for_redis(settings)
         broker.check_persistence(r, settings)
-        CONTEXT = RunContext.build(settings, server_wait_s=math.inf)
-        per_token = CONTEXT.limits.bytes_per_token
+        ctx = app.context = RunContext.build(settings, server_wait_s=math.inf)
+        per_token = ctx.limits.bytes_per_token
         time_limits.check_visibility(settings, per_token)
         longest = time_limits.for_tokens(settings, settings.max_tokens, per_token)
-        CONTEXT.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
-        _consume_the_runs_queue(r, CONTEXT.store.run_id)
-        register_host(r, settings, CONTEXT.store.run_id, CONTEXT.fingerprint.id)
-        _check_served(_wait_for_hook())
-        _wait_for_canary(r)
+        ctx.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
+        _consume_the_runs_queue(app, r, ctx.store.run_id)
+        register_host(r, settings, ctx.store.run_id, ctx.fingerprint.id)
+        _check_served(ctx, _wait_for_hook(settings))
+        _wait_for_canary(ctx, r)
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:
         log.critical("cannot start: %s", e)
@@ -172,28 +173,26 @@ def _on_worker_init(**_: Any) -> None:
         # with its checks half done; stop instead (systemd restarts it: exit code 1)
         log.critical("cannot start: unexpected %s: %s", type(e).__name__, e, exc_info=True)
         raise SystemExit(1) from e
-    log.info("run %s: model %s, output %s, queue %s", CONTEXT.store.run_id,
-             CONTEXT.model_path, settings.output_dir, run.queue_for(settings, CONTEXT.store.run_id))
+    log.info("run %s: model %s, output %s, queue %s", ctx.store.run_id,
+             ctx.model_path, settings.output_dir, run.queue_for(settings, ctx.store.run_id))
 
 
-def _consume_the_runs_queue(r: redis.Redis, run_id: str) -> None:
+def _consume_the_runs_queue(app: FarmApp, r: redis.Redis, run_id: str) -> None:
     """Consume the run's own queue and no other (``-Q`` included): the consumer is built
     after ``worker_init``, from the queues selected here."""
-    from worker.app import app
-
-    queue = run.queue_for(settings, run_id)
+    queue = run.queue_for(app.settings, run_id)
     app.amqp.queues.select([queue])
     app.conf.task_default_queue = queue
-    others = run.note_queue(r, queue, run_id)
+    others = queue_scan.note_queue(r, queue, run_id)
     if others:
-        log.warning("%s", run.sharing_warning(queue, run_id, others))
+        log.warning("%s", queue_scan.sharing_warning(queue, run_id, others))
 
 
 @worker_process_init.connect
 def _on_process_init(**_: Any) -> None:
     global _runtime
     _runtime = None  # never share a loop/session/socket across fork
-    runtime()
+    runtime(current_app)  # the pool process's app: the worker's, made current by Celery
 
 
 @worker_process_shutdown.connect

@@ -5,7 +5,7 @@ index before the ack; every other way out hands the message back (``Reject(reque
 counted attempt (``Transient``, ``Corrupt``, anything unexpected) retries with backoff while
 the time limit allows; the environment's faults make the task wait holding its message, its
 attempt refunded; ``ConfigError`` stops the worker. Each attempt holds the sample's lease.
-Test: tests/test_faults.py::test_hung_server_spends_no_attempts."""
+Test: tests/farm/test_faults.py::test_hung_server_spends_no_attempts."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from worker import extract as ex
 from worker import waits
-from worker.app import TASK_NAME, app, settings
+from worker.app import FarmApp, app
 from worker.core import setaside
 from worker.core.errors import (
     BadInput,
@@ -38,12 +38,15 @@ from worker.core.errors import (
     StaleRecord,
     Transient,
 )
-from worker.core.run import run_of_task, sharing_warning
+from worker.core.run import TASK_NAME, run_of_task
 from worker.core.samples import SampleRef
+from worker.core.settings import Settings
 from worker.runtime import Runtime
 from worker.startup import runtime, stop_worker
 from worker.state import lease as leases
 from worker.state.corpus import Corpus
+from worker.state.publish import send_message
+from worker.state.queue_scan import sharing_warning
 
 log = logging.getLogger("hsfarm.task")
 # What an attempt may end with, short of an outcome: logged without a traceback.
@@ -78,29 +81,29 @@ class SampleRemoved(SampleNotDone):
     pass
 
 
-def _backoff_s(attempt: int) -> float:
-    base = settings.retry_backoff_s * (2 ** max(attempt - 1, 0))
-    return min(base, settings.retry_backoff_max_s) * random.uniform(0.8, 1.2)
+def _backoff_s(s: Settings, attempt: int) -> float:
+    base = s.retry_backoff_s * (2 ** max(attempt - 1, 0))
+    return min(base, s.retry_backoff_max_s) * random.uniform(0.8, 1.2)
 
 
-def _budget_s(request: Any) -> float:
+def _budget_s(farm: FarmApp, request: Any) -> float:
     """How long this delivery may work: until shortly before its soft time limit (sized by
     its sample, worker/core/time_limits.py), else the app's."""
     limits = getattr(request, "timelimit", None)
     soft_s = limits[1] if isinstance(limits, (list, tuple)) and len(limits) == 2 else None
-    return float(soft_s or app.conf.task_soft_time_limit or settings.task_time_limit_s) - 2.0
+    return float(soft_s or farm.conf.task_soft_time_limit or farm.settings.task_time_limit_s) - 2.0
 
 
 @app.task(bind=True, name=TASK_NAME, max_retries=None, acks_late=True,
           reject_on_worker_lost=True, throws=(SampleNotDone,),
-          Request="worker.steps.reaper:OwnedRequest")
+          Request="worker.request:OwnedRequest")
 def extract(self: Task, ref_json: Any) -> dict[str, Any]:
     """Extract one sample's hidden states into a verified final file."""
-    budget_s = _budget_s(self.request)
+    budget_s = _budget_s(self.app, self.request)
     deadline = time.monotonic() + budget_s
     try:
-        rt = runtime()
-        foreign = _hand_back_foreign(rt, self.request.id, ref_json)
+        rt = runtime(self.app)
+        foreign = _hand_back_foreign(self.app, rt, self.request.id, ref_json)
         if foreign is not None:
             return foreign
         return _run(rt, ref_json, deadline, budget_s)
@@ -114,7 +117,8 @@ def extract(self: Task, ref_json: Any) -> dict[str, Any]:
         raise Reject(f"{type(e).__name__}: {e}", requeue=True) from e
 
 
-def _hand_back_foreign(rt: Runtime, task_id: object, ref_json: Any) -> dict[str, Any] | None:
+def _hand_back_foreign(farm: FarmApp, rt: Runtime, task_id: object,
+                       ref_json: Any) -> dict[str, Any] | None:
     """Hands a message of another run back untouched, for its own workers; None for ours.
 
     The copy goes to the far end of the queue, then this delivery is acked: a crash in between
@@ -129,16 +133,15 @@ def _hand_back_foreign(rt: Runtime, task_id: object, ref_json: Any) -> dict[str,
     log.warning("handing back untouched a message of run %s: %s", other,
                 sharing_warning(rt.queue, rt.run_id, [other]))
     key = ref_json.get("k") if isinstance(ref_json, dict) else None
-    app.send_task(TASK_NAME, args=[ref_json], task_id=str(task_id), queue=rt.queue,
-                  argsrepr=str(key), kwargsrepr="{}")
-    time.sleep(min(1.0, settings.pause_poll_s) * random.uniform(0.2, 1.8))
+    send_message(farm, rt.queue, str(task_id), ref_json, str(key))
+    time.sleep(min(1.0, rt.settings.pause_poll_s) * random.uniform(0.2, 1.8))
     return {"status": "handed back", "run": other}
 
 
 def _run(rt: Runtime, ref_json: Any, deadline: float, budget_s: float) -> dict[str, Any]:
     ref = _checked_ref(rt, ref_json)
     name = leases.lease_name(rt.run_id, ref.key)
-    with leases.held(rt.index.r, name, settings.lease_ttl_s, deadline) as lease:
+    with leases.held(rt.index.r, name, rt.settings.lease_ttl_s, deadline) as lease:
         if lease is None:
             raise Reject(f"{ref.key}: another attempt still holds it", requeue=True)
         return _attempts(rt, ref, lease, deadline, budget_s)
@@ -152,7 +155,7 @@ def _checked_ref(rt: Runtime, ref_json: Any) -> SampleRef:
     """
     try:
         sent = SampleRef.from_json(ref_json)
-        if sent.length > settings.max_record_bytes:
+        if sent.length > rt.settings.max_record_bytes:
             raise MalformedMessage(f"n: {sent.length} bytes is over FARM_MAX_RECORD_BYTES")
         ref = Corpus(rt.index).resolve(sent)
     except MalformedMessage as e:
@@ -189,8 +192,8 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease, deadline: float,
               deadline)
         _enough_time_left(key, deadline, budget_s)
         attempt = rt.index.next_attempt(key)
-        if attempt > settings.max_attempts:
-            _give_up(rt, key, f"gave up after {settings.max_attempts} attempts (crashes or "
+        if attempt > rt.settings.max_attempts:
+            _give_up(rt, key, f"gave up after {rt.settings.max_attempts} attempts (crashes or "
                               "time-outs)", attempt - 1)
         rt.index.mark_running(key, f"{rt.hostname}:{os.getpid()}", attempt)
         t0 = time.monotonic()
@@ -276,12 +279,12 @@ def _enough_time_left(key: str, deadline: float, budget_s: float) -> None:
 
 def _hold(rt: Runtime, key: str, reason: str, deadline: float) -> None:
     """Wait one poll interval for a fault this worker cannot observe clearing."""
-    until = time.monotonic() + settings.pause_poll_s
+    until = time.monotonic() + rt.settings.pause_poll_s
     _wait(rt, key, lambda: reason if time.monotonic() < until else None, deadline)
 
 
 def _wait(rt: Runtime, key: str, problem: Any, deadline: float) -> None:
-    if not waits.until_clear(rt, key, problem, deadline, settings.pause_poll_s):
+    if not waits.until_clear(rt, key, problem, deadline, rt.settings.pause_poll_s):
         raise Reject(f"{key}: still paused at the time limit", requeue=True)
 
 
@@ -291,9 +294,9 @@ def _failed_attempt(rt: Runtime, key: str, attempt: int, e: Exception, took_s: f
     if not isinstance(e, EXPECTED_FAILURES):
         log.exception("%s a%d unexpected error", key, attempt)
     reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    if attempt >= settings.max_attempts:
+    if attempt >= rt.settings.max_attempts:
         _give_up(rt, key, reason, attempt)
-    backoff_s = _backoff_s(attempt)
+    backoff_s = _backoff_s(rt.settings, attempt)
     rt.index.mark_retrying(key, attempt, reason)
     if time.monotonic() + backoff_s + took_s > deadline:
         log.warning("%s a%d failed, handed back for a later attempt: %s", key, attempt, reason)

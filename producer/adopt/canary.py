@@ -17,10 +17,10 @@ from typing import Any
 
 from sglang_patch import contracts as c
 from worker.core import canary as cn
-from worker.core import weights
+from worker.core import outdir, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
-from worker.core.store import MANIFEST, OutputStore
+from worker.core.store import OutputStore
 from worker.server import served_identity
 from worker.server.canary_check import CanaryCheck, Outcome
 from worker.server.chat import ChatTokenizer
@@ -42,7 +42,7 @@ def served_check(settings: Settings, fingerprint: c.Fingerprint, model_path: Pat
     from sglang_patch.dumpdir import DumpDirUnsafe
     from sglang_patch.probe import ProbeFailed, probe
 
-    manifest = settings.output_dir / MANIFEST
+    manifest = settings.output_dir / outdir.MANIFEST
     local = weights.weights_identity(model_path)
     for attempt in range(1, PROBE_TRIES + 1):
         try:

@@ -4,8 +4,8 @@ live server as the canary extracts them, compared per layer with the canary's to
 Over the tolerance, it names the likely cause from what the numbers show: every layer off
 (another checkpoint); only aux layers off (other layers; an off-by-one when an adjacent
 captured layer matches); only the final state off until the final RMSNorm is applied (pre-norm).
-Tests: tests/test_adopt.py::test_off_by_one_layers_diagnosed,
-tests/test_adopt.py::test_pre_norm_final_state_diagnosed.
+Tests: tests/farm/test_adopt.py::test_off_by_one_layers_diagnosed,
+tests/unit/test_adopt.py::test_pre_norm_final_state_diagnosed.
 """
 
 from __future__ import annotations

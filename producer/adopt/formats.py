@@ -5,7 +5,7 @@ Only regular files are read: ``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` a
 on the descriptor, so nothing swapped in between blocks or leads outside SOURCE. Torch files
 load with ``weights_only=True``: a pickle that would run code is refused before it runs.
 States come back as bf16 bit patterns; f16/f32 sources are rounded to nearest even. Test:
-tests/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan
+tests/farm/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker.core import checksums, tensorfile
+from worker.core import checksums, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, SourceFileRefused
 
 SPECFORGE_GLOB = "data_*.ckpt"
-HSFARM_MARK = "manifest.json"
+HSFARM_MARK = outdir.MANIFEST
 # torch format: which dict keys hold what (``--key role=name``; aux may name three keys)
 ROLES = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 MAX_UNMAPPED_BYTES = 4 << 30  # a legacy torch file is read whole: at most this
@@ -50,7 +50,7 @@ class SourceSample:
 
 def detect(source: Path) -> str:
     """The format of ``source`` (a dir). Raises ConfigError saying what was found."""
-    if (source / HSFARM_MARK).exists() and (source / "samples").is_dir():
+    if (source / HSFARM_MARK).exists() and (source / outdir.SAMPLES_DIR).is_dir():
         return "hsfarm"
     if any(source.glob(SPECFORGE_GLOB)):
         return "specforge"
@@ -68,7 +68,7 @@ def detect(source: Path) -> str:
 def list_files(source: Path, fmt: str) -> list[Path]:
     """The files of ``source`` to consider, sorted (names carry no meaning)."""
     if fmt == "hsfarm":
-        return sorted(p for p in (source / "samples").rglob("*.safetensors")
+        return sorted(p for p in (source / outdir.SAMPLES_DIR).rglob("*.safetensors")
                       if not c.is_temp_name(p.name))
     if fmt == "specforge":
         return sorted(source.rglob(SPECFORGE_GLOB))

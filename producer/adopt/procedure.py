@@ -5,17 +5,15 @@ Steps: check the server is the run's; match each source file to the record with 
 run's final file under the sample's lease. Only the write step holds the run's enqueue lock,
 so a slow source or server stalls neither ``enqueue`` nor the reconciler. Killed anywhere, it
 leaves whole or temp files; run again, it adopts the rest (docs/adopt.md).
-Test: tests/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once.
+Test: tests/farm/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +30,9 @@ from producer.adopt import rows as ar
 from producer.adopt.canary import canary_outcome, served_check
 from producer.adopt.formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
-from producer.enqueue import _run_lock_name, open_run
+from producer.enqueue import open_run, run_lock_name
 from sglang_patch import contracts as c
-from worker.core import diskio, liveness, tensorfile
+from worker.core import durable, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
 from worker.core.samples import SampleRef, read_sample
@@ -160,7 +158,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     fmt = detect(source) if fmt == "auto" else fmt
     served = served_check(s, run.fingerprint, run.model_path)  # before a source is read
     store = st.OutputStore(s.output_dir, run.fingerprint)
-    if not dry_run or (s.output_dir / st.MANIFEST).exists():
+    if not dry_run or (s.output_dir / outdir.MANIFEST).exists():
         store = open_run(s, run.fingerprint, run.model_path)
         store.debug_write_delay_s = s.debug_write_delay_s
     run_id = store.run_id or c.NO_RUN
@@ -190,7 +188,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     if dry_run:
         return report
     # only the writing holds the lock: each sample's state is read again under its lease
-    with leases.held(r, _run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
+    with leases.held(r, run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
         _adopt_all(run, store, RunIndex(r, run_id), found, fmt, keys, source, report, jobs,
                    progress)
         _record(store.out_dir, source, fmt, data, report)
@@ -430,19 +428,11 @@ def fp8_problem(settings: Settings) -> str | None:
 def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -> None:
     """Add this adoption to the manifest (temp file, fsync, rename, fsync dir). The run id
     does not depend on this entry (worker/core/run.py); the enqueue lock is held."""
-    path = out_dir / st.MANIFEST
+    path = out_dir / outdir.MANIFEST
     body = json.loads(path.read_text())
     body.setdefault(MANIFEST_ADOPTIONS, []).append({
         "at": time.time(), "source": str(source.resolve()), "format": fmt,
         "data": str(data.resolve()), "adopted": report.adopted, "already_done": report.done,
         "refused": len(report.refused), "mask_differs": report.mask_differs,
         "check": report.check.to_json() if report.check else None})
-    tmp = path.with_name(f".{st.MANIFEST}{c.TMP_MARK}{liveness.temp_tag(uuid.uuid4().hex[:8])}")
-    try:
-        tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        diskio.fsync_dir(out_dir)
-    finally:
-        tmp.unlink(missing_ok=True)
+    durable.write_json(path, body)

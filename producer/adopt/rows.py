@@ -5,7 +5,7 @@ file's first ``PREFIX_TOKENS`` tokens are sent (``BATCH`` files at once) and its
 ``ROWS`` of them compared with the dump's. Causal attention makes the prefix's rows the whole
 file's rows, and another model, layer set or norm differs at every row, so each such file is
 refused on its own. A file edited only after its first rows is left to the checksums.
-Test: tests/test_adopt_checks.py::test_a_foreign_minority_is_caught_file_by_file.
+Test: tests/farm/test_adopt_checks.py::test_a_foreign_minority_is_caught_file_by_file.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ An aiohttp app (the farm's HTTP library) with HTTP basic auth on every path, ``/
 included; it listens on loopback by default and serves without a password only when told
 (``--no-auth``), and then only on loopback. uPlot draws the plots in the browser
 (``producer/dashboard/static/``). Routes: ``/``, ``/static/<file>``, ``/api/run``, ``/metrics``.
-Test: tests/test_dashboard.py::test_dashboard_requires_the_password.
+Test: tests/farm/test_dashboard.py::test_dashboard_requires_the_password.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from producer.dashboard import metrics_text
 from producer.dashboard.data import Sampler
 from producer.status import no_run, status_fingerprint
 from sglang_patch import contracts as c
+from worker.core import outdir
 from worker.core import run as runs
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
@@ -194,7 +195,7 @@ def main_dashboard(settings: Settings, args: argparse.Namespace) -> int:
     auth = read_auth(args)
     if args.sample_s <= 0:
         raise ConfigError(f"--sample-s must be > 0, not {args.sample_s}")
-    if not (Path(settings.output_dir) / runs.MANIFEST).is_file():
+    if not (Path(settings.output_dir) / outdir.MANIFEST).is_file():
         print(f"note: {no_run(settings)}; the dashboard shows the run once it begins",
               file=sys.stderr, flush=True)
     fingerprint, source = status_fingerprint(settings)

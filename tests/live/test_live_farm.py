@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
-from tests.faults import enqueue, run_hash, text
 from tests.live.conftest import measured, running
 from tests.live.reference import BF16_TOLERANCE, reference, relative_error
 from tests.live.sglang_server import LiveServer
+from tests.support.faults import enqueue, run_hash, text
+from worker.core import outdir
 from worker.state import keys as k
 
 # A live CPU server prefills a 4,451-token sample in seconds, not milliseconds, and a restart
@@ -71,7 +72,7 @@ def assert_matches_transformers(farm: LocalFarm, keys: list[str], model: Path) -
     """Every final file holds transformers' states for its ids; returns the worst error."""
     worst = 0.0
     for key in keys:
-        t = load_file(str(c.final_path(farm.output_dir, key)))
+        t = load_file(str(outdir.final_path(farm.output_dir, key)))
         hidden, aux = reference(model, t[c.T_INPUT_IDS].tolist(), [2, 4, 5])
         assert t[c.T_HIDDEN].dtype == torch.bfloat16 and t[c.T_AUX].shape == aux.shape
         err = max(relative_error(t[c.T_HIDDEN], hidden), relative_error(t[c.T_AUX], aux))

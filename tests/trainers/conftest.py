@@ -2,8 +2,8 @@
 
 Those venvs have the trainer, torch and safetensors, and ``hsfarm[training]`` installed beside
 it as a user would (no Celery, Redis or the farm's transformers): the data comes from
-``make trainer-data`` (``python -m tests.training_data``), real farm output of the tiny model,
-exported to every trainer's container by the farm's export. Our own files are read here with
+``make trainer-data`` (``python -m tests.support.training_data``), real farm output of the tiny
+model, exported to every trainer's container by the farm's export. Our own files are read here with
 safetensors alone, so "ours" is what the farm wrote, not what our loader says.
 """
 

@@ -5,7 +5,7 @@
 stay contiguous (keys and shapes: docs/output.md). torch is imported only where a container
 needs it, so the producer CLI runs without torch. Each copied tensor read back is checked
 against the source's checksum, which catches a damaged source in the same pass; speculators'
-[T, 4, H] stack is derived and checked a few tokens at a time. Test: tests/test_export_formats.py.
+[T, 4, H] stack is derived and checked a few tokens at a time (tests/unit/test_export_formats.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable
 from training.prenorm import speculators_chunks
 from training.sample_file import NP_DTYPES, SampleFile
-from worker.core import checksums as ck
-from worker.core import diskio, tensorfile
+from worker.core import checksums, diskio, durable, tensorfile
 from worker.core.errors import Corrupt
 
 Arrays = Mapping[str, np.ndarray]
@@ -202,7 +200,7 @@ class Speculators(Format):
         head, header = tensorfile.encode_header(
             {"token_ids": ("I64", (t,)), c.T_LOSS_MASK: ("I64", (t,)),
              "hidden_states": ("BF16", (t, c.AUX_LAYERS + 1, h))}, {"sample_key": key})
-        stacked = checksums.hasher()
+        stacked = checksums.new_hasher()
         with durable.WritebackFile(tmp) as f:
             f.write(head)
             for name, _, _ in header.file_ranges():
@@ -249,7 +247,7 @@ class Speculators(Format):
         three aux slots are contiguous in a C-ordered stack): no copy of the [T,3H] part."""
         if not hidden_states.flags.c_contiguous:
             return checksums.of(Speculators.aux_part(hidden_states), algorithm)
-        h = ck.new_hasher(algorithm)
+        h = checksums.new_hasher(algorithm)
         for row in hidden_states:
             h.update(row[: c.AUX_LAYERS].data)
         return h.hexdigest()
@@ -276,8 +274,8 @@ class _StackFeed:
         stack = header.tensors["hidden_states"]
         self.row_bytes = stack.nbytes // max(1, stack.shape[0])
         self.aux_bytes = self.row_bytes * c.AUX_LAYERS // (c.AUX_LAYERS + 1)
-        self.stacked = checksums.hasher()
-        self.aux = checksums.hasher(algorithm)
+        self.stacked = checksums.new_hasher()
+        self.aux = checksums.new_hasher(algorithm)
         self.kept: dict[str, bytearray] = {}
         self.dtypes = {n: e.dtype for n, e in header.tensors.items()}
         self.seen = 0

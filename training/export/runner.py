@@ -5,7 +5,7 @@ source's checksums, renamed, the dir fsynced, a ledger line appended (fsync); on
 ``delete_source`` remove the source, if its bytes are still the exported ones. A sample is
 skipped only when its ledger line and DEST file match the source; a crash leaves the source
 or a ledger line, so a re-run resumes. One export per DEST (``lock``); records that left the
-corpus are withdrawn. Test: tests/test_training.py::test_sigkill_mid_export_loses_nothing.
+corpus are withdrawn. Test: tests/farm/test_training.py::test_sigkill_mid_export_loses_nothing.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from training import checksums, durable, fp8, roots
+from training import fp8, roots
 from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger
 from training.export.lock import dest_lock
 from training.export.numbered import close_gaps
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
+from worker.core import checksums, durable, outdir
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.setaside import removed_by_key
-from worker.core.store import _writer_dead as writer_dead  # the store's own temp-name parser
 from worker.core.store import free_bytes, is_no_space
 
 MARGIN_BYTES = 64 << 20
@@ -234,7 +234,7 @@ def _count(summary: ExportSummary, key: str, result: _Outcome | str) -> None:
 def _remove_dead_temps(dest: Path) -> None:
     """Temp files left by an export that was killed (this host, writer gone)."""
     for p in dest.rglob(f"*{c.TMP_MARK}*"):
-        if writer_dead(p.name):
+        if outdir.temp_writer_dead(p.name):
             p.unlink(missing_ok=True)
 
 
@@ -293,7 +293,7 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
         arrays = src.map_all(prefetch=True)
         _same_file(src_path, seen)
         arrays, want = fp8.as_exported(job.info, arrays, src_sums)  # fp8 runs: bf16 out
-        tmp = durable.tmp_for(job.dest / job.fmt.rel_path(key, 0))
+        tmp = outdir.temp_path(job.dest / job.fmt.rel_path(key, 0))
         tmp.parent.mkdir(parents=True, exist_ok=True)
         derived_sums = job.fmt.write(tmp, key, arrays, want, job.norm_w)
         _verify_from_disk(job.fmt, tmp, want, derived_sums)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from training import durable, vocab
+from training import vocab
 from training.export.formats import Speculators
 from training.export.ledger import Ledger
+from worker.core import durable, outdir
 from worker.core.errors import Corrupt
 
 ARROW = "data-00000-of-00001.arrow"
@@ -65,7 +66,7 @@ def write_dataset(dest: Path, ledger: Ledger) -> None:
 def _replacing(path: Path) -> Iterator[Path]:
     """A temp file to write ``path``'s new content into: committed over ``path`` when the
     block ends, removed when it raises (a full DEST keeps no temp file)."""
-    tmp = durable.tmp_for(path)
+    tmp = outdir.temp_path(path)
     try:
         yield tmp
         durable.commit(tmp, path)

@@ -5,25 +5,22 @@ The first worker records ``PROMPTS`` (one long enough for chunked prefill to spl
 ``<out>/canary.safetensors``, linked into place so one of several starting workers wins; every
 worker re-extracts the recorded token ids and compares per layer: the max and mean relative L2
 error over sampled tokens stay within ``FARM_CANARY_*_REL_ERR`` (margins in docs/canary.md).
-Test: tests/test_canary.py::test_recording_is_written_once_and_read_back."""
+Test: tests/unit/test_canary.py::test_recording_is_written_once_and_read_back."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker.core import checksums, diskio, liveness, tensorfile
+from worker.core import checksums, diskio, durable, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, Transient
 
-FILE = "canary.safetensors"
 ROWS_PER_PROMPT = 48  # tokens sampled per prompt (plus the chunk boundary): small files
 LONG_CAP_TOKENS = 16384
 _TEXT = ("Hidden states are the activations of a model. Speculative decoding drafts tokens "
@@ -82,7 +79,7 @@ def layer_names(layers_to_capture: tuple[int, ...]) -> list[str]:
 # --- the recording ---------------------------------------------------------------------------
 
 def path_in(out_dir: Path) -> Path:
-    return out_dir / FILE
+    return out_dir / outdir.CANARY_FILE
 
 
 def record(out_dir: Path, canaries: list[Canary], meta: dict[str, str]) -> bool:
@@ -101,18 +98,10 @@ def record(out_dir: Path, canaries: list[Canary], meta: dict[str, str]) -> bool:
     sums = {k: checksums.tensor_checksum(np.ascontiguousarray(t.array).data)
             for k, t in tensors.items()}
     body = {**meta, "prompts": str(len(canaries)), **checksums.checksum_metadata(sums)}
-    tag = liveness.temp_tag(uuid.uuid4().hex[:8])  # as the store's temps
-    tmp = out_dir / f".{FILE}{c.TMP_MARK}{tag}"
+    tmp = outdir.temp_path(path)
     try:
         tensorfile.write(tmp, tensors, body)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # atomic create: of several workers starting at once, one wins
-            won = True
-        except FileExistsError:
-            won = False
-        diskio.fsync_dir(out_dir)
+        won = durable.commit_new(tmp, path)  # of several workers starting at once, one wins
     except OSError as e:
         raise Transient(f"writing {path}: {e}") from e
     finally:

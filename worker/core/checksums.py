@@ -3,15 +3,17 @@
 Two forms verify: ``checksum_algorithm`` = ``xxh3-128`` with ``checksums`` = JSON
 ``{tensor name: hex digest}`` (written), or ``sha256`` without it (read only). xxh3-128
 detects corruption, not tampering, at memory speed (~30 GB/s here, sha256 1.8 GB/s).
-Test: tests/test_store.py::test_files_of_the_previous_format_still_verify."""
+Test: tests/unit/test_store.py::test_files_of_the_previous_format_still_verify."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import xxhash
 
 from worker.core.errors import Corrupt
@@ -81,3 +83,46 @@ def file_checksums(metadata: Mapping[str, str]) -> tuple[str, dict[str, str]]:
         raise Corrupt("checksums in the metadata are not a {name: digest} object")
     new_hasher(algorithm)  # raises Corrupt for an algorithm this version does not know
     return algorithm, sums
+
+
+def of(arr: np.ndarray, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """The checksum of one array's raw bytes (C order), as ``tensor_checksum``."""
+    return tensor_checksum(np.ascontiguousarray(arr).data, algorithm)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The per-tensor checksums a file (or a manifest entry) records, with their algorithm."""
+
+    algorithm: str = DEFAULT_ALGORITHM
+    sums: dict[str, str] = field(default_factory=dict)
+
+    def matches(self, name: str, arr: np.ndarray) -> bool:
+        return self.sums.get(name) == of(arr, self.algorithm)
+
+    def to_json(self) -> dict[str, object]:
+        return {M_ALGORITHM: self.algorithm, M_CHECKSUMS: dict(self.sums)}
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, object]) -> Recorded:
+        sums = entry.get(M_CHECKSUMS)
+        return cls(str(entry.get(M_ALGORITHM, DEFAULT_ALGORITHM)),
+                   {str(k): str(v) for k, v in sums.items()} if isinstance(sums, dict) else {})
+
+
+def recorded(metadata: Mapping[str, str]) -> Recorded:
+    """The checksums in a file's metadata (none: an empty record, which matches nothing)."""
+    try:
+        algorithm, sums = file_checksums(metadata)
+    except Corrupt:
+        return Recorded()
+    return Recorded(algorithm, dict(sums))
+
+
+def compute(arrays: Mapping[str, np.ndarray]) -> Recorded:
+    return Recorded(DEFAULT_ALGORITHM, {name: of(a) for name, a in arrays.items()})
+
+
+def mismatches(expected: Recorded, arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """Names of the tensors whose checksum is missing from ``expected`` or differs."""
+    return [name for name, arr in arrays.items() if not expected.matches(name, arr)]

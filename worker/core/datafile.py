@@ -5,7 +5,7 @@ out as its exact bytes, offset and length, so a task can point at it and the wor
 hash-check it; one over ``max_record_bytes`` comes out as ``Oversized``, never read. The array
 scanner tracks only nesting and string state (no JSON library yields byte offsets); each record
 is parsed on its own, so a malformed one is rejected and the rest go on.
-Test: tests/test_datafile.py::test_large_array_streams_in_constant_memory."""
+Test: tests/unit/test_datafile.py::test_large_array_streams_in_constant_memory."""
 
 from __future__ import annotations
 

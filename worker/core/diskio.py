@@ -4,7 +4,7 @@
 (``POSIX_FADV_DONTNEED``), then it is read buffered, or with ``O_DIRECT`` (``direct=True``).
 Buffered is the default: its readahead made it 1.5-2x faster than ``O_DIRECT`` at queue depth 1
 on this project's disk, for ~10 ms more CPU per 86 MB. Errors stay ``OSError``; the store
-translates them. Test: tests/test_diskio.py::test_disk_reader_returns_every_byte_once."""
+translates them. Test: tests/unit/test_diskio.py::test_disk_reader_returns_every_byte_once."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ DP groups step together, so a step lasts as long as its busiest group's (SGLang 
 ``prepare_mlp_sync_batch_raw``), and SGLang's round robin is blind to request length. The host
 knows its requests in flight and its dumps held (``admission``), so it can pin each request:
 ``least-tokens`` (fewest waiting tokens, then bytes held), ``least-bytes`` (the reverse), or
-``server`` (SGLang's own). Measured in docs/benchmarks.md; test: tests/test_dp_routing.py::
+``server`` (SGLang's own). Measured in docs/benchmarks.md; test: tests/unit/test_dp_routing.py::
 test_the_rules_pick_the_group_with_the_least_waiting_tokens_or_held_bytes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The farm's errors, a small tree (drawn below). Third-party exceptions are translated at one
 boundary. The environment's faults (ConfigError and the waits) never count against a sample.
-Test: tests/test_env_faults.py::test_gateway_refusals_spend_no_attempts.
+Test: tests/farm/test_env_faults.py::test_gateway_refusals_spend_no_attempts.
 """
 
 # FarmError

@@ -5,7 +5,7 @@ scale-invariant, so ``hidden_state / w`` is a pre-norm state that the trainer's 
 to bf16 rounding: the run keeps ``w``'s exact bytes in ``<out>/final_norm.safetensors``. ``w`` is
 the ``…norm.weight`` (or ``ln_f``, ``final_layernorm``, ``norm_f``) of shape [H] outside any
 layer, vision tower or MTP block whose prefix is the LM head's (``pick_final_norm``).
-Test: tests/test_training.py::test_final_norm_is_found_in_nested_and_other_checkpoints."""
+Test: tests/unit/test_training.py::test_final_norm_is_found_in_nested_and_other_checkpoints."""
 
 from __future__ import annotations
 
@@ -13,18 +13,15 @@ import hashlib
 import json
 import os
 import re
-import struct
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
-from worker.core import liveness, tensorfile
+from sglang_patch import header_codec
+from worker.core import durable, outdir, tensorfile
 from worker.core.errors import ConfigError
 
-FILE = "final_norm.safetensors"
 TENSOR = "weight"
 M_SOURCE_NAME, M_CONFIG_SHA, M_EPS = "source_tensor", "model_config_sha256", "rms_norm_eps"
 
@@ -69,10 +66,8 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
 def _header(path: Path) -> dict[str, dict[str, object]]:
     """The safetensors header of ``path`` (names → dtype, shape, offsets), without data."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return dict(header)
+        entries, _ = header_codec.decode(f.read(header_codec.length(f.read(8))))
+    return entries
 
 
 def _prefix(name: str) -> str:
@@ -108,8 +103,7 @@ def read_final_norm(model_dir: Path, hidden_size: int) -> FinalNorm:
     offsets: list[int] = list(entry["data_offsets"])  # type: ignore[call-overload]
     start, end = offsets
     with open(shard, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(8 + n + start)
+        f.seek(8 + header_codec.length(f.read(8)) + start)
         raw = f.read(end - start)
     np_dtype = np.dtype("<u2") if dtype == "BF16" else np.dtype("<f4")
     config_bytes = (model_dir / "config.json").read_bytes()
@@ -120,25 +114,21 @@ def read_final_norm(model_dir: Path, hidden_size: int) -> FinalNorm:
 
 
 def write_final_norm(out_dir: Path, norm: FinalNorm, checksums: dict[str, str]) -> Path:
-    """``<out>/final_norm.safetensors``, temp → fsync → link (first writer wins; same bytes).
+    """``<out>/final_norm.safetensors``, temp → fsync → link → fsync(dir)
+    (first writer wins; same bytes).
 
     ``checksums``: metadata entries holding the weight's checksum, as the store writes them.
     """
-    path = out_dir / FILE
+    path = out_dir / outdir.FINAL_NORM_FILE
     if path.exists():
         return path
-    tag = liveness.temp_tag(uuid.uuid4().hex[:8])  # as the store's temps
-    tmp = out_dir / f".{FILE}{c.TMP_MARK}{tag}"
+    tmp = outdir.temp_path(path)
     meta = {M_SOURCE_NAME: norm.source_name, M_CONFIG_SHA: norm.config_sha256,
             M_EPS: repr(norm.rms_norm_eps), **checksums}
-    tensorfile.write(tmp, {TENSOR: norm.weight}, meta)
     try:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        tensorfile.write(tmp, {TENSOR: norm.weight}, meta)
         os.chmod(tmp, 0o644)
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
+        durable.commit_new(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
@@ -146,7 +136,7 @@ def write_final_norm(out_dir: Path, norm: FinalNorm, checksums: dict[str, str]) 
 
 def load_final_norm(out_dir: Path) -> FinalNorm:
     """Read ``<out>/final_norm.safetensors``. Raises FileNotFoundError or Corrupt."""
-    tf = tensorfile.read(out_dir / FILE)
+    tf = tensorfile.read(out_dir / outdir.FINAL_NORM_FILE)
     m = tf.metadata
     return FinalNorm(m.get(M_SOURCE_NAME, ""), tf.tensors[TENSOR], float(m.get(M_EPS, "1e-6")),
                      m.get(M_CONFIG_SHA, ""))

@@ -5,7 +5,7 @@ tensors come straight from the dump, a mapped window at a time (zero copy out of
 L2-sized piece is checksummed and NaN/Inf-checked while in cache, then written with its
 writeback started, so the disk writes while the CPU goes on. Reading routes each tensor's bytes
 to its hasher, with the algorithm its metadata names (``checksums``).
-Test: tests/test_store.py::test_parts_from_a_file_are_checked_and_checksummed_as_copied."""
+Test: tests/unit/test_store.py::test_parts_from_a_file_are_checked_and_checksummed_as_copied."""
 
 from __future__ import annotations
 

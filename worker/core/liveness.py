@@ -4,7 +4,7 @@ An identity is ``host:pid:start:machine``: ``start`` in clock ticks since boot, 
 boot id and pid namespace (``<boot id, 16 hex>-<pid namespace inode>``), because a hostname
 names no machine (host-networked containers and cloned VMs share one). Only an identity of this
 machine is judged from /proc; any other, or one without ``machine``, is left to a heartbeat or
-a TTL in Redis. Test: tests/test_liveness.py::
+a TTL in Redis. Test: tests/farm/test_liveness.py::
 test_a_process_of_another_pid_namespace_is_never_judged_from_here."""
 
 from __future__ import annotations

@@ -4,32 +4,28 @@ Runs share a deployment's Redis, hosts, dump dir, corpus and model config, so ev
 puts anywhere shared carries its run id: keys ``hsfarm:<run id>:...``, leases, task ids, the
 queue ``hsfarm.<run id>`` (unless ``FARM_QUEUE``), rids and so dump files. The run id comes from
 the manifest: the fingerprint, the weights identity and a nonce written once, so two checkpoints
-of one model, or two output dirs wherever each host mounts them, are two runs.
-Test: tests/test_run.py::test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints."""
+of one model, or two output dirs wherever each host mounts them, are two runs. Test:
+tests/unit/test_run.py::test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from sglang_patch import contracts as c
+from worker.core import outdir
 from worker.core.settings import Settings
-from worker.state import keys
 
-if TYPE_CHECKING:  # the training side reads run ids through the store, without Redis
-    import redis
-
-MANIFEST = "manifest.json"
+TASK_NAME = "hsfarm.extract"  # the one task; its name is in every queued message
 M_RUN_NONCE = "run_nonce"  # manifest key: random, written once with the manifest
 QUEUE_PREFIX = "hsfarm."
 TASK_PREFIX = "hsd"  # task ids: hsd-<run id>-<publication>:<sample key> (task_id)
-QUEUE_SEEN_S = 7 * 24 * 3600.0  # a run seen on a queue this recently counts as sharing it
+TASK_NAME = "hsfarm.extract"  # the one task; its name and message body outlive upgrades
 
 
 def run_id(manifest: Mapping[str, Any]) -> str:
@@ -47,7 +43,7 @@ def run_id(manifest: Mapping[str, Any]) -> str:
 def read_run_id(out_dir: Path) -> str | None:
     """The run id of ``out_dir``; None while it has no readable manifest (no run began)."""
     try:
-        manifest = json.loads((out_dir / MANIFEST).read_text())
+        manifest = json.loads((out_dir / outdir.MANIFEST).read_text())
     except (OSError, ValueError):
         return None
     return run_id(manifest) if isinstance(manifest, dict) else None
@@ -107,25 +103,3 @@ def message_task_id(raw: bytes | str, unacked: bool = False) -> str | None:
         return str(message["headers"]["id"])
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
         return None
-
-
-def note_queue(r: redis.Redis, queue: str, run: str, now: float | None = None) -> list[str]:
-    """Record that ``run`` uses ``queue``; the other runs seen on it lately (sharing it).
-
-    Runs that share a queue lose nothing (a worker hands another run's message back
-    untouched), but each worker takes and returns the other run's messages: say so.
-    """
-    now = time.time() if now is None else now
-    name = keys.queue_runs(queue)
-    r.hset(name, run, f"{now:.0f}")
-    seen = {k.decode() if isinstance(k, bytes) else k: float(v)
-            for k, v in r.hgetall(name).items()}
-    return sorted(k for k, at in seen.items() if k != run and now - at < QUEUE_SEEN_S)
-
-
-def sharing_warning(queue: str, run: str, others: list[str]) -> str:
-    """What to tell a person whose run shares its queue with other runs."""
-    return (f"queue {queue!r} (FARM_QUEUE) is shared by run {run} with run(s) "
-            f"{', '.join(others)}: each worker takes the other runs' messages and hands them "
-            "back untouched (nothing is lost, but work slows down). Unset FARM_QUEUE so each "
-            f"run gets its own queue ({QUEUE_PREFIX}<run id>), or give each run its own name")

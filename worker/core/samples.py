@@ -4,7 +4,8 @@ Records are OpenAI ``messages`` (or ``conversations``), ShareGPT ``{"from", "val
 messages, or pre-tokenized ``input_ids`` with an optional ``loss_mask`` (docs/input.md). The
 task message carries a ``SampleRef`` (file, byte span, content hash), never the sample: the
 worker re-reads the record and notices if the file changed after enqueue.
-Test: tests/test_samples.py::test_read_sample_finds_a_moved_record_and_notices_a_changed_one."""
+Test: tests/unit/test_samples.py::
+test_read_sample_finds_a_moved_record_and_notices_a_changed_one."""
 
 from __future__ import annotations
 

@@ -14,18 +14,10 @@ import os
 from pathlib import Path
 
 from sglang_patch import contracts as c
-from worker.core import tensorfile
+from worker.core import outdir, tensorfile
 from worker.core.diskio import fsync_dir
 from worker.core.errors import Corrupt
 from worker.core.store import M_CONTENT
-
-REMOVED_DIR = "removed"
-
-
-def removed_path(out_dir: Path, key: str, content_sha256: str) -> Path:
-    """Where the final file of ``key`` with this content is kept aside."""
-    return (out_dir / REMOVED_DIR / c.shard_of(key)
-            / f"{key}.{content_sha256 or 'unknown'}{c.DUMP_SUFFIX}")
 
 
 def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:
@@ -35,7 +27,7 @@ def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:
     Raises:
         OSError: the move failed (the file stays where it was).
     """
-    final = c.final_path(out_dir, key)
+    final = outdir.final_path(out_dir, key)
     if not final.exists():
         return None
     if delete:
@@ -46,7 +38,7 @@ def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:
         content = tensorfile.header_metadata(final).get(M_CONTENT, "")
     except (Corrupt, OSError):
         content = ""
-    dest = removed_path(out_dir, key, str(content))
+    dest = outdir.removed_path(out_dir, key, str(content))
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(final, dest)
     fsync_dir(dest.parent)
@@ -56,7 +48,7 @@ def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:
 
 def kept_aside(out_dir: Path) -> list[Path]:
     """Every file kept in ``<out>/removed/``."""
-    root = out_dir / REMOVED_DIR
+    root = out_dir / outdir.REMOVED_DIR
     return sorted(p for p in root.rglob(f"*{c.DUMP_SUFFIX}")) if root.is_dir() else []
 
 

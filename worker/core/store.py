@@ -4,7 +4,8 @@
 is temp file → fsync → read back from the device → rename → fsync(dir), so a file that does not
 read back whole never takes a final path. Data streams through ``finalfile`` in bounded chunks;
 no step holds a whole tensor. ``Part`` is re-exported here for callers of ``write``.
-Test: tests/test_store.py::test_a_file_that_does_not_read_back_whole_never_takes_its_final_path."""
+Test: tests/unit/test_store.py::
+test_a_file_that_does_not_read_back_whole_never_takes_its_final_path."""
 
 from __future__ import annotations
 
@@ -23,7 +24,17 @@ from pathlib import Path
 import numpy as np
 
 from sglang_patch import contracts as c
-from worker.core import checksums, diskio, final_norm, fp8, liveness, run, tensorfile, weights
+from worker.core import (
+    checksums,
+    diskio,
+    durable,
+    final_norm,
+    fp8,
+    outdir,
+    run,
+    tensorfile,
+    weights,
+)
 from worker.core.errors import (
     ConfigError,
     Corrupt,
@@ -37,7 +48,6 @@ from worker.core.semantics import tensor_semantics
 
 log = logging.getLogger("hsfarm.store")
 
-MANIFEST = run.MANIFEST
 M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
 M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
@@ -93,10 +103,6 @@ def check_free(path: Path, reserve_bytes: int, what: str) -> None:
 fsync_dir = diskio.fsync_dir
 
 
-def _tmp_tag() -> str:
-    """Who writes: lets start-up cleanup tell a crashed writer's temp from a live one's."""
-    return liveness.temp_tag(uuid.uuid4().hex[:8])
-
 
 class OutputStore:
     """One run's output directory. ``open`` checks or writes the manifest first."""
@@ -137,8 +143,8 @@ class OutputStore:
         return self
 
     def _open(self) -> None:
-        (self.out_dir / "samples").mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / MANIFEST
+        (self.out_dir / outdir.SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / outdir.MANIFEST
         identity = None if self.model_path is None else weights.weights_identity(self.model_path)
         if not path.exists():
             body = {"fingerprint_id": self.fingerprint.id,
@@ -149,17 +155,12 @@ class OutputStore:
                     "final_norm": self._write_final_norm()}
             if identity is not None:
                 body["weights"] = identity
-            tmp = path.with_name(f".{MANIFEST}{c.TMP_MARK}{_tmp_tag()}")
-            tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            tmp = outdir.temp_path(path)
             try:
-                os.link(tmp, path)  # fails if another worker wrote it first: then compare
-            except FileExistsError:
-                pass
+                tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
+                durable.commit_new(tmp, path)  # another worker's first: then compare
             finally:
                 tmp.unlink(missing_ok=True)
-            fsync_dir(self.out_dir)
         manifest = self._check_manifest(path)
         if identity is not None:
             self._check_weights(manifest, identity)
@@ -184,13 +185,13 @@ class OutputStore:
             log.warning("%s/%s records no weights identity (a run started by an older hsfarm): "
                         "the checkpoint cannot be checked against it; files written from now on "
                         "carry identity %s, and the canary guards the served model",
-                        self.out_dir, MANIFEST, identity["id"])
+                        self.out_dir, outdir.MANIFEST, identity["id"])
         self.weights_id = str(identity["id"])
 
     def recorded_weights_id(self) -> str | None:
         """The weights identity the manifest records (None: none recorded, or no manifest)."""
         try:
-            entry = json.loads((self.out_dir / MANIFEST).read_text()).get("weights")
+            entry = json.loads((self.out_dir / outdir.MANIFEST).read_text()).get("weights")
         except (OSError, ValueError, AttributeError):
             return None
         return str(entry["id"]) if isinstance(entry, dict) and "id" in entry else None
@@ -212,7 +213,7 @@ class OutputStore:
         weight = np.ascontiguousarray(norm.weight.array)
         sums = {final_norm.TENSOR: checksums.tensor_checksum(weight.data)}
         final_norm.write_final_norm(self.out_dir, norm, checksums.checksum_metadata(sums))
-        return {"file": final_norm.FILE, "tensor": final_norm.TENSOR,
+        return {"file": outdir.FINAL_NORM_FILE, "tensor": final_norm.TENSOR,
                 "source_tensor": norm.source_name, "dtype": norm.weight.dtype,
                 "rms_norm_eps": norm.rms_norm_eps,
                 checksums.M_ALGORITHM: checksums.DEFAULT_ALGORITHM, checksums.M_CHECKSUMS: sums}
@@ -235,7 +236,7 @@ class OutputStore:
         return dict(manifest)
 
     def final_path(self, key: str) -> Path:
-        return c.final_path(self.out_dir, key)
+        return outdir.final_path(self.out_dir, key)
 
     def check_space(self) -> None:
         """Raises Transient when the output disk is below its free-space reserve."""
@@ -261,7 +262,7 @@ class OutputStore:
         problems = self._layout_problems(layout, layout.get(c.T_INPUT_IDS, ("", (-1,)))[1])
         if problems:
             raise Corrupt(f"{final}: not this run's layout: " + "; ".join(problems))
-        tmp = final.with_name(f".{final.name}{c.TMP_MARK}{_tmp_tag()}")
+        tmp = outdir.temp_path(final)
         meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
         with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -347,7 +348,7 @@ class OutputStore:
         (it stopped renewing for a whole TTL): without its temp file its rename fails and it
         writes nothing (``LeaseLost`` above), instead of replacing our file after us.
         """
-        for p in final.parent.glob(f".{final.name}{c.TMP_MARK}*"):
+        for p in final.parent.glob(f".{final.name}{outdir.TMP_MARK}*"):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 log.info("removed %s: its writer no longer holds the sample's lease", p.name)
@@ -359,9 +360,9 @@ class OutputStore:
         or it is older than ``max_age_s`` (writers on other machines sharing the directory).
         """
         removed = 0
-        for p in self.out_dir.rglob(f"*{c.TMP_MARK}*"):
+        for p in self.out_dir.rglob(f"*{outdir.TMP_MARK}*"):
             try:
-                if _writer_dead(p.name) or time.time() - p.stat().st_mtime > max_age_s:
+                if outdir.temp_writer_dead(p.name) or time.time() - p.stat().st_mtime > max_age_s:
                     p.unlink()
                     removed += 1
             except OSError:
@@ -408,11 +409,6 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def _writer_dead(name: str) -> bool:
-    """True if a temp file's name says it was written by a process of this machine now gone."""
-    parts = name.split(c.TMP_MARK, 1)
-    return len(parts) == 2 and liveness.temp_writer_gone(parts[1])
-
 
 @contextmanager
 def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
@@ -429,7 +425,7 @@ def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
 
 def writable_problem(out_dir: Path) -> str | None:
     """None when a file can be created, written, synced and removed under ``out_dir``."""
-    probe = out_dir / "samples" / f".probe{c.TMP_MARK}{_tmp_tag()}"
+    probe = out_dir / outdir.SAMPLES_DIR / f".probe{outdir.TMP_MARK}{outdir.temp_tag()}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:

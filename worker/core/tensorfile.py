@@ -5,7 +5,7 @@
 worker stream tensor bytes between files instead of materialising tensors; it applies the
 library's checks (known dtype, sizes that match shapes, ranges that tile the data). bf16 is held
 as ``uint16`` (numpy has no bf16), the hook's exact bytes.
-Test: tests/test_tensorfile.py::test_our_files_read_the_same_in_the_safetensors_library."""
+Test: tests/unit/test_tensorfile.py::test_our_files_read_the_same_in_the_safetensors_library."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from sglang_patch import contracts as c
+from sglang_patch import header_codec
 from worker.core.errors import Corrupt
 
 # safetensors dtype tag -> numpy dtype holding the raw bytes
@@ -29,7 +29,7 @@ _DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype("<f4"),
     "F8_E4M3": np.dtype("u1"),  # float8 e4m3fn bits (fp8 storage, worker/core/fp8.py)
 }
-MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+MAX_HEADER_BYTES = header_codec.MAX_HEADER_BYTES
 _BF16_EXP_MASK = 0x7F80
 
 
@@ -91,8 +91,8 @@ def header_length(first8: bytes, file_size: int, name: str) -> int:
     """The JSON header's length from a file's first 8 bytes. Raises Corrupt if implausible."""
     if len(first8) < 8:
         raise Corrupt(f"{name}: not a valid safetensors file: {len(first8)} bytes")
-    n = int.from_bytes(first8[:8], "little")
-    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+    n = header_codec.length(first8)
+    if not header_codec.plausible(n, file_size):
         raise Corrupt(f"{name}: not a valid safetensors file: header length {n}, "
                       f"file size {file_size}")
     return n
@@ -106,10 +106,7 @@ def parse_header(raw: bytes, file_size: int, name: str) -> Header:
             do not tile the data exactly, or a file size that does not match (truncated).
     """
     try:
-        body = orjson.loads(raw)
-        if not isinstance(body, dict):
-            raise ValueError("header is not an object")
-        meta = body.pop("__metadata__", None) or {}
+        body, meta = header_codec.decode(raw, orjson.loads)
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ValueError("__metadata__ is not a string map")
         tensors = {k: _entry(k, v) for k, v in body.items()}
@@ -153,12 +150,12 @@ def read_header_fd(fd: int, name: str) -> Header:
 
 def encode_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
                   metadata: dict[str, str]) -> tuple[bytes, Header]:
-    """Build a file's leading bytes (``contracts.safetensors_header``: the library's layout)
+    """Build a file's leading bytes (``header_codec.encode``: the library's layout)
     for tensors ``{name: (dtype, shape)}``, and the header they encode."""
     for k, (dtype, _) in tensors.items():
         if dtype not in _DTYPES:
             raise ValueError(f"tensor {k} has unsupported dtype {dtype}")
-    head, ranges = c.safetensors_header(tensors, metadata)
+    head, ranges = header_codec.encode(tensors, metadata)
     entries = {k: Entry(tensors[k][0], tuple(tensors[k][1]), a, b) for k, (a, b) in ranges.items()}
     return head, Header(entries, dict(metadata), len(head))
 

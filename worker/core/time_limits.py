@@ -4,8 +4,8 @@ A sample's work grows with its dump (86 MB at 2k tokens, 5.5 GB at 128k with H =
 limit would be too short for 64k tokens or hours for a hung 2k one: ``hard_s`` is
 ``FARM_TASK_TIME_LIMIT_S`` + dump bytes / ``FARM_MIN_SAMPLE_BYTES_PER_S`` (docs/settings.md),
 ``soft_s`` 20 s less (at most a fifth). The main process sets them per message before a pool
-process runs it (``worker.steps.reaper.OwnedRequest``), from its record's size (``for_record``).
-Test: tests/test_time_limits.py::test_a_64k_sample_gets_its_bytes_time_on_top_of_the_base_limit."""
+process runs it (``worker.request.OwnedRequest``), from its record's size. Test:
+tests/unit/test_time_limits.py::test_a_64k_sample_gets_its_bytes_time_on_top_of_the_base_limit."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Every worker process of a host takes a ticket before a request: a place among
 file in ``<dump_dir>/.hsfarm-slots/``, so a SIGKILLed worker never leaks them. Room is first
 come, first served (a request fits beside the oldest waiter or waits), so a 64k-token dump is
 never starved by short ones. Under DP attention a ticket also names its group (``dp_routing``).
-Test: tests/test_admission.py::test_a_big_request_is_admitted_while_small_ones_keep_coming."""
+Test: tests/unit/test_admission.py::test_a_big_request_is_admitted_while_small_ones_keep_coming."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ duplicate rid, a length refusal (a configuration to fix, ``server_limits``) and 
 ``routed_dp_rank`` out of range are not. Everything else short of a success (a rate limiter's
 429, a gateway's page, 502-504 during a restart, SGLang's 503, a non-JSON answer) makes the
 worker wait, spending no attempt: when unsure, it is the environment.
-Test: tests/test_answers.py::test_only_sglangs_own_400_is_the_samples_fault."""
+Test: tests/unit/test_answers.py::test_only_sglangs_own_400_is_the_samples_fault."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ A worker checks at start-up, after a server outage or restart, and every
 until a check every ``FARM_PAUSE_POLL_S`` passes. A mismatch is only what the comparison finds:
 failing prompts are retried with backoff and an unfinished check is "could not be checked", so
 a flaky server slows the farm, never stops it. A host's processes take turns (a Redis lease).
-Test: tests/test_canary.py::test_a_flaky_server_slows_the_farm_but_never_stops_it."""
+Test: tests/farm/test_canary.py::test_a_flaky_server_slows_the_farm_but_never_stops_it."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ rendering the template incrementally as vLLM's speculators do (``_mask_by_prefix
 tokenizer gives no offsets); a template that does not render a conversation as a prefix of its
 continuation is reported per sample, never guessed. A missing jinja2 or a template that does not
 compile is the environment's (``ConfigError``); only a conversation it refuses is ``BadInput``.
-Test: tests/test_chat.py::test_tokenizers_without_offsets_get_the_same_mask."""
+Test: tests/unit/test_chat.py::test_tokenizers_without_offsets_get_the_same_mask."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ what an answer means). A refused connection, or a failed request while the serve
 health check, is ``ServerUnavailable``; a reset or dropped connection while it is healthy is
 ``ServerBusy`` (the network or a gateway); a timeout while it is healthy is ``Transient``, a
 counted attempt, as the request timeout is sized for one sample.
-Test: tests/test_faults.py::test_hung_server_spends_no_attempts."""
+Test: tests/farm/test_faults.py::test_hung_server_spends_no_attempts."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ SGLang refuses n input tokens when n >= its context length or n >= ``max_req_inp
 prefill-only request needs no room for generated tokens. A server that takes fewer than
 ``FARM_MAX_TOKENS`` would refuse valid samples: ``FARM_OVERLONG=reject`` refuses to start with
 the fix, ``truncate`` cuts samples to fit (each file records the length it was cut from).
-Test: tests/test_server_limits.py::test_a_short_server_context_is_refused_with_reject."""
+Test: tests/unit/test_server_limits.py::test_a_short_server_context_is_refused_with_reject."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A probe dump's metadata (``sglang_patch.probe``) names the loaded weights, the c
 and the model config, its ready marker the stored dtype; each is compared with the run's
 (``weights.served_mismatch``, ``dumps.identity_problems``, ``dumps.served_dtype_problem``).
 A worker checks at its start, ``adopt`` before it reads a source file: one check, so both
-refuse the same servers with the same words. Test: tests/test_weights.py::
+refuse the same servers with the same words. Test: tests/farm/test_weights.py::
 test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_later_starts."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_patch import contracts as c
+from sglang_patch.probe import served_weights
 from worker.core import dumps, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
@@ -31,8 +32,6 @@ def problems(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[st
         started: hidden states of the run exist (its canary is recorded).
         refusing: what the caller does while the server is wrong (one sentence).
     """
-    from sglang_patch.probe import served_weights
-
     out = []
     why = weights.served_mismatch(served_weights(probe_meta), recorded, local,
                                   server_url=settings.server_url, model_path=model_path,

@@ -5,7 +5,7 @@ TLS settings and the refusal of an open door: whoever reaches an off-machine Red
 corpus or publish tasks, so a non-local ``REDIS_URL`` needs a password unless
 ``FARM_ALLOW_UNAUTHENTICATED_REDIS``. A Redis without ``appendonly`` loses the queue on a
 restart, so it is refused unless ``FARM_ALLOW_VOLATILE_REDIS`` (docs/deployment.md).
-Test: tests/test_redis_auth.py::test_which_urls_need_a_password."""
+Test: tests/unit/test_redis_auth.py::test_which_urls_need_a_password."""
 
 from __future__ import annotations
 

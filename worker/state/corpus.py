@@ -5,7 +5,7 @@ from a new path with a recorded file's content is that file moved; its fid is re
 every host reads its messages from there (``resolve`` goes through Redis, not the message's
 path). A sample whose file cannot be read is *parked*, so no process waits on it and no other
 file's samples behind it, until ``enqueue`` or a janitor (``resume_parked``) publishes it again.
-Test: tests/test_corpus.py::test_parked_samples_are_published_again_once_their_file_reads."""
+Test: tests/farm/test_corpus.py::test_parked_samples_are_published_again_once_their_file_reads."""
 
 from __future__ import annotations
 

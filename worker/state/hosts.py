@@ -4,7 +4,7 @@ A run may span several server hosts (``FARM_HOST_ID``), each with its own server
 and output dir (or a shared one), on one ``REDIS_URL``; their entries, heartbeats and holdings
 are keys of the run (keys.py). Redis may lose all of it: a host's workers register what their
 output dir holds at start and when their entry is gone; each output dir keeps ``hosts.json``,
-so ``enqueue`` waits for the hosts it has not heard from. Test: tests/test_hosts.py::
+so ``enqueue`` waits for the hosts it has not heard from. Test: tests/farm/test_hosts.py::
 test_after_redis_lost_everything_enqueue_waits_for_the_hosts_it_has_not_heard_from."""
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ from typing import Any
 import redis
 
 from sglang_patch import contracts as c
-from worker.core import liveness, tensorfile
+from worker.core import durable, liveness, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import Corrupt
 from worker.core.settings import Settings
 from worker.state import keys
-from worker.state.index import as_text
+from worker.state.index import RunIndex, as_text
 
-KNOWN_FILE = "hosts.json"  # in each output dir: the run's hosts as last seen
 BATCH = 1000
 HEADER_THREADS = 8
 
@@ -58,7 +57,7 @@ class Held:
 
 def _final_files(out_dir: Path) -> Iterator[Path]:
     """Final files under ``out_dir/samples/<shard>/`` (no temp files), by directory listing."""
-    samples = out_dir / "samples"
+    samples = out_dir / outdir.SAMPLES_DIR
     if not samples.is_dir():
         return
     for shard in os.scandir(samples):
@@ -102,7 +101,7 @@ def scan(out_dir: Path, fingerprint_id: str) -> Iterator[Held]:
 def _run_fingerprint(out_dir: Path, fingerprint_id: str) -> c.Fingerprint | None:
     """The fingerprint the output dir's manifest records, when it is run ``fingerprint_id``'s."""
     try:
-        fp = c.Fingerprint.from_json(json.loads((out_dir / st.MANIFEST).read_text())
+        fp = c.Fingerprint.from_json(json.loads((out_dir / outdir.MANIFEST).read_text())
                                      ["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -114,7 +113,7 @@ class Registration:
     files: int = 0
     relearnt: int = 0  # done again in the index (Redis had lost them)
     twice: int = 0  # also held by another host
-    set_aside: int = 0  # of those, the same record, done there: moved to SET_ASIDE here
+    set_aside: int = 0  # of those, the same record, done there: moved to done-elsewhere/ here
 
 
 def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_id: str,
@@ -123,11 +122,9 @@ def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_
     (unless another host claimed it first: then it is held twice), done in the run's index.
     A file of the same record that the run already records as done on another host (this
     host was lost after writing it, before the run learnt so, and the sample was done again
-    there) is moved to ``SET_ASIDE`` in this output dir: kept, never deleted, out of the
+    there) is moved to ``done-elsewhere/`` in this output dir: kept, never deleted, out of the
     training set, so each sample is in one place.
     Then the entry's ``registered_at``: the host has been heard from."""
-    from worker.state.index import RunIndex
-
     index, reg = RunIndex(r, run_id), Registration()
     batch: list[Held] = []
     for held in scan(out_dir, fingerprint_id):
@@ -180,12 +177,9 @@ def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: l
     reg.set_aside += len(aside)
 
 
-SET_ASIDE = "done-elsewhere"  # in an output dir: files the run holds on another host
-
-
 def _set_aside(out_dir: Path, path: Path) -> Path:
-    """Move a final file out of ``samples/`` into ``SET_ASIDE/`` (same file system)."""
-    dest = out_dir / SET_ASIDE / path.name
+    """Move a final file out of ``samples/`` into ``done-elsewhere/`` (same file system)."""
+    dest = out_dir / outdir.DONE_ELSEWHERE_DIR / path.name
     dest.parent.mkdir(exist_ok=True)
     os.replace(path, dest)
     st.fsync_dir(dest.parent)
@@ -199,16 +193,13 @@ def same_output(r: redis.Redis, run_id: str, a: str, b: str) -> bool:
     return bool(ea and eb and ea.get("root_id") and ea.get("root_id") == eb.get("root_id"))
 
 
-ROOT_ID_FILE = ".hsfarm-root-id"  # a random id written once per output dir (never copied)
-
-
 def root_id(out_dir: Path) -> str:
     """The output dir's own id: hosts that share one mount see the same."""
-    path = out_dir / ROOT_ID_FILE
+    path = out_dir / outdir.ROOT_ID_FILE
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        tmp = out_dir / f"{ROOT_ID_FILE}{c.TMP_MARK}{os.getpid()}"
+        tmp = out_dir / f"{outdir.ROOT_ID_FILE}{outdir.TMP_MARK}{os.getpid()}"
         tmp.write_text(os.urandom(8).hex())
         try:
             os.link(tmp, path)  # a concurrent writer's id wins
@@ -302,35 +293,31 @@ def held_twice(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
 
 def remember_hosts(r: redis.Redis, run_id: str, out_dir: Path) -> None:
     """Write the run's hosts (as Redis knows them now, and as this dir knew them) into
-    ``out_dir/hosts.json``, atomically, when that changes what it says."""
+    ``out_dir/hosts.json``, durably, when that changes what it says."""
     known = read_known(out_dir)
     now = {h: {"output_dir": e.get("output_dir", ""), "root_id": e.get("root_id", "")}
            for h, e in hosts(r, run_id).items()}
     merged = {**known, **now}
     if merged == known:
         return
-    tmp = out_dir / f".{KNOWN_FILE}{c.TMP_MARK}{os.getpid()}"
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-    os.replace(tmp, out_dir / KNOWN_FILE)
+    durable.write_json(out_dir / outdir.HOSTS_JSON, merged)
 
 
 def read_known(out_dir: Path) -> dict[str, dict[str, Any]]:
     """The hosts ``out_dir`` has known in this run (empty: none recorded)."""
     try:
-        data = json.loads((out_dir / KNOWN_FILE).read_text())
+        data = json.loads((out_dir / outdir.HOSTS_JSON).read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
 def forget_hosts(out_dir: Path, names: Iterable[str]) -> None:
-    """Drop ``names`` from ``out_dir/hosts.json`` (their samples are to be redone)."""
+    """Drop ``names`` from ``out_dir/hosts.json``, durably (their samples are to be redone)."""
     known = read_known(out_dir)
     for name in names:
         known.pop(name, None)
-    tmp = out_dir / f".{KNOWN_FILE}{c.TMP_MARK}{os.getpid()}"
-    tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-    os.replace(tmp, out_dir / KNOWN_FILE)
+    durable.write_json(out_dir / outdir.HOSTS_JSON, known)
 
 
 def unheard(r: redis.Redis, run_id: str, out_dir: Path) -> dict[str, dict[str, Any]]:

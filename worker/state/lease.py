@@ -5,7 +5,7 @@ and an attempt deletes dumps and writes the final file, so each takes the sample
 (``SET NX``, a TTL renewed by a thread), taken over only from a holder that is gone. A holder
 cut off from Redis cannot learn it lost the lease: it trusts it up to its TTL less
 ``TRUST_MARGIN`` after its last renewal sent, then ``check`` raises ``LeaseLost``.
-Test: tests/test_idempotency.py::test_duplicate_deliveries_never_run_at_once."""
+Test: tests/farm/test_idempotency.py::test_duplicate_deliveries_never_run_at_once."""
 
 from __future__ import annotations
 

@@ -5,23 +5,19 @@ sample was registered and published, then durably into ``<out>/enqueued.json``. 
 keeps a prefix of its writes, so a matching token means the whole enqueue survived; a missing
 or different one makes the reconciler run ``enqueue`` of that file again. An ``enqueue --limit
 N`` is restored with its limit (the widest enqueue of a file is kept).
-Test: tests/test_reconciler.py::test_the_output_dir_tells_which_enqueues_redis_lost."""
+Test: tests/state/test_reconciler.py::test_the_output_dir_tells_which_enqueues_redis_lost."""
 
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-from sglang_patch import contracts as c
-from worker.core.diskio import fsync_dir
+from worker.core import durable, outdir
 from worker.state import keys
-
-LEDGER = "enqueued.json"
 
 
 @dataclass(frozen=True)
@@ -38,7 +34,7 @@ def new_token() -> str:
 def read(out_dir: Path) -> list[Entry]:
     """The data files the output dir says were enqueued completely, with their tokens."""
     try:
-        body = json.loads((out_dir / LEDGER).read_text())
+        body = json.loads((out_dir / outdir.ENQUEUED_JSON).read_text())
         limits = body.get("limits", {})
         return [Entry(p, str(t), None if limits.get(p) is None else int(limits[p]))
                 for p, t in body["files"].items()]
@@ -58,13 +54,7 @@ def record(r: redis.Redis, run_id: str, out_dir: Path, path: str,
     entries[path] = Entry(path, token, _widest(entries.get(path), limit))
     files = {p: e.token for p, e in entries.items()}
     limits = {p: e.limit for p, e in entries.items() if e.limit is not None}
-    final = out_dir / LEDGER
-    tmp = final.with_name(f".{LEDGER}{c.TMP_MARK}{os.getpid()}")
-    tmp.write_text(json.dumps({"files": files, "limits": limits}, indent=1, sort_keys=True))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(out_dir)
+    durable.write_json(out_dir / outdir.ENQUEUED_JSON, {"files": files, "limits": limits})
 
 
 def _widest(before: Entry | None, limit: int | None) -> int | None:

@@ -5,16 +5,19 @@ list plus kombu's ``unacked`` hash, where a delivered message sits until its ack
 ``hsd-<run id>-<publication>:<sample key>``: one publication per ``enqueue``/``requeue`` makes
 each a task of its own (redeliveries keep the id), so a monitor keeping states by id (Flower:
 a FAILURE outranks later states) shows a re-enqueued sample's new attempt, not its old outcome.
-Test: tests/test_queue_scan.py::test_task_ids_name_their_sample_and_publication."""
+Test: tests/unit/test_queue_scan.py::test_task_ids_name_their_sample_and_publication."""
 
 from __future__ import annotations
 
+import time
+
 import redis
 
-from worker.core.run import message_task_id, sample_key_of, task_id
+from worker.core.run import QUEUE_PREFIX, message_task_id, sample_key_of, task_id
 from worker.state import keys
 
-__all__ = ["broker_depth", "broker_sample_keys", "broker_task_ids", "sample_key_of", "task_id"]
+__all__ = ["broker_depth", "broker_sample_keys", "broker_sample_keys_at_once", "broker_task_ids",
+           "delivered_at", "is_unacked", "sample_key_of", "task_id", "unacked_older_than"]
 
 _PAGE = 2000
 
@@ -51,3 +54,57 @@ def broker_depth(r: redis.Redis, queue: str) -> tuple[int, int]:
     p.hlen(keys.KOMBU_UNACKED)
     waiting, unacked = p.execute()
     return int(waiting), int(unacked)
+
+
+QUEUE_SEEN_S = 7 * 24 * 3600.0  # a run seen on a queue this recently counts as sharing it
+
+
+def note_queue(r: redis.Redis, queue: str, run: str, now: float | None = None) -> list[str]:
+    """Record that ``run`` uses ``queue``; the other runs seen on it lately (sharing it).
+
+    Runs that share a queue lose nothing (a worker hands another run's message back
+    untouched), but each worker takes and returns the other run's messages: say so.
+    """
+    now = time.time() if now is None else now
+    name = keys.queue_runs(queue)
+    r.hset(name, run, f"{now:.0f}")
+    seen = {k.decode() if isinstance(k, bytes) else k: float(v)
+            for k, v in r.hgetall(name).items()}
+    return sorted(k for k, at in seen.items() if k != run and now - at < QUEUE_SEEN_S)
+
+
+def sharing_warning(queue: str, run: str, others: list[str]) -> str:
+    """What to tell a person whose run shares its queue with other runs."""
+    return (f"queue {queue!r} (FARM_QUEUE) is shared by run {run} with run(s) "
+            f"{', '.join(others)}: each worker takes the other runs' messages and hands them "
+            "back untouched (nothing is lost, but work slows down). Unset FARM_QUEUE so each "
+            f"run gets its own queue ({QUEUE_PREFIX}<run id>), or give each run its own name")
+def broker_sample_keys_at_once(r: redis.Redis, queue: str, run_id: str) -> set[str]:
+    """Sample keys of run ``run_id`` with a message queued on ``queue`` or unacknowledged,
+    read at one instant (one MULTI: no message is missed moving between the two)."""
+    p = r.pipeline(transaction=True)
+    p.lrange(queue, 0, -1)
+    p.hvals(keys.KOMBU_UNACKED)
+    queued, unacked = p.execute()
+    ids = [message_task_id(m) for m in queued]
+    ids += [message_task_id(m, unacked=True) for m in unacked]
+    found = (sample_key_of(t, run_id) for t in ids if t)
+    return {k for k in found if k is not None}
+
+
+def is_unacked(r: redis.Redis, tag: str) -> bool:
+    """The message of delivery tag ``tag`` is delivered and not acknowledged."""
+    return bool(r.hexists(keys.KOMBU_UNACKED, tag))
+
+
+def delivered_at(r: redis.Redis, tag: str) -> float | None:
+    """When kombu delivered the unacknowledged message ``tag`` (None: it is not)."""
+    at = r.zscore(keys.KOMBU_UNACKED_INDEX, tag)
+    return None if at is None else float(at)
+
+
+def unacked_older_than(r: redis.Redis, age_s: float) -> list[str]:
+    """Delivery tags of unacknowledged messages delivered more than ``age_s`` ago."""
+    old: list[bytes] = r.zrange(  # type: ignore[assignment]
+        keys.KOMBU_UNACKED_INDEX, 0, time.time() - age_s, byscore=True)
+    return [t.decode() if isinstance(t, bytes) else t for t in old]

@@ -8,14 +8,16 @@ lost its data came back), the host's files are registered again.
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
-from celery import bootsteps
 
+from worker.core import outdir
 from worker.core.settings import Settings
 from worker.state import hosts
+from worker.steps.base import Farm, ThreadStep, farm_of
+from worker.steps.reaper import client_for
 
 log = logging.getLogger("hsfarm.hosts")
 
@@ -29,39 +31,27 @@ def register_host(r: redis.Redis, settings: Settings, run_id: str, fingerprint_i
     if got.set_aside:
         log.warning("host %s: %d final files set aside in %s: the run records them as done on "
                     "another host (this host was lost before the run learnt it had done them)",
-                    name, got.set_aside, settings.output_dir / hosts.SET_ASIDE)
+                    name, got.set_aside, settings.output_dir / outdir.DONE_ELSEWHERE_DIR)
 
 
-class HostBeat(bootsteps.StartStopStep):
+class HostBeat(ThreadStep):
     """The host's heartbeat, and its files registered again after Redis lost them.
 
     In a thread of its own, not on the worker's timer: asking the server's ``/health`` may
     take seconds, and must never delay the reaper's heartbeat on that timer."""
 
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
+    thread_name = "hsfarm-host-beat"
+    join_s = None  # a beat may wait seconds for the server's /health; stopping does not
 
-    def start(self, worker: Any) -> None:
-        from worker.app import settings
+    def ticker(self, worker: Any) -> tuple[Callable[[], None], float]:
+        app = farm_of(worker)
+        return (lambda: self.tick(app)), app.settings.reaper_interval_s
 
-        self.thread = threading.Thread(target=self._loop, args=(settings,),
-                                       name="hsfarm-host-beat", daemon=True)
-        self.thread.start()
-
-    def _loop(self, settings: Settings) -> None:
-        while not self.stopping.wait(settings.reaper_interval_s):
-            self.tick(settings)
-
-    def tick(self, settings: Settings) -> None:
-        from worker import startup
-        from worker.steps.reaper import _client_for
-
-        ctx = startup.CONTEXT
+    def tick(self, app: Farm) -> None:
+        settings, ctx = app.settings, app.context
         if ctx is None:
             return
-        r, run_id = _client_for(settings), ctx.store.run_id
+        r, run_id = client_for(settings), ctx.store.run_id
         try:
             registered = hosts.beat(r, run_id, hosts.host_id(settings), settings.output_dir,
                                     settings)
@@ -72,15 +62,12 @@ class HostBeat(bootsteps.StartStopStep):
             log.warning("host heartbeat: %s", e)
 
     def stop(self, worker: Any) -> None:
-        from worker import startup
-        from worker.app import settings
-        from worker.steps.reaper import _client_for
-
-        self.stopping.set()
-        ctx = startup.CONTEXT
+        super().stop(worker)
+        app = farm_of(worker)
+        settings, ctx = app.settings, app.context
         if ctx is None:
             return
         try:  # a clean stop: the host shows as stopped, not lost, once no process of it beats
-            hosts.mark_stopped(_client_for(settings), ctx.store.run_id, hosts.host_id(settings))
+            hosts.mark_stopped(client_for(settings), ctx.store.run_id, hosts.host_id(settings))
         except redis.RedisError as e:
             log.warning("host heartbeat: cannot say this host stopped: %s", e)

@@ -5,20 +5,22 @@ server finished the request afterwards. At start and every ``FARM_JANITOR_INTERV
 main process removes this run's orphans: at once when the sample is done or their canary
 checker died here, else once older than a task can wait (request + dump timeout); another
 run's dumps in a shared dump dir stay. It also republishes parked samples (``parking``).
-Test: tests/test_liveness.py::test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only."""
+Test: tests/unit/test_liveness.py::test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from celery import bootsteps
-
 from sglang_patch import contracts as c
+from worker.core import outdir
 from worker.core.settings import Settings
 from worker.server.canary_check import canary_writer_gone
+from worker.steps.base import TimerStep, farm_of
+from worker.steps.parking import resume_parked
 
 log = logging.getLogger("hsfarm.janitor")
 
@@ -35,7 +37,7 @@ def sweep_dumps(settings: Settings, run: str, now: float | None = None) -> int:
             if rid is None or rid.run not in (run, c.NO_RUN) or not p.is_file():
                 continue
             old = now - p.stat().st_mtime > max_age_s
-            finished = rid.run == run and c.final_path(settings.output_dir,
+            finished = rid.run == run and outdir.final_path(settings.output_dir,
                                                        rid.sample_key).exists()
             if finished or old or (rid.run == run and canary_writer_gone(rid.sample_key)):
                 p.unlink()
@@ -47,33 +49,17 @@ def sweep_dumps(settings: Settings, run: str, now: float | None = None) -> int:
     return removed
 
 
-def _rounds(settings: Settings, run: str) -> None:
-    from worker.steps.parking import resume_parked
+class Janitor(TimerStep):
+    """Runs ``sweep_dumps`` and ``resume_parked`` on the worker's timer."""
 
-    sweep_dumps(settings, run)
-    resume_parked(settings, run)
+    def ticker(self, worker: Any) -> tuple[Callable[[], None], float] | None:
+        app = farm_of(worker)
+        if app.context is None:  # worker_init did not build the run: nothing is ours
+            return None
+        settings, run = app.settings, app.context.store.run_id
 
+        def rounds() -> None:
+            sweep_dumps(settings, run)
+            resume_parked(settings, run, worker.app)
 
-class Janitor(bootsteps.StartStopStep):
-    """Runs ``sweep_dumps`` on the worker's timer."""
-
-    requires = ("celery.worker.components:Timer",)
-
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.tref: Any = None
-
-    def start(self, worker: Any) -> None:
-        from worker import startup
-        from worker.app import settings
-
-        if startup.CONTEXT is None:  # worker_init did not build the run: nothing is ours
-            return
-        run = startup.CONTEXT.store.run_id
-        _rounds(settings, run)
-        self.tref = worker.timer.call_repeatedly(settings.janitor_interval_s, _rounds,
-                                                 (settings, run), priority=10)
-
-    def stop(self, worker: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
+        return rounds, settings.janitor_interval_s

@@ -5,21 +5,21 @@ When Redis stops answering, Celery cancels the tasks this worker runs
 (``reaper``), but each attempt was counted at its start and cannot refund itself. So a thread
 of each main process PINGs Redis every second and remembers its attempts' ``running`` entries;
 once Redis answers after a failed PING, each not running here any more is refunded (``_REFUND``).
-Test: tests/test_reconciler.py::test_redis_killed_mid_run_loses_nothing."""
+Test: tests/farm/test_reconciler.py::test_redis_killed_mid_run_loses_nothing."""
 
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
-from celery import bootsteps
 from celery.worker import state as worker_state
 
 from worker.core import run as runs
 from worker.state import broker, keys
 from worker.state.index import RunIndex
+from worker.steps.base import ThreadStep, farm_of
 
 log = logging.getLogger("hsfarm.outage")
 
@@ -86,34 +86,21 @@ class Watch:
         return refunded
 
 
-class OutageStep(bootsteps.StartStopStep):
+class OutageStep(ThreadStep):
     """Runs ``Watch.tick`` every ``PING_EVERY_S`` on a thread of the worker main process."""
 
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
+    thread_name = "hsfarm-outage"
 
-    def start(self, worker: Any) -> None:
-        from worker import startup
-        from worker.app import settings
+    def ticker(self, worker: Any) -> tuple[Callable[[], None], float] | None:
+        app = farm_of(worker)
+        if app.context is None:
+            return None
+        watch = Watch(broker.client(app.settings, socket_timeout_s=5), app.context.store.run_id)
 
-        if startup.CONTEXT is None:
-            return
-        r = broker.client(settings, socket_timeout_s=5)
-        watch = Watch(r, startup.CONTEXT.store.run_id)
-        self.thread = threading.Thread(target=self._loop, args=(watch,), daemon=True,
-                                       name="hsfarm-outage")
-        self.thread.start()
-
-    def _loop(self, watch: Watch) -> None:
-        while not self.stopping.wait(PING_EVERY_S):
+        def tick() -> None:
             try:
                 watch.tick()
             except Exception:  # never let the thread die
                 log.exception("outage watch failed")
 
-    def stop(self, worker: Any) -> None:
-        self.stopping.set()
-        if self.thread is not None:
-            self.thread.join(timeout=5)
+        return tick, PING_EVERY_S

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from worker.app import TASK_NAME, app
+from celery import Celery
+
 from worker.core import run as runs
 from worker.core.errors import Transient
 from worker.core.samples import SampleRef
@@ -18,16 +19,17 @@ from worker.core.settings import Settings
 from worker.state import broker
 from worker.state.corpus import Corpus, readable
 from worker.state.index import RunIndex
+from worker.state.publish import send_all
 
 log = logging.getLogger("hsfarm.parking")
 
 
-def resume_parked(settings: Settings, run_id: str) -> int:
+def resume_parked(settings: Settings, run_id: str, app: Celery) -> int:
     """Publish the parked samples of every unreadable data file that reads here now.
     Returns how many. A Redis that does not answer (or any other failure: this runs on the
     worker's timer, which must go on) is tried again on the next round."""
     try:
-        return _resume(settings, run_id)
+        return _resume(settings, run_id, app)
     except Transient as e:
         log.warning("parked samples not checked: %s", e)
     except Exception:
@@ -35,7 +37,7 @@ def resume_parked(settings: Settings, run_id: str) -> int:
     return 0
 
 
-def _resume(settings: Settings, run_id: str) -> int:
+def _resume(settings: Settings, run_id: str, app: Celery) -> int:
     index = RunIndex(broker.client(settings), run_id)
     corpus = Corpus(index)
     files = corpus.files()
@@ -46,7 +48,7 @@ def _resume(settings: Settings, run_id: str) -> int:
             continue
         taken = corpus.take_parked(fid)
         try:
-            sent += publish(settings, index, taken) if taken else 0
+            sent += publish(app, settings, index, taken) if taken else 0
         except BaseException:
             corpus.repark(taken, fid)  # none is left in no state
             raise
@@ -56,19 +58,12 @@ def _resume(settings: Settings, run_id: str) -> int:
     return sent
 
 
-def publish(settings: Settings, index: RunIndex, sample_keys: list[str]) -> int:
+def publish(app: Celery, settings: Settings, index: RunIndex, sample_keys: list[str]) -> int:
     """Publish one message per registered sample of ``sample_keys`` on the run's queue."""
     queue = runs.queue_for(settings, index.fp)
     publication = index.next_publication()
-    sent = 0
-    with app.producer_or_acquire() as producer:
-        for key, reg in zip(sample_keys, index.registered(sample_keys), strict=True):
-            if reg is None:
-                continue
-            ref = SampleRef(key=key, file="", offset=reg.offset, length=reg.length,
-                            sha256=reg.sha256, index=reg.index, fid=reg.fid)
-            app.send_task(TASK_NAME, args=[ref.to_json()], queue=queue, producer=producer,
-                          task_id=runs.task_id(index.fp, publication, key), argsrepr=key,
-                          kwargsrepr="{}")
-            sent += 1
-    return sent
+    refs = (SampleRef(key=key, file="", offset=reg.offset, length=reg.length,
+                      sha256=reg.sha256, index=reg.index, fid=reg.fid)
+            for key, reg in zip(sample_keys, index.registered(sample_keys), strict=True)
+            if reg is not None)
+    return send_all(app, queue, index.fp, publication, refs)

@@ -1,27 +1,28 @@
 """Bring a dead worker's messages back in seconds, not after the visibility timeout.
 
-kombu restores an unacknowledged message only after ``FARM_VISIBILITY_TIMEOUT_S`` (20 min),
-as it cannot tell a dead consumer from a slow one. We can: each main process heartbeats and
-records the delivery tags it receives as its own (``OwnedRequest``); every interval, a message
-whose owner is gone (``liveness``), that its owner no longer holds, or unowned past
-``ORPHAN_AGE_S`` goes back through kombu's ``restore_by_tag`` (a concurrent ack wins). Pool
-processes killed alone are Celery's. Test: tests/test_crash.py::test_sigkill_worker_main_process."""
+kombu restores an unacknowledged message only after ``FARM_VISIBILITY_TIMEOUT_S``, as it
+cannot tell a dead consumer from a slow one. We can: each main process heartbeats and records
+the delivery tags it receives as its own (``worker.request.OwnedRequest``); every interval, a
+message whose owner is gone (``liveness``), that its owner no longer holds, or unowned past
+``ORPHAN_AGE_S`` goes back through ``restore_by_tag`` (a concurrent ack wins); pool processes
+killed alone are Celery's. Test: tests/farm/test_crash.py::test_sigkill_worker_main_process."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
-from celery import Celery, bootsteps
+from celery import Celery
 from celery.worker import state as worker_state
-from celery.worker.request import Request
 
-from worker.core import liveness, time_limits
+from worker.core import liveness
 from worker.core.settings import Settings
-from worker.state import broker, keys
+from worker.state import broker, keys, queue_scan
+from worker.steps.base import TimerStep, farm_of
 
 log = logging.getLogger("hsfarm.reaper")
 
@@ -67,7 +68,7 @@ def reap(app: Celery, r: redis.Redis, held: set[str]) -> int:
     for tag, owner in owners.items():
         if owner == me and tag in held:
             continue
-        if not r.hexists(keys.KOMBU_UNACKED, tag):
+        if not queue_scan.is_unacked(r, tag):
             forget(r, tag, owner)  # acknowledged, or restored by kombu: nothing to do
             continue
         if owner == me:
@@ -94,20 +95,17 @@ def _still_theirs(r: redis.Redis, tag: str, owner: str) -> bool:
     running sample in the queue. A delivery younger than ``DELIVERY_SETTLE_S`` is left to the
     next round, when its owner is known.
     """
-    p = r.pipeline(transaction=False)
-    p.hget(keys.OWNERS, tag)
-    p.zscore(keys.KOMBU_UNACKED_INDEX, tag)
-    current, delivered_at = p.execute()
-    return (current is not None and _text(current) == owner and delivered_at is not None
-            and time.time() - float(delivered_at) >= DELIVERY_SETTLE_S)
+    current = r.hget(keys.OWNERS, tag)
+    at = queue_scan.delivered_at(r, tag)
+    return (current is not None and _text(current) == owner and at is not None
+            and time.time() - at >= DELIVERY_SETTLE_S)
 
 
 def _return_orphans(app: Celery, r: redis.Redis, owners: dict[str, str]) -> int:
     """Unacknowledged messages older than ``ORPHAN_AGE_S`` that nobody owns (their receiver died
     between kombu recording the delivery and recording itself as their owner): back."""
-    old: list[bytes] = r.zrange(  # type: ignore[assignment]
-        keys.KOMBU_UNACKED_INDEX, 0, time.time() - ORPHAN_AGE_S, byscore=True)
-    orphans = [_text(t) for t in old if _text(t) not in owners]
+    old = queue_scan.unacked_older_than(r, ORPHAN_AGE_S)
+    orphans = [t for t in old if t not in owners]
     for tag in orphans:
         _restore(app, tag)
         log.warning("returned message %s, which no worker owns, to the queue", tag)
@@ -132,85 +130,34 @@ def forget(r: redis.Redis, tag: str, owner: str) -> None:
     r.eval(_FORGET, 1, keys.OWNERS, tag, owner)
 
 
-def _forget_if_settled(r: redis.Redis, tag: str) -> None:
+def forget_if_settled(r: redis.Redis, tag: str) -> None:
     """After an acknowledgement or a hand-back: forget the message, unless it is still
     unacknowledged (kombu logs and swallows a failed ack while Redis is away); then it stays
     ours, and the reaper returns it once Redis answers, since we no longer hold it."""
-    if not r.hexists(keys.KOMBU_UNACKED, tag):
+    if not queue_scan.is_unacked(r, tag):
         forget(r, tag, liveness.identity())
-
-
-class OwnedRequest(Request):
-    """A task request that records, in the worker main process, who holds its message."""
-
-    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(message, *args, **kwargs)
-        self._owner_call(lambda r, tag: r.hset(keys.OWNERS, tag, liveness.identity()))
-        self._size_time_limits()
-
-    def _size_time_limits(self) -> None:
-        """This delivery's time limits, from its record's size (worker/core/time_limits.py)."""
-        from worker.app import settings
-        from worker.startup import CONTEXT
-
-        try:
-            record_bytes = int(self.args[0]["n"])
-        except (IndexError, KeyError, TypeError, ValueError):
-            return  # not a sample reference: the task refuses it under the app's limits
-        if CONTEXT is None or record_bytes < 1:
-            return
-        limits = time_limits.for_record(settings, record_bytes, CONTEXT.limits.bytes_per_token)
-        self.time_limits = limits.as_celery()
-        self._request_dict["timelimit"] = limits.as_celery()  # the task's self.request sees it
-
-    def acknowledge(self) -> None:
-        super().acknowledge()
-        self._owner_call(_forget_if_settled)
-
-    def reject(self, requeue: bool = False) -> None:
-        super().reject(requeue=requeue)
-        self._owner_call(_forget_if_settled)
-
-    def _owner_call(self, fn: Any) -> None:
-        from worker.app import settings
-
-        tag = getattr(self.message, "delivery_tag", None)
-        if tag is None:
-            return
-        try:
-            fn(_client_for(settings), tag)
-        except redis.RedisError as e:  # the visibility timeout still covers this message
-            log.warning("cannot record the owner of message %s: %s", tag, e)
 
 
 _CLIENTS: dict[str, redis.Redis] = {}
 
 
-def _client_for(settings: Settings) -> redis.Redis:
+def client_for(settings: Settings) -> redis.Redis:
+    """One client per Redis URL in this process, shared by the steps and each request."""
     client = _CLIENTS.get(settings.redis_url)
     if client is None:
         client = _CLIENTS[settings.redis_url] = _client(settings)
     return client
 
 
-class Reaper(bootsteps.StartStopStep):
+class Reaper(TimerStep):
     """Heartbeat and reaping on the worker main process's timer."""
 
-    requires = ("celery.worker.components:Timer",)
-
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.tref: Any = None
-
-    def start(self, worker: Any) -> None:
-        from worker.app import settings
-
-        self.tick(worker.app, settings)
-        self.tref = worker.timer.call_repeatedly(settings.reaper_interval_s, self.tick,
-                                                 (worker.app, settings), priority=10)
+    def ticker(self, worker: Any) -> tuple[Callable[[], None], float]:
+        settings = farm_of(worker).settings
+        return (lambda: self.tick(worker.app, settings)), settings.reaper_interval_s
 
     def tick(self, app: Celery, settings: Settings) -> None:
-        r = _client_for(settings)
+        r = client_for(settings)
         try:
             beat(r, settings)
             reap(app, r, held_tags())
@@ -218,9 +165,6 @@ class Reaper(bootsteps.StartStopStep):
             log.warning("reaper: redis: %s", e)
 
     def stop(self, worker: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-        from worker.app import settings
-
+        super().stop(worker)
         with contextlib.suppress(redis.RedisError):
-            _client_for(settings).delete(heartbeat_key(liveness.identity()))
+            client_for(farm_of(worker).settings).delete(heartbeat_key(liveness.identity()))

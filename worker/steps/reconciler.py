@@ -5,7 +5,7 @@ no lease: its message was lost (a worker SIGKILLed between kombu's BRPOP and its
 write, celery#4354; a Redis that lost its last second). One main process at a time finds them
 every ``FARM_RECONCILE_INTERVAL_S`` and again ``FARM_RECONCILE_CONFIRM_S`` later under
 ``ENQUEUE_LOCK``, marks done what is verified on disk and publishes the rest (see below).
-Test: tests/test_reconciler.py::test_lost_messages_are_published_again_by_the_run."""
+Test: tests/farm/test_reconciler.py::test_lost_messages_are_published_again_by_the_run."""
 
 # Why a pass never publishes a sample twice at once, one that runs, or one about to be acked:
 # - the queue and ``unacked`` are read in one MULTI (``broker_keys``); kombu moves a message
@@ -19,30 +19,31 @@ Test: tests/test_reconciler.py::test_lost_messages_are_published_again_by_the_ru
 # Left to the lease: a Redis that lost its last second may have lost the ``unacked`` entry of a
 # message a worker holds, not started; published again, the two deliveries never run at once
 # and the later one finds the verified file (``extract.already_done``).
-# (tests/test_reconciler.py::test_nothing_queued_running_or_about_to_be_acked_is_republished)
+# (tests/state/test_reconciler.py::test_nothing_queued_running_or_about_to_be_acked_is_republished)
 
 from __future__ import annotations
 
 import logging
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery import Celery, bootsteps
+from celery import Celery
 
 from worker.core import run as runs
 from worker.core.errors import Corrupt, FarmError
 from worker.core.samples import SampleRef
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
-from worker.state import broker, keys, ledger
+from worker.state import broker, keys, ledger, publish
 from worker.state import lease as leases
 from worker.state.index import Registered, RunIndex, as_text
+from worker.state.queue_scan import broker_sample_keys_at_once
+from worker.steps.base import ThreadStep, farm_of
 
 log = logging.getLogger("hsfarm.reconciler")
 
@@ -50,19 +51,6 @@ log = logging.getLogger("hsfarm.reconciler")
 # janitor publishes it again once the file reads
 _SETTLED = (keys.FAILED, keys.REJECTED, keys.STALE, keys.PARKED)
 Sleep = Callable[[float], object]
-
-
-def broker_keys(r: redis.Redis, queue: str, run_id: str) -> set[str]:
-    """Sample keys of run ``run_id`` with a message queued on ``queue`` or unacknowledged,
-    read at one instant (one MULTI: no message is missed moving between the two)."""
-    p = r.pipeline(transaction=True)
-    p.lrange(queue, 0, -1)
-    p.hvals(keys.KOMBU_UNACKED)
-    queued, unacked = p.execute()
-    ids = [runs.message_task_id(m) for m in queued]
-    ids += [runs.message_task_id(m, unacked=True) for m in unacked]
-    found = (runs.sample_key_of(t, run_id) for t in ids if t)
-    return {k for k in found if k is not None}
 
 
 def _settled(index: RunIndex) -> set[str]:
@@ -85,7 +73,7 @@ def in_no_state(index: RunIndex, queue: str) -> dict[str, Registered]:
     candidates = {k: reg for k, reg in index.iter_registered() if k not in settled}
     if not candidates:
         return {}
-    busy = broker_keys(r, queue, index.fp)
+    busy = broker_sample_keys_at_once(r, queue, index.fp)
     names = [k for k in candidates if k not in busy]
     p = r.pipeline(transaction=False)
     for key in names:
@@ -196,18 +184,13 @@ class Reconciler:
         return True
 
     def _publish(self, refs: Iterable[SampleRef]) -> int:
-        from worker.app import TASK_NAME
-
         refs = list(refs)
         if not refs:
             return 0
         publication = self.index.next_publication()
         with self.app.producer_or_acquire() as producer:
             for ref in refs:
-                self.app.send_task(
-                    TASK_NAME, args=[ref.to_json()],
-                    task_id=runs.task_id(self.run_id, publication, ref.key), queue=self.queue,
-                    producer=producer, argsrepr=ref.key, kwargsrepr="{}")
+                publish.send(self.app, self.queue, self.run_id, publication, ref, producer)
                 self.r.hincrby(self.index.k(keys.REPUBLISHED), ref.key, 1)
                 log.warning("%s republished: in no state (its task message was lost)", ref.key)
         return len(refs)
@@ -219,29 +202,19 @@ def republished(index: RunIndex) -> dict[str, int]:
     return {as_text(k): int(v) for k, v in raw.items()}
 
 
-class ReconcilerStep(bootsteps.StartStopStep):
+class ReconcilerStep(ThreadStep):
     """Runs reconciler passes on a thread of the worker main process (a pass waits
     ``FARM_RECONCILE_CONFIRM_S`` between its reads; the event loop must not)."""
 
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
+    thread_name = "hsfarm-reconciler"
 
-    def start(self, worker: Any) -> None:
-        from worker import startup
-        from worker.app import settings
+    def ticker(self, worker: Any) -> tuple[Callable[[], None], float] | None:
+        app = farm_of(worker)
+        if app.context is None:  # worker_init did not build the run: nothing is ours
+            return None
+        rec = Reconciler(worker.app, app.settings, app.context.store)
 
-        if startup.CONTEXT is None:  # worker_init did not build the run: nothing is ours
-            return
-        rec = Reconciler(worker.app, settings, startup.CONTEXT.store)
-        self.thread = threading.Thread(target=self._loop, args=(rec,), daemon=True,
-                                       name="hsfarm-reconciler")
-        self.thread.start()
-
-    def _loop(self, rec: Reconciler) -> None:
-        interval_s = rec.settings.reconcile_interval_s
-        while not self.stopping.wait(interval_s):
+        def tick() -> None:
             try:
                 rec.run_pass(sleep=self.stopping.wait)
             except (redis.RedisError, FarmError, OSError) as e:  # the next pass tries again
@@ -249,7 +222,4 @@ class ReconcilerStep(bootsteps.StartStopStep):
             except Exception:  # never let the thread die: a run would stop healing
                 log.exception("reconciler pass failed")
 
-    def stop(self, worker: Any) -> None:
-        self.stopping.set()
-        if self.thread is not None:
-            self.thread.join(timeout=5)
+        return tick, app.settings.reconcile_interval_s

@@ -1,0 +1,116 @@
+"""A dump dir that another user made first (or can write to), or whose parent another user owns,
+is refused by every side that meets it: the reference server, the workers, preflight and the
+launcher, each run as a real process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from producer.localfarm.farm import LocalFarm, wait_until
+from sglang_patch import contracts as c
+from sglang_patch import dumpdir
+from tests.conftest import CACHE, FAST_ENV
+from tests.support.dumpdir import AS_NOBODY, NOBODY
+from tests.support.dumpdir import shm_dir as shm_dir  # a fixture
+from tests.support.dumpdir import shm_parent as shm_parent  # a fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_dump_dir_another_user_made_first_is_refused_by_every_side(
+        tmp_path: Path, shm_dir: Path, tiny_model: Path) -> None:
+    # Given the dump dir created first by another local user (nobody), open to all
+    subprocess.run([*AS_NOBODY, "mkdir", "-m", "0777", str(shm_dir)], check=True)
+    assert shm_dir.stat().st_uid == NOBODY
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, dumps=shm_dir,
+                     extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model)})
+    try:
+        farm.start_redis()
+        fix = f"rm -rf {shm_dir}"
+        # When the reference server starts: it refuses, with the fix
+        with pytest.raises(RuntimeError, match="exited"):
+            farm.start_server()
+        log = farm.procs["server"].log.read_text()
+        assert f"dump dir {shm_dir} is owned by uid {NOBODY} (nobody)" in log, log[-2000:]
+        assert fix in log
+        assert not list(shm_dir.iterdir())
+        # And a worker exits 2 before consuming, with the fix
+        w = farm.start_worker("w1", concurrency=1, wait=False)
+        wait_until(lambda: not w.alive(), 60, "the worker to exit")
+        log = w.log.read_text()
+        assert w.popen is not None and w.popen.returncode == 2, log[-3000:]
+        assert f"owned by uid {NOBODY} (nobody)" in log and fix in log
+        # And preflight says FAIL with the fix
+        pre = subprocess.run([sys.executable, "-m", "producer.preflight"], env=farm._farm_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert pre.returncode == 1
+        assert f"FAIL  dump dir {shm_dir} is owned by uid {NOBODY} (nobody)" in pre.stdout, \
+            pre.stdout
+        # And the launcher's dry run too
+        launch = subprocess.run(["bash", "ops/launch-sglang.sh", "--dry-run"], cwd=ROOT,
+                                env={**farm.env(), "PYTHON": sys.executable, "TP": "1"},
+                                capture_output=True, text=True, timeout=120)
+        assert f"FAIL  dump dir {shm_dir} is owned by uid {NOBODY} (nobody)" in launch.stdout, \
+            launch.stdout
+        # When its owner makes it group- or world-writable only: refused as well
+        os.chown(shm_dir, 0, 0)
+        assert "others can write to it" in str(_refusal(shm_dir))
+        os.chmod(shm_dir, 0o770)
+        assert f"chmod 0700 {shm_dir}" in str(_refusal(shm_dir))
+        # And after the fix it names, the server creates it 0700 and starts
+        shutil.rmtree(shm_dir)
+        farm.start_server()
+        assert stat.S_IMODE(shm_dir.stat().st_mode) == 0o700
+        marker = next(shm_dir.glob(f"{c.READY_PREFIX}*"))
+        assert stat.S_IMODE(marker.stat().st_mode) == 0o600
+    finally:
+        farm.close(kill=True)
+
+
+def _refusal(path: Path) -> dumpdir.DumpDirUnsafe:
+    with pytest.raises(dumpdir.DumpDirUnsafe) as e:
+        dumpdir.ensure(path)
+    return e.value
+
+
+def test_a_dump_dir_whose_parent_another_user_owns_is_refused_by_server_and_worker(
+        tmp_path: Path, shm_parent: Path, tiny_model: Path) -> None:
+    # Given a dump dir of root's, 0700, in a directory that another user (nobody) owns: that
+    # user can rename the dump dir away and put their own at its path
+    dumps = shm_parent / "dumps"
+    dumps.mkdir(mode=0o700)
+    os.chown(shm_parent, NOBODY, NOBODY)
+    farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, dumps=dumps,
+                     extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model)})
+    try:
+        farm.start_redis()
+        owned = f"is under {shm_parent}, owned by uid {NOBODY} (nobody)"
+        fix = f"chown root {shm_parent}"
+        # When the reference server starts: it refuses, with the fix
+        with pytest.raises(RuntimeError, match="exited"):
+            farm.start_server()
+        log = farm.procs["server"].log.read_text()
+        assert owned in log and fix in log, log[-2000:]
+        # And a worker exits 2 before consuming, with the fix
+        w = farm.start_worker("w1", concurrency=1, wait=False)
+        wait_until(lambda: not w.alive(), 60, "the worker to exit")
+        log = w.log.read_text()
+        assert w.popen is not None and w.popen.returncode == 2, log[-3000:]
+        assert owned in log and fix in log
+        # And a parent that its group can write to (no sticky bit) is refused as well
+        os.chown(shm_parent, 0, 0)
+        os.chmod(shm_parent, 0o775)
+        assert f"chmod go-w {shm_parent}" in str(_refusal(dumps))
+        # And after the fix it names, the server starts
+        os.chmod(shm_parent, 0o755)
+        farm.start_server()
+    finally:
+        farm.close(kill=True)

@@ -1,0 +1,81 @@
+"""A real farm whose server serves other weights than the run's: the workers refuse it at first,
+take nothing, and start once the run's checkpoint is served.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from worker.core import weights
+from worker.core.outdir import MANIFEST
+
+# --- the server's weights against the run's ------------------------------------------------------
+
+def fine_tune(base: Path, out: Path) -> Path:
+    """``base`` with one tensor perturbed (its largest: a fine-tune's change that the sampled
+    ranges see): the same config and tokenizer, other weights."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    tensors = load_file(out / "model.safetensors")
+    name = max(tensors, key=lambda k: tensors[k].numel())
+    tensors[name] = tensors[name] + 0.05
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_later_starts(
+        tmp_path: Path, tiny_model: Path) -> None:
+    from producer.localfarm.farm import wait_until
+    from tests.conftest import wait_finished
+    from tests.support.faults import enqueue, running_farm
+    from worker.state.queue_scan import broker_depth
+
+    tuned = fine_tune(tiny_model, tmp_path / "tuned")
+    assert weights.weights_identity(tuned)["id"] != weights.weights_identity(tiny_model)["id"]
+    # Given the server serving the fine-tune while the workers' FARM_MODEL_PATH holds the base
+    with running_farm(tmp_path, server_args=["--model", str(tuned)],
+                      env={"FARM_MODEL_PATH": str(tiny_model)}) as farm:
+        keys = enqueue(farm, tmp_path, 4)
+        queue, out = farm.queue(), farm.output_dir
+
+        def refused(name: str, files: int) -> str:
+            w = farm.start_worker(name, concurrency=1, wait=False)
+            wait_until(lambda: not w.alive() or b" ready." in w.log.read_bytes(), 120,
+                       f"worker {name} to start or stop")
+            time.sleep(1)
+            log = w.log.read_text()
+            assert not w.alive() and w.popen is not None and w.popen.returncode == 2, log[-3000:]
+            assert " ready." not in log
+            assert broker_depth(farm.redis(), queue) == (4, 0)
+            assert len(list((out / "samples").rglob("*.safetensors"))) == files
+            return log
+
+        # When a worker starts for the first time: it exits 2 before taking anything, naming
+        # both identities and both ways on (no hidden states were written under the run yet)
+        log = refused("first", 0)
+        tuned_id = weights.weights_identity(tuned)["id"]
+        base_id = weights.weights_identity(tiny_model)["id"]
+        assert f"the server at {farm.env()['FARM_SERVER_URL']} serves weights {tuned_id}" in log
+        assert f"FARM_MODEL_PATH={tiny_model} holds {base_id}" in log
+        assert "serve the checkpoint of FARM_MODEL_PATH" in log
+        assert f"remove {out / MANIFEST}" in log
+        assert not (out / "canary.safetensors").exists()
+        # And once the server serves the base, the run works
+        farm.procs["server"].stop()
+        farm.start_server(["--model", str(tiny_model)])
+        farm.start_worker("good", concurrency=1)
+        wait_finished(farm, 4)
+        assert len(list((out / "samples").rglob("*.safetensors"))) == len(keys)
+        farm.procs["good"].stop()
+        # When the server is later restarted with the fine-tune, a worker's start refuses it
+        # too, and the fix names the server: the run's weights are the base's
+        more = enqueue(farm, tmp_path, 4, start=4)
+        assert len(more) == 4
+        farm.procs["server"].stop()
+        farm.start_server(["--model", str(tuned)])
+        log = refused("later", 4)
+        assert f"serves weights {tuned_id}" in log and f"the run's weights are {base_id}" in log
+        assert "restart the server with the run's checkpoint" in log

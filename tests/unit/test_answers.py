@@ -1,0 +1,83 @@
+"""What a server's answer says about a sample: only SGLang's own 400 is the sample's fault."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.faults import NGINX_413, NGINX_429, NGINX_502
+from worker.core.errors import BadInput, ConfigError, ServerBusy, Transient
+from worker.server.answers import environmental_rejection, error_for
+
+
+def sglang(message: str) -> bytes:
+    """SGLang's error body (OpenAI style), as its /generate answers a bad request."""
+    return json.dumps({"object": "error", "message": message, "type": "BadRequestError",
+                       "param": None, "code": 400}).encode()
+
+
+def older_sglang(message: str) -> bytes:
+    return json.dumps({"error": {"message": message}}).encode()
+
+
+@pytest.mark.parametrize(("status", "body", "kind"), [
+    # the sample's content: SGLang's 400 with its JSON body
+    (400, sglang("The input_ids 99999 is out of vocabulary range [0, 1000)."), BadInput),
+    (400, older_sglang("Either text or input_ids should be provided."), BadInput),
+    # a gateway's or rate limiter's answer, whatever its status: not the sample's
+    (429, NGINX_429.encode(), ServerBusy),
+    (429, sglang("rate limited"), ServerBusy),
+    (429, b'{"message": "API rate limit exceeded"}', ServerBusy),  # Kong's JSON
+    (413, NGINX_413.encode(), ServerBusy),
+    (400, b"<html><head><title>400 Request Header Or Cookie Too Large</title>", ServerBusy),
+    (400, b"Bad Request", ServerBusy),
+    (502, NGINX_502.encode(), ServerBusy),
+    (503, sglang("The server is not ready"), ServerBusy),
+    (504, b"", ServerBusy),
+    (404, b"404 page not found", ServerBusy),
+    (403, sglang("forbidden"), ServerBusy),
+    # SGLang's own: an internal error (counted), a rid still running (retried)
+    (500, sglang("CUDA error"), Transient),
+    (500, b"Internal Server Error", Transient),  # starlette's, for an unhandled exception
+    (400, sglang("Duplicate request ID hsd-a-a1-n9"), Transient),
+    # the server's context is shorter than the worker was sized for: a configuration
+    (400, sglang("The input (2101 tokens) is longer than the model's context length "
+                 "(1024 tokens)."), ConfigError),
+    (400, sglang("Input length (1030 tokens) exceeds the maximum allowed length (1018 "
+                 "tokens). Use a shorter input or enable --allow-auto-truncate."), ConfigError),
+    # a pinned DP group the server no longer has (restarted with fewer): a configuration
+    (400, older_sglang("routed_dp_rank=3 out of range [0, 2)"), ConfigError),
+])
+def test_only_sglangs_own_400_is_the_samples_fault(status: int, body: bytes,
+                                                   kind: type) -> None:
+    err = error_for("/generate", status, body)
+    assert type(err) is kind, err
+    if isinstance(err, ServerBusy):
+        assert err.status == status
+
+
+def test_a_success_is_no_error() -> None:
+    assert error_for("/generate", 200, b"{}") is None
+
+
+def test_a_gateways_page_is_named_by_its_title() -> None:
+    err = error_for("/generate", 429, NGINX_429.encode())
+    assert "(429 Too Many Requests)" in str(err) and "<html>" not in str(err)
+
+
+@pytest.mark.parametrize(("reason", "environmental"), [
+    # what older versions recorded for any 4xx: retried once, the new client tells them apart
+    ("server rejected /generate (429): <html>\r\n<head><title>429 Too Many Requests", True),
+    ("server rejected /generate (413): <html>", True),
+    ("server rejected /generate (400): The input (2101 tokens) is longer than the model's "
+     "context length (1024 tokens).", True),
+    ("sample has 300 tokens; truncated to 153, what the server's context takes (under "
+     "FARM_MAX_TOKENS=8192), it has no assistant tokens left", True),
+    # the sample's own content
+    ("server rejected the sample (400): The input_ids 99999 is out of vocabulary range", False),
+    ("sample has 9000 tokens, over the maximum of 8192 (FARM_MAX_TOKENS; ...)", False),
+    ("no assistant turn", False),
+])
+def test_environmental_rejection(reason: str, environmental: bool) -> None:
+    assert environmental_rejection(reason) is environmental

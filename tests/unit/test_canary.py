@@ -1,0 +1,86 @@
+"""The canary's parts in one process: a recording written once and read back, a damaged one
+refused, a small mismatch named a change of numerics and a large one not, rows that include the
+chunk boundary. No server, Redis or worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from producer.localfarm.farm import LocalFarm
+from sglang_patch import contracts as c
+from tests.conftest import CACHE
+from worker.core import canary as cn
+from worker.core.errors import ConfigError
+from worker.server.canary_check import CanaryCheck
+from worker.server.fingerprint import compute_fingerprint
+
+# --- the recording and the comparison, without services --------------------------------------
+
+def _canaries(seed: int) -> list[cn.Canary]:
+    rng = np.random.default_rng(seed)
+    return [cn.Canary(np.arange(n, dtype=np.int64), cn.sample_rows(n, 64),
+                      cn.from_bf16(cn._to_bf16(rng.normal(size=(4, len(cn.sample_rows(n, 64)),
+                                                                 16)).astype(np.float32))))
+            for n in (10, 200)]
+
+
+def test_recording_is_written_once_and_read_back(tmp_path: Path) -> None:
+    # Given two workers recording at once (other values each)
+    mine, theirs = _canaries(0), _canaries(1)
+    assert cn.record(tmp_path, mine, {"who": "first"})
+    # Then only the first recording stands; the second is told so
+    assert not cn.record(tmp_path, theirs, {"who": "second"})
+    got, meta = cn.load(tmp_path)
+    assert meta["who"] == "first" and not list(tmp_path.glob(f"*{c.TMP_MARK}*"))
+    for a, b in zip(got, mine, strict=True):
+        assert np.array_equal(a.states, b.states) and np.array_equal(a.rows, b.rows)
+    # And comparing it with itself passes with zero error, with the other fails
+    names = cn.layer_names((2, 4, 5))
+    assert cn.compare(got, [m.states for m in mine], names, 1e-9, 1e-9).passed
+    bad = cn.compare(got, [t.states for t in theirs], names, 0.05, 0.01)
+    assert not bad.passed and all(e.mean_rel > 0.5 for e in bad.layers)
+    assert "<-- differs" in bad.table() and "final" in bad.table()
+
+
+def test_damaged_recording_is_refused(tmp_path: Path) -> None:
+    cn.record(tmp_path, _canaries(0), {})
+    path = cn.path_in(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="is damaged"):
+        cn.load(tmp_path)
+
+
+def test_a_small_mismatch_names_a_change_of_numerics_a_large_one_does_not(
+        tmp_path: Path, tiny_model: Path) -> None:
+    settings = LocalFarm(tmp_path / "farm", cache_dir=CACHE).settings()
+    check = CanaryCheck(settings, settings.output_dir, tiny_model,
+                        compute_fingerprint(settings, tiny_model), "w", encode=lambda t: [])
+    names = cn.layer_names((2, 4, 5))
+
+    def text(max_rel: float) -> str:
+        cmp = cn.Comparison([cn.LayerError(n, max_rel, max_rel / 2) for n in names], [],
+                            0.01, 0.0025)
+        return check._mismatch_text(cmp, {"recorded_at": "0", cn.M_WEIGHTS: "ab12"})
+
+    # Another checkpoint (measured: ~166%): restore the model or start a new output dir
+    large = text(1.66)
+    assert "Two ways on:" in large and "FARM_CANARY_MAX_REL_ERR" not in large
+    # A few percent (another quantisation, or numerics: TP size, kernels): a third way
+    small = text(0.03)
+    assert "Three ways on:" in small and "FARM_CANARY_MAX_REL_ERR" in small
+    assert "restore the server's model" in small and "FARM_OUTPUT_DIR" in small
+
+
+def test_rows_include_the_chunk_boundary() -> None:
+    rows = cn.sample_rows(320, 256).tolist()
+    assert {0, 255, 256, 319} <= set(rows) and rows == sorted(set(rows))
+    assert cn.long_tokens(256, 8192) == 320 and cn.long_tokens(-1, 8192) == 1024
+
+
+# --- the farm --------------------------------------------------------------------------------

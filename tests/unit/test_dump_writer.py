@@ -1,0 +1,384 @@
+"""The dump collector and writer, driven with CPU tensors laid out like SGLang's batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sglang_patch import contracts as c
+from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
+from sglang_patch.markers import write_ready_marker
+
+H = 8
+
+
+class Clock:
+    """A settable clock: the collector's TTL without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _request(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (n,), generator=g)
+    return ids, torch.randn(n, H, generator=g), torch.randn(n, 3 * H, generator=g)
+
+
+def _batch(parts: list[tuple[str, int, int, tuple[torch.Tensor, ...]]], pad: int = 0):
+    """(rid, prefix, extend, full request tensors) → collector arguments, plus padding rows."""
+    rids = [p[0] for p in parts]
+    prefix = [p[1] for p in parts]
+    extend = [p[2] for p in parts]
+    cols = [[t[pre : pre + ext] for t in full] for _, pre, ext, full in parts]
+    ids, hid, aux = (torch.cat([col[i] for col in cols] + [_pad(i, pad)]) for i in range(3))
+    # padding can also lengthen the per-request lists beyond len(rids) (SGLang does this)
+    return dict(rids=rids, prefix_lens=prefix + [0] * bool(pad), extend_lens=extend + [pad] *
+                bool(pad), input_ids=ids, hidden=hid, aux=aux)
+
+
+def _pad(i: int, n: int) -> torch.Tensor:
+    return torch.zeros((n,) if i == 0 else (n, H if i == 1 else 3 * H),
+                       dtype=torch.int64 if i == 0 else torch.float32)
+
+
+@pytest.fixture
+def rig(tmp_path: Path):
+    writer = DumpWriter(tmp_path, {c.M_LAYERS: "[2, 4, 5]"}, max_queue=2, min_free_bytes=0)
+    clock = Clock()
+    yield DumpCollector(writer, ttl_s=60, clock=clock), writer, clock, tmp_path
+    writer.close()
+
+
+def _load(d: Path, rid: str) -> dict[str, torch.Tensor]:
+    return load_file(str(c.dump_path(d, rid)))
+
+
+def test_mixed_batches_with_chunks_spread_over_batches(rig) -> None:
+    col, writer, _, d = rig
+    # Given two of our requests, one split into three chunks across batches, a health check,
+    # a foreign client's request and padding rows
+    a, b = c.make_rid("a", 1, 10), c.make_rid("b", 1, 4)
+    ra, rb, rh = _request(10, 1), _request(4, 2), _request(1, 3)
+    col.on_forward(**_batch([(a, 0, 3, ra), ("HEALTH_CHECK_1", 0, 1, rh)], pad=2))
+    col.on_forward(**_batch([("chat-xyz", 0, 1, rh), (a, 3, 5, ra), (b, 0, 2, rb)], pad=3))
+    col.on_forward(**_batch([(b, 2, 2, rb), (a, 8, 2, ra)]))
+    writer.flush()
+    # Then each of ours is assembled exactly, in bf16, and nothing else is written
+    for rid, (ids, hid, aux) in ((a, ra), (b, rb)):
+        got = _load(d, rid)
+        assert torch.equal(got[c.T_INPUT_IDS], ids)
+        assert torch.equal(got[c.T_HIDDEN], hid.to(torch.bfloat16))
+        assert torch.equal(got[c.T_AUX], aux.to(torch.bfloat16))
+    names = sorted(p.name for p in d.iterdir())
+    assert names == sorted([f"{a}.safetensors", f"{b}.safetensors"])
+    assert all(p.stat().st_mode & 0o002 == 0 for p in d.iterdir())  # not world-writable
+    assert col.pending == 0
+
+
+def test_chunked_equals_one_piece(rig) -> None:
+    col, writer, _, d = rig
+    r = _request(9, 4)
+    one, many = c.make_rid("one", 1, 9), c.make_rid("many", 1, 9)
+    col.on_forward(**_batch([(one, 0, 9, r)]))
+    for pre in range(0, 9, 2):
+        col.on_forward(**_batch([(many, pre, min(2, 9 - pre), r)]))
+    writer.flush()
+    x, y = _load(d, one), _load(d, many)
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_retried_rid_starts_over(rig) -> None:
+    col, writer, _, d = rig
+    r = _request(6, 5)
+    rid = c.make_rid("k", 2, 6)
+    col.on_forward(**_batch([(rid, 0, 3, r)]))
+    col.on_forward(**_batch([(rid, 0, 3, r)]))  # re-sent from the start: state resets
+    col.on_forward(**_batch([(rid, 3, 3, r)]))
+    writer.flush()
+    assert torch.equal(_load(d, rid)[c.T_INPUT_IDS], r[0])
+
+
+def test_gap_prefix_hit_and_overrun_write_err(rig) -> None:
+    col, writer, _, d = rig
+    r = _request(8, 6)
+    gap, hit, over = (c.make_rid(k, 1, 8) for k in ("gap", "hit", "over"))
+    col.on_forward(**_batch([(gap, 0, 2, r), (hit, 4, 4, r), (over, 0, 6, r)]))
+    col.on_forward(**_batch([(gap, 5, 3, r), (over, 6, 2, r)]))
+    col.on_forward(**_batch([(c.make_rid("o2", 1, 3), 0, 4, r)]))
+    writer.flush()
+    err = {p.name: p.read_text() for p in d.glob("*.err")}
+    assert "gap: chunk starts at 5, earlier chunks end at 2" in err[f"{gap}.err"]
+    assert "gap: chunk starts at 4, no earlier chunk" in err[f"{hit}.err"]
+    assert "overrun: 4 tokens seen, rid declares 3" in err[f"{c.make_rid('o2', 1, 3)}.err"]
+    assert c.dump_path(d, over).exists()  # 6 + 2 == 8 is exactly whole
+    assert not list(d.glob(f"{c.RID_PREFIX}*gap*.safetensors"))
+
+
+def test_decode_rows_of_mixed_batches_are_not_prompt_rows(rig) -> None:
+    col, writer, _, d = rig
+    # Given a request of ours that decodes after its prompt, under --enable-mixed-chunk: its
+    # decode rows ride in the prefill batches of another request of ours (prefix = prompt
+    # length + tokens generated so far, one row each)
+    r, other = _request(5, 8), _request(6, 9)
+    dec, chunked = c.make_rid("dec", 1, 5), c.make_rid("chunked", 1, 6)
+    col.on_forward(**_batch([(dec, 0, 5, r)]))
+    gen = tuple(torch.cat([t, t[:2]]) for t in r)  # rows past the prompt
+    col.on_forward(**_batch([(chunked, 0, 3, other), (dec, 5, 1, gen)]))
+    col.on_forward(**_batch([(chunked, 3, 3, other), (dec, 6, 1, gen)]))
+    writer.flush()
+    # Then both dumps are exactly their prompts, and nothing is reported as a gap
+    assert not list(d.glob("*.err"))
+    assert torch.equal(_load(d, dec)[c.T_HIDDEN], r[1].to(torch.bfloat16))
+    assert torch.equal(_load(d, chunked)[c.T_AUX], other[2].to(torch.bfloat16))
+
+
+def test_a_whole_request_at_once_equals_its_chunks(rig) -> None:
+    col, writer, _, d = rig
+    # Given one request handed over whole (as vLLM's connector does) and the same rows in
+    # chunks, a rid that is not ours and a request whose row count is not its rid's
+    r = _request(7, 10)
+    whole, chunks, short = (c.make_rid(k, 1, 7) for k in ("whole", "chunks", "short"))
+    assert col.on_request(whole, *r)
+    for pre in range(0, 7, 3):
+        col.on_forward(**_batch([(chunks, pre, min(3, 7 - pre), r)]))
+    assert not col.on_request("cmpl-foreign-0", *r)
+    assert not col.on_request(short, *(t[:6] for t in r))
+    writer.flush()
+    # Then the two dumps hold the same bytes, the short one is an .err, and nothing waits
+    x, y = _load(d, whole), _load(d, chunks)
+    assert all(torch.equal(x[k], y[k]) for k in x)
+    assert "6 token ids, 6 hidden and 6 aux rows; the rid declares 7" in \
+        c.err_path(d, short).read_text()
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [f"{whole}.safetensors", f"{chunks}.safetensors", f"{short}.err"])
+    assert col.pending == 0
+
+
+def test_stale_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    # Given what a killed hook process left (a half-written dump, an .err temp, its marker
+    # written by that process itself), the same from this living process, and files that
+    # are not the hook's temp files
+    rid = c.make_rid("k", 1, 4)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os, sys; from pathlib import Path; "
+         "from sglang_patch.markers import write_ready_marker; "
+         "write_ready_marker(Path(sys.argv[1]), {}); print(os.getpid())", str(tmp_path)],
+        capture_output=True, text=True, check=True)
+    pid = int(gone.stdout)
+    stale = [f".{rid}{c.TMP_MARK}{pid}", f".{rid}{c.TMP_MARK}{pid}.err",
+             f"{c.READY_PREFIX}{pid}{c.TMP_MARK}"]
+    alive = [f".{rid}{c.TMP_MARK}{os.getpid()}"]
+    others = [f"{rid}.safetensors", f"{rid}.err", "notes.txt", f".x{c.TMP_MARK}not-a-pid"]
+    for name in stale + alive + others:
+        (tmp_path / name).write_text("x")
+    write_ready_marker(tmp_path, {})
+    alive.append(f"{c.READY_PREFIX}{os.getpid()}")
+    stale.append(f"{c.READY_PREFIX}{pid}")
+    # When a new hook starts in that dump dir
+    removed = remove_stale_files(tmp_path)
+    # Then exactly the dead process's files are gone
+    assert removed == len(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(alive + others)
+
+
+def test_abandoned_requests_are_dropped_after_ttl(rig) -> None:
+    col, writer, clock, d = rig
+    r = _request(8, 7)
+    rid = c.make_rid("slow", 1, 8)
+    col.on_forward(**_batch([(rid, 0, 3, r)]))
+    clock.now = 59
+    assert col.sweep() == 0
+    clock.now = 61
+    assert col.sweep() == 1
+    writer.flush()
+    assert "incomplete: 3 of 8 tokens" in c.err_path(d, rid).read_text()
+    assert col.pending == 0
+    assert [p.name for p in d.iterdir()] == [f"{rid}.err"]  # its temp file is gone too
+
+
+def test_too_few_rows_is_a_layout_error(rig) -> None:
+    col, _, _, _ = rig
+    r = _request(4, 8)
+    args = _batch([(c.make_rid("x", 1, 4), 0, 4, r)])
+    args["hidden"] = args["hidden"][:2]
+    with pytest.raises(ValueError, match="batch layout"):
+        col.on_forward(**args)
+
+
+def test_full_dump_dir_writes_err_not_a_file(tmp_path: Path) -> None:
+    # Given a writer that must keep more free space than any disk has
+    writer = DumpWriter(tmp_path, {}, min_free_bytes=1 << 62)
+    col = DumpCollector(writer)
+    rid = c.make_rid("big", 1, 4)
+    col.on_forward(**_batch([(rid, 0, 4, _request(4, 9))]))
+    writer.flush()
+    writer.close()
+    assert c.err_path(tmp_path, rid).read_text().startswith("dump dir full")
+    assert not c.dump_path(tmp_path, rid).exists()
+    assert [p.name for p in tmp_path.iterdir()] == [f"{rid}.err"]
+
+
+def test_enospc_past_the_free_space_check_is_a_full_dump_dir(tmp_path: Path) -> None:
+    # Given a real 1 MB tmpfs and no reserve: a dump of 64 tokens (0.5 MB) passes the free
+    # space check at its first chunk, then something else fills the tmpfs
+    from tests.support.faults import can_mount_tmpfs, small_tmpfs
+
+    if not can_mount_tmpfs(tmp_path):
+        pytest.skip("this machine does not let the test mount a small tmpfs (needs root)")
+    with small_tmpfs(tmp_path / "dumps", "1M") as dumps:
+        writer = DumpWriter(dumps, {}, min_free_bytes=0)
+        col = DumpCollector(writer)
+        rid = c.make_rid("big", 1, 64)
+        r = (torch.arange(64), torch.randn(64, 1024), torch.randn(64, 3072))
+        col.on_forward(**_wide_batch(rid, 0, 8, r))
+        writer.flush()
+        with open(dumps / "filler", "wb") as f, pytest.raises(OSError):
+            f.write(b"\0" * (1 << 20))
+        # When its next chunk's write fails with ENOSPC
+        col.on_forward(**_wide_batch(rid, 8, 56, r))
+        writer.flush()
+        writer.close()
+        # Then the worker is told the dump dir is full (it waits), not that the dump failed,
+        # and the half-written temp file is gone
+        assert c.err_path(dumps, rid).read_text().startswith(c.ERR_DUMP_DIR_FULL)
+        assert sorted(p.name for p in dumps.iterdir()) == sorted(["filler", f"{rid}.err"])
+
+
+def _wide_batch(rid: str, prefix: int, ext: int, full: tuple[torch.Tensor, ...]):
+    """One request's chunk as collector arguments, for any hidden size."""
+    sl = slice(prefix, prefix + ext)
+    return dict(rids=[rid], prefix_lens=[prefix], extend_lens=[ext], input_ids=full[0][sl],
+                hidden=full[1][sl], aux=full[2][sl])
+
+
+@pytest.mark.parametrize("dtype", [c.DTYPE_BF16, c.DTYPE_FP8])
+def test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes(
+        tmp_path: Path, dtype: str) -> None:
+    from safetensors.torch import save_file
+
+    from sglang_patch.dump_writer import encode_fp8
+
+    # Given two requests of ours whose chunks share passes
+    writer = DumpWriter(tmp_path, {c.M_LAYERS: "[2, 4, 5]"}, min_free_bytes=0, dtype=dtype)
+    col = DumpCollector(writer)
+    a, b = c.make_rid("a", 1, 10), c.make_rid("b", 1, 7)
+    ra, rb = _request(10, 11), _request(7, 12)
+    col.on_forward(**_batch([(a, 0, 4, ra), (b, 0, 3, rb)]))
+    writer.flush()
+    # Then after the first pass each request's rows are already in its temp file, at their
+    # place in a file of the whole dump's size (the server holds no earlier chunk)
+    tmp = {p.name.split(c.TMP_MARK)[0][1:]: p for p in tmp_path.iterdir()}
+    assert set(tmp) == {a, b}
+    whole = {}
+    for rid, (ids, hid, aux) in ((a, ra), (b, rb)):
+        named = {c.T_INPUT_IDS: ids, c.T_HIDDEN: hid.to(torch.bfloat16),
+                 c.T_AUX: aux.to(torch.bfloat16)}
+        if dtype == c.DTYPE_FP8:
+            q = encode_fp8([ids, hid, aux])
+            named = {c.T_INPUT_IDS: ids, c.T_HIDDEN: q[1].view(torch.float8_e4m3fn),
+                     c.T_HIDDEN_SCALE: q[2], c.T_AUX: q[3].view(torch.float8_e4m3fn),
+                     c.T_AUX_SCALE: q[4]}
+        ref = tmp_path.parent / f"{rid}.ref"
+        save_file(named, str(ref), metadata={c.M_LAYERS: "[2, 4, 5]", c.M_RID: rid,
+                                             c.M_DUMP_DTYPE: dtype})
+        whole[rid] = ref.read_bytes()
+    assert tmp[a].stat().st_size == len(whole[a])
+    head, data = _split(tmp[a].read_bytes())
+    assert head == _split(whole[a])[0]
+    assert data[:32] == _split(whole[a])[1][:32]  # ids 0-3 (ids lead the data)
+    # When the rest arrives in later passes
+    col.on_forward(**_batch([(b, 3, 4, rb), (a, 4, 3, ra)]))
+    col.on_forward(**_batch([(a, 7, 3, ra)]))
+    writer.flush()
+    writer.close()
+    # Then each dump has what the safetensors library writes for the whole request: the same
+    # header (the library orders metadata at random, so compared parsed) and data bytes; and
+    # no temp file is left
+    for rid in (a, b):
+        got = c.dump_path(tmp_path, rid).read_bytes()
+        assert _split(got)[0] == _split(whole[rid])[0]
+        assert _split(got)[1] == _split(whole[rid])[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{r}.safetensors" for r in (a, b))
+
+
+def _split(raw: bytes) -> tuple[dict, bytes]:
+    """A safetensors file's parsed header and its data bytes."""
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def test_the_free_space_check_counts_the_dumps_being_written(tmp_path: Path) -> None:
+    # Given a real 2.5 MB tmpfs with room for one dump of 64 tokens (1.6 MB) but not two
+    from tests.support.faults import can_mount_tmpfs, small_tmpfs
+
+    if not can_mount_tmpfs(tmp_path):
+        pytest.skip("this machine does not let the test mount a small tmpfs (needs root)")
+    r = (torch.arange(64), torch.randn(64, 3072), torch.randn(64, 3 * 3072))
+    with small_tmpfs(tmp_path / "dumps", "2560K") as dumps:
+        writer = DumpWriter(dumps, {}, min_free_bytes=0)
+        col = DumpCollector(writer)
+        a, b = c.make_rid("a", 1, 64), c.make_rid("b", 1, 64)
+        # When both start in one pass, each with 8 of its rows written so far
+        col.on_forward(**_two(a, b, 0, 8, r))
+        col.on_forward(**_two(a, b, 8, 56, r))
+        writer.flush()
+        writer.close()
+        # Then the second is refused at its start for the bytes promised to the first, not
+        # only those on the tmpfs, and the first is whole
+        assert "promised to dumps being written" in c.err_path(dumps, b).read_text()
+        assert torch.equal(_load(dumps, a)[c.T_AUX], r[2].to(torch.bfloat16))
+        assert sorted(p.name for p in dumps.iterdir()) == [f"{a}.safetensors", f"{b}.err"]
+
+
+def _two(a: str, b: str, prefix: int, ext: int, r: tuple[torch.Tensor, ...]):
+    one = _wide_batch(a, prefix, ext, r)
+    return dict(rids=[a, b], prefix_lens=[prefix] * 2, extend_lens=[ext] * 2,
+                **{k: torch.cat([one[k], one[k]]) for k in ("input_ids", "hidden", "aux")})
+
+
+def test_bounded_queue_applies_backpressure(tmp_path: Path) -> None:
+    # Given a writer whose thread is stuck (the staged copy never completes)
+    import threading
+
+    gate = threading.Event()
+
+    class Slow:
+        def stage(self, tensors, encode=None):
+            class S:
+                def wait(self):
+                    gate.wait()
+                    return [t.clone() for t in tensors]
+            return S()
+
+    writer = DumpWriter(tmp_path, {}, max_queue=1, min_free_bytes=0)
+    col = DumpCollector(writer, stager=Slow())
+    r = _request(2, 10)
+    done = threading.Event()
+
+    def produce() -> None:
+        for i in range(4):
+            col.on_forward(**_batch([(c.make_rid(f"q{i}", 1, 2), 0, 2, r)]))
+        done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    # Then the producer blocks (1 in the writer + 1 queued) instead of piling up memory
+    assert not done.wait(0.5)
+    gate.set()
+    assert done.wait(10)
+    t.join()
+    writer.flush()
+    writer.close()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4

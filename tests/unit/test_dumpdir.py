@@ -1,0 +1,135 @@
+"""The dump dir's files are its users' alone: dumps, errors and markers are private, and a dump
+that is a link or another user's file, or a dump dir put in place of the checked one, is never
+read or written. Files, and ``nobody`` (setpriv) as the other user; no server or worker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_patch import contracts as c
+from sglang_patch import dumpdir
+from sglang_patch.dump_writer import DumpWriter, Failed, Rows, _Done
+from sglang_patch.markers import write_ready_marker
+from tests.support.dumpdir import AS_NOBODY, NOBODY
+from tests.support.dumpdir import shm_dir as shm_dir  # a fixture
+from tests.support.dumpdir import shm_parent as shm_parent  # a fixture
+from worker.core import dumps as worker_dumps
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.server.fingerprint import compute_fingerprint
+
+
+def _write_dump(d: Path, rid: str, n: int = 4, h: int = 8, config_sha256: str = "") -> Path:
+    writer = DumpWriter(d, {c.M_LAYERS: "[2, 4, 5]", c.M_CONFIG_SHA: config_sha256},
+                        min_free_bytes=0)
+    try:
+        ids = torch.arange(n)
+        writer.submit([Rows(rid, 0, n, _Done([ids, torch.randn(n, h), torch.randn(n, 3 * h)]))])
+        writer.submit(Failed(rid + "x", "a test error"))
+        writer.flush()
+    finally:
+        writer.close()
+    return c.dump_path(d, rid)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_dumps_errors_and_markers_are_readable_by_the_dump_dirs_users_only(
+        shm_dir: Path, shared: bool) -> None:
+    # Given a dump dir made by the server (0700), or a group dir shared with the workers (2770)
+    if shared:
+        shm_dir.mkdir(mode=0o700)
+        os.chmod(shm_dir, 0o2770)
+    dumpdir.ensure(shm_dir)
+    # When the hook writes a dump, an error file and its ready marker (under a lax umask)
+    old = os.umask(0)
+    try:
+        dump = _write_dump(shm_dir, "hsd-k-a1-n4")
+        marker = write_ready_marker(shm_dir, {})
+    finally:
+        os.umask(old)
+    # Then each is 0600 (0640 in a shared group dir): no other user reads the hidden states
+    want = 0o640 if shared else 0o600
+    err = c.err_path(shm_dir, "hsd-k-a1-n4x")
+    for p in (dump, err, marker):
+        assert stat.S_IMODE(p.stat().st_mode) == want, p
+    if not shared:
+        os.chmod(shm_dir, 0o755)  # even with the dir itself open to all
+    read = subprocess.run([*AS_NOBODY, "cat", str(dump)], capture_output=True)
+    assert read.returncode != 0 and b"Permission denied" in read.stderr
+
+
+def test_a_dump_that_is_a_link_or_another_users_file_is_never_read(tmp_path: Path,
+                                                                   tiny_model: Path) -> None:
+    # Given a valid dump of a 4-token request in a private dump dir
+    fp = compute_fingerprint(Settings(), tiny_model)
+    d = tmp_path / "dumps"
+    dumpdir.ensure(d)
+    real = _write_dump(d, "hsd-real-a1-n4", h=fp.hidden_size, config_sha256=fp.config_sha256)
+    fp4 = type(fp).from_json({**fp.to_json(), "layers_to_capture": [2, 4, 5]})
+    with worker_dumps.open_dump(real, [0, 1, 2, 3], fp4):
+        pass  # the genuine one opens
+    # When the path a worker reads is a link to it
+    link = c.dump_path(d, "hsd-link-a1-n4")
+    link.symlink_to(real)
+    # Then it is refused, naming the fix, without reading it
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        worker_dumps.open_dump(link, [0, 1, 2, 3], fp4)
+    # And a dump owned by another user is refused too
+    os.chown(real, NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match=f"owned by uid {NOBODY}"):
+        worker_dumps.open_dump(real, [0, 1, 2, 3], fp4)
+    # And an error file that is a link is not read into a message either
+    secret = tmp_path / "secret"
+    secret.write_text("not for the log")
+    c.err_path(d, "hsd-e-a1-n4").symlink_to(secret)
+    import asyncio
+
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        asyncio.run(worker_dumps.wait_for_dump(d, "hsd-e-a1-n4", 2.0))
+
+
+def test_a_dump_dir_put_in_place_of_the_checked_one_is_never_read_or_written(
+        shm_parent: Path, tiny_model: Path) -> None:
+    # Given a dump dir that passed its checks, holding a genuine dump
+    fp = compute_fingerprint(Settings(), tiny_model)
+    fp4 = type(fp).from_json({**fp.to_json(), "layers_to_capture": [2, 4, 5]})
+    d = shm_parent / "dumps"
+    dumpdir.ensure(d)
+    rid = "hsd-k-a1-n4"
+    real = _write_dump(d, rid, h=fp.hidden_size, config_sha256=fp.config_sha256)
+    with worker_dumps.open_dump(real, [0, 1, 2, 3], fp4):
+        pass
+    # When its parent passes to another user (nobody), who renames the dump dir away and
+    # puts their own at its path, with a forged dump of that name in it
+    os.chown(shm_parent, NOBODY, NOBODY)
+    forged = d.with_name("forged")
+    forged.mkdir()
+    shutil.copy(real, forged / real.name)
+    for p in (forged, forged / real.name):
+        os.chown(p, NOBODY, NOBODY)
+    swap = f"mv {d} {d}.old && mv {forged} {d}"
+    subprocess.run([*AS_NOBODY, "sh", "-c", swap], check=True)
+    assert d.stat().st_uid == NOBODY
+    # Then the worker reads nothing of it: the dir at the path is not the one checked, and
+    # checked again it is refused, naming why
+    with pytest.raises(ConfigError, match=f"owned by uid {NOBODY}"):
+        worker_dumps.open_dump(real, [0, 1, 2, 3], fp4)
+    # And the hook writes nothing into it
+    with pytest.raises(dumpdir.DumpDirUnsafe, match=f"owned by uid {NOBODY}"):
+        dumpdir.write_private(d / ".probe.tmp", b"hidden states")
+    assert not (d / ".probe.tmp").exists()
+    # And a dump dir made again by its own user after a deletion is checked and used
+    shutil.rmtree(d)
+    os.chown(shm_parent, 0, 0)
+    d.mkdir(mode=0o700)
+    again = _write_dump(d, rid, h=fp.hidden_size, config_sha256=fp.config_sha256)
+    with worker_dumps.open_dump(again, [0, 1, 2, 3], fp4):
+        pass

@@ -1,0 +1,255 @@
+"""ops/ without a farm: preflight's Python and GPU lines, the SGLang launcher's help, dry runs
+and refusals (real scripts in bash), and deployment files (the env example, compose, systemd,
+README, runbook) that agree with the settings table. Where a test needs nvidia-smi it puts a
+stand-in on PATH and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.ops import OPS, ROOT, clean_env, sh
+from worker.core.settings import Settings, _env_name
+
+SETTING_NAMES = {_env_name(f.name) for f in fields(Settings)}
+
+
+# --- preflight ---------------------------------------------------------------------------------
+
+def test_preflight_outside_the_projects_python_says_which_python_to_use() -> None:
+    # Given a python that lacks the farm's libraries (this one, without its site-packages)
+    shim = Path(f"/tmp/hsfarm-test-nosite-{os.getpid()}")
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    shim.chmod(0o755)
+    try:
+        # When preflight runs with it
+        res = sh("ops/preflight.sh", env=clean_env(PYTHON=str(shim)))
+    finally:
+        shim.unlink()
+    # Then it says so in two plain lines, no traceback, no word about the server
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stdout.startswith(f"FAIL  environment: {shim} cannot run the farm's code "
+                                 "(ModuleNotFoundError: No module named ")
+    assert "PYTHON=/opt/hsfarm/.venv/bin/python ops/preflight.sh" in res.stdout
+    assert "Traceback" not in res.stdout + res.stderr and "server" not in res.stdout
+
+
+def test_preflight_gpu_line_on_this_host() -> None:
+    # Given this machine (no NVIDIA GPU)
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this host has nvidia-smi: the no-GPU line cannot be seen here")
+    from producer.preflight import check_gpus
+    # When the GPU check runs, Then it says so in one clean line
+    line = check_gpus()
+    assert str(line) == ("WARN  GPUs: none on this host (no nvidia-smi, no NVIDIA driver): "
+                         "nothing to check; SGLang needs the GPUs of the host it runs on (fine "
+                         "for the CPU reference server)")
+
+
+# --- the launcher ------------------------------------------------------------------------------
+
+def test_launcher_help_lists_the_farms_variables() -> None:
+    res = sh("ops/launch-sglang.sh", "--help", env=clean_env())
+    assert res.returncode == 0 and res.stdout.startswith("Usage: ops/launch-sglang.sh")
+    for name in ("FARM_MODEL_PATH", "FARM_DUMP_DIR", "FARM_SERVER_URL", "FARM_LAYERS_TO_CAPTURE",
+                 "--dry-run"):
+        assert name in res.stdout
+
+
+@pytest.mark.parametrize("old,new", [("MODEL_PATH", "FARM_MODEL_PATH"),
+                                     ("DUMP_DIR", "FARM_DUMP_DIR"),
+                                     ("LAYERS", "FARM_LAYERS_TO_CAPTURE"),
+                                     ("PORT", "FARM_SERVER_URL")])
+def test_launcher_refuses_its_old_variable_names(old: str, new: str) -> None:
+    res = sh("ops/launch-sglang.sh", "--dry-run", env=clean_env(**{old: "x"}))
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"FAIL  {old} is no longer read: set {new} instead")
+
+
+@pytest.mark.parametrize("verify_rc", [0, 1])
+def test_launcher_takes_verifys_verdict_not_its_stderr(tmp_path: Path, tiny_model: Path,
+                                                       verify_rc: int) -> None:
+    """A library's warning on stderr (torch's pynvml FutureWarning on GPU hosts) is shown, not
+    taken for a failure; a verify that fails without a FAIL line still fails. SGLang's python
+    is a stand-in here (SGLang is not in this venv): it answers ``-m sglang_patch verify``
+    and hands everything else to this python."""
+    fake = tmp_path / "python"
+    said = 'echo "PASS  sglang version: 0.5.23"' if verify_rc == 0 else "true"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'if [ "$*" = "-m sglang_patch verify" ]; then\n'
+        "  echo 'FutureWarning: The pynvml package is deprecated' >&2\n"
+        f"  {said}\n"
+        f"  exit {verify_rc}\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
+                    FARM_SERVER_URL="http://127.0.0.1:9", TP="1", PYTHON=str(fake))
+    out = sh("ops/launch-sglang.sh", "--dry-run", env=env).stdout
+    assert "WARN  verify (stderr): FutureWarning: The pynvml package is deprecated" in out, out
+    if verify_rc == 0:
+        assert "OK    sglang version: 0.5.23" in out and "FAIL  verify" not in out, out
+    else:
+        assert f"FAIL  verify: {fake} -m sglang_patch verify exited with 1" in out, out
+
+
+def _verify_passes(tmp_path: Path) -> Path:
+    """SGLang's python, stood in (SGLang is not in this venv): its install checks PASS, and
+    everything else goes to this python."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    'if [ "$*" = "-m sglang_patch verify" ]; then\n'
+                    '  echo "PASS  sglang version: 0.5.23"; exit 0\n'
+                    "fi\n"
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_launcher_dry_run_with_dp_attention_and_expert_parallelism(tmp_path: Path,
+                                                                   tiny_model: Path) -> None:
+    # Given Kimi-K2.5's layout on 8 GPUs: DP attention over 8 groups, and EP where asked
+    fake = _verify_passes(tmp_path)
+    env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
+                    FARM_SERVER_URL="http://127.0.0.1:9", TP="8", DP="8", EP="8",
+                    PYTHON=str(fake))
+    # When the launcher's dry run looks, with an extra SGLang flag for the MoE all-to-all
+    res = sh("ops/launch-sglang.sh", "--dry-run", "--", "--moe-a2a-backend", "deepep", env=env)
+    # Then the command runs 8 attention-DP groups (SGLang 0.5.23's --attn-dp-size, what
+    # --dp-size 8 --enable-dp-attention resolves to) and EP 8, beside the hook's flags
+    cmd = res.stdout.splitlines()[-1]
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OK    layout: TP 8, 8 attention-DP groups of 1 GPU each, EP 8" in res.stdout
+    assert (f"--model-path {tiny_model} --tp-size 8 --attn-dp-size 8 --ep-size 8 --port 9 "
+            in cmd), cmd
+    assert cmd.endswith("--trust-remote-code --moe-a2a-backend deepep"), cmd
+    assert "--disable-radix-cache --disable-prefill-cuda-graph" in cmd
+    # And without DP and EP, neither flag appears
+    plain = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "DP": "1", "EP": ""})
+    assert plain.returncode == 0, plain.stdout
+    assert "OK    layout: TP 8 (no DP attention)" in plain.stdout
+    assert "--attn-dp-size" not in plain.stdout and "--ep-size" not in plain.stdout
+    # And a DP that does not divide TP is refused, with the sizes that do
+    bad = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "DP": "3"})
+    assert bad.returncode == 1
+    assert ("FAIL  DP=3 does not divide TP=8: each attention-DP group takes TP/DP GPUs; use "
+            "DP=1, 2, 4 or 8") in bad.stdout, bad.stdout
+    # And --help says so
+    text = " ".join(sh("ops/launch-sglang.sh", "--help", env=clean_env()).stdout.split())
+    assert "DP (attention data-parallel groups" in text and "EP (expert parallel size" in text
+
+
+def test_launcher_carries_the_store_dtype_to_the_server(tmp_path: Path,
+                                                       tiny_model: Path) -> None:
+    # Given the farm's settings asking for fp8 storage
+    fake = _verify_passes(tmp_path)
+    env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
+                    FARM_SERVER_URL="http://127.0.0.1:9", TP="1", PYTHON=str(fake),
+                    FARM_STORE_DTYPE="fp8_e4m3")
+    # When the launcher's dry run looks
+    res = sh("ops/launch-sglang.sh", "--dry-run", env=env)
+    # Then the server's command stores fp8 too
+    assert res.returncode == 0, res.stdout + res.stderr
+    cmd = res.stdout.splitlines()[-1]
+    assert cmd.startswith(f"SGLANG_HS_DUMP_DIR={tmp_path / 'd'} SGLANG_HS_DUMP_DTYPE=fp8_e4m3 "
+                          f"{fake} -m sglang.launch_server "), cmd
+    # And bf16 (the default, spelled either way) names no dtype: the hook's default
+    for bf16 in ("", "bf16", "bfloat16"):
+        plain = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "FARM_STORE_DTYPE": bf16})
+        assert plain.returncode == 0 and "SGLANG_HS_DUMP_DTYPE" not in plain.stdout, bf16
+    # And a dtype the farm does not know, or a server variable that disagrees, is refused
+    bad = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "FARM_STORE_DTYPE": "fp16"})
+    assert bad.returncode == 2
+    assert "FAIL  FARM_STORE_DTYPE=fp16 must be bf16 or fp8_e4m3" in bad.stderr
+    two = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "SGLANG_HS_DUMP_DTYPE": "bfloat16"})
+    assert two.returncode == 2
+    assert ("SGLANG_HS_DUMP_DTYPE=bfloat16 but FARM_STORE_DTYPE says fp8_e4m3: set "
+            "FARM_STORE_DTYPE only") in " ".join(two.stderr.split()), two.stderr
+    # And --help and the env file name the setting
+    text = " ".join(sh("ops/launch-sglang.sh", "--help", env=clean_env()).stdout.split())
+    assert "FARM_STORE_DTYPE bf16 (default) or fp8_e4m3" in text
+    assert "SGLANG_HS_DUMP_DTYPE" in text
+    assert "FARM_STORE_DTYPE" in (OPS / "systemd" / "env.example").read_text()
+
+
+def test_launcher_dry_run_without_a_model_dir_or_a_port(tmp_path: Path) -> None:
+    env = clean_env(FARM_MODEL_PATH=str(tmp_path / "none"), PYTHON=sys.executable,
+                    FARM_SERVER_URL="http://127.0.0.1")
+    res = sh("ops/launch-sglang.sh", "--dry-run", env=env)
+    assert res.returncode == 2
+    assert "FARM_SERVER_URL=http://127.0.0.1 must name a port" in res.stderr
+    env["FARM_SERVER_URL"] = "http://127.0.0.1:9"
+    res = sh("ops/launch-sglang.sh", "--dry-run", env=env)
+    assert res.returncode == 1
+    assert f"FAIL  model dir {tmp_path / 'none'} has no config.json" in res.stdout
+    assert not (tmp_path / "none").exists()
+
+
+# --- deployment files agree with the settings table ----------------------------------------
+
+DEPLOY_FILES = ["README.md", "ops/RUNBOOK.md", "ops/systemd/env.example", "docker-compose.yml",
+                *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md"))),
+                *(str(p.relative_to(ROOT)) for p in sorted((OPS / "systemd").glob("*.service"))),
+                "ops/launch-sglang.sh", "ops/preflight.sh"]
+
+
+@pytest.mark.parametrize("name", DEPLOY_FILES)
+def test_every_farm_variable_named_is_a_setting(name: str) -> None:
+    text = (ROOT / name).read_text()
+    named = set(re.findall(r"\bFARM_[A-Z0-9_]+\b", text))
+    assert named <= SETTING_NAMES, f"{name} names {sorted(named - SETTING_NAMES)}: not settings"
+
+
+def test_env_example_sets_settings_and_the_launchers_few_own_names() -> None:
+    # launcher, unit and Flower variables that are not settings, each said so in the file
+    own = {"REDIS_PASSWORD", "TP", "DP", "WORKER_CONCURRENCY", "FLOWER_BASIC_AUTH"}
+    text = (OPS / "systemd" / "env.example").read_text()
+    names = set(re.findall(r"^([A-Z_][A-Z0-9_]*)=", text, re.M))
+    assert "FARM_MODEL_PATH" in names and "MODEL_PATH" not in names
+    assert names <= SETTING_NAMES | own, sorted(names - SETTING_NAMES - own)
+    used = "".join((OPS / "systemd" / u).read_text() for u in os.listdir(OPS / "systemd"))
+    used += (OPS / "launch-sglang.sh").read_text() + (OPS / "start-redis.sh").read_text()
+    for name in own:  # each is read by a unit or a script
+        assert re.search(rf"\b{name}\b", used.replace(text, "")), name
+
+
+def test_compose_gives_the_server_and_workers_the_same_settings() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    server, worker = services["sglang"]["environment"], services["worker"]["environment"]
+    for name in ("FARM_MODEL_PATH", "FARM_DUMP_DIR", "FARM_SERVER_URL",
+                 "FARM_LAYERS_TO_CAPTURE"):
+        assert server[name] == worker[name], name
+    assert not {"MODEL_PATH", "DUMP_DIR", "LAYERS", "PORT"} & set(server)
+
+
+def test_flower_is_on_loopback_everywhere_and_keeps_its_history() -> None:
+    unit = (OPS / "systemd" / "hsfarm-flower.service").read_text()
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["flower"]
+    readme = (ROOT / "README.md").read_text()
+    started = re.search(r"celery -A worker flower[^\n]*\\\n[^\n]*", readme)
+    assert started is not None, "the README starts Flower"
+    for where, text in (("unit", unit), ("README", started.group(0))):
+        assert "--address=127.0.0.1" in text, where
+        for flag in ("--persistent=True", "--db=", "--max_tasks=", "--basic-auth="):
+            assert flag in text, (where, flag)
+    assert compose["ports"] == ["127.0.0.1:5555:5555"]
+    for text in (unit, readme, (ROOT / "docker-compose.yml").read_text()):
+        assert "/metrics and /healthcheck" in text.replace("`", "")
+
+
+def test_readme_and_runbook_say_where_the_logs_are() -> None:
+    for doc in ("README.md", "ops/RUNBOOK.md"):
+        text = (ROOT / doc).read_text()
+        for how in ("journalctl -u hsfarm-worker@1 -f", "docker compose logs -f worker",
+                    "tail -f demo-out/logs/demo1.log"):
+            assert how in text, (doc, how)

@@ -1,0 +1,122 @@
+"""The weights identity: another checkpoint of the same config, or a truncated shard, is
+refused when the output dir is opened, before any request; old manifests still open, and a
+host without the weight files is not refused. Files only; no server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sglang_patch.tiny_model import ensure_tiny_model
+from tests.conftest import CACHE
+from worker.core import outdir, weights
+from worker.core.errors import ConfigError
+from worker.core.settings import Settings
+from worker.core.store import OutputStore
+from worker.server.fingerprint import compute_fingerprint
+
+
+@pytest.fixture(scope="module")
+def other_model() -> Path:
+    """The tiny model's config and tokenizer with other weights (a 'fine-tune')."""
+    return ensure_tiny_model(CACHE, seed=1)
+
+
+def _store(out: Path, model: Path) -> OutputStore:
+    return OutputStore(out, compute_fingerprint(Settings(), model), model_path=model)
+
+
+def test_identity_tells_another_checkpoint_of_the_same_config(tiny_model: Path,
+                                                              other_model: Path) -> None:
+    # Given two checkpoints with the same config and tokenizer (one fingerprint)
+    assert compute_fingerprint(Settings(), tiny_model) == compute_fingerprint(Settings(),
+                                                                              other_model)
+    a, b = weights.weights_identity(tiny_model), weights.weights_identity(other_model)
+    # Then their identities differ in the sampled bytes; each equals itself
+    assert a["id"] != b["id"]
+    assert weights.differences(a, b) == ["model.safetensors: sampled bytes differ"]
+    assert weights.differences(a, weights.weights_identity(tiny_model)) == []
+    shard = a["shards"][0]
+    assert shard["size"] == (tiny_model / "model.safetensors").stat().st_size
+
+
+def test_sampled_ranges_cover_a_large_shard_sparsely() -> None:
+    offsets = weights.sample_offsets(1000, 600 << 30)
+    assert len(offsets) == weights.SAMPLES and offsets[0] == 1000
+    assert offsets[-1] == (600 << 30) - weights.SAMPLE_BYTES  # the end is read too
+    assert offsets == sorted(offsets)
+
+
+def test_open_refuses_another_checkpoint_before_anything_is_written(
+        tmp_path: Path, tiny_model: Path, other_model: Path) -> None:
+    # Given an output dir opened with the tiny model: the manifest records its identity
+    out = tmp_path / "out"
+    first = _store(out, tiny_model).open()
+    manifest = json.loads((out / outdir.MANIFEST).read_text())
+    assert manifest["weights"]["id"] == first.weights_id == first.recorded_weights_id()
+    # When it is opened with another checkpoint of the same config
+    with pytest.raises(ConfigError) as e:
+        _store(out, other_model).open()
+    # Then it is refused, naming the shard and both ways on
+    assert "sampled bytes differ" in str(e.value) and "model.safetensors" in str(e.value)
+    assert "Restore the original checkpoint" in str(e.value)
+    assert "new FARM_OUTPUT_DIR" in str(e.value)
+    # And the same model opens again
+    assert _store(out, tiny_model).open().weights_id == first.weights_id
+
+
+def test_truncated_shard_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    # Given a copy of the model whose shard lost its tail (a full disk, an interrupted copy)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    shard = model / "model.safetensors"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 4096)
+    # Then even a new run refuses it, saying so
+    with pytest.raises(ConfigError, match="truncated or damaged"):
+        _store(tmp_path / "out", model).open()
+    assert not (tmp_path / "out" / outdir.MANIFEST).exists()
+
+
+def test_manifest_without_identity_still_opens(tmp_path: Path, tiny_model: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    # Given an output dir of a run started before the weights identity existed
+    out = tmp_path / "out"
+    _store(out, tiny_model).open()
+    manifest = json.loads((out / outdir.MANIFEST).read_text())
+    del manifest["weights"]
+    (out / outdir.MANIFEST).write_text(json.dumps(manifest))
+    # When a worker opens it
+    store = _store(out, tiny_model).open()
+    # Then it keeps running, says what cannot be checked, and tags new files with the identity
+    assert store.weights_id == weights.weights_identity(tiny_model)["id"]
+    assert store.recorded_weights_id() is None
+    assert "records no weights identity" in caplog.text
+
+
+def test_a_host_without_the_weight_files_or_another_scheme_is_not_refused(
+        tmp_path: Path, tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a run recorded where the weights are
+    out = tmp_path / "out"
+    recorded = _store(out, tiny_model).open().weights_id
+    # When a host whose model dir holds only the config and tokenizer opens it
+    light = tmp_path / "tokenizer-only"
+    shutil.copytree(tiny_model, light, ignore=shutil.ignore_patterns("*.safetensors"))
+    store = _store(out, light).open()
+    # Then it is not refused (the canary guards the served model) and tags files as the run
+    assert store.weights_id == recorded
+    assert "no *.safetensors weight files" in caplog.text
+    # And an identity of another scheme (another hsfarm version) is not a mismatch either
+    manifest = json.loads((out / outdir.MANIFEST).read_text())
+    manifest["weights"]["scheme"] = "hsfarm-weights-0"
+    (out / outdir.MANIFEST).write_text(json.dumps(manifest))
+    assert _store(out, tiny_model).open().weights_id == recorded
+    assert "identity scheme" in caplog.text
+
+
+# --- the server's weights against the run's ------------------------------------------------------
