@@ -176,6 +176,20 @@ def test_requests_not_ours_write_nothing(plain: LiveVllm) -> None:
     assert set(os.listdir(plain.dumps)) - before == {f"{rid}.safetensors"}
 
 
+def test_a_prompt_other_than_its_rid_declares_is_an_err(plain: LiveVllm) -> None:
+    # Given a request of ours whose prompt is one token longer than its rid says
+    ids = prompt(21, 31, vocab(plain.model))
+    rid = c.make_rid("longer", 1, 20)
+    plain.complete(ids, rid)
+    # Then its .err says why, and no dump or temp file is left
+    err = c.err_path(plain.dumps, rid)
+    deadline = time.monotonic() + 60
+    while not err.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "21 token ids, 21 hidden and 21 aux rows; the rid declares 20" in err.read_text()
+    assert not [p for p in os.listdir(plain.dumps) if rid in p and not p.endswith(".err")]
+
+
 def test_ready_marker_says_what_the_hook_serves(plain: LiveVllm) -> None:
     markers = list(plain.dumps.glob(f"{c.READY_PREFIX}*"))
     assert len(markers) == 1  # TP 1: one writing worker
