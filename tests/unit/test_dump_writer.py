@@ -143,6 +143,28 @@ def test_decode_rows_of_mixed_batches_are_not_prompt_rows(rig) -> None:
     assert torch.equal(_load(d, chunked)[c.T_AUX], other[2].to(torch.bfloat16))
 
 
+def test_a_whole_request_at_once_equals_its_chunks(rig) -> None:
+    col, writer, _, d = rig
+    # Given one request handed over whole (as vLLM's connector does) and the same rows in
+    # chunks, a rid that is not ours and a request whose row count is not its rid's
+    r = _request(7, 10)
+    whole, chunks, short = (c.make_rid(k, 1, 7) for k in ("whole", "chunks", "short"))
+    assert col.on_request(whole, *r)
+    for pre in range(0, 7, 3):
+        col.on_forward(**_batch([(chunks, pre, min(3, 7 - pre), r)]))
+    assert not col.on_request("cmpl-foreign-0", *r)
+    assert not col.on_request(short, *(t[:6] for t in r))
+    writer.flush()
+    # Then the two dumps hold the same bytes, the short one is an .err, and nothing waits
+    x, y = _load(d, whole), _load(d, chunks)
+    assert all(torch.equal(x[k], y[k]) for k in x)
+    assert "6 token ids, 6 hidden and 6 aux rows; the rid declares 7" in \
+        c.err_path(d, short).read_text()
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [f"{whole}.safetensors", f"{chunks}.safetensors", f"{short}.err"])
+    assert col.pending == 0
+
+
 def test_stale_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
     # Given what a killed hook process left (a half-written dump, an .err temp, its marker
     # written by that process itself), the same from this living process, and files that

