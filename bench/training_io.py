@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sglang_patch import contracts as c
-from training import index
+from training import index, roots
 from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
 from worker.core import checksums, tensorfile
@@ -56,11 +56,11 @@ def make_output(out: Path, samples: int, tokens: int, hidden: int) -> int:
              c.T_AUX: Part.from_array("BF16", rng.integers(0, 0x3F00, (tokens, 3 * hidden),
                                                            dtype=np.uint16))}
         store.write(f"s{i:04d}", t, {M_CONTENT: "bench"})
-    return sum(p.stat().st_size for p in index.sample_files(out))
+    return sum(p.stat().st_size for p in roots.sample_files(out))
 
 
 def cold(out: Path) -> None:
-    for p in index.sample_files(out):
+    for p in roots.sample_files(out):
         drop_cache(p)
 
 
@@ -68,7 +68,7 @@ def copy_fsync_readback(out: Path, dest: Path) -> None:
     """Per file: copy, fsync, drop the copy's pages, read it back from the disk."""
     dest.mkdir(parents=True)
     buf = bytearray(4 << 20)
-    for p in index.sample_files(out):
+    for p in roots.sample_files(out):
         target = dest / p.name
         shutil.copyfile(p, target)
         fd = os.open(target, os.O_RDONLY)
@@ -85,7 +85,7 @@ def copy_fsync_readback(out: Path, dest: Path) -> None:
 def raw_reads(out: Path, buf: torch.Tensor) -> int:
     """Each file read whole into one preallocated buffer (a pinned-memory stage's work)."""
     n, view = 0, memoryview(buf.numpy())
-    for p in index.sample_files(out):
+    for p in roots.sample_files(out):
         with open(p, "rb", buffering=0) as f:
             f.readinto(view[: p.stat().st_size])
         n += 1
@@ -230,7 +230,7 @@ def bench_loader(a: argparse.Namespace, out: Path, samples: int) -> dict[str, ob
     right before or after it (in turn)."""
     index.refresh(out)  # the loader's order and lengths come from the index
     ds, lazy = HiddenStates(out, "hsfarm"), HiddenStates(out, "hsfarm", lazy=True)
-    buf = torch.empty(max(p.stat().st_size for p in index.sample_files(out)), dtype=torch.uint8)
+    buf = torch.empty(max(p.stat().st_size for p in roots.sample_files(out)), dtype=torch.uint8)
     raw = partial(timed, partial(raw_reads, out, buf), out)
     res: dict[str, object] = {}
     for name, loader in (("eager", ds), ("lazy", lazy)):

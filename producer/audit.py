@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from producer.enqueue import sample_refs
 from sglang_patch import contracts as c
-from training.index import sample_files
+from training.roots import sample_files
 from worker.core import outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord
 from worker.core.samples import SampleRef, read_sample

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from training import index, vocab
+from training import index, roots, vocab
 from training.export.formats import FORMATS
 from training.export.runner import DEFAULT_JOBS, export
 from worker.core import outdir
@@ -79,7 +79,7 @@ def write_vocab_mapping(out_dir: Path, draft_vocab_size: int, target_vocab_size:
 
 
 def run_export(out_dir: Path, args: argparse.Namespace, also: list[Path]) -> int:
-    total = sum(1 for root in [out_dir, *also] for _ in index.sample_files(root))
+    total = sum(1 for root in [out_dir, *also] for _ in roots.sample_files(root))
     bar = tqdm(total=total, unit="sample", desc=f"export {args.to}",
                disable=args.no_progress, file=sys.stderr)
     summary = export(out_dir, args.to, args.dest, jobs=args.jobs,

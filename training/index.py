@@ -23,7 +23,6 @@ import numpy as np
 from sglang_patch import contracts as c
 from training import roots, vocab
 from training.manifest import RunInfo, load_run_info
-from training.roots import sample_files as sample_files  # read here by its callers
 from training.sample_file import SampleFile
 from worker.core import checksums, durable, outdir, tensorfile
 from worker.core.errors import Corrupt

@@ -17,7 +17,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from sglang_patch import contracts as c
-from training import fp8, index, views
+from training import fp8, index, roots, views
 from training.manifest import load_run_info
 from training.sample_file import SampleFile
 from worker.core import checksums
@@ -46,7 +46,7 @@ class HiddenStates(Dataset[dict[str, Any]]):
             self.paths = [self.info.out_dir / rows[k]["path"] for k in self.keys]
             self.lengths = [int(rows[k]["tokens"]) for k in self.keys]
         else:
-            self.paths = list(index.sample_files(self.info.out_dir))
+            self.paths = list(roots.sample_files(self.info.out_dir))
             self.keys = [p.name[: -len(c.DUMP_SUFFIX)] for p in self.paths]
             self.lengths = [SampleFile.open(p).entries[c.T_INPUT_IDS].shape[0]
                             for p in self.paths]

@@ -49,6 +49,7 @@ from vllm_hook.layout import (
     layout_problems,
     split_ids,
 )
+from vllm_hook.verify import vllm_version
 
 # a child of vLLM's own logger, so its lines are in the server's log like vLLM's
 log = logging.getLogger("vllm.hsfarm")
@@ -262,12 +263,6 @@ def _ids(layers: Any) -> tuple[int, ...]:
         return tuple(sorted({int(i) for i in layers or ()}))
     except (TypeError, ValueError):
         return ()
-
-
-def vllm_version() -> str:
-    from vllm_hook.verify import vllm_version as version
-
-    return version()
 
 
 def marker_info(cfg: Any, aux_ids: list[int], last_id: int) -> dict[str, object]:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from sglang_patch import contracts as c
 from tests.conftest import CACHE
 from tests.support.training_data import produce
-from training import index
+from training import index, roots
 from training.export.ledger import NAME as LEDGER
 from training.export.runner import export
 from training.loader import HiddenStates
@@ -116,7 +116,7 @@ def test_index_refresh_with_nothing_new_reads_no_tensor_data(out: Path) -> None:
     assert (first.rows, first.new, first.rejected) == (N, N, [])
     counts = index.read_counts(out).copy()
     # When every file's tensor data is overwritten in place (same size, same mtime)
-    for p in index.sample_files(out):
+    for p in roots.sample_files(out):
         st = p.stat()
         with open(p, "r+b") as f:
             f.seek(st.st_size - 64)
@@ -127,7 +127,7 @@ def test_index_refresh_with_nothing_new_reads_no_tensor_data(out: Path) -> None:
     assert (again.unchanged, again.new, again.tensor_bytes_read, again.rejected) == (N, 0, 0, [])
     assert np.array_equal(index.read_counts(out), counts)
     # And a file that changed is read again, checked, and rejected with its reason
-    victim = next(index.sample_files(out))
+    victim = next(roots.sample_files(out))
     os.utime(victim)
     third = index.refresh(out, verify=True)
     assert len(third.rejected) == 1 and "checksum" in third.rejected[0][1]
@@ -181,7 +181,7 @@ def test_export_verifies_resumes_and_deletes_sources_only_after(out: Path, tmp_p
     moved = export(out, "specforge", tmp_path / "sf", jobs=2, delete_source=True)
     ledger = [json.loads(x) for x in (tmp_path / "sf" / LEDGER).read_text().splitlines()]
     assert moved.deleted_sources == N == len(ledger)
-    assert not list(index.sample_files(out))
+    assert not list(roots.sample_files(out))
     for e in ledger:
         obj = torch.load(tmp_path / "sf" / e["path"], weights_only=True)
         assert obj["hidden_state"].shape[0] == 1 and obj["input_ids"].dim() == 1
@@ -196,7 +196,7 @@ def test_sources_left_after_their_ledger_line_are_deleted_on_resume(out: Path,
     resumed = export(out, "modelopt", tmp_path / "mo", jobs=2, delete_source=True)
     # Then nothing is exported again and every exported sample's source is removed
     assert (resumed.exported, resumed.skipped, resumed.deleted_sources) == (0, N, N)
-    assert not list(index.sample_files(out))
+    assert not list(roots.sample_files(out))
 
 
 def test_export_refuses_to_start_without_room_and_says_how_much(out: Path) -> None:
@@ -239,7 +239,7 @@ export(Path({str(out)!r}), "speculators", Path({str(dest)!r}), jobs=2, delete_so
     assert sorted(r["number"] for r in rows) == list(range(N))
     assert len({r["key"] for r in rows}) == N
     assert not [p for p in dest.rglob("*") if c.is_temp_name(p.name)]
-    assert not list(index.sample_files(out))  # every source gone, each after its export
+    assert not list(roots.sample_files(out))  # every source gone, each after its export
 
 
 def test_cli_index_and_export(out: Path, tmp_path: Path) -> None:
@@ -259,7 +259,7 @@ def test_cli_index_and_export(out: Path, tmp_path: Path) -> None:
 
 def test_a_damaged_source_fails_its_export_and_is_kept(out: Path, tmp_path: Path) -> None:
     # Given one source file with a flipped byte in its hidden states
-    victim = sorted(index.sample_files(out))[0]
+    victim = sorted(roots.sample_files(out))[0]
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0x01
     victim.write_bytes(bytes(data))
@@ -299,7 +299,7 @@ def test_a_changed_source_is_exported_again_and_deleted_only_once_its_bytes_are(
     # same size)
     dest = tmp_path / "sf"
     assert export(out, "specforge", dest).exported == N
-    victim = sorted(index.sample_files(out))[3]
+    victim = sorted(roots.sample_files(out))[3]
     _re_extract(victim)
     fixed = _hidden_of(victim)
     # When exported again with --delete-source
@@ -325,7 +325,7 @@ def test_a_damaged_destination_is_found_and_rewritten(out: Path, tmp_path: Path)
     again = export(out, "modelopt", dest)
     # Then the damaged file is rewritten from its source and reads back as the source
     assert (again.exported, again.skipped, again.failed) == (1, N - 1, [])
-    src = load_file(str(next(p for p in index.sample_files(out) if p.stem == victim.stem)))
+    src = load_file(str(next(p for p in roots.sample_files(out) if p.stem == victim.stem)))
     got = torch.load(victim, weights_only=True)
     assert torch.equal(got["hidden_states"], src[c.T_HIDDEN])
 
@@ -420,7 +420,7 @@ print("exported", s.exported, "failed", s.failed)"""
     rows = _speculators_rows(dest)
     assert sorted(rows) == list(range(N)), results
     assert len(set(rows.values())) == N, results
-    assert not list(index.sample_files(out)), results
+    assert not list(roots.sample_files(out)), results
     lines = [json.loads(x) for x in (dest / LEDGER).read_text().splitlines()]
     assert len(lines) == N and len({e["number"] for e in lines}) == N, (results, lines)
     # And one export ran while the other said why it did not
