@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
+from engine_dump import contracts as c
 from producer.adopt import rows as adopt_rows
 from producer.adopt.formats import open_sample
 from producer.adopt.procedure import write_adopted
-from sglang_patch import contracts as c
 from worker.core import diskio
 from worker.core.store import OutputStore
 

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from engine_dump import contracts as c
 from producer.adopt import rows as ar
 from producer.adopt.formats import open_sample
 from producer.adopt.procedure import Run, adopt
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, EXAMPLES, FAST_ENV
 from tests.support import adopt_sources as srcs

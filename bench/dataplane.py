@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 BYTES_PER_TOKEN = 8 + 2 * (1 + c.AUX_LAYERS) * 7168  # ids + final + 3 aux, bf16
 LAYERS = (2, 30, 58)
@@ -43,7 +43,7 @@ VOCAB = 642  # the synthetic model dir's tokenizer (the tiny model's)
 def make_dumps(dump_dir: Path, cache_dir: Path, tokens: list[int], count: int,
                hidden: int) -> None:
     """``count`` dumps per token count, through the synthetic model and the real writer."""
-    from sglang_patch.dump_writer import DumpCollector, DumpWriter
+    from engine_dump.dump_writer import DumpCollector, DumpWriter
     from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 
     model = SyntheticModel(ensure_synthetic_model(cache_dir, hidden), LAYERS)

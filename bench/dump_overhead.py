@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sglang_patch import contracts as c
-from sglang_patch import fp8
-from sglang_patch.cuda_stager import stager_for
-from sglang_patch.dump_writer import DumpCollector, DumpWriter
+from engine_dump import contracts as c
+from engine_dump import fp8
+from engine_dump.cuda_stager import stager_for
+from engine_dump.dump_writer import DumpCollector, DumpWriter
 
 AUX_AT = (2, 30, 58)
 

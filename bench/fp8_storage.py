@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sglang_patch import contracts as c
-from sglang_patch import fp8 as codec
-from sglang_patch.dump_writer import DumpCollector, DumpWriter
+from engine_dump import contracts as c
+from engine_dump import fp8 as codec
+from engine_dump.dump_writer import DumpCollector, DumpWriter
 from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 from sglang_patch.tiny_model import ensure_tiny_model
 from worker.core.store import OutputStore

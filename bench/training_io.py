@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training import index, roots
 from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates

@@ -17,8 +17,8 @@ import numpy as np
 import redis
 from tqdm import tqdm
 
+from engine_dump import contracts as c
 from producer.enqueue import sample_refs
-from sglang_patch import contracts as c
 from training.roots import sample_files
 from worker.core import outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord

@@ -15,6 +15,7 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
+from engine_dump.contracts import Fingerprint
 from producer.adopt.cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit, place_elsewhere
 from producer.enqueue import EnqueueRefused, enqueue, requeue
@@ -29,7 +30,6 @@ from producer.status import (
     status_fingerprint,
 )
 from producer.status_text import render
-from sglang_patch.contracts import Fingerprint
 from training import cli as training_cli
 from worker.core import run as runs
 from worker.core.datafile import DataFileError

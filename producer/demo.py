@@ -20,9 +20,9 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
+from engine_dump.contracts import Fingerprint
 from producer.localfarm.farm import LocalFarm, wait_until
 from producer.status import Status, read_status
-from sglang_patch.contracts import Fingerprint
 from worker.core import outdir
 from worker.core import run as runs
 from worker.core.settings import Settings

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from tqdm import tqdm
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.app import create_app
 from worker.core import outdir, setaside, tensorfile
 from worker.core import run as runs

@@ -22,10 +22,12 @@ from typing import Any
 
 import redis
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
-from sglang_patch import markers as mk
-from sglang_patch.verify import check_marker, sglang_missing
+from engine_dump import contracts as c
+from engine_dump import dumpdir
+from engine_dump import markers as mk
+from engine_dump.live_check import check_marker
+from sglang_patch.plugin import ENV_DUMP_DIR
+from sglang_patch.verify import sglang_missing
 from worker.core import canary, dumps, outdir, weights
 from worker.core import run as runs
 from worker.core.errors import ConfigError, FarmError
@@ -264,7 +266,7 @@ def check_hook(settings: Settings) -> Line:
     if not settings.dump_dir.is_dir():
         return fail(f"ready marker: no dump dir {settings.dump_dir}: the hook creates it when "
                     f"the server starts with SGLANG_HS_DUMP_DIR={settings.dump_dir}")
-    result = check_marker(settings.dump_dir, max_age_s=3600)
+    result = check_marker(settings.dump_dir, max_age_s=3600, env=ENV_DUMP_DIR)
     if not result.ok:
         return fail(f"{result.name}: {result.detail}")
     why = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import liveness, outdir
 from worker.core import run as runs
 from worker.core.errors import ConfigError

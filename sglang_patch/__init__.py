@@ -1,9 +1,9 @@
-"""Server side of hsfarm: the dump hook for SGLang, the dump writer and the reference server.
+"""The SGLang hook (a plugin, no source edit), its ``verify``, and the reference server.
 
-Importing this package is cheap and imports nothing from the farm (worker/, producer/) and
-no torch: ``contracts`` is shared with the worker, which runs without torch.
+The dump it writes, and everything about it the farm reads, is ``engine_dump``'s, shared with
+the vLLM hook. Importing this package is cheap: no torch, nothing of the farm.
 """
 
-from sglang_patch.contracts import PATCH_VERSION as __version__
+from engine_dump.contracts import PATCH_VERSION as __version__
 
 __all__ = ["__version__"]

@@ -1,6 +1,7 @@
 import sys
 
-from sglang_patch import dumpdir, markers, verify
+from engine_dump import dumpdir, markers
+from sglang_patch import verify
 
 USAGE = ("usage: python -m sglang_patch verify [--dump-dir DIR [--server URL]] [--live-only]\n"
          "       python -m sglang_patch markers --dump-dir DIR [--remove-dead]\n"

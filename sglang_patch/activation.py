@@ -10,7 +10,6 @@ Test: tests/sglang/test_plugin.py::test_ids_that_arrive_late_bring_the_hook_up_a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,11 +17,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
-from sglang_patch.dump_writer import remove_stale_files, write_err
+from engine_dump import contracts as c
+from engine_dump import dumpdir
+from engine_dump.dump_writer import remove_stale_files, write_err
+from engine_dump.markers import write_ready_marker
+from engine_dump.weights import loaded_weights, model_config_sha256
 from sglang_patch.layout import LayoutError, dp_groups, sglang_version
-from sglang_patch.markers import write_ready_marker
 from sglang_patch.sglang_hook import DumpHook
 
 log = logging.getLogger("hsfarm.sglang_plugin")
@@ -47,21 +47,15 @@ def find_layers_to_capture(model: Any) -> list[int]:
     return []
 
 
-def model_config_sha256(model_path: str) -> str:
-    path = Path(model_path) / "config.json"
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return ""
-
-
 class Activation:
     """The hook of one scheduler process (attention-TP rank 0): pending until the ids exist."""
 
     def __init__(self, runner: Any, dump_dir: Path) -> None:
         self.runner = runner
         self.dump_dir = dump_dir
-        self.weights = loaded_weights(runner.server_args)
+        self.weights = loaded_weights(str(runner.server_args.model_path),
+                                      getattr(runner.server_args, "revision", None),
+                                      getattr(runner.server_args, "download_dir", None))
         self.hook: DumpHook | None = None
         self._lock = threading.Lock()
 
@@ -137,31 +131,6 @@ def marker_info(runner: Any, layers: list[int], where: str) -> dict[str, object]
         "dp_groups": dp_groups(args),
         "attn_dp_rank": attn_dp_rank(),
     }
-
-
-def loaded_weights(server_args: Any) -> dict[str, Any]:
-    """The weights identity of the checkpoint SGLang loaded: its local model dir, or the
-    Hugging Face cache snapshot of a hub id (present once ``load_model`` has returned).
-
-    Never raises: an identity that cannot be computed has no shards (nothing can be compared
-    with it; the farm's canary still guards the model) and says why under ``error``.
-    """
-    path = str(server_args.model_path)
-    try:
-        if not os.path.isdir(path):
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(path, revision=getattr(server_args, "revision", None),
-                                     cache_dir=getattr(server_args, "download_dir", None),
-                                     local_files_only=True)
-        identity = c.weights_identity(Path(path))
-    except Exception as e:  # a serving process never dies for its identity
-        log.warning("hsfarm: the weights identity of %s cannot be computed: %s", path, e)
-        empty = c.weights_identity(Path("/nonexistent"))
-        return {**empty, "error": f"{type(e).__name__}: {e}"}
-    log.info("hsfarm: weights identity %s (%d shards in %s)", identity["id"],
-             len(identity["shards"]), path)
-    return identity
 
 
 def attn_dp_rank() -> int | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 log = logging.getLogger("hsfarm.reference_server")
 HEALTH_RID_PREFIX = "HEALTH_CHECK_"

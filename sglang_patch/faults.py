@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
-from sglang_patch.dump_writer import DumpWriter
+from engine_dump import contracts as c
+from engine_dump import dumpdir
+from engine_dump.dump_writer import DumpWriter
 
 KINDS = ("nan", "scale", "ids", "shape", "truncate")
 

@@ -52,8 +52,8 @@ def load() -> None:
 def around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
     """Check the layout and the dump dir before loading weights; remember the writing rank's
     runner after."""
-    from sglang_patch import contracts as c
-    from sglang_patch import dumpdir
+    from engine_dump import contracts as c
+    from engine_dump import dumpdir
     from sglang_patch.layout import layout_problems
 
     problems = layout_problems(runner.server_args)

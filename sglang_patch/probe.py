@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir, header_codec
+from engine_dump import contracts as c
+from engine_dump import dumpdir, header_codec
 from sglang_patch.layout import dp_groups
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 
 @dataclass

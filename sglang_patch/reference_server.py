@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
+from engine_dump import contracts as c
+from engine_dump import dumpdir
+from engine_dump.dump_writer import DumpCollector, DumpWriter, remove_stale_files
+from engine_dump.markers import write_ready_marker
 from sglang_patch.dp_groups import DPGroups, routed_rank_error
-from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
 from sglang_patch.faults import Fault, FaultyWriter
-from sglang_patch.markers import write_ready_marker
 from sglang_patch.reference_model import ReferenceModel
 from sglang_patch.synthetic import (
     KIMI_HIDDEN_SIZE,

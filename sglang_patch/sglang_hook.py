@@ -10,8 +10,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
-from sglang_patch.dump_writer import DumpCollector, DumpWriter, Failed
+from engine_dump import contracts as c
+from engine_dump.dump_writer import DumpCollector, DumpWriter, Failed
 
 log = logging.getLogger("hsfarm.sglang_hook")
 
@@ -41,7 +41,7 @@ class DumpHook:
 
         aux = pack_aux_hidden_states(aux_hidden_states)
         if self.collector is None:
-            from sglang_patch.cuda_stager import stager_for
+            from engine_dump.cuda_stager import stager_for
 
             self.collector = DumpCollector(self.writer, stager=stager_for(hidden_states),
                                            ttl_s=self.ttl_s)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from sglang_patch import contracts as c
-from sglang_patch.dump_writer import Encode, Staged
+from engine_dump import contracts as c
+from engine_dump.dump_writer import Encode, Staged
 from sglang_patch.reference_model import ChunkOutput
 from sglang_patch.tiny_model import ensure_tiny_model
 

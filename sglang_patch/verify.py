@@ -17,23 +17,11 @@ import inspect
 import pkgutil
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_patch import markers as mk
+from engine_dump.live_check import Check, add_marker_args, check_marker
 from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG, sglang_version
 from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-
-    def line(self) -> str:
-        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
 
 
 def check_version() -> Check:
@@ -112,84 +100,8 @@ def check_flags() -> Check:
     return Check("launch flags", True, " ".join(REQUIRED_FLAGS))
 
 
-def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0,
-                 env: str = ENV_DUMP_DIR) -> Check:
-    """A ready marker of a live hook process: the newest one whose writer is not dead
-    (``markers``), written at or after ``since`` (unix time). ``env``: the variable that
-    gives the server its dump dir (the vLLM hook's is another), for the fix."""
-    found = [m for m in mk.markers(dump_dir) if m.time >= since]
-    if not found:
-        when = f" written since {time.strftime('%H:%M:%S', time.localtime(since))}" \
-            if since else ""
-        return Check("ready marker", False,
-                     f"none{when} in {dump_dir}: start the server with {env}="
-                     f"{dump_dir} and wait until it has loaded the model")
-    newest = (mk.live(found) or found)[-1]
-    info = newest.info
-    age = time.time() - newest.time
-    pid_alive = Path(f"/proc/{info.get('pid')}").exists()
-    if newest.state == mk.DEAD or (newest.state == mk.UNKNOWN and age > max_age_s
-                                   and not pid_alive):
-        return Check("ready marker", False,
-                     f"{newest.path.name} is {age:.0f}s old and its process {info.get('pid')} "
-                     f"is gone: stale, from an earlier server ({newest.why}); restart the "
-                     "server with the variable")
-    groups = info.get("dp_groups")
-    if isinstance(groups, int) and groups > 1:
-        return _check_groups(newest, found, groups)
-    return Check("ready marker", True, f"pid {info.get('pid')} ({_where(newest)}), "
-                 + _served(info))
-
-
-def _where(m: mk.Marker) -> str:
-    return "alive" if m.state == mk.ALIVE else m.why
-
-
-def _check_groups(newest: mk.Marker, found: list[mk.Marker], groups: int) -> Check:
-    """Under DP attention each group's writer leaves its own marker: every group 0..groups-1
-    of ``newest``'s server start must have one whose process is not dead."""
-    by_rank: dict[object, mk.Marker] = {}
-    for m in found:  # oldest first: the newest of a group's markers wins
-        if m.server == newest.server and m.info.get("dp_groups") == groups:
-            by_rank[m.info.get("attn_dp_rank")] = m
-    server = f"server process {newest.info.get('ppid')}"
-    seen = ", ".join(f"group {r} pid {by_rank[r].info.get('pid')} ({_where(by_rank[r])})"
-                     for r in range(groups) if r in by_rank)
-    for rank in range(groups):
-        group = by_rank.get(rank)
-        if group is None:
-            return Check("ready marker", False,
-                         f"DP group {rank} of {groups} ({server}): no ready marker; {seen}: "
-                         "its scheduler has not loaded the model yet, or failed (see the "
-                         "server's log); wait, or restart the server")
-        if group.state == mk.DEAD:
-            return Check("ready marker", False,
-                         f"DP group {rank} of {groups} ({server}): its writer pid "
-                         f"{group.info.get('pid')} is dead ({group.why}); the server cannot "
-                         "dump that group's requests: restart it")
-    return Check("ready marker", True, f"{groups} DP groups of {server}: {seen}; "
-                 + _served(newest.info))
-
-
-def _served(info: dict[str, object]) -> str:
-    return (f"{info.get('server_version')}, patch {info.get('patch_version')}, layers "
-            f"{info.get('layers_to_capture')}, model {info.get('model_path')} "
-            f"config {str(info.get('model_config_sha256'))[:12]}, tp {info.get('tp_size')}, "
-            f"weights {_weights(info)}")
-
-
-def _weights(info: dict[str, object]) -> str:
-    w = info.get("weights")
-    if not isinstance(w, dict):
-        return "not said (an older hook)"
-    shards = w.get("shards")
-    n = len(shards) if isinstance(shards, list) else 0
-    why = f": {w['error']}" if w.get("error") else ""
-    return f"{w.get('id')} ({n} shards{why})"
-
-
 def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> Check:
-    from sglang_patch.dumpdir import DumpDirUnsafe
+    from engine_dump.dumpdir import DumpDirUnsafe
     from sglang_patch.probe import ProbeFailed, run_probe
 
     try:
@@ -242,18 +154,11 @@ def install_checks() -> list[Check]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_patch verify",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--dump-dir", type=Path, default=None)
+    add_marker_args(p, ENV_DUMP_DIR)
     p.add_argument("--server", default=None, help="a running server's URL: send it a probe "
                    "request of ours and check its dump (needs --dump-dir)")
     p.add_argument("--timeout-s", type=float, default=60.0,
                    help="how long the probe waits for its dump once the server has answered")
-    p.add_argument("--live-only", action="store_true",
-                   help="only the checks of a running server (--dump-dir, --server)")
-    p.add_argument("--max-age-s", type=float, default=3600.0,
-                   help="a marker older than this, whose process is gone, is stale")
-    p.add_argument("--since", type=float, default=0.0, metavar="UNIX_TIME",
-                   help="only a marker written at or after this time counts (what the "
-                   "launcher waits for: one of the server it started)")
     return p
 
 
@@ -266,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--live-only needs --dump-dir")
     results = [] if args.live_only else install_checks()
     if args.dump_dir is not None:
-        results.append(check_marker(args.dump_dir, args.max_age_s, args.since))
+        results.append(check_marker(args.dump_dir, args.max_age_s, args.since,
+                                    env=ENV_DUMP_DIR))
     if args.server:
         results.append(check_probe(args.server, args.dump_dir, args.timeout_s))
     for r in results:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training.manifest import RunInfo
 from training.sample_file import SampleFile
 from worker.core import checksums
@@ -31,7 +31,7 @@ def to_bf16(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     as bf16 runs hold them) and the scales dropped; other tensors as they are."""
     import torch  # here: the producer CLI imports export without torch (a worker host)
 
-    from sglang_patch import fp8 as codec
+    from engine_dump import fp8 as codec
 
     out = {k: v for k, v in arrays.items() if k not in (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)}
     for name, scale, layers in _PAIRS:

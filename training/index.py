@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training import roots, vocab
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile

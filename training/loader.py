@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training import fp8, index, roots, views
 from training.manifest import load_run_info
 from training.sample_file import SampleFile

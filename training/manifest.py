@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training.sample_file import SampleFile
 from worker.core import checksums, final_norm, outdir
 from worker.core.errors import ConfigError, Corrupt

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 
 def prenorm_bf16(hidden_bf16: np.ndarray, weight_f32: np.ndarray) -> np.ndarray:

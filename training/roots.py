@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core.errors import ConfigError
 from worker.core.run import read_run_id
 

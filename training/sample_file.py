@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import header_codec
+from engine_dump import header_codec
 from worker.core.errors import Corrupt
 
 # safetensors dtype tag -> numpy dtype holding the raw bytes (bf16 as uint16)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training.prenorm import speculators_stack
 
 VIEWS = ("hsfarm", "specforge", "modelopt", "speculators")

@@ -16,7 +16,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,18 +28,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
-from sglang_patch.activation import loaded_weights, model_config_sha256
-from sglang_patch.cuda_stager import stager_for
-from sglang_patch.dump_writer import (
+from engine_dump import contracts as c
+from engine_dump import dumpdir
+from engine_dump.cuda_stager import stager_for
+from engine_dump.dump_writer import (
     DumpCollector,
     DumpWriter,
     Failed,
     remove_stale_files,
     write_err,
 )
-from sglang_patch.markers import write_ready_marker
+from engine_dump.markers import write_ready_marker
+from engine_dump.weights import loaded_weights, model_config_sha256
 from vllm_hook.layout import (
     ENV_DUMP_DIR,
     ENV_DUMP_DTYPE,
@@ -167,9 +166,8 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
     def _start_writer(self) -> DumpWriter:
         cfg = self._vllm_config
         info = marker_info(cfg, self.aux_ids, self.last_id)
-        weights = loaded_weights(SimpleNamespace(
-            model_path=cfg.model_config.model, revision=cfg.model_config.revision,
-            download_dir=cfg.load_config.download_dir))
+        weights = loaded_weights(str(cfg.model_config.model), cfg.model_config.revision,
+                                 cfg.load_config.download_dir)
         meta = {c.M_LAYERS: json.dumps(self.aux_ids),
                 c.M_CONFIG_SHA: str(info["model_config_sha256"]),
                 c.M_PATCH_VERSION: c.PATCH_VERSION,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 # The vLLM releases the hook is tested with (the KV connector API is experimental): a minor
 # series, by its leading "major.minor"

@@ -15,9 +15,8 @@ import importlib
 import inspect
 import subprocess
 import sys
-from pathlib import Path
 
-from sglang_patch.verify import Check, check_marker
+from engine_dump.live_check import Check, add_marker_args, check_marker
 from vllm_hook.layout import (
     CONNECTOR_NAME,
     ENV_DUMP_DIR,
@@ -142,14 +141,7 @@ def install_checks() -> list[Check]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m vllm_hook verify",
                                 description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--dump-dir", type=Path, default=None,
-                   help=f"the server's {ENV_DUMP_DIR}: check its hook's ready marker")
-    p.add_argument("--live-only", action="store_true",
-                   help="only the check of a running server (--dump-dir)")
-    p.add_argument("--max-age-s", type=float, default=3600.0,
-                   help="a marker older than this, whose process is gone, is stale")
-    p.add_argument("--since", type=float, default=0.0, metavar="UNIX_TIME",
-                   help="only a marker written at or after this time counts")
+    add_marker_args(p, ENV_DUMP_DIR)
     return p
 
 
@@ -160,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--live-only needs --dump-dir")
     results = [] if args.live_only else install_checks()
     if args.dump_dir is not None:
-        results.append(check_marker(args.dump_dir, args.max_age_s, args.since, ENV_DUMP_DIR))
+        results.append(check_marker(args.dump_dir, args.max_age_s, args.since, env=ENV_DUMP_DIR))
     for r in results:
         print(r.line(), flush=True)
     return 0 if all(r.ok for r in results) else 1

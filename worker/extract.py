@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import store as st
 from worker.core import tensorfile, time_limits
 from worker.core.dumps import discard_dumps, open_dump, wait_for_dump

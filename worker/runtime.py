@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
+from engine_dump import contracts as c
+from engine_dump import dumpdir
 from worker.core.errors import ConfigError
 from worker.core.run import queue_for as run_queue
 from worker.core.settings import Settings

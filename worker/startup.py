@@ -23,7 +23,7 @@ import redis
 from celery import current_app
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from sglang_patch.dumpdir import DumpDirUnsafe
+from engine_dump.dumpdir import DumpDirUnsafe
 from sglang_patch.probe import ProbeFailed, probe
 from worker.app import FarmApp
 from worker.core import canary, liveness, outdir, run, time_limits

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import canary as cn
 from worker.core import outdir, weights
 from worker.core.errors import ConfigError
@@ -39,7 +39,7 @@ def served_check(settings: Settings, fingerprint: c.Fingerprint, model_path: Pat
         ConfigError: the server does not answer the probe, or it serves another checkpoint,
             other layers, config or dtype than the run; the fix. Nothing was read or written.
     """
-    from sglang_patch.dumpdir import DumpDirUnsafe
+    from engine_dump.dumpdir import DumpDirUnsafe
     from sglang_patch.probe import ProbeFailed, probe
 
     manifest = settings.output_dir / outdir.MANIFEST

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import canary as cn
 from worker.core import final_norm
 from worker.core.settings import Settings

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import checksums, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, SourceFileRefused
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import store as st
 from worker.core.weights import M_WEIGHTS_ID
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engine_dump import contracts as c
 from producer.adopt.formats import SourceSample, open_sample, readable_entry
 from producer.enqueue import sample_refs
-from sglang_patch import contracts as c
 from worker.core import store as st
 from worker.core import tensorfile
 from worker.core.errors import BadInput, Corrupt, SourceFileRefused, StaleRecord

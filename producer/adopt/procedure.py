@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from engine_dump import contracts as c
 from producer.adopt import check as ck
 from producer.adopt import header as ah
 from producer.adopt import match as am
@@ -31,7 +32,6 @@ from producer.adopt.canary import canary_outcome, served_check
 from producer.adopt.formats import SourceSample, detect, list_files, open_sample
 from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import open_run, run_lock_name
-from sglang_patch import contracts as c
 from worker.core import durable, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
@@ -388,7 +388,7 @@ def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
 
 def _quantized(bits: np.ndarray, layers: int, name: str, scale_name: str
                ) -> dict[str, st.Part]:
-    """bf16 states (bits) quantized by the hook's own code (``sglang_patch.fp8.quantize``),
+    """bf16 states (bits) quantized by the hook's own code (``engine_dump.fp8.quantize``),
     ``QUANTIZE_ROWS`` tokens at a time as the hook quantizes a chunk of a prefill, so an
     adopted file holds what a worker writes from the same states.
 
@@ -397,7 +397,7 @@ def _quantized(bits: np.ndarray, layers: int, name: str, scale_name: str
     """
     import torch
 
-    from sglang_patch import fp8
+    from engine_dump import fp8
 
     values = np.ascontiguousarray(bits).view("<u2")
     if tensorfile.bf16_any_nonfinite(values):
@@ -418,7 +418,7 @@ def fp8_problem(settings: Settings) -> str | None:
     if settings.hidden_dtype != c.DTYPE_FP8:
         return None
     try:
-        from sglang_patch import fp8  # noqa: F401  (torch, as the hook quantizes)
+        from engine_dump import fp8  # noqa: F401  (torch, as the hook quantizes)
     except ImportError as e:
         return (f"this run stores {c.DTYPE_FP8} (FARM_STORE_DTYPE); adopt quantizes with the "
                 f"hook's code, which needs torch ({e}): pip install 'hsfarm[training]'")

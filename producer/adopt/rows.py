@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engine_dump import contracts as c
 from producer.adopt import check as ck
 from producer.adopt.formats import SourceSample
-from sglang_patch import contracts as c
 from worker.core import canary as cn
 from worker.core.errors import SourceFileRefused
 from worker.core.settings import Settings

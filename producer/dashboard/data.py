@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
+from engine_dump import contracts as c
 from producer.status import Status, read_status, worker_heartbeats
-from sglang_patch import contracts as c
 from worker.core import run as runs
 from worker.core.settings import Settings
 from worker.core.store import free_bytes

@@ -28,10 +28,10 @@ import aiohttp
 import redis
 from aiohttp import web
 
+from engine_dump import contracts as c
 from producer.dashboard import metrics_text
 from producer.dashboard.data import Sampler
 from producer.status import no_run, status_fingerprint
-from sglang_patch import contracts as c
 from worker.core import outdir
 from worker.core import run as runs
 from worker.core.errors import ConfigError, Transient

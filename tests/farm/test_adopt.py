@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine_dump import contracts as c
 from producer import cli
 from producer.adopt.procedure import Report, Run
 from producer.adopt.procedure import adopt as run_adopt
 from producer.enqueue import sample_refs
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, EXAMPLES, FarmFactory, wait_finished
 from tests.support import adopt_sources as srcs
@@ -284,7 +284,7 @@ def test_sigkill_mid_adopt_then_two_at_once(
 def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         data: tuple[Path, list[dict[str, Any]]], extracted: list[srcs.Extracted],
         tmp_path: Path) -> None:
-    from sglang_patch import fp8 as hook_fp8
+    from engine_dump import fp8 as hook_fp8
     from tests.support.faults import count_line, running_farm
 
     env = {"FARM_STORE_DTYPE": "fp8_e4m3"}

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, EXAMPLES, FarmFactory
 from tests.support import adopt_sources as srcs

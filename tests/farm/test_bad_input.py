@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from tests.conftest import FarmFactory, wait_finished
 from tests.support.faults import run_hash
 from worker.state import keys

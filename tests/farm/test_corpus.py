@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.support.faults import count_line, running_farm, text, write_jsonl
 from worker.core import run as runs

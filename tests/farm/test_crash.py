@@ -7,8 +7,8 @@ import signal
 import time
 from pathlib import Path
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import wait_until
-from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import (
     attempts,

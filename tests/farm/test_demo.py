@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import redis
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import wait_until
-from sglang_patch import contracts as c
 from tests.conftest import ROOT, write_samples
 from tests.farm.test_dashboard import chromium
 from worker.core import tensorfile

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from sglang_patch.layout import dp_groups
 from tests.conftest import CACHE, FarmFactory, wait_finished, write_samples
 

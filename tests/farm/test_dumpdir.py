@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from engine_dump import contracts as c
+from engine_dump import dumpdir
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
 from tests.conftest import CACHE, FAST_ENV
 from tests.support.dumpdir import AS_NOBODY, NOBODY
 from tests.support.dumpdir import shm_dir as shm_dir  # a fixture

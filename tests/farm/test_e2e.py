@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished, write_samples
 from worker.core import outdir
 

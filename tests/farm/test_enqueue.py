@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.support.faults import count_line, running_farm, write_jsonl
 from worker.core import outdir

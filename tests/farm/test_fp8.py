@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from tests.conftest import wait_finished
 from tests.support.faults import enqueue, running_farm
 from tests.support.fp8 import rel_err

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from tests.conftest import CACHE, write_samples
 from tests.support.faults import dashboard_metrics, text
 from worker.core import outdir

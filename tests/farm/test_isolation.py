@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, FAST_ENV, write_samples
 from tests.support.faults import text

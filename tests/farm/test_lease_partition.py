@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import wait_until
-from sglang_patch import contracts as c
 from tests.support import lease_host
 from worker.core import tensorfile
 from worker.core.store import M_CONTENT, OutputStore

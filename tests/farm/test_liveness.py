@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import wait_until
-from sglang_patch import contracts as c
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import attempts, enqueue, running_farm, text
 from worker.core import liveness

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from worker.core import outdir

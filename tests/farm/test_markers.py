@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_patch import contracts as c
-from sglang_patch import markers as mk
+from engine_dump import contracts as c
+from engine_dump import markers as mk
 from tests.support.markers import WRITE
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from tests.conftest import CACHE, private_redis, write_samples
 from tests.support.ops import OPS, ROOT, clean_env, sh
 
@@ -131,7 +131,7 @@ def test_launcher_dry_run_checks_everything_and_starts_and_removes_nothing(
     dumps.mkdir()
     try:
         subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                        "from sglang_patch.markers import write_ready_marker; "
+                        "from engine_dump.markers import write_ready_marker; "
                         "write_ready_marker(Path(sys.argv[1]), {})", str(dumps)], check=True)
         before = sorted(p.name for p in dumps.iterdir())
         env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(dumps),
@@ -174,7 +174,7 @@ def test_dead_marker_of_the_reference_server_is_gone_after_a_restart(
     # Given a dump dir with the marker of a server process that died
     dumps = tmp_path / "dumps"
     subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                    "from sglang_patch.markers import write_ready_marker; "
+                    "from engine_dump.markers import write_ready_marker; "
                     "write_ready_marker(Path(sys.argv[1]), {})", str(dumps)], check=True)
     [dead] = list(dumps.glob(f"{c.READY_PREFIX}*"))
     # When a reference server starts there

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from tests.conftest import CACHE, EXAMPLES
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from sglang_patch.probe import PROBE_IDS
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
 from tests.support.synthetic import H, synthetic_model

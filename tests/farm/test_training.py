@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from tests.conftest import CACHE
 from tests.support.training_data import produce
 from training import index, roots

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 BF16_TOLERANCE = 0.02  # worst per-token relative error allowed
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import wait_until
-from sglang_patch import contracts as c
 from tests.live.conftest import measured, running
 from tests.live.reference import BF16_TOLERANCE, _model, check_dump, relative_error
 from tests.live.sglang_server import LiveServer, sglang_python

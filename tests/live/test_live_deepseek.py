@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from tests.conftest import CACHE
 from tests.live.conftest import measured, running
 from tests.live.reference import _model, check_dump, layer_errors, relative_error

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_patch.verify import check_marker
+from engine_dump.live_check import check_marker
+from sglang_patch.plugin import ENV_DUMP_DIR
 from sglang_patch.verify import main as verify
 from tests.conftest import CACHE
 from tests.live.conftest import measured, running
@@ -75,7 +76,7 @@ def test_each_group_dumps_its_own_requests_once_and_an_idle_group_nothing(
     assert all(m["dp_groups"] == 2 and m["tp_size"] == 2 for m in markers.values())
     # And verify sees both groups' writers as one server start (they share their parent)
     assert len({m["ppid"] for m in markers.values()}) == 1
-    ready = check_marker(server.dumps, max_age_s=3600)
+    ready = check_marker(server.dumps, max_age_s=3600, env=ENV_DUMP_DIR)
     assert ready.ok and ready.detail.startswith("2 DP groups of server process "), ready.detail
     trace = {g: tmp_path / f"dp{g}.strace" for g in pids}
     # When three requests of ours go to group 1 only (group 0 runs idle passes beside them)

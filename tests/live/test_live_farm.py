@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch import contracts as c
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.live.conftest import measured, running
 from tests.live.reference import BF16_TOLERANCE, reference, relative_error

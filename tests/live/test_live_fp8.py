@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_patch import contracts as c
-from sglang_patch import fp8 as codec
+from engine_dump import contracts as c
+from engine_dump import fp8 as codec
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.live.conftest import measured, running
 from tests.live.sglang_server import LiveServer

@@ -9,8 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import wait_until
-from sglang_patch import contracts as c
 from tests.live.sglang_server import LiveServer
 
 FIRST_ORDINARY_ID = 6  # the tiny tokenizer's special tokens come first

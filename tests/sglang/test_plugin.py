@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from sglang_patch import plugin, verify
 
 H, V = 16, 50
@@ -336,7 +336,7 @@ def test_the_hook_refuses_a_dump_dir_another_user_made_before_the_weights_load(
         plugins_loaded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    from sglang_patch import dumpdir
+    from engine_dump import dumpdir
 
     # Given a dump dir another local user (nobody) made first, open to all
     foreign = tmp_path / "foreign"

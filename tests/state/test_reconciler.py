@@ -10,8 +10,8 @@ import orjson
 import pytest
 from celery import Celery
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from tests.conftest import CACHE
 from worker.app import celery_config
 from worker.core.run import task_id

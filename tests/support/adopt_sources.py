@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from sglang_patch.reference_model import ReferenceModel
 from worker.core import checksums, tensorfile
 from worker.core.samples import validate_record

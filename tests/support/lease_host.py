@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core.errors import LeaseLost
 from worker.core.store import M_CONTENT, OutputStore, Part
 from worker.state import lease as leases

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from engine_dump import contracts as c
 from producer.adopt import check as ck
-from sglang_patch import contracts as c
 from worker.core import canary as cn
 
 N_DATA, N_SOURCE = 8, 6

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine_dump import contracts as c
 from producer.adopt import header as ah
 from producer.adopt import rows as ar
-from sglang_patch import contracts as c
 from worker.core import weights
 from worker.core.store import M_FINGERPRINT
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_dump import contracts as c
 from producer.localfarm.farm import LocalFarm
-from sglang_patch import contracts as c
 from tests.conftest import CACHE
 from worker.core import canary as cn
 from worker.core.errors import ConfigError

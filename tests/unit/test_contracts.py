@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import outdir
 
 RUN = "0123456789abcdef"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # The packages held to it.
-PACKAGES = ("worker", "producer", "training", "sglang_patch", "vllm_hook", "bench")
+PACKAGES = ("worker", "producer", "training", "engine_dump", "sglang_patch", "vllm_hook", "bench")
 MAX_LINES = 8
 ISSUE_NUMBER = re.compile(r"issue ?#?\d", re.IGNORECASE)
 _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)

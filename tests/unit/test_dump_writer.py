@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_patch import contracts as c
-from sglang_patch.dump_writer import DumpCollector, DumpWriter, remove_stale_files
-from sglang_patch.markers import write_ready_marker
+from engine_dump import contracts as c
+from engine_dump.dump_writer import DumpCollector, DumpWriter, remove_stale_files
+from engine_dump.markers import write_ready_marker
 
 H = 8
 
@@ -172,7 +172,7 @@ def test_stale_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
     rid = c.make_rid("k", 1, 4)
     gone = subprocess.run(
         [sys.executable, "-c", "import os, sys; from pathlib import Path; "
-         "from sglang_patch.markers import write_ready_marker; "
+         "from engine_dump.markers import write_ready_marker; "
          "write_ready_marker(Path(sys.argv[1]), {}); print(os.getpid())", str(tmp_path)],
         capture_output=True, text=True, check=True)
     pid = int(gone.stdout)
@@ -267,7 +267,7 @@ def test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes(
         tmp_path: Path, dtype: str) -> None:
     from safetensors.torch import save_file
 
-    from sglang_patch.dump_writer import encode_fp8
+    from engine_dump.dump_writer import encode_fp8
 
     # Given two requests of ours whose chunks share passes
     writer = DumpWriter(tmp_path, {c.M_LAYERS: "[2, 4, 5]"}, min_free_bytes=0, dtype=dtype)

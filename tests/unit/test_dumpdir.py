@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
-from sglang_patch.dump_writer import DumpWriter, Failed, Rows, _Done
-from sglang_patch.markers import write_ready_marker
+from engine_dump import contracts as c
+from engine_dump import dumpdir
+from engine_dump.dump_writer import DumpWriter, Failed, Rows, _Done
+from engine_dump.markers import write_ready_marker
 from tests.support.dumpdir import AS_NOBODY, NOBODY
 from tests.support.dumpdir import shm_dir as shm_dir  # a fixture
 from tests.support.dumpdir import shm_parent as shm_parent  # a fixture

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import checksums, diskio, dumps, finalfile, tensorfile
 from worker.core.errors import Corrupt, ServerMisconfigured
 from worker.core.store import OutputStore, Part

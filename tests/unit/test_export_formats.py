@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training.export.formats import FORMATS, Speculators, _StackFeed
 from training.prenorm import speculators_stack
 from worker.core import checksums, tensorfile

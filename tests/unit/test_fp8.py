@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang_patch import contracts as c
-from sglang_patch import fp8 as codec
-from sglang_patch.dump_writer import DumpCollector, DumpWriter
+from engine_dump import contracts as c
+from engine_dump import fp8 as codec
+from engine_dump.dump_writer import DumpCollector, DumpWriter
 from tests.support.fp8 import rel_err
 from worker.core import checksums, dumps, outdir, tensorfile
 from worker.core import fp8 as checks
@@ -165,7 +165,7 @@ def test_the_hook_dumps_fp8_and_the_farms_own_requests_bf16(tmp_path: Path) -> N
 
 def test_the_synthetic_servers_stager_quantizes_without_holding_the_pool() -> None:
     # Given the synthetic model's pooled forward pass and its stager (no copy in bf16)
-    from sglang_patch.dump_writer import encode_fp8
+    from engine_dump.dump_writer import encode_fp8
     from sglang_patch.synthetic import PooledStager, SyntheticModel, ensure_synthetic_model
     from tests.conftest import CACHE
 
@@ -280,7 +280,7 @@ def test_files_of_one_scale_per_row_are_still_read_by_every_reader(tmp_path: Pat
 
 def test_a_server_of_the_other_dtype_is_named_before_the_worker_takes_work(
         tmp_path: Path) -> None:
-    from sglang_patch.markers import write_ready_marker
+    from engine_dump.markers import write_ready_marker
 
     # Given a dump dir whose live hook (this process) stores fp8, and one of an older hook
     fp8_dir, old_dir = tmp_path / "fp8", tmp_path / "old"

@@ -1,9 +1,11 @@
 """The farm's layers, read from every import in the source (ast), those inside functions too.
 
 worker: ``core`` ← ``state`` ← ``server`` ← ``steps`` ← the app's modules; each imports only
-the layers to its left. ``training`` imports ``worker.core`` only, the engine hooks
-(``sglang_patch``, ``vllm_hook``) nothing of the farm, and no module is part of an import
-circle. ``if TYPE_CHECKING:`` imports count for the layers, not for circles (they never run)."""
+the layers to its left. ``training`` imports ``worker.core`` only; ``engine_dump`` (the dump
+both engine hooks write) imports nothing of the farm, of either hook or of an engine; each hook
+(``sglang_patch``, ``vllm_hook``) imports ``engine_dump`` and nothing of the farm or the other
+hook; no module is part of an import circle. ``if TYPE_CHECKING:`` imports count for the
+layers, not for circles (they never run)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("worker", "producer", "training", "sglang_patch", "vllm_hook")
+PACKAGES = ("worker", "producer", "training", "engine_dump", "sglang_patch", "vllm_hook")
+FARM = PACKAGES[:3]
+HOOKS = ("sglang_patch", "vllm_hook")
 LAYERS = ("worker.core", "worker.state", "worker.server", "worker.steps")
 # Libraries a layer may not import at all (the rest of its rule is the layer order).
 FORBIDDEN = {
@@ -21,6 +25,9 @@ FORBIDDEN = {
     "worker.server": ("celery", "torch"),
     "worker.steps": ("aiohttp", "transformers", "torch"),
     "training": ("celery", "kombu", "redis", "aiohttp"),
+    "engine_dump": ("sglang", "vllm", "sgl_kernel", *FARM, *HOOKS),
+    "sglang_patch": ("vllm_hook",),
+    "vllm_hook": ("sglang_patch",),
 }
 # Flat modules per package, at most (subpackages hold families and layers).
 MAX_FLAT = 25
@@ -83,8 +90,8 @@ def test_each_layer_imports_only_the_layers_below_it_and_its_libraries() -> None
             if mod.startswith("training") and imp.startswith(("worker", "producer")) and \
                     layer_of(imp) != "worker.core":
                 bad.append(f"{mod} imports {imp} (training imports worker.core only)")
-            if mod.startswith(PACKAGES[3:]) and imp.split(".")[0] in PACKAGES[:3]:
-                bad.append(f"{mod} imports {imp} (the hook imports nothing of the farm)")
+            if mod.split(".")[0] in HOOKS and imp.split(".")[0] in FARM:
+                bad.append(f"{mod} imports {imp} (a hook imports nothing of the farm)")
             if here is None or not imp.startswith("worker"):
                 continue
             there = layer_of(imp)

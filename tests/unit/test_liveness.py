@@ -13,7 +13,7 @@ from worker.core import liveness
 
 
 def test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only(tmp_path: Path) -> None:
-    from sglang_patch import contracts as c
+    from engine_dump import contracts as c
     from worker.core.settings import Settings
     from worker.server.canary_check import canary_key
     from worker.steps.janitor import sweep_dumps

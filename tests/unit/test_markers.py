@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_patch import contracts as c
-from sglang_patch import markers as mk
-from sglang_patch.verify import check_marker
+from engine_dump import contracts as c
+from engine_dump import markers as mk
+from engine_dump.live_check import check_marker
+from sglang_patch.plugin import ENV_DUMP_DIR
 from tests.support.markers import WRITE
 
 
@@ -85,11 +86,11 @@ def test_verify_takes_a_live_marker_over_a_newer_dead_one_and_honours_since(
     time.sleep(0.05)
     _marker_of_dead_process(tmp_path)
     # When verify checks the dump dir, Then the live marker counts
-    check = check_marker(tmp_path, max_age_s=3600)
+    check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
     assert check.ok and f"pid {os.getpid()} (alive)" in check.detail
     # And only the dead one remains to be judged after the live one is gone: a FAIL
     (tmp_path / f"{c.READY_PREFIX}{os.getpid()}").unlink()
-    check = check_marker(tmp_path, max_age_s=3600)
+    check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
     assert not check.ok and "stale, from an earlier server (process" in check.detail
     # And a marker written before --since does not count (what the launcher waits for)
     later = time.time() + 1
@@ -116,7 +117,7 @@ def test_verify_says_sglang_is_not_installed_even_with_a_sglang_dir_on_the_path(
 
 
 GROUP = ("import os, sys, time; from pathlib import Path; "
-         "from sglang_patch.markers import write_ready_marker; "
+         "from engine_dump.markers import write_ready_marker; "
          "write_ready_marker(Path(sys.argv[1]), {'layers_to_capture': [2, 30, 58], "
          "'dp_groups': int(sys.argv[3]), 'attn_dp_rank': int(sys.argv[2]), 'tp_size': 4}); "
          "print(os.getpid(), flush=True); time.sleep(float(sys.argv[4]))")
@@ -155,7 +156,7 @@ def test_verify_under_dp_attention_needs_a_live_marker_of_every_group_of_the_ser
                                      f"{pid1} is gone)"), res.stdout
         # When that marker is gone too (removed as dead): group 1 never came up
         (tmp_path / f"{c.READY_PREFIX}{pid1}").unlink()
-        check = check_marker(tmp_path, max_age_s=3600)
+        check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
         assert not check.ok
         assert check.detail.startswith(f"DP group 1 of 2 (server process {os.getpid()}): no "
                                        f"ready marker; group 0 pid {pid0} (alive)"), check.detail

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("worker", "producer", "training", "sglang_patch", "vllm_hook", "bench")
+PACKAGES = ("worker", "producer", "training", "engine_dump", "sglang_patch", "vllm_hook", "bench")
 
 
 def _package_of(module: str, is_init: bool) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import outdir, run
 from worker.core.settings import Settings
 from worker.state.queue_scan import task_id

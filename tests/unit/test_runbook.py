@@ -15,8 +15,9 @@ import subprocess
 import pytest
 import yaml
 
+from engine_dump import markers
 from producer.cli import build_parser as producer_parser
-from sglang_patch import markers, verify
+from sglang_patch import verify
 from tests.support.runbook import COMMANDS, ROOT, RUNNABLE, Command
 
 # Not runnable on this machine, with the reason (they are still checked for existence).

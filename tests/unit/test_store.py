@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import tensorfile
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.store import M_CONTENT, OutputStore, Part

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training.export.ledger import NAME as LEDGER
 from training.export.runner import export
 from worker.core.errors import ConfigError

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from vllm_hook.layout import (
     METHOD,
     launch_ids,

@@ -120,3 +120,17 @@ def test_a_host_without_the_weight_files_or_another_scheme_is_not_refused(
 
 
 # --- the server's weights against the run's ------------------------------------------------------
+
+
+def test_a_hook_publishes_what_it_loaded_and_never_raises(
+        tiny_model: Path, tmp_path: Path) -> None:
+    # Given the model dir a server loaded, and a hub id that is in no cache here
+    from engine_dump.weights import loaded_weights, model_config_sha256
+
+    # Then the dir's identity is the farm's, and the config's hash is the file's
+    assert loaded_weights(str(tiny_model))["id"] == weights.weights_identity(tiny_model)["id"]
+    assert len(model_config_sha256(str(tiny_model))) == 64
+    # And an identity that cannot be computed has no shards and says why, raising nothing
+    missing = loaded_weights("no-such-org/no-such-model", download_dir=str(tmp_path))
+    assert missing["shards"] == [] and "error" in missing
+    assert model_config_sha256(str(tmp_path)) == ""

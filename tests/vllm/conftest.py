@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from sglang_patch.tiny_model import VLLM_SHAPE, ensure_tiny_model
 from tests.vllm.live import LiveVllm
 from vllm_hook.layout import ENV_DUMP_DTYPE

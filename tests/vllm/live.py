@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from vllm_hook.layout import CONNECTOR_NAME, ENV_DUMP_DIR, METHOD, RID_PARAM
 
 AUX_IDS = [2, 3, 5]  # of the 6-layer tiny model; with L = 6 for hidden_state

@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_patch import contracts as c
-from sglang_patch import fp8 as codec
+from engine_dump import contracts as c
+from engine_dump import fp8 as codec
 from tests.vllm.conftest import measured
 from tests.vllm.live import AUX_IDS, LiveVllm, prompt, wait_dump
 from tests.vllm.reference import bf16_ulps, reference, rel_errors

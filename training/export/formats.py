@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training.prenorm import speculators_chunks
 from training.sample_file import NP_DTYPES, SampleFile
 from worker.core import checksums, diskio, durable, tensorfile

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training.export.formats import Format
 from training.export.ledger import Ledger
 from worker.core.store import fsync_dir

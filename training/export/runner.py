@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from training import fp8, roots
 from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger

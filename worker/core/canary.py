@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import checksums, diskio, durable, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, Transient
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir, markers
+from engine_dump import contracts as c
+from engine_dump import dumpdir, markers
 from worker.core import fp8, tensorfile
 from worker.core.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.core.finalfile import Part

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import header_codec
+from engine_dump import header_codec
 from worker.core import durable, outdir, tensorfile
 from worker.core.errors import ConfigError
 

@@ -1,6 +1,6 @@
 """Checks of float8 e4m3 hidden states and their scales, on raw bytes (numpy, no torch).
 
-The hook quantizes (``sglang_patch/fp8.py``); the worker checks what it copies, as it checks
+The hook quantizes (``engine_dump/fp8.py``); the worker checks what it copies, as it checks
 bf16 for NaN/Inf: e4m3fn has no infinities and two NaN encodings (``0x7F``, ``0xFF``), and
 every scale must be finite and > 0 (a NaN or Inf in a block makes its scale non-finite). The
 training side dequantizes: ``float(q) * scale``, per block of each token's row of each layer
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 _NAN_BITS = 0x7F  # exponent and mantissa all ones; the sign bit either way
 

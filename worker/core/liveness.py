@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from functools import cache
 
-from sglang_patch import process_identity as pi
+from engine_dump import process_identity as pi
 
 HOST = socket.gethostname()
 _MACHINE_RE = re.compile(r"[0-9a-f]{16}-\d+")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import liveness
 
 MANIFEST = "manifest.json"  # the run: fingerprint, weights, nonce (worker/core/run.py)

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import outdir
 from worker.core.settings import Settings
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core.datafile import Span, scan
 from worker.core.errors import BadInput, DataFileUnavailable, MalformedMessage, StaleRecord
 

@@ -7,7 +7,7 @@ fingerprint's identity: recording it changes no run's id.
 
 from __future__ import annotations
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 
 def tensor_semantics(fp: c.Fingerprint) -> dict[str, object]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import outdir, tensorfile
 from worker.core.diskio import fsync_dir
 from worker.core.errors import Corrupt

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import (
     checksums,
     diskio,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from sglang_patch import header_codec
+from engine_dump import header_codec
 from worker.core.errors import Corrupt
 
 # safetensors dtype tag -> numpy dtype holding the raw bytes

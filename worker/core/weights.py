@@ -2,7 +2,7 @@
 run's recording and with what the server says it serves.
 
 The algorithm (name, size, header hash and a few sampled byte ranges per ``*.safetensors``
-shard: cheap for a 600 GB checkpoint) lives in ``sglang_patch.contracts``, because the SGLang
+shard: cheap for a 600 GB checkpoint) lives in ``engine_dump.contracts``, because the SGLang
 plugin and the reference server compute the same identity from the files they loaded and
 publish it in their ready marker and in every dump (``contracts.M_WEIGHTS_ID``). What it cannot
 see (a change confined to bytes between the samples) the canary (``canary.py``) compares.
@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core.errors import ConfigError
 
 log = logging.getLogger("hsfarm.weights")

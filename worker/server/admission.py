@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from sglang_patch.layout import dp_groups
 from worker.core.dp_routing import NO_GROUP, SERVER, choose_group
 from worker.core.errors import BadInput, NoSpace, Transient

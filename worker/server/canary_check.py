@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import canary as cn
 from worker.core import liveness, tensorfile
 from worker.core.dumps import identity_problems, open_file, wait_for_dump

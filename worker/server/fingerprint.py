@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
 from worker.server.chat import ChatTokenizer

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from sglang_patch.probe import served_weights
 from worker.core import dumps, weights
 from worker.core.errors import ConfigError

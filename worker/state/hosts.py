@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import durable, liveness, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import Corrupt

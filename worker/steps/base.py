@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from celery import bootsteps
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 from worker.core import outdir
 from worker.core.settings import Settings
 from worker.server.canary_check import canary_writer_gone

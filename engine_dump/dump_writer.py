@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir, fp8, header_codec, markers
+from engine_dump import contracts as c
+from engine_dump import dumpdir, fp8, header_codec, markers
 
 log = logging.getLogger("hsfarm.dump")
 

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_patch import contracts as c
-from sglang_patch import dumpdir
-from sglang_patch.process_identity import boot_id, pid_namespace, start_ticks
+from engine_dump import contracts as c
+from engine_dump import dumpdir
+from engine_dump.process_identity import boot_id, pid_namespace, start_ticks
 
 DEAD, ALIVE, UNKNOWN = "dead", "alive", "unknown"
 

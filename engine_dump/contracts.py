@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from sglang_patch import header_codec
+from engine_dump import header_codec
 
 PATCH_VERSION = "0.1.0"
 

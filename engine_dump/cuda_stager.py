@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_patch.dump_writer import CpuStager, Encode, Stager
+from engine_dump.dump_writer import CpuStager, Encode, Stager
 
 
 class _CudaStaged:

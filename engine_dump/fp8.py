@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_patch import contracts as c
+from engine_dump import contracts as c
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = c.FP8_MAX
