@@ -1,14 +1,15 @@
-"""The checks of a running server both hooks' ``verify`` share: its ready marker, one line each.
+"""The checks of a running server both hooks' ``verify`` share, one PASS/FAIL line each.
 
 A ready marker of a live hook process, written since the launcher started the server, and
-under DP attention one per group (``check_marker``); the options that select it
-(``add_marker_args``); the PASS/FAIL line every check prints. Test:
+under DP one per group (``check_marker``); one request of ours through the server and its dump
+(``check_probe``); the options that ask for them (``add_live_args``, ``live_checks``). Test:
 tests/unit/test_markers.py::test_verify_takes_a_live_marker_over_a_newer_dead_one_and_honours_since"""
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +27,15 @@ class Check:
 
 
 
-def add_marker_args(p: argparse.ArgumentParser, env: str) -> None:
-    """``--dump-dir``, ``--live-only``, ``--max-age-s``, ``--since``: the same in both hooks'
-    ``verify``; ``env`` is the variable that gives this engine's server its dump dir."""
+def add_live_args(p: argparse.ArgumentParser, env: str) -> None:
+    """The live checks' options, the same in both hooks' ``verify``; ``env`` is the variable
+    that gives this engine's server its dump dir."""
     p.add_argument("--dump-dir", type=Path, default=None,
                    help=f"the server's {env}: check its hook's ready marker")
+    p.add_argument("--server", default=None, help="a running server's URL: send it a probe "
+                   "request of ours and check its dump (needs --dump-dir)")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="how long the probe waits for its dump once the server has answered")
     p.add_argument("--live-only", action="store_true",
                    help="only the checks of a running server (--dump-dir, --server)")
     p.add_argument("--max-age-s", type=float, default=3600.0,
@@ -113,3 +118,40 @@ def _weights(info: dict[str, object]) -> str:
     n = len(shards) if isinstance(shards, list) else 0
     why = f": {w['error']}" if w.get("error") else ""
     return f"{w.get('id')} ({n} shards{why})"
+
+
+def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> Check:
+    from engine_dump.dumpdir import DumpDirUnsafe
+    from engine_dump.probe import ProbeFailed, run_probe
+
+    try:
+        return Check("probe request", True, run_probe(server_url, dump_dir, timeout_s))
+    except (ProbeFailed, DumpDirUnsafe) as e:
+        return Check("probe request", False, str(e))
+
+
+def live_checks(p: argparse.ArgumentParser, args: argparse.Namespace, env: str) -> list[Check]:
+    """The checks ``add_live_args``' options ask for (none without ``--dump-dir``); a wrong
+    combination of them stops with ``p.error``."""
+    if args.server and args.dump_dir is None:
+        p.error(f"--server needs --dump-dir (the server's {env})")
+    if args.live_only and args.dump_dir is None:
+        p.error("--live-only needs --dump-dir")
+    results = []
+    if args.dump_dir is not None:
+        results.append(check_marker(args.dump_dir, args.max_age_s, args.since, env=env))
+    if args.server:
+        results.append(check_probe(args.server, args.dump_dir, args.timeout_s))
+    return results
+
+
+def verify_main(p: argparse.ArgumentParser, argv: list[str] | None, env: str,
+                install_checks: Callable[[], list[Check]]) -> int:
+    """A hook's ``verify``: its install checks (not with ``--live-only``), then the live
+    checks; one line each; 0 only when all pass."""
+    args = p.parse_args(argv)
+    live = live_checks(p, args, env)
+    results = live if args.live_only else install_checks() + live
+    for r in results:
+        print(r.line(), flush=True)
+    return 0 if all(r.ok for r in results) else 1

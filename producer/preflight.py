@@ -23,10 +23,10 @@ from typing import Any
 import redis
 
 from engine_dump import contracts as c
-from engine_dump import dumpdir
+from engine_dump import dumpdir, engines
 from engine_dump import markers as mk
+from engine_dump.engines import Engine
 from engine_dump.live_check import check_marker
-from sglang_patch.plugin import ENV_DUMP_DIR
 from sglang_patch.verify import sglang_missing
 from worker.core import canary, dumps, outdir, weights
 from worker.core import run as runs
@@ -245,28 +245,32 @@ def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, redis.Redis
     return fail(text), r
 
 
-def check_server(settings: Settings) -> tuple[Line, bool]:
-    async def ask() -> dict[str, Any]:
-        client = ServerClient(settings.server_url, timeout_s=5.0)
+def check_server(settings: Settings) -> tuple[Line, Engine | None]:
+    """The server's line, and its engine (None when it does not answer)."""
+    async def ask() -> Engine:
+        client = ServerClient.of(settings, 5.0)
         try:
-            return await client.model_info()
+            return await client.engine(5.0)
         finally:
             await client.close()
 
     try:
-        info = asyncio.run(ask())
+        engine = asyncio.run(ask())
     except FarmError as e:
-        return fail(f"server at {settings.server_url} does not answer /model_info ({e}): "
-                    "start it (systemctl start hsfarm-sglang, or ops/launch-sglang.sh) or "
-                    "fix FARM_SERVER_URL"), False
-    return ok(f"server at {settings.server_url} serves {info.get('model_path')}"), True
+        return fail(f"server at {settings.server_url} does not answer ({e}): start it "
+                    "(systemctl start hsfarm-sglang, ops/launch-sglang.sh or "
+                    "ops/launch-vllm.sh) or fix FARM_SERVER_URL"), None
+    return ok(f"server at {settings.server_url}: {engine.describe()}"), engine
 
 
-def check_hook(settings: Settings) -> Line:
+def check_hook(settings: Settings, engine: Engine | None) -> Line:
+    """The hook's ready marker; ``engine`` names the variable in the fix (SGLang's when the
+    server does not answer)."""
+    variable = (engine or engines.sglang_engine({})).dump_dir_variable
     if not settings.dump_dir.is_dir():
         return fail(f"ready marker: no dump dir {settings.dump_dir}: the hook creates it when "
-                    f"the server starts with SGLANG_HS_DUMP_DIR={settings.dump_dir}")
-    result = check_marker(settings.dump_dir, max_age_s=3600, env=ENV_DUMP_DIR)
+                    f"the server starts with {variable}={settings.dump_dir}")
+    result = check_marker(settings.dump_dir, max_age_s=3600, env=variable)
     if not result.ok:
         return fail(f"{result.name}: {result.detail}")
     why = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)
@@ -447,9 +451,9 @@ def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
         lines.append(warn(f"environment: no REDIS_URL or FARM_* variable set, checking the "
                           f"defaults; {LOAD_ENV}"))
     redis_line, r = check_redis(settings, env_loaded)
-    server_line, server_up = check_server(settings)
+    server_line, engine = check_server(settings)
     lines += [redis_line, server_line]
-    run, why = find_run(settings, server_up)
+    run, why = find_run(settings, engine is not None)
     if run is not None and r is not None:
         try:
             run = with_counts(run, r, settings)
@@ -460,7 +464,7 @@ def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
     lines.append(check_served_weights(settings))
     lines.append(check_output_disk(settings, run))
     lines += check_dump_dir(settings, run)
-    lines.append(check_hook(settings))
+    lines.append(check_hook(settings, engine))
     lines.append(check_gpus())
     lines += check_plugin(env.get("SGLANG_PYTHON") or None)
     return lines

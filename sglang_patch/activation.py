@@ -20,9 +20,10 @@ from typing import Any
 from engine_dump import contracts as c
 from engine_dump import dumpdir
 from engine_dump.dump_writer import remove_stale_files, write_err
+from engine_dump.engines import dp_groups
 from engine_dump.markers import write_ready_marker
 from engine_dump.weights import loaded_weights, model_config_sha256
-from sglang_patch.layout import LayoutError, dp_groups, sglang_version
+from sglang_patch.layout import LayoutError, sglang_version
 from sglang_patch.sglang_hook import DumpHook
 
 log = logging.getLogger("hsfarm.sglang_plugin")

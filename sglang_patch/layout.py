@@ -42,28 +42,6 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
-def dp_groups(args: Any) -> int:
-    """How many attention-DP groups (one scheduler and one writer each) a launch has: from a
-    ``ServerArgs`` or a ``/server_info`` dict.
-
-    SGLang 0.5.23 spells it ``--attn-dp-size N`` or, deprecated, ``--dp-size N
-    --enable-dp-attention``; resolution turns the second into ``attn_dp_size = N, dp_size = 1``
-    (``arg_groups/parallel_hook.py``), so ``/server_info`` says ``attn_dp_size`` while a raw
-    ``ServerArgs`` may still hold the old spelling. Plain ``--dp-size`` alone is data
-    parallelism across replicas, not groups of one server's attention.
-    """
-    def read(name: str) -> Any:
-        return args.get(name) if isinstance(args, dict) else _get(args, name)
-
-    width = read("attn_dp_size")
-    if isinstance(width, int) and width > 1:
-        return width
-    old = read("dp_size")
-    if read("enable_dp_attention") and isinstance(old, int) and old > 1:
-        return old
-    return 1
-
-
 def layout_problems(args: Any) -> list[str]:
     """Everything about ``args`` (a ServerArgs) the hook cannot handle; each names its fix."""
     out = []

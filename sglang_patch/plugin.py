@@ -15,11 +15,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from engine_dump import engines
 from sglang_patch.layout import LayoutError
 
 log = logging.getLogger("hsfarm.sglang_plugin")
 
-ENV_DUMP_DIR = "SGLANG_HS_DUMP_DIR"
+ENV_DUMP_DIR = engines.DUMP_DIR_VARIABLE[engines.SGLANG]
 TARGET_LOAD = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 TARGET_ATTN = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
 TARGET_LOGITS = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"

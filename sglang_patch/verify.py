@@ -17,9 +17,8 @@ import inspect
 import pkgutil
 import subprocess
 import sys
-from pathlib import Path
 
-from engine_dump.live_check import Check, add_marker_args, check_marker
+from engine_dump.live_check import Check, add_live_args, verify_main
 from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG, sglang_version
 from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS
 
@@ -100,16 +99,6 @@ def check_flags() -> Check:
     return Check("launch flags", True, " ".join(REQUIRED_FLAGS))
 
 
-def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> Check:
-    from engine_dump.dumpdir import DumpDirUnsafe
-    from sglang_patch.probe import ProbeFailed, run_probe
-
-    try:
-        return Check("probe request", True, run_probe(server_url, dump_dir, timeout_s))
-    except (ProbeFailed, DumpDirUnsafe) as e:
-        return Check("probe request", False, str(e))
-
-
 def sglang_missing() -> str | None:
     """Why there is no usable SGLang in this interpreter, or None when there is one.
 
@@ -154,27 +143,9 @@ def install_checks() -> list[Check]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_patch verify",
                                 description=__doc__.split("\n")[0])
-    add_marker_args(p, ENV_DUMP_DIR)
-    p.add_argument("--server", default=None, help="a running server's URL: send it a probe "
-                   "request of ours and check its dump (needs --dump-dir)")
-    p.add_argument("--timeout-s", type=float, default=60.0,
-                   help="how long the probe waits for its dump once the server has answered")
+    add_live_args(p, ENV_DUMP_DIR)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.server and args.dump_dir is None:
-        p.error("--server needs --dump-dir (the server's SGLANG_HS_DUMP_DIR)")
-    if args.live_only and args.dump_dir is None:
-        p.error("--live-only needs --dump-dir")
-    results = [] if args.live_only else install_checks()
-    if args.dump_dir is not None:
-        results.append(check_marker(args.dump_dir, args.max_age_s, args.since,
-                                    env=ENV_DUMP_DIR))
-    if args.server:
-        results.append(check_probe(args.server, args.dump_dir, args.timeout_s))
-    for r in results:
-        print(r.line(), flush=True)
-    return 0 if all(r.ok for r in results) else 1
+    return verify_main(build_parser(), argv, ENV_DUMP_DIR, install_checks)

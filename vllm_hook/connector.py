@@ -281,4 +281,8 @@ def marker_info(cfg: Any, aux_ids: list[int], last_id: int) -> dict[str, object]
         # one engine (and one writer) per DP rank: which one this marker's process is
         "dp_groups": int(par.data_parallel_size),
         "attn_dp_rank": int(par.data_parallel_rank),
+        # what a worker sizes admission and the canary by (vLLM's HTTP API does not say)
+        "max_model_len": int(cfg.model_config.max_model_len),
+        "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+        "max_num_seqs": int(cfg.scheduler_config.max_num_seqs),
     }

@@ -12,15 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine_dump import contracts as c
+from engine_dump import engines
 
 # The vLLM releases the hook is tested with (the KV connector API is experimental): a minor
 # series, by its leading "major.minor"
 SUPPORTED_VLLM = ("0.32",)
 CONNECTOR_NAME = "HsfarmConnector"
-ENV_DUMP_DIR = "HSFARM_VLLM_DUMP_DIR"
-ENV_DUMP_DTYPE = "HSFARM_VLLM_DUMP_DTYPE"
+ENV_DUMP_DIR = engines.DUMP_DIR_VARIABLE[engines.VLLM]
+ENV_DUMP_DTYPE = engines.DUMP_DTYPE_VARIABLE[engines.VLLM]
 METHOD = "extract_hidden_states"
-RID_PARAM = "hsfarm_rid"  # the request's kv_transfer_params key the worker sends its rid in
+RID_PARAM = engines.VLLM_RID_PARAM  # the kv_transfer_params key the worker sends its rid in
 
 
 class LayoutError(RuntimeError):

@@ -1,11 +1,11 @@
 """``python -m vllm_hook verify``: does this vLLM run the hsfarm connector?
 
-With the server's interpreter; one line per check, PASS or FAIL with the fix; exit 0 only when
-all pass. vLLM's release is in the tested range (the KV connector API is experimental), its
-general-plugin loader registers ``HsfarmConnector``, and the vLLM code the hook relies on is
-there: the stock hidden-states connector's methods and attributes, the KV-cache reader, the
-``extract_hidden_states`` method and the models' aux-id attribute. ``--dump-dir``: a running
-server's hook left its ready marker. Test: tests/vllm/test_plugin.py
+With the server's interpreter; one PASS/FAIL line per check with the fix; exit 0 only when all
+pass. vLLM's release is in the tested range (the KV connector API is experimental), its plugin
+loader registers ``HsfarmConnector``, and the vLLM code the hook relies on is there (the stock
+connector's methods, the KV-cache reader, ``extract_hidden_states``, the aux-id attribute).
+Live (``engine_dump.live_check``): ``--dump-dir``, the ready marker; ``--server``, a request of
+ours dumped right. Test: tests/vllm/test_plugin.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import inspect
 import subprocess
 import sys
 
-from engine_dump.live_check import Check, add_marker_args, check_marker
+from engine_dump.live_check import Check, add_live_args, verify_main
 from vllm_hook.layout import (
     CONNECTOR_NAME,
     ENV_DUMP_DIR,
@@ -141,18 +141,9 @@ def install_checks() -> list[Check]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m vllm_hook verify",
                                 description=(__doc__ or "").split("\n")[0])
-    add_marker_args(p, ENV_DUMP_DIR)
+    add_live_args(p, ENV_DUMP_DIR)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.live_only and args.dump_dir is None:
-        p.error("--live-only needs --dump-dir")
-    results = [] if args.live_only else install_checks()
-    if args.dump_dir is not None:
-        results.append(check_marker(args.dump_dir, args.max_age_s, args.since, env=ENV_DUMP_DIR))
-    for r in results:
-        print(r.line(), flush=True)
-    return 0 if all(r.ok for r in results) else 1
+    return verify_main(build_parser(), argv, ENV_DUMP_DIR, install_checks)

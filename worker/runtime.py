@@ -98,7 +98,7 @@ class Runtime:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         s = ctx.settings
-        return cls(settings=s, loop=loop, client=ServerClient(s.server_url, s.request_timeout_s),
+        return cls(settings=s, loop=loop, client=ServerClient.of(s),
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
                    index=RunIndex(broker.client(s), ctx.store.run_id),
                    hostname=host_id(s),

@@ -24,7 +24,7 @@ from celery import current_app
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from engine_dump.dumpdir import DumpDirUnsafe
-from sglang_patch.probe import ProbeFailed, probe
+from engine_dump.probe import ProbeFailed, probe
 from worker.app import FarmApp
 from worker.core import canary, liveness, outdir, run, time_limits
 from worker.core.errors import ConfigError, Transient
@@ -105,7 +105,7 @@ def _wait_for_canary(ctx: RunContext, r: redis.Redis) -> None:
     said = -math.inf
 
     async def once() -> Outcome:
-        client = ServerClient(settings.server_url, settings.request_timeout_s)
+        client = ServerClient.of(settings)
         try:
             return await check.run(client)
         finally:

@@ -40,7 +40,7 @@ def served_check(settings: Settings, fingerprint: c.Fingerprint, model_path: Pat
             other layers, config or dtype than the run; the fix. Nothing was read or written.
     """
     from engine_dump.dumpdir import DumpDirUnsafe
-    from sglang_patch.probe import ProbeFailed, probe
+    from engine_dump.probe import ProbeFailed, probe
 
     manifest = settings.output_dir / outdir.MANIFEST
     local = weights.weights_identity(model_path)
@@ -92,7 +92,7 @@ def canary_outcome(settings: Settings, store: OutputStore, model_path: Path,
 
 
 async def _run(check: CanaryCheck, settings: Settings) -> Outcome:
-    client = ServerClient(settings.server_url, settings.request_timeout_s)
+    client = ServerClient.of(settings)
     try:
         return await check.run(client)
     finally:

@@ -122,7 +122,7 @@ def extract_again(settings: Settings, run_id: str, picked: list[Picked]) -> list
 
 async def _extract_all(settings: Settings, run_id: str, picked: list[Picked]
                        ) -> list[np.ndarray]:
-    client = ServerClient(settings.server_url, settings.request_timeout_s)
+    client = ServerClient.of(settings)
     try:
         got = await extract(client, settings.dump_dir, [p.input_ids for p in picked],
                             [p.rows for p in picked], settings.dump_timeout_s, run=run_id,

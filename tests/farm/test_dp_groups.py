@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from engine_dump import contracts as c
+from engine_dump.engines import dp_groups
 from producer.localfarm.farm import LocalFarm, wait_until
-from sglang_patch.layout import dp_groups
 from tests.conftest import CACHE, FarmFactory, wait_finished, write_samples
 
 H = 256

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine_dump import contracts as c
+from engine_dump.probe import PROBE_IDS
 from producer.localfarm.farm import LocalFarm
-from sglang_patch.probe import PROBE_IDS
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
 from tests.support.synthetic import H, synthetic_model
 from worker.core import canary as canaries

@@ -106,7 +106,7 @@ def test_markers_count_the_dp_groups_in_both_of_sglangs_spellings() -> None:
     # A real ServerArgs as each spelling leaves it (the hook reads it unresolved): 0.5.23's
     # --attn-dp-size, the deprecated --dp-size N --enable-dp-attention, and plain --dp-size
     # (whole-server replicas, each its own scheduler set: no groups of one server)
-    from sglang_patch.layout import dp_groups
+    from engine_dump.engines import dp_groups
 
     assert dp_groups(_server_args(tp_size=8, attn_dp_size=8)) == 8
     assert dp_groups(_server_args(tp_size=8, dp_size=8, enable_dp_attention=True)) == 8

@@ -1,4 +1,4 @@
-"""What a server's answer says about a sample: only SGLang's own 400 is the sample's fault."""
+"""What a server's answer says about a sample: only the engine's own 400 is the sample's fault."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ def sglang(message: str) -> bytes:
 
 def older_sglang(message: str) -> bytes:
     return json.dumps({"error": {"message": message}}).encode()
+
+
+def vllm(message: str, status: int = 400, kind: str = "BadRequestError") -> bytes:
+    """vLLM 0.32's error body (``serve/exception_handling/error_response.py``)."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": status}}).encode()
 
 
 @pytest.mark.parametrize(("status", "body", "kind"), [
@@ -48,8 +54,22 @@ def older_sglang(message: str) -> bytes:
                  "tokens). Use a shorter input or enable --allow-auto-truncate."), ConfigError),
     # a pinned DP group the server no longer has (restarted with fewer): a configuration
     (400, older_sglang("routed_dp_rank=3 out of range [0, 2)"), ConfigError),
+    # vLLM's own: the sample's content, a configuration, its engine's state
+    (400, vllm("Token id 99999 is out of vocabulary"), BadInput),
+    (400, vllm("The decoder prompt cannot be empty"), BadInput),
+    (400, vllm("This model's maximum context length is 2048 tokens. However, your prompt "
+               "contains 2100 input tokens, which exceeds this limit even without any "
+               "output tokens. Please reduce the length of the input prompt."), ConfigError),
+    (400, vllm("The decoder prompt (length 2048) plus the number of requested output tokens "
+               "(at least 1) is longer than the maximum model length of 2048. Make sure that "
+               "`max_model_len` is no smaller than the number of text tokens (prompt + "
+               "requested output tokens)."), ConfigError),
+    (400, vllm("data_parallel_rank 2 is out of range [0, 2)."), ConfigError),
+    (404, vllm("The model `kimi` does not exist.", 404, "NotFoundError"), ServerBusy),
+    (503, vllm("engine is sleeping", 503, "ServiceUnavailableError"), ServerBusy),
+    (500, vllm("EngineCore encountered an issue", 500, "InternalServerError"), Transient),
 ])
-def test_only_sglangs_own_400_is_the_samples_fault(status: int, body: bytes,
+def test_only_the_engines_own_400_is_the_samples_fault(status: int, body: bytes,
                                                    kind: type) -> None:
     err = error_for("/generate", status, body)
     assert type(err) is kind, err

@@ -299,9 +299,9 @@ def test_a_server_of_the_other_dtype_is_named_before_the_worker_takes_work(
     # And ops/preflight.sh says so on the hook's line
     from producer.preflight import check_hook
 
-    line = check_hook(Settings(dump_dir=fp8_dir))
+    line = check_hook(Settings(dump_dir=fp8_dir), None)
     assert line.level == "FAIL" and "stores fp8_e4m3" in line.text, line
-    assert check_hook(Settings(dump_dir=fp8_dir, store_dtype="fp8_e4m3")).level == "OK"
+    assert check_hook(Settings(dump_dir=fp8_dir, store_dtype="fp8_e4m3"), None).level == "OK"
 
 
 def test_corrupt_scales_are_caught_by_verify(tmp_path: Path) -> None:

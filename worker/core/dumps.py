@@ -16,12 +16,13 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from engine_dump import contracts as c
-from engine_dump import dumpdir, markers
+from engine_dump import dumpdir, engines, markers
 from worker.core import fp8, tensorfile
 from worker.core.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.core.finalfile import Part
@@ -89,8 +90,9 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
         if not dump_dir.is_dir():  # no dump can come: the environment's fault, not the sample's
             raise ServerMisconfigured(dump_dir_gone(dump_dir))
         if time.monotonic() > deadline:
-            raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s "
-                            "(is SGLANG_HS_DUMP_DIR the same directory? is the hook loaded?)")
+            raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s (is "
+                            "the server's SGLANG_HS_DUMP_DIR or HSFARM_VLLM_DUMP_DIR the same "
+                            "directory? is the hook loaded?)")
         await asyncio.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
     raise AssertionError("unreachable")  # itertools.count never ends
 
@@ -190,13 +192,17 @@ def served_dtype_problem(dump_dir: Path, run_dtype: str) -> str | None:
     if served == run_dtype:
         return None
     return (f"the server writing {dump_dir} stores {served} hidden states (its ready marker "
-            f"{marker.path.name}), {_dtype_fix(run_dtype)}")
+            f"{marker.path.name}), {_dtype_fix(run_dtype, marker.info)}")
 
 
-def _dtype_fix(run_dtype: str) -> str:
-    return (f"this run stores {run_dtype}: start the server with {c.ENV_DUMP_DTYPE}={run_dtype} "
-            f"(the reference server: --dump-dtype {run_dtype}), or use the run's "
-            "FARM_STORE_DTYPE")
+def _dtype_fix(run_dtype: str, said: Mapping[str, object]) -> str:
+    """The fix, naming the variable of the engine that wrote ``said`` (a marker's info or a
+    dump's metadata: vLLM's hook says ``vllm-<version>``)."""
+    vllm = str(said.get("engine") or said.get(c.M_SERVER_VERSION) or "").startswith(engines.VLLM)
+    variable = engines.DUMP_DTYPE_VARIABLE[engines.VLLM if vllm else engines.SGLANG]
+    reference = "" if vllm else f" (the reference server: --dump-dtype {run_dtype})"
+    return (f"this run stores {run_dtype}: start the server with {variable}={run_dtype}"
+            f"{reference}, or use the run's FARM_STORE_DTYPE")
 
 
 def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> Dump:
@@ -206,7 +212,7 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
         dtype = header.metadata.get(c.M_DUMP_DTYPE, c.DTYPE_BF16)
         if dtype != fp.dtype:
             raise ServerMisconfigured(f"dump {path.name} holds {dtype} hidden states, "
-                                      f"{_dtype_fix(fp.dtype)}")
+                                      f"{_dtype_fix(fp.dtype, header.metadata)}")
         served = identity_problems(header.metadata, fp)
         if served:  # the server's setup, not the sample: the worker waits (no attempt spent)
             raise ServerMisconfigured(f"dump {path.name}: " + "; ".join(served))

@@ -39,10 +39,10 @@ class Settings:
     server_url: str = _doc("http://127.0.0.1:30000", "the inference server on this host")
     dump_dir: Path = _doc(_DUMP_DIR,
                           "where the server's hook writes dumps: the same directory as the "
-                          "server's `SGLANG_HS_DUMP_DIR`")
+                          "server's `SGLANG_HS_DUMP_DIR` (vLLM: `HSFARM_VLLM_DUMP_DIR`)")
     output_dir: Path = _doc(_OUTPUT_DIR, "where final files and the manifest go")
     model_path: str = _doc("", "the local model dir, for the tokenizer and the fingerprint "
-                           "(empty: ask the server, `/model_info`)")
+                           "(empty: ask the server, `/model_info` or vLLM's `/v1/models`)")
     trust_remote_code: bool = _doc(False, "run the tokenizer code shipped with the model "
                                    "(Kimi-K2.5's tiktoken tokenizer needs it)")
     layers_to_capture: tuple[int, ...] = _doc((), "the three aux layers, as on the server "
@@ -54,7 +54,8 @@ class Settings:
                          "longer sample is rejected) or `truncate` (cut to `FARM_MAX_TOKENS`)")
     store_dtype: str = _doc("bf16", "hidden states on disk: `bf16` or `fp8_e4m3` (float8 with a "
                             "float32 scale per block of 128 values, docs/fp8.md); "
-                            "the server's hook must dump the same (`SGLANG_HS_DUMP_DTYPE`); part "
+                            "the server's hook must dump the same (`SGLANG_HS_DUMP_DTYPE`, vLLM: "
+                            "`HSFARM_VLLM_DUMP_DTYPE`); part "
                             "of the run's fingerprint")
     queue: str = _doc("", "the Celery queue (empty: the run's own, `hsfarm.<run id>`); runs "
                       "given one name share it, slowly and with a warning")

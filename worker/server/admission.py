@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_dump import contracts as c
-from sglang_patch.layout import dp_groups
+from engine_dump.engines import dp_groups
 from worker.core.dp_routing import NO_GROUP, SERVER, choose_group
 from worker.core.errors import BadInput, NoSpace, Transient
 from worker.core.settings import Settings
@@ -98,7 +98,7 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
 def limits_for_host(settings: Settings, hidden_size: int, timeout_s: float = 10.0) -> Limits:
     """``host_limits`` from synchronous code, with its own short-lived HTTP client."""
     async def ask() -> Limits:
-        client = ServerClient(settings.server_url, timeout_s=timeout_s)
+        client = ServerClient.of(settings, timeout_s)
         try:
             return await host_limits(settings, hidden_size, client)
         finally:

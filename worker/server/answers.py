@@ -1,11 +1,11 @@
 """What a server's HTTP answer says: the sample's fault, or the environment's.
 
-Only SGLang's own 400 with its JSON error body is about the sample, and not all of those: a
-duplicate rid, a length refusal (a configuration to fix, ``server_limits``) and a
-``routed_dp_rank`` out of range are not. Everything else short of a success (a rate limiter's
-429, a gateway's page, 502-504 during a restart, SGLang's 503, a non-JSON answer) makes the
-worker wait, spending no attempt: when unsure, it is the environment.
-Test: tests/unit/test_answers.py::test_only_sglangs_own_400_is_the_samples_fault."""
+Only the engine's own 400 with its JSON error body (SGLang's and vLLM's shapes) is about the
+sample, and not all of those: a duplicate rid, a length refusal (a configuration to fix,
+``limits``) and a DP rank out of range are not. Everything else short of a success (a rate
+limiter's 429, a gateway's page, 502-504 during a restart, the engine's 503, a non-JSON answer)
+makes the worker wait, spending no attempt: when unsure, it is the environment.
+Test: tests/unit/test_answers.py::test_only_the_engines_own_400_is_the_samples_fault."""
 
 from __future__ import annotations
 
@@ -18,12 +18,18 @@ from worker.server.chat import SERVER_CONTEXT
 
 # Answers of the server (or a gateway) that mean "not now": wait and try again.
 BUSY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
-# SGLang's messages for an input longer than it takes (tokenizer manager; scheduler).
+# Messages for an input longer than the server takes: SGLang's (tokenizer manager; scheduler),
+# then vLLM 0.32's (renderers/params.py, v1/engine/input_processor.py, serve/utils/api_utils.py)
 _LENGTH_REFUSALS = ("longer than the model's context length",
                     "exceeds the maximum allowed length",
-                    "exceeds the model's maximum context length")
+                    "exceeds the model's maximum context length",
+                    "This model's maximum context length is",
+                    "longer than the maximum model length",
+                    "exceeds model's maximum context length")
 _DUPLICATE_RID = "Duplicate request ID"
-_DP_RANK_REFUSAL = "routed_dp_rank="  # tokenizer_manager.py:921: "... out of range [0, N)"
+# SGLang's tokenizer_manager.py:921 "routed_dp_rank=... out of range [0, N)"; vLLM's
+# input_processor.py:398 "data_parallel_rank N is out of range [0, M)."
+_DP_RANK_REFUSALS = ("routed_dp_rank=", "data_parallel_rank ")
 
 
 def error_for(what: str, status: int, body: bytes) -> FarmError | None:
@@ -54,7 +60,7 @@ def error_for(what: str, status: int, body: bytes) -> FarmError | None:
                            "worker was sized for (it restarted with a shorter context?): the "
                            "worker stops; at its next start it checks the server's context "
                            "against FARM_MAX_TOKENS and says what to do")
-    if status == 400 and _DP_RANK_REFUSAL in message:
+    if status == 400 and any(m in message for m in _DP_RANK_REFUSALS):
         return ConfigError(f"{where}: {message}. The server has fewer DP groups than this "
                            "worker read at its start (restarted with another layout?): the "
                            "worker stops; at its next start it reads the groups again")

@@ -1,31 +1,44 @@
-"""The HTTP client for the (patched SGLang or reference) server. One session per process.
+"""The HTTP client for the hooked server (SGLang, vLLM or the reference). One session per process.
 
-aiohttp's exceptions and the server's answers are translated here (``answers.error_for`` says
-what an answer means). A refused connection, or a failed request while the server also fails a
-health check, is ``ServerUnavailable``; a reset or dropped connection while it is healthy is
-``ServerBusy`` (the network or a gateway); a timeout while it is healthy is ``Transient``, a
-counted attempt, as the request timeout is sized for one sample.
+The engine is asked of the server once (``engine``). aiohttp's exceptions and the answers are
+translated here (``answers.error_for``). A refused connection, or a failed request while the
+server also fails a health check, is ``ServerUnavailable``; a reset or dropped connection while
+it is healthy is ``ServerBusy`` (the network or a gateway); a timeout while it is healthy is
+``Transient``, a counted attempt, as the request timeout is sized for one sample.
 Test: tests/farm/test_faults.py::test_hung_server_spends_no_attempts."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from worker.core.errors import FarmError, ServerBusy, ServerUnavailable, Transient
+from engine_dump import engines
+from engine_dump.engines import Engine
+from worker.core.errors import ConfigError, FarmError, ServerBusy, ServerUnavailable, Transient
+from worker.core.settings import Settings
 from worker.server import answers
 
 
 class ServerClient:
     """Async client; create inside the event loop that will use it."""
 
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, dump_dir: Path | None = None) -> None:
+        """``dump_dir``: the server's, where a vLLM hook's marker says its batch budget."""
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self.dump_dir = dump_dir
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        self._engine: Engine | None = None
+
+    @classmethod
+    def of(cls, settings: Settings, timeout_s: float | None = None) -> ServerClient:
+        """The client of ``settings``' server (timeout: the request timeout unless given)."""
+        return cls(settings.server_url, settings.request_timeout_s if timeout_s is None
+                   else timeout_s, settings.dump_dir)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -44,12 +57,14 @@ class ServerClient:
             await self._session.close()
 
     async def _request(self, method: str, path: str, body: Any = None,
-                       timeout_s: float | None = None) -> Any:
+                       timeout_s: float | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
         url = f"{self.base_url}{path}"
         timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(
             total=timeout_s, sock_connect=min(10.0, timeout_s))
         try:
-            async with self.session.request(method, url, json=body, timeout=timeout) as resp:
+            async with self.session.request(method, url, json=body, timeout=timeout,
+                                            headers=headers) as resp:
                 data = await resp.read()
                 status = resp.status
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
@@ -65,22 +80,59 @@ class ServerClient:
             raise ServerBusy(f"{method} {url}: a {status} answer that is not JSON: "
                              f"{data[:120]!r}", status) from e
 
+    async def engine(self, timeout_s: float | None = None) -> Engine:
+        """The engine behind ``base_url``, asked once: SGLang (and the reference server)
+        answers ``/model_info``; vLLM answers ``/v1/models`` with ``max_model_len``.
+
+        Raises:
+            ServerUnavailable: the server does not answer (down, loading, a gateway's refusal).
+            ConfigError: it answers, but as neither engine.
+        """
+        if self._engine is None:
+            try:
+                self._engine = await self._detect(timeout_s)
+            except (ServerUnavailable, ConfigError):
+                raise
+            except Transient as e:  # no answer in time, a 5xx: the server's state, not a sample's
+                raise ServerUnavailable(f"{self.base_url}: which engine serves cannot be "
+                                        f"asked: {e}") from e
+        return self._engine
+
+    async def _detect(self, timeout_s: float | None) -> Engine:
+        try:
+            info = await self._request("GET", "/model_info", timeout_s=timeout_s)
+        except ServerBusy as e:  # 404 and other 4xx: not SGLang's path; vLLM has no such path
+            if e.status != 404:
+                raise
+        else:
+            if isinstance(info, dict) and "model_path" in info:
+                return engines.sglang_engine(info)
+        models = await self._request("GET", "/v1/models", timeout_s=timeout_s)
+        try:
+            version = await self._request("GET", "/version", timeout_s=timeout_s)
+        except FarmError:  # a gateway may pass only the API: the version is for people
+            version = None
+        said = version.get("version", "") if isinstance(version, dict) else ""
+        engine = engines.vllm_engine(models, str(said))
+        if engine is None:
+            raise ConfigError(f"the server at {self.base_url} is neither SGLang (no "
+                              f"/model_info) nor vLLM (/v1/models answered {models!r:.200}): "
+                              "point FARM_SERVER_URL at the hooked inference server")
+        return engine
+
     async def generate(self, rid: str, input_ids: list[int],
                        dp_rank: int | None = None) -> dict[str, Any]:
-        """Prefill-only request (max_new_tokens=0): the hook dumps it, nothing is decoded;
-        ``dp_rank`` pins it to that attention-DP group (SGLang's ``routed_dp_rank``).
+        """The prefill request of one sample, which the hook dumps (``Engine.generate``);
+        ``dp_rank`` pins it to that DP group.
 
         Raises:
             ServerUnavailable: the request failed and the server fails its health check too
                 (down, or hung: a SIGSTOPped server accepts connections and answers nothing).
             ServerBusy: refused for now by the server or a gateway, or reset while it is healthy.
-            BadInput: SGLang refused the request for its content."""
-        body: dict[str, Any] = {"rid": rid, "input_ids": input_ids,
-                                "sampling_params": {"max_new_tokens": 0}}
-        if dp_rank is not None:
-            body["routed_dp_rank"] = dp_rank
+            BadInput: the engine refused the request for its content."""
+        path, body, headers = (await self.engine()).generate(rid, input_ids, dp_rank)
         try:
-            result = await self._request("POST", "/generate", body)
+            result = await self._request("POST", path, body, headers=headers)
         except ServerUnavailable:
             raise
         except Transient as e:
@@ -93,35 +145,46 @@ class ServerClient:
                                  "gateway in front of it dropped the request") from e
             raise  # a timeout while the server is healthy: a counted attempt
         if not isinstance(result, dict):
-            raise Transient(f"unexpected /generate answer: {result!r:.200}")
+            raise Transient(f"unexpected {path} answer: {result!r:.200}")
         return result
 
     async def model_info(self) -> dict[str, Any]:
+        """SGLang's ``/model_info``; for vLLM the same keys from ``/v1/models``."""
+        engine = await self.engine()
+        if engine.name == engines.VLLM:
+            return engines.vllm_model_info(engine)
         info = await self._request("GET", "/model_info")
         if not isinstance(info, dict) or "model_path" not in info:
             raise Transient(f"unexpected /model_info answer: {info!r:.200}")
         return info
 
     async def server_info(self) -> dict[str, Any]:
-        """SGLang's ``/server_info`` (its server args: chunked prefill size, limits, ...)."""
+        """SGLang's ``/server_info`` (its server args: chunked prefill size, limits, ...); for
+        vLLM its limits under the same names (``Engine.server_info``)."""
+        engine = await self.engine()
+        if engine.name == engines.VLLM:
+            return engine.server_info(self.dump_dir)
         info = await self._request("GET", "/server_info")
         if not isinstance(info, dict):
             raise Transient(f"unexpected /server_info answer: {info!r:.200}")
         return info
 
     async def reachable(self, timeout_s: float | None = None) -> bool:
-        """A cheap liveness probe (``/model_info``: no forward pass, unlike SGLang's /health)."""
+        """A cheap liveness probe (no forward pass, unlike SGLang's /health)."""
         try:
-            await self._request("GET", "/model_info", timeout_s=timeout_s)
+            if self._engine is None:  # asking which engine is itself a cheap request
+                await self.engine(timeout_s)
+                return True
+            await self._request("GET", self._engine.liveness_path, timeout_s=timeout_s)
         except FarmError:  # any answer but a success: not reachable, not healthy
             return False
         return True
 
     async def healthy(self) -> bool:
-        """Whether the server runs a one-token generation (``/health_generate``) within the
-        request timeout (60 s at most)."""
+        """Whether the server is healthy within the request timeout (60 s at most): SGLang
+        runs a one-token generation (``/health_generate``), vLLM checks its engine core."""
         try:
-            await self._request("GET", "/health_generate",
+            await self._request("GET", (await self.engine()).health_path,
                                 timeout_s=min(60.0, self.timeout.total or 60.0))
         except FarmError:  # any answer but a success: not reachable, not healthy
             return False

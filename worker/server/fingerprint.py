@@ -38,7 +38,7 @@ def resolve_model_path(settings: Settings, wait_s: float = 0.0) -> Path:
         path = Path(settings.model_path)
     else:
         async def ask() -> dict[str, Any]:
-            client = ServerClient(settings.server_url, timeout_s=30.0)
+            client = ServerClient.of(settings, 30.0)
             t0 = time.monotonic()
             said = -math.inf
             try:

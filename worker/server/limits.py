@@ -41,7 +41,7 @@ def server_info(settings: Settings, wait_s: float = 0.0) -> dict[str, Any] | Non
     """The server's ``/server_info``, waiting up to ``wait_s`` while it does not answer (or a
     gateway refuses for now); None when it does not serve one."""
     async def ask() -> dict[str, Any] | None:
-        client = ServerClient(settings.server_url, timeout_s=10.0)
+        client = ServerClient.of(settings, 10.0)
         t0, said = time.monotonic(), -math.inf
         try:
             while True:

@@ -1,6 +1,6 @@
 """Is the server the run's? What one probe dump says about the served model, against the run.
 
-A probe dump's metadata (``sglang_patch.probe``) names the loaded weights, the captured layers
+A probe dump's metadata (``engine_dump.probe``) names the loaded weights, the captured layers
 and the model config, its ready marker the stored dtype; each is compared with the run's
 (``weights.served_mismatch``, ``dumps.identity_problems``, ``dumps.served_dtype_problem``).
 A worker checks at its start, ``adopt`` before it reads a source file: one check, so both
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_dump import contracts as c
-from sglang_patch.probe import served_weights
+from engine_dump.probe import served_weights
 from worker.core import dumps, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings

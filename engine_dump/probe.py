@@ -1,10 +1,10 @@
 """The live half of ``verify``: one request of ours through a running server, and its dump.
 
-``verify --server URL --dump-dir D`` sends a short prefill-only request with a valid rid, as a
-worker would, waits for the hook's ``<rid>.safetensors`` in ``D``, checks it (ids, shapes,
-dtypes, layers, finite values), removes it and names the weights the server serves. It needs
-only HTTP, the dump dir and safetensors' parser, so any python on the host runs it. Under DP
-attention ``probe_groups`` pins one request to each group and names every group that fails.
+``verify --server URL --dump-dir D`` sends a short request with a valid rid, as a worker would
+(SGLang or vLLM: ``engines``), waits for the hook's ``<rid>.safetensors`` in ``D``, checks it
+(ids, shapes, dtypes, layers, finite values), removes it and names the weights served. Only
+HTTP, the dump dir and safetensors' parser: any python on the host runs it. Under DP
+``probe_groups`` pins one request to each group and names every group that fails.
 Test: tests/farm/test_dp_groups.py::test_verify_probes_every_group_and_names_the_one_that_fails
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from engine_dump import contracts as c
-from engine_dump import dumpdir, header_codec
-from sglang_patch.layout import dp_groups
+from engine_dump import dumpdir, engines, header_codec
+from engine_dump.engines import Engine, dp_groups
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
 ANSWER_TIMEOUT_S = 120.0  # for the server's answer (a busy server queues the probe)
@@ -68,46 +68,67 @@ def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> st
         ProbeFailed: naming every group whose probe failed, and why.
         dumpdir.DumpDirUnsafe: a dump is a link or another user's file.
     """
-    groups = dp_groups(_get(server_url.rstrip("/"), "/server_info"))
+    url = server_url.rstrip("/")
+    engine = served_engine(url)
+    info = (engine.server_info(dump_dir) if engine.name == engines.VLLM
+            else _get(url, "/server_info"))
+    groups = dp_groups(info)
     if groups <= 1:
-        return probe(server_url, dump_dir, timeout_s).summary
+        return probe(server_url, dump_dir, timeout_s, engine=engine).summary
     passed, failed = [], []
     for group in range(groups):
         try:
-            passed.append(probe(server_url, dump_dir, timeout_s, dp_rank=group))
+            passed.append(probe(server_url, dump_dir, timeout_s, dp_rank=group, engine=engine))
         except ProbeFailed as e:
             failed.append(f"DP group {group} of {groups}: {e}")
     if failed:
         ok = f" (groups {', '.join(str(p.dp_rank) for p in passed)} passed)" if passed else ""
         raise ProbeFailed("; ".join(failed) + ok)
-    return (f"{groups} DP groups, one request pinned to each (routed_dp_rank), each dumped by "
-            f"its own group: {passed[0].summary}")
+    return (f"{groups} DP groups, one request pinned to each, each dumped by its own group: "
+            f"{passed[0].summary}")
+
+
+def served_engine(url: str) -> Engine:
+    """The engine at ``url``, from its answers (as the worker's client finds it).
+
+    Raises:
+        ProbeFailed: it does not answer, or answers as neither SGLang nor vLLM.
+    """
+    info = _get(url, "/model_info", missing_ok=True)
+    if info is not None and "model_path" in info:
+        return engines.sglang_engine(info)
+    models = _get(url, "/v1/models", missing_ok=True)
+    version = _get(url, "/version", missing_ok=True) or {}
+    engine = engines.vllm_engine(models, str(version.get("version", ""))) if models else None
+    if engine is None:
+        raise ProbeFailed(f"the server at {url} answers as neither SGLang (/model_info) nor "
+                          "vLLM (/v1/models with max_model_len): is this its address?")
+    return engine
 
 
 def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0,
-          dp_rank: int | None = None) -> Probe:
+          dp_rank: int | None = None, engine: Engine | None = None) -> Probe:
     """Probe the server. ``timeout_s``: how long to wait for the dump once the server has
     answered (and at least that long for the answer). ``dp_rank``: pin the request to that
-    attention-DP group (SGLang's ``routed_dp_rank``).
+    DP group. ``engine``: the server's, when already asked (``served_engine``).
 
     Raises:
         ProbeFailed: the server or the hook did not do its part; the message has the fix.
         dumpdir.DumpDirUnsafe: the dump is a link or another user's file.
     """
     url = server_url.rstrip("/")
-    hidden = expected_hidden_size(_get(url, "/model_info"))
+    engine = engine or served_engine(url)
+    hidden = expected_hidden_size({"model_path": engine.model_path})
     group = "" if dp_rank is None else f"g{dp_rank}_"
     rid = c.make_rid(f"_hsfarm_verify_{group}{os.getpid()}_{int(time.time() * 1000)}", 1,
                      len(PROBE_IDS))
-    body: dict[str, Any] = {"rid": rid, "input_ids": PROBE_IDS,
-                            "sampling_params": {"max_new_tokens": 0}}
-    if dp_rank is not None:
-        body["routed_dp_rank"] = dp_rank
+    path_, body, headers = engine.generate(rid, PROBE_IDS, dp_rank)
     t0 = time.monotonic()
     try:
-        answer = _post(url, "/generate", body, max(timeout_s, ANSWER_TIMEOUT_S))
+        answer = _post(url, path_, body, headers, max(timeout_s, ANSWER_TIMEOUT_S))
         _check_group(answer, dp_rank)
-        path = _wait_for_dump(dump_dir, rid, time.monotonic() + timeout_s)
+        path = _wait_for_dump(dump_dir, rid, time.monotonic() + timeout_s,
+                              engine.dump_dir_variable)
         tensors, meta = read_safetensors(path)
         layers, shapes = check_dump(tensors, meta, hidden)
     finally:
@@ -143,7 +164,7 @@ def expected_hidden_size(model_info: dict[str, Any]) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-def _wait_for_dump(dump_dir: Path, rid: str, deadline: float) -> Path:
+def _wait_for_dump(dump_dir: Path, rid: str, deadline: float, variable: str) -> Path:
     dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
     while time.monotonic() < deadline:
         if dump.exists():
@@ -154,8 +175,8 @@ def _wait_for_dump(dump_dir: Path, rid: str, deadline: float) -> Path:
         time.sleep(0.05)
     raise ProbeFailed(
         f"the server answered the probe but no dump of it appeared in {dump_dir}: the hook is "
-        "not running in that server (SGLANG_HS_DUMP_DIR unset, or hsfarm not installed in the "
-        "server's python), or it writes elsewhere (SGLANG_HS_DUMP_DIR must be this directory)")
+        f"not running in that server ({variable} unset, or hsfarm not installed in the "
+        f"server's python), or it writes elsewhere ({variable} must be this directory)")
 
 
 def check_dump(tensors: dict[str, tuple[str, np.ndarray]], meta: dict[str, str],
@@ -186,7 +207,7 @@ def check_dump(tensors: dict[str, tuple[str, np.ndarray]], meta: dict[str, str],
         problems.append(f"the dump records layers {layers}, expected {c.AUX_LAYERS} ids")
     if problems:
         raise ProbeFailed(f"the probe's dump is wrong: {'; '.join(problems)}; this hook or "
-                          "SGLang version does not capture what the farm needs")
+                          "engine version does not capture what the farm needs")
     return layers, f"hidden BF16[{n}, {h}], aux BF16[{n}, {3 * h}]"
 
 
@@ -207,21 +228,28 @@ def read_safetensors(path: Path) -> tuple[dict[str, tuple[str, np.ndarray]], dic
     return out, meta
 
 
-def _get(url: str, path: str) -> dict[str, Any]:
+def _get(url: str, path: str, missing_ok: bool = False) -> dict[str, Any] | None:
+    """``path``'s JSON object; None for a 404 with ``missing_ok`` (another engine's path)."""
     try:
         with urllib.request.urlopen(url + path, timeout=30) as resp:
             body = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        if missing_ok and e.code == 404:
+            return None
+        raise ProbeFailed(f"the server at {url} answered {path} with {e.code}; is this its "
+                          "address?") from e
     except (OSError, ValueError) as e:
         raise ProbeFailed(f"the server at {url} does not answer {path} ({e}); is it up, and "
                           "is this its address?") from e
     if not isinstance(body, dict):
-        raise ProbeFailed(f"{url}{path} answered {body!r:.100}: not an SGLang server?")
+        raise ProbeFailed(f"{url}{path} answered {body!r:.100}: not an SGLang or vLLM server?")
     return body
 
 
-def _post(url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+def _post(url: str, path: str, body: dict[str, Any], headers: dict[str, str],
+          timeout_s: float) -> Any:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             raw = resp.read()

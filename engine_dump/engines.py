@@ -1,0 +1,149 @@
+"""Which engine serves the model, found from its answers, and how a request of ours reaches it.
+
+SGLang (and the reference server) answers ``/model_info``; vLLM answers ``/v1/models`` with
+``max_model_len``. Each engine's request carrying the rid, its limits, health checks and DP
+groups map here onto one shape: the worker's client and ``probe`` have no engine branch. vLLM's
+HTTP API does not say its batch budget: its hook's ready marker does.
+Test: tests/unit/test_engines.py::test_each_engine_gets_its_own_request_for_the_same_sample
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine_dump import contracts as c
+from engine_dump import markers as mk
+
+SGLANG, VLLM = "sglang", "vllm"
+# What each engine's hook is told by its server's environment (named in every fix)
+DUMP_DIR_VARIABLE = {SGLANG: "SGLANG_HS_DUMP_DIR", VLLM: "HSFARM_VLLM_DUMP_DIR"}
+DUMP_DTYPE_VARIABLE = {SGLANG: c.ENV_DUMP_DTYPE, VLLM: "HSFARM_VLLM_DUMP_DTYPE"}
+VLLM_KV_PARAMS = "kv_transfer_params"  # the body key vLLM hands to the KV connector
+VLLM_RID_PARAM = "hsfarm_rid"  # the key in it the vLLM hook names a request's dump by
+VLLM_DP_RANK_HEADER = "X-data-parallel-rank"  # pins a request to one DP rank's engine
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What a worker knows of the engine it talks to, from the server's own answers."""
+
+    name: str  # SGLANG or VLLM
+    version: str  # "" where the server does not say
+    served_model: str  # vLLM: the model id requests name; SGLang: the model path
+    model_path: str  # the checkpoint the server loaded (SGLang's model_path, vLLM's root)
+    max_model_len: int | None = None  # vLLM's, from /v1/models
+
+    @property
+    def liveness_path(self) -> str:
+        """A cheap request that runs no forward pass."""
+        return "/v1/models" if self.name == VLLM else "/model_info"
+
+    @property
+    def health_path(self) -> str:
+        """SGLang: a one-token generation; vLLM: whether its engine core is alive (503 if not)."""
+        return "/health" if self.name == VLLM else "/health_generate"
+
+    @property
+    def dump_dir_variable(self) -> str:
+        """The variable that gives this engine's hook its dump dir (for fixes)."""
+        return DUMP_DIR_VARIABLE[self.name]
+
+    @property
+    def dump_dtype_variable(self) -> str:
+        return DUMP_DTYPE_VARIABLE[self.name]
+
+    def describe(self) -> str:
+        name = "vLLM" if self.name == VLLM else "SGLang"
+        return f"{name} {self.version or '(version not said)'} serving {self.model_path}"
+
+    def generate(self, rid: str, input_ids: list[int], dp_rank: int | None
+                 ) -> tuple[str, dict[str, Any], dict[str, str]]:
+        """(path, body, headers) of the prefill request for one sample: SGLang decodes
+        nothing; vLLM decodes one token (it takes no fewer) and hands the rid to the hook."""
+        if self.name == VLLM:
+            body: dict[str, Any] = {"model": self.served_model, "prompt": input_ids,
+                                    "max_tokens": 1, "temperature": 0,
+                                    VLLM_KV_PARAMS: {VLLM_RID_PARAM: rid}}
+            headers = {"X-Request-Id": rid}
+            if dp_rank is not None:
+                headers[VLLM_DP_RANK_HEADER] = str(dp_rank)
+            return "/v1/completions", body, headers
+        body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}}
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
+        return "/generate", body, {}
+
+    def server_info(self, dump_dir: Path | None) -> dict[str, Any]:
+        """vLLM's limits in SGLang's ``/server_info`` names (what admission, the canary and
+        the length check read): the context from /v1/models, the batch budget, the most
+        requests and the DP ranks from the newest ready marker of a live hook in
+        ``dump_dir`` (none yet: those keys are absent, and the callers' defaults apply)."""
+        info: dict[str, Any] = {"engine": VLLM, "version": self.version}
+        if self.max_model_len:
+            info["context_length"] = self.max_model_len  # prompt + 1 generated token
+        said = vllm_marker(dump_dir)
+        for ours, theirs in (("chunked_prefill_size", "max_num_batched_tokens"),
+                             ("max_running_requests", "max_num_seqs"),
+                             ("attn_dp_size", "dp_groups")):
+            value = said.get(theirs)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                info[ours] = value
+        return info
+
+
+def vllm_marker(dump_dir: Path | None) -> dict[str, Any]:
+    """The newest ready marker of a live vLLM hook in ``dump_dir``; {} when there is none."""
+    if dump_dir is None:
+        return {}
+    found = [m for m in mk.markers(dump_dir) if m.info.get("engine") == VLLM]
+    live = mk.live(found)
+    return dict(live[-1].info) if live else {}
+
+
+def sglang_engine(model_info: dict[str, Any], version: str = "") -> Engine:
+    path = str(model_info.get("model_path", ""))
+    return Engine(SGLANG, version, path, path)
+
+
+def vllm_engine(models: Any, version: str) -> Engine | None:
+    """The engine ``/v1/models`` describes, when it is vLLM's answer (its first model carries
+    ``max_model_len``); None otherwise."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return None
+    card = data[0]
+    max_len = card.get("max_model_len")
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 1:
+        return None
+    served = str(card.get("id", ""))
+    return Engine(VLLM, version, served, str(card.get("root") or served), max_len)
+
+
+def vllm_model_info(engine: Engine) -> dict[str, Any]:
+    """vLLM's model in ``/model_info``'s shape (what the fingerprint and preflight read)."""
+    return {"model_path": engine.model_path, "served_model_name": engine.served_model,
+            "max_model_len": engine.max_model_len, "engine": VLLM}
+
+
+def dp_groups(args: Any) -> int:
+    """How many attention-DP groups (one scheduler and one writer each) a launch has: from a
+    ``ServerArgs`` or a ``/server_info`` dict (vLLM's DP ranks: ``Engine.server_info``).
+
+    SGLang 0.5.23 spells it ``--attn-dp-size N`` or, deprecated, ``--dp-size N
+    --enable-dp-attention``; resolution turns the second into ``attn_dp_size = N, dp_size = 1``
+    (``arg_groups/parallel_hook.py``), so ``/server_info`` says ``attn_dp_size`` while a raw
+    ``ServerArgs`` may still hold the old spelling. Plain ``--dp-size`` alone is data
+    parallelism across replicas, not groups of one server's attention.
+    """
+    def read(name: str) -> Any:
+        return args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+
+    width = read("attn_dp_size")
+    if isinstance(width, int) and width > 1:
+        return width
+    old = read("dp_size")
+    if read("enable_dp_attention") and isinstance(old, int) and old > 1:
+        return old
+    return 1

@@ -1,0 +1,74 @@
+"""Which engine a server is, from its answers, and the request each engine gets for a sample."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine_dump import contracts as c
+from engine_dump import engines
+from engine_dump.markers import write_ready_marker
+
+# vLLM 0.32's /v1/models for `--model /models/kimi --served-model-name kimi`
+VLLM_MODELS = {"object": "list", "data": [{
+    "id": "kimi", "object": "model", "created": 1, "owned_by": "vllm", "root": "/models/kimi",
+    "parent": None, "max_model_len": 32768, "permission": []}]}
+
+
+def test_each_engine_gets_its_own_request_for_the_same_sample() -> None:
+    # Given one sample's rid and ids, and each engine as the server describes itself
+    rid = c.make_rid("k1", 1, 3, run="0123456789abcdef")
+    sglang = engines.sglang_engine({"model_path": "/models/kimi"}, "0.5.23")
+    vllm = engines.vllm_engine(VLLM_MODELS, "0.32.0")
+    assert vllm is not None
+
+    # When each builds the request, unpinned and pinned to DP group 1
+    s_path, s_body, s_headers = sglang.generate(rid, [5, 6, 7], None)
+    v_path, v_body, v_headers = vllm.generate(rid, [5, 6, 7], 1)
+
+    # Then SGLang decodes nothing and takes the rid in the body
+    assert (s_path, s_headers) == ("/generate", {})
+    assert s_body == {"rid": rid, "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}}
+    assert sglang.generate(rid, [5], 2)[1]["routed_dp_rank"] == 2
+    # And vLLM names its served model, decodes the one token it must, and hands the rid to the
+    # hook through kv_transfer_params (its own request id gets a random suffix)
+    assert v_path == "/v1/completions"
+    assert v_body == {"model": "kimi", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0,
+                      "kv_transfer_params": {"hsfarm_rid": rid}}
+    assert v_headers == {"X-Request-Id": rid, "X-data-parallel-rank": "1"}
+    assert (vllm.model_path, vllm.max_model_len) == ("/models/kimi", 32768)
+    assert (vllm.liveness_path, vllm.health_path) == ("/v1/models", "/health")
+    assert (sglang.liveness_path, sglang.health_path) == ("/model_info", "/health_generate")
+
+
+@pytest.mark.parametrize("models", [
+    {"object": "list", "data": []},
+    {"object": "list", "data": [{"id": "m", "root": "m"}]},  # another OpenAI server
+    {"data": [{"id": "m", "max_model_len": True}]},
+    ["not", "a", "dict"],
+])
+def test_an_answer_that_is_not_vllms_is_not_taken_for_vllm(models: object) -> None:
+    assert engines.vllm_engine(models, "") is None
+
+
+def test_vllms_limits_come_from_models_and_its_hooks_live_marker(tmp_path: Path) -> None:
+    # Given a vLLM engine, and no marker yet
+    vllm = engines.vllm_engine(VLLM_MODELS, "0.32.0")
+    assert vllm is not None
+    before = vllm.server_info(tmp_path)
+    # Then only the context is known; the callers' defaults size the rest
+    assert before == {"engine": "vllm", "version": "0.32.0", "context_length": 32768}
+
+    # When its hook (this live process) leaves its marker, with an SGLang one beside it
+    write_ready_marker(tmp_path, {"engine": "vllm", "max_num_batched_tokens": 8192,
+                                  "max_num_seqs": 256, "dp_groups": 2, "max_model_len": 32768})
+    (tmp_path / f"{c.READY_PREFIX}1").write_text(json.dumps({"max_num_batched_tokens": 1}))
+
+    # Then the batch budget, the most requests and the DP ranks are the vLLM hook's, in
+    # SGLang's names, and the DP ranks are the groups a probe and admission pin to
+    info = vllm.server_info(tmp_path)
+    assert info["chunked_prefill_size"] == 8192 and info["max_running_requests"] == 256
+    assert engines.dp_groups(info) == 2
+    assert vllm.server_info(None) == before
