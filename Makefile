@@ -153,9 +153,14 @@ test-sglang: $(SGSTAMP)
 
 # tests/vllm has its own conftest and starts live vLLM servers (python -m
 # vllm.entrypoints.openai.api_server in $(VLVENV)) with the hook loaded from its entry point.
-test-vllm: $(VLSTAMP)
+# vLLM: the hook inside live servers (tests/vllm, in $(VLVENV), against transformers), then
+# the farm against a live server (tests/vllm/farm, in the farm's venv: Celery and the workers,
+# the server from $(VLVENV)); its export is read by SpecForge's loader in .venv-specforge.
+test-vllm: $(VLSTAMP) $(STAMP) .venv-specforge/.installed test-system-deps
 	PYTHONWARNINGS=ignore $(VLVENV)/bin/python -m pytest -p no:cacheprovider \
-		-o addopts="-ra --durations=10" --confcutdir tests/vllm tests/vllm
+		-o addopts="-ra --durations=10" --confcutdir tests/vllm --ignore tests/vllm/farm tests/vllm
+	HSFARM_VLLM_PYTHON=$(CURDIR)/$(VLVENV)/bin/python $(PY) -m pytest -p no:cacheprovider \
+		-o addopts="-ra --durations=10" tests/vllm/farm
 
 # Live SGLang servers (python -m sglang.launch_server in $(SGVENV)) driven from the farm's
 # venv, as a worker drives them: tests/live. HSFARM_SGLANG_PYTHON picks another server python.

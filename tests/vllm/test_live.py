@@ -1,8 +1,8 @@
 """The hsfarm connector inside live vLLM servers: its dumps against transformers, float32.
 
 Dumps store bf16 (or fp8), so each value is compared with transformers' float32 value rounded
-the same way: a capture that equals transformers leaves at most one bf16 step where the two
-float32 values straddle a rounding boundary. ``hidden_state`` is compared with transformers'
+the same way: a capture that equals transformers leaves nearly every value equal, and each
+token within bf16's own rounding. ``hidden_state`` is compared with transformers'
 post-norm state and shown far from its pre-norm one. The tests on ``plain`` come first: the
 ``chunked`` fixture stops that server before it starts its own.
 """
@@ -81,7 +81,10 @@ class Errors:
                  f"{self.worst_ulps} bf16 step")
         for errs in self.errors:
             assert float(torch.cat(errs).max()) < BF16_TOLERANCE
-        assert self.worst_ulps <= 1 and self.equal / self.values > 0.98
+        # Not a bound on steps: an element near 0 has a tiny bf16 step, and a chunk boundary
+        # that moves with the load changes float32 sums by ~1e-7 of the row, which can be
+        # two of its steps (seen once, under load); the per-token error is the bound.
+        assert self.equal / self.values > 0.98
 
 
 def dump_of(server: LiveVllm, rid: str) -> dict[str, torch.Tensor]:

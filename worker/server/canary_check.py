@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -188,6 +189,9 @@ class CanaryCheck:
     weights_id: str
     encode: Encode
     run_id: str = c.NO_RUN  # the run whose verdicts and requests these are (worker/core/run.py)
+    # the most tokens the server takes, where fewer than the run's FARM_MAX_TOKENS (a run that
+    # truncates to it): no canary prompt is longer
+    server_max_tokens: int | None = None
     last_ok: float = -math.inf
     forced_at: float = 0.0  # wall clock: shared passes older than this are not taken
     epoch: tuple[tuple[str, int], ...] | None = None
@@ -236,7 +240,8 @@ class CanaryCheck:
     async def _record(self, client: ServerClient) -> Outcome:
         info = await client.server_info()
         chunk = int(info.get("chunked_prefill_size") or 0)
-        prompts = cn.prompt_ids(self.encode, chunk, self.fingerprint.max_tokens)
+        longest = min(self.fingerprint.max_tokens, self.server_max_tokens or sys.maxsize)
+        prompts = cn.prompt_ids(self.encode, chunk, longest)
         rows = [cn.sample_rows(len(p), chunk) for p in prompts]
         got = await extract(client, self.settings.dump_dir, prompts, rows,
                             self.settings.dump_timeout_s, backoff_s=self.settings.retry_backoff_s,

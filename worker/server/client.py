@@ -68,6 +68,7 @@ class ServerClient:
                 data = await resp.read()
                 status = resp.status
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
+            self._engine = None  # down: what comes back up is asked again
             raise ServerUnavailable(f"{method} {url}: {type(e).__name__}: {e}") from e
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise Transient(f"{method} {url}: {type(e).__name__}: {e}") from e
