@@ -32,10 +32,11 @@ def test_each_engine_gets_its_own_request_for_the_same_sample() -> None:
     assert (s_path, s_headers) == ("/generate", {})
     assert s_body == {"rid": rid, "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0}}
     assert sglang.generate(rid, [5], 2)[1]["routed_dp_rank"] == 2
-    # And vLLM names its served model, decodes the one token it must, and hands the rid to the
-    # hook through kv_transfer_params (its own request id gets a random suffix)
+    # And vLLM decodes the one token it must, and hands the rid to the hook through
+    # kv_transfer_params (its own request id gets a random suffix); no model name: its base
+    # model, whatever a restart named it
     assert v_path == "/v1/completions"
-    assert v_body == {"model": "kimi", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0,
+    assert v_body == {"prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0,
                       "kv_transfer_params": {"hsfarm_rid": rid}}
     assert v_headers == {"X-Request-Id": rid, "X-data-parallel-rank": "1"}
     assert (vllm.model_path, vllm.max_model_len) == ("/models/kimi", 32768)
