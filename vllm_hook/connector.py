@@ -103,13 +103,27 @@ def check_launch(vllm_config: Any) -> tuple[list[int], int]:
                           "tmpfs dir the farm's workers read) in the server's environment")
     method, ids, spec_tokens = launch_ids(vllm_config)
     num_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
-    problems = layout_problems(method, ids, num_layers, spec_tokens,
-                               int(vllm_config.parallel_config.pipeline_parallel_size),
-                               dump_dtype(), vllm_version())
+    pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
+    arch, carries = pp_aux(vllm_config) if pp_size != 1 else ("", False)
+    problems = layout_problems(method, ids, num_layers, spec_tokens, pp_size, dump_dtype(),
+                               vllm_version(), pp_carries_aux=carries, arch=arch)
     split = split_ids(ids, num_layers)
     if problems or split is None:
         raise LayoutError("hsfarm dump hook cannot run with this launch: " + "; ".join(problems))
     return split
+
+
+def pp_aux(vllm_config: Any) -> tuple[str, bool]:
+    """(the model's architecture, whether vLLM relays its aux states across PP stages)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    model_config = vllm_config.model_config
+    archs = list(getattr(model_config, "architectures", None) or [])
+    try:
+        cls, arch = ModelRegistry.resolve_model_cls(archs, model_config)
+    except Exception:  # an unresolvable class: treat as not declaring it (refused)
+        return (archs[0] if archs else "this model"), False
+    return arch, bool(getattr(cls, "supports_aux_hidden_states_over_pp", False))
 
 
 class HsfarmConnector(ExampleHiddenStatesConnector):

@@ -45,8 +45,10 @@ def launch_ids(num_layers: int, aux: Sequence[int] | None = None) -> list[int]:
 
 
 def layout_problems(method: str | None, ids: Sequence[int], num_layers: int,
-                    spec_tokens: int, pp_size: int, dtype: str, version: str) -> list[str]:
-    """What is wrong with a launch for the hook, each with its fix; [] when it is served."""
+                    spec_tokens: int, pp_size: int, dtype: str, version: str,
+                    pp_carries_aux: bool = False, arch: str = "this model") -> list[str]:
+    """What is wrong with a launch for the hook, each with its fix; [] when it is served.
+    ``pp_carries_aux``: the model class declares ``supports_aux_hidden_states_over_pp``."""
     problems = []
     if not supported_version(version):
         problems.append(f"vLLM {version or '(version unknown)'}: the hook is tested with "
@@ -64,9 +66,18 @@ def layout_problems(method: str | None, ids: Sequence[int], num_layers: int,
                         f"(vLLM sorts and deduplicates them), e.g. {example}")
     if method == METHOD and spec_tokens != 1:
         problems.append(f"num_speculative_tokens {spec_tokens}: set it to 1")
-    if pp_size != 1:
-        problems.append(f"pipeline parallel size {pp_size}: the hook reads TP rank 0's "
-                        "blocks of a single stage; launch with --pipeline-parallel-size 1")
+    if pp_size != 1 and not pp_carries_aux:
+        problems.append(f"pipeline parallel size {pp_size}: {arch} does not carry its aux "
+                        "hidden states across pipeline stages in vLLM (it does not declare "
+                        "supports_aux_hidden_states_over_pp; DeepSeek-V3 and Kimi do not), so "
+                        "earlier stages' layers would be missing; launch with "
+                        "--pipeline-parallel-size 1 (TP and DP instead)")
+    elif pp_size != 1:
+        problems.append(f"pipeline parallel size {pp_size}: {arch} carries its aux states "
+                        "across stages, but vLLM 0.32 refuses extract_hidden_states under "
+                        "pipeline parallelism (its drafter is not SupportsPP) and this hook "
+                        "writes from one stage's blocks, untested across stages; launch with "
+                        "--pipeline-parallel-size 1 (TP and DP instead)")
     if dtype not in c.STORE_DTYPES:
         problems.append(f"{ENV_DUMP_DTYPE}={dtype!r}: set it to one of "
                         f"{', '.join(c.STORE_DTYPES)} (or unset: bfloat16)")
