@@ -267,9 +267,10 @@ def _foreign(path: Path, why: str) -> str:
             f"dir (rm -rf {path.parent}) and restart the server, which creates it 0700")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m sglang_patch dumpdir --dump-dir D [--create]``: OK/FAIL and the fix."""
-    p = argparse.ArgumentParser(prog="python -m sglang_patch dumpdir",
+def main(argv: list[str] | None = None, prog: str = "python -m sglang_patch dumpdir") -> int:
+    """``python -m sglang_patch dumpdir --dump-dir D [--create]`` (or ``vllm_hook``'s): OK/FAIL
+    and the fix."""
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Is the dump dir the server's and the workers' "
                                 "alone? (--create: create it 0700 first, as the server does)")
     p.add_argument("--dump-dir", type=Path, required=True)

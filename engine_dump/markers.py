@@ -164,8 +164,8 @@ def _contents(path: Path) -> object:
         return None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sglang_patch markers",
+def build_parser(prog: str = "python -m sglang_patch markers") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog,
                                 description="The ready markers in a dump dir, and whose are "
                                 "dead (this boot, this pid namespace, the process gone).")
     p.add_argument("--dump-dir", type=Path, required=True)
@@ -174,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m sglang_patch markers --dump-dir D [--remove-dead]``: one line per marker."""
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m sglang_patch markers") -> int:
+    """``python -m sglang_patch markers --dump-dir D [--remove-dead]`` (or ``vllm_hook``'s):
+    one line per marker."""
+    args = build_parser(prog).parse_args(argv)
     if not args.dump_dir.is_dir():
         print(f"no dump dir {args.dump_dir} (the server creates it at start-up)")
         return 0

@@ -3,13 +3,16 @@
 The hook reads each request's rows from the KV blocks vLLM's ``extract_hidden_states``
 speculative method fills: four aux ids, the three the farm stores and the layer count L, whose
 state (pre-norm in vLLM) the hook normalises into ``hidden_state``. vLLM sorts and
-deduplicates the ids. Pure functions of the launch's values, so they run without vLLM.
+deduplicates the ids. Pure functions of the launch's values, so they run without vLLM; the
+launch's two JSON flags are built here too.
 Test: tests/unit/test_vllm_layout.py::test_layout_problems_name_the_fix
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from engine_dump import contracts as c
 from engine_dump import engines
@@ -44,6 +47,23 @@ def launch_ids(num_layers: int, aux: Sequence[int] | None = None) -> list[int]:
     return [*chosen, num_layers]
 
 
+def speculative_config(ids: Sequence[int]) -> dict[str, Any]:
+    """vLLM's ``--speculative-config``: ``extract_hidden_states`` with the aux ids and L."""
+    return {"method": METHOD, "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(ids)}}}
+
+
+def kv_transfer_config() -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config``: the hook's connector, found by name (the
+    ``vllm.general_plugins`` entry point registers it)."""
+    return {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer"}
+
+
+def as_flag(config: dict[str, Any]) -> str:
+    """A config as one compact JSON word, as vLLM's flags take it."""
+    return json.dumps(config, separators=(",", ":"))
+
+
 def layout_problems(method: str | None, ids: Sequence[int], num_layers: int,
                     spec_tokens: int, pp_size: int, dtype: str, version: str,
                     pp_carries_aux: bool = False, arch: str = "this model") -> list[str]:
@@ -57,9 +77,7 @@ def layout_problems(method: str | None, ids: Sequence[int], num_layers: int,
     example = launch_ids(num_layers)
     if method != METHOD:
         problems.append(f"speculative method {method!r}: launch with --speculative-config "
-                        f"'{{\"method\":\"{METHOD}\",\"num_speculative_tokens\":1,"
-                        f"\"draft_model_config\":{{\"hf_config\":"
-                        f"{{\"eagle_aux_hidden_state_layer_ids\":{example}}}}}}}'")
+                        f"'{as_flag(speculative_config(example))}'")
     elif split_ids(ids, num_layers) is None:
         problems.append(f"eagle_aux_hidden_state_layer_ids {list(ids)}: give three distinct "
                         f"ids below the layer count {num_layers} and {num_layers} itself "

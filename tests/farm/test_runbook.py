@@ -89,6 +89,12 @@ def expect(ran: Ran) -> None:
         assert ran.rc == 1 and "\nwould run, once the FAILs above are fixed:\n" in out, out
         assert re.search(r"^FAIL  port \d+: something already listens there \(/model_info: ",
                          out, re.M), out
+    elif line == "ops/launch-vllm.sh --dry-run":
+        # here vLLM is not installed and the reference server holds the port: both FAIL
+        assert ran.rc == 1 and "\nwould run, once the FAILs above are fixed:\n" in out, out
+        assert "FAIL  vllm version: vLLM is not installed here" in out, out
+        assert re.search(r"^FAIL  port \d+: something already listens there", out, re.M), out
+        assert "--kv-transfer-config" in out.splitlines()[-1] or "FAIL  hook layout" in out, out
     elif line.startswith("df -h"):
         assert ran.rc == 0 and out.count("\n") == 3, out
     else:

@@ -16,7 +16,8 @@ OPS = ROOT / "ops"
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without the farm's variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FARM_", "SGLANG_")) and k not in ("REDIS_URL", "PYTHON")}
+           if not k.startswith(("FARM_", "SGLANG_", "HSFARM_VLLM_"))
+           and k not in ("REDIS_URL", "PYTHON")}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     return {**env, **extra}
 

@@ -18,6 +18,8 @@ COMMAND_START = re.compile(r"^(?:[A-Z_]+=\S+ )*(python -m |ops/\S+\.sh|systemctl
 
 # Runnable here but not run: each starts something for good, or is run elsewhere.
 NOT_RUN = {"ops/launch-sglang.sh": "starts SGLang (its --dry-run runs here)",
+           "ops/launch-vllm.sh": "starts vLLM (its --dry-run runs here)",
+           "ops/launch-vllm.sh -- --enable-expert-parallel": "starts vLLM",
            "ops/start-redis.sh": "starts the production Redis",
            "python -m producer demo": "the whole demo (tests/farm/test_demo.py runs it)",
            "python -m producer dashboard --basic-auth-file /etc/hsfarm/dashboard-auth":

@@ -1,13 +1,15 @@
-"""ops/ without a farm: preflight's Python and GPU lines, the SGLang launcher's help, dry runs
-and refusals (real scripts in bash), and deployment files (the env example, compose, systemd,
-README, runbook) that agree with the settings table. Where a test needs nvidia-smi it puts a
-stand-in on PATH and says so.
+"""ops/ without a farm: preflight's Python and GPU lines, the SGLang and vLLM launchers' help,
+dry runs and refusals (real scripts in bash), and deployment files (the env example, compose,
+systemd, README, runbook) that agree with the settings table. Where a test needs nvidia-smi it
+puts a stand-in on PATH and says so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from dataclasses import fields
@@ -194,12 +196,156 @@ def test_launcher_dry_run_without_a_model_dir_or_a_port(tmp_path: Path) -> None:
     assert not (tmp_path / "none").exists()
 
 
+# --- the vLLM launcher ------------------------------------------------------------------------
+
+SPEC_KIMI = ('\'{"method":"extract_hidden_states","num_speculative_tokens":1,"draft_model_config":'
+             '{"hf_config":{"eagle_aux_hidden_state_layer_ids":[2,30,58,61]}}}\'')
+KV_CONFIG = '\'{"kv_connector":"HsfarmConnector","kv_role":"kv_producer"}\''
+FAKE_SMI = """#!/bin/sh
+# a stand-in for nvidia-smi (this machine has no GPU): 8 GPUs, held by the pids in $HOLDERS
+case "$1" in
+  --query-compute-apps=pid*) for p in $HOLDERS; do printf '%s, x\\n' "$p"; done ;;
+  -L) for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: H200"; done ;;
+esac
+"""
+
+
+def _vllm_verify_passes(tmp_path: Path) -> Path:
+    """vLLM's python, stood in (vLLM is not in this venv): its install checks PASS, and
+    everything else (launch-args, dumpdir, markers) goes to this python."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    'if [ "$*" = "-m vllm_hook verify" ]; then\n'
+                    '  echo "PASS  vllm version: 0.32.0 (tested: 0.32.x)"; exit 0\n'
+                    "fi\n"
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def _kimi_like(tmp_path: Path) -> Path:
+    """A model dir whose config is Kimi-K2.5's shape: 61 layers, in a multimodal wrapper."""
+    model = tmp_path / "kimi"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"architectures": ["KimiK25ForConditionalGeneration"],
+         "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
+    return model
+
+
+def _vllm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    given = {"FARM_MODEL_PATH": str(_kimi_like(tmp_path)), "FARM_DUMP_DIR": str(tmp_path / "d"),
+             "FARM_SERVER_URL": "http://127.0.0.1:9",
+             "PYTHON": str(_vllm_verify_passes(tmp_path))}
+    return clean_env(**{**given, **extra})
+
+
+def test_vllm_launcher_help_lists_the_farms_variables() -> None:
+    res = sh("ops/launch-vllm.sh", "--help", env=clean_env())
+    assert res.returncode == 0 and res.stdout.startswith("Usage: ops/launch-vllm.sh")
+    for name in ("FARM_MODEL_PATH", "FARM_DUMP_DIR", "FARM_SERVER_URL", "FARM_LAYERS_TO_CAPTURE",
+                 "FARM_STORE_DTYPE", "FARM_MAX_TOKENS", "HSFARM_VLLM_DUMP_DTYPE", "--dry-run",
+                 "Kimi-K2.5 on one 8-GPU host: TP=8"):
+        assert name in res.stdout, name
+
+
+def test_vllm_launcher_dry_run_holds_the_connector_the_ids_and_tp_dp(tmp_path: Path) -> None:
+    # Given Kimi-K2.5's config (61 layers, in text_config) and the farm's settings
+    env = _vllm_env(tmp_path, TP="8", FARM_MAX_TOKENS="8192")
+    # When the launcher's dry run looks, with an extra vLLM flag
+    res = sh("ops/launch-vllm.sh", "--dry-run", "--", "--gpu-memory-utilization", "0.9", env=env)
+    # Then every check passes, and the command is vLLM's server with the hook's dump dir,
+    # TP 8, a context of FARM_MAX_TOKENS + 1, extract_hidden_states with the default ids and
+    # L = 61, and the connector
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OK    layout: TP 8 (no data parallelism), --max-model-len 8193" in res.stdout
+    assert ("OK    hook layout: aux ids [2, 30, 58] and L = 61 (hidden_state: the final norm "
+            "of id 61), HsfarmConnector as kv_producer") in res.stdout, res.stdout
+    assert "OK    vllm version: 0.32.0" in res.stdout
+    assert res.stdout.splitlines()[-2] == "would run:"
+    fake = env["PYTHON"]
+    assert res.stdout.splitlines()[-1] == (
+        f"HSFARM_VLLM_DUMP_DIR={tmp_path / 'd'} {fake} -m vllm.entrypoints.openai.api_server "
+        f"--model {tmp_path / 'kimi'} --tensor-parallel-size 8 --max-model-len 8193 "
+        f"--host 127.0.0.1 --port 9 --speculative-config {SPEC_KIMI} --kv-transfer-config "
+        f"{KV_CONFIG} --trust-remote-code --gpu-memory-utilization 0.9")
+    # And the printed command is one a shell runs as it reads
+    argv = shlex.split(res.stdout.splitlines()[-1])
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == \
+        [2, 30, 58, 61]
+    # And data parallelism, the farm's own ids and fp8 storage reach the command
+    dp = sh("ops/launch-vllm.sh", "--dry-run", env={
+        **env, "TP": "2", "DP": "4", "FARM_LAYERS_TO_CAPTURE": "3,31,57",
+        "FARM_STORE_DTYPE": "fp8_e4m3"})
+    assert dp.returncode == 0, dp.stdout
+    assert "OK    layout: TP 2 x DP 4: 4 engines of 2 GPUs each, 8 GPUs" in dp.stdout
+    cmd = dp.stdout.splitlines()[-1]
+    assert cmd.startswith(f"HSFARM_VLLM_DUMP_DIR={tmp_path / 'd'} HSFARM_VLLM_DUMP_DTYPE="
+                          "fp8_e4m3 "), cmd
+    assert "--tensor-parallel-size 2 --data-parallel-size 4 " in cmd
+    assert '"eagle_aux_hidden_state_layer_ids":[3,31,57,61]' in cmd
+    # And nothing was created
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("extra,args,said,rc", [
+    ({"FARM_LAYERS_TO_CAPTURE": "2 30 61"}, (),
+     "FAIL  hook layout: aux ids [2, 30, 61]: give three distinct ids below the layer count 61", 1),
+    ({"FARM_LAYERS_TO_CAPTURE": "2 30"}, (), "FAIL  FARM_LAYERS_TO_CAPTURE=2 30 must hold 3", 1),
+    ({"TP": "0"}, (), "FAIL  TP=0 must be a positive integer", 1),
+    ({}, ("--", "--pipeline-parallel-size", "2"), "FAIL  pipeline parallel size 2: the hook "
+     "reads the blocks of one stage, and vLLM 0.32 does not carry DeepSeek-V3's or Kimi's", 1),
+    ({}, ("--", "-pp=4"), "FAIL  pipeline parallel size 4", 1),
+    ({"FARM_STORE_DTYPE": "fp16"}, (), "FAIL  FARM_STORE_DTYPE=fp16 must be bf16 or fp8_e4m3", 2),
+    ({"FARM_STORE_DTYPE": "fp8_e4m3", "HSFARM_VLLM_DUMP_DTYPE": "bfloat16"}, (),
+     "FAIL  HSFARM_VLLM_DUMP_DTYPE=bfloat16 but FARM_STORE_DTYPE says fp8_e4m3", 2),
+    ({"HSFARM_VLLM_DUMP_DIR": "/dev/shm/elsewhere"}, (),
+     "FAIL  HSFARM_VLLM_DUMP_DIR=/dev/shm/elsewhere but FARM_DUMP_DIR says", 2),
+    ({"DUMP_DIR": "/x"}, (), "FAIL  DUMP_DIR is no longer read: set FARM_DUMP_DIR instead", 2),
+    ({"FARM_SERVER_URL": "http://127.0.0.1"}, (), "must name a port", 2),
+])
+def test_vllm_launcher_refuses_what_the_hook_or_the_farm_cannot_serve(
+        tmp_path: Path, extra: dict[str, str], args: tuple[str, ...], said: str,
+        rc: int) -> None:
+    # Given a setting or a server flag the hook or the farm cannot work with
+    env = _vllm_env(tmp_path, **extra)
+    # When the launcher's dry run looks
+    res = sh("ops/launch-vllm.sh", "--dry-run", *args, env=env)
+    # Then it says so with the fix, and fails (2: before any check; 1: a check's FAIL)
+    assert res.returncode == rc, res.stdout + res.stderr
+    assert " ".join(said.split()) in " ".join((res.stdout + res.stderr).split()), \
+        res.stdout + res.stderr
+    if rc == 1:
+        assert "would run, once the FAILs above are fixed:" in res.stdout
+
+
+def test_vllm_launcher_refuses_gpus_held_by_another_process_or_too_few(tmp_path: Path) -> None:
+    # Given 8 GPUs (a stand-in nvidia-smi: no GPU here), held by this test's process
+    (tmp_path / "nvidia-smi").write_text(FAKE_SMI)
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = _vllm_env(tmp_path, PATH=f"{tmp_path}:{clean_env()['PATH']}", TP="8")
+    # When the launcher's dry run looks
+    held = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "HOLDERS": str(os.getpid())})
+    free = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "HOLDERS": ""})
+    many = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "HOLDERS": "", "DP": "8"})
+    # Then a holder is named with its unit and the launch refused; free GPUs are OK; and
+    # TP x DP over the host's GPUs (SGLang's TP=8 DP=8 read as vLLM's) is refused
+    assert held.returncode == 1
+    assert f"FAIL  GPUs are in use by: pid {os.getpid()} x (" in held.stdout, held.stdout
+    assert free.returncode == 0 and "OK    GPUs: 8 present, none in use" in free.stdout
+    assert many.returncode == 1
+    assert ("FAIL  TP=8 x DP=8 needs 64 GPUs (each vLLM data-parallel rank is a whole engine "
+            "on TP GPUs), this host has 8") in many.stdout, many.stdout
+
+
 # --- deployment files agree with the settings table ----------------------------------------
 
 DEPLOY_FILES = ["README.md", "ops/RUNBOOK.md", "ops/systemd/env.example", "docker-compose.yml",
                 *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md"))),
                 *(str(p.relative_to(ROOT)) for p in sorted((OPS / "systemd").glob("*.service"))),
-                "ops/launch-sglang.sh", "ops/preflight.sh"]
+                "ops/launch-sglang.sh", "ops/launch-vllm.sh", "ops/launch-common.sh",
+                "ops/preflight.sh"]
 
 
 @pytest.mark.parametrize("name", DEPLOY_FILES)

@@ -1,5 +1,6 @@
 """Every command ops/RUNBOOK.md tells a person to run exists, checked by kind without running it:
-``python -m producer`` / ``python -m sglang_patch`` against their own argument parsers;
+``python -m producer`` / ``python -m sglang_patch`` / ``python -m vllm_hook`` against their own
+argument parsers;
 ``ops/`` scripts exist and answer ``--help``; systemd units and compose services exist in
 ops/systemd and docker-compose.yml. What needs systemd, Docker or a GPU is said so
 (``NOT_HERE``), and the runnable commands cover what a person checks. No farm.
@@ -19,6 +20,7 @@ from engine_dump import markers
 from producer.cli import build_parser as producer_parser
 from sglang_patch import verify
 from tests.support.runbook import COMMANDS, ROOT, RUNNABLE, Command
+from vllm_hook import verify as vllm_verify
 
 # Not runnable on this machine, with the reason (they are still checked for existence).
 NOT_HERE = {"systemctl": "no systemd here", "journalctl": "no systemd journal here",
@@ -54,6 +56,10 @@ def check_exists(cmd: Command) -> None:
         sub = {"verify": verify.build_parser, "markers": markers.build_parser}
         assert a[3] in sub, f"no sglang_patch command {a[3]}"
         _parses(a[4:], sub[a[3]])
+    elif cmd.kind == "python -m vllm_hook":
+        sub = {"verify": vllm_verify.build_parser, "markers": markers.build_parser}
+        assert a[3] in sub, f"no vllm_hook command {a[3]}"
+        _parses(a[4:], sub[a[3]])
     elif cmd.kind == "ops":
         script = ROOT / a[0]
         assert script.is_file() and os.access(script, os.X_OK), f"{a[0]} missing or not +x"
@@ -85,14 +91,15 @@ def check_exists(cmd: Command) -> None:
 
 def test_the_runbook_quotes_commands_of_every_kind() -> None:
     kinds = {c.kind for c in COMMANDS}
-    assert {"python -m producer", "python -m sglang_patch", "ops", "systemctl", "journalctl",
-            "docker"} <= kinds, kinds
+    assert {"python -m producer", "python -m sglang_patch", "python -m vllm_hook", "ops",
+            "systemctl", "journalctl", "docker"} <= kinds, kinds
     assert len(COMMANDS) > 25
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.line for c in COMMANDS])
 def test_every_runbook_command_exists(cmd: Command) -> None:
-    known = {"python -m producer", "python -m sglang_patch", "ops", *SHELL_BUILTINS,
+    known = {"python -m producer", "python -m sglang_patch", "python -m vllm_hook", "ops",
+             *SHELL_BUILTINS,
              *NOT_HERE, "grep", "df", "rsync"}
     assert cmd.kind in known, f"a new kind of command in the runbook: {cmd.line}"
     check_exists(cmd)
@@ -103,6 +110,7 @@ def test_every_runbook_command_exists(cmd: Command) -> None:
 
 def test_runnable_commands_cover_the_checks_a_person_runs() -> None:
     for needed in ("ops/preflight.sh", "ops/launch-sglang.sh --dry-run",
+                   "ops/launch-vllm.sh --dry-run",
                    "python -m producer audit", "python -m producer status --failures"):
         assert needed in RUNNABLE, needed
     assert any(x.startswith("python -m producer enqueue") for x in RUNNABLE)

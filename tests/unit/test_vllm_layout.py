@@ -1,8 +1,18 @@
-"""The vLLM hook's launch checks, which need no vLLM: the ids, the method, the layout."""
+"""The vLLM hook's launch checks and flags, which need no vLLM: the ids, the method, the layout,
+``python -m vllm_hook launch-args`` and the dump dir commands."""
 
 from __future__ import annotations
 
+import io
+import json
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from functools import partial
+from pathlib import Path
+
 from engine_dump import contracts as c
+from vllm_hook import launch
 from vllm_hook.layout import (
     METHOD,
     launch_ids,
@@ -53,3 +63,45 @@ def test_pipeline_parallelism_is_refused_with_the_models_own_reason() -> None:
     assert len(llama) == 1 and "LlamaForCausalLM carries its aux states" in llama[0]
     assert all("--pipeline-parallel-size 1" in p for p in kimi + llama)
 
+
+def test_launch_args_are_the_flags_the_hook_checks_for(tmp_path: Path) -> None:
+    # Given Kimi-K2.5's config shape: 61 layers in a multimodal wrapper's text_config
+    model = tmp_path / "kimi"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 61}}))
+    # When launch-args reads it, with the default ids and with the farm's own
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        assert launch.main(["--model-path", str(model)]) == 0
+    flags = out.getvalue().splitlines()
+    # Then the flags are extract_hidden_states with [2, 30, 58] and L = 61, and the connector,
+    # and the hook's own check finds nothing wrong with that launch
+    assert flags[0::2] == ["--speculative-config", "--kv-transfer-config"]
+    spec, kv = json.loads(flags[1]), json.loads(flags[3])
+    ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert ids == [2, 30, 58, 61] and kv == {"kv_connector": "HsfarmConnector",
+                                             "kv_role": "kv_producer"}
+    assert layout_problems(spec["method"], ids, 61, spec["num_speculative_tokens"], 1,
+                           c.DTYPE_BF16, "0.32.0") == []
+    assert "aux ids [2, 30, 58] and L = 61" in err.getvalue()
+    # And ids the hook would refuse, or a config without a layer count, are refused here
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        assert launch.main(["--model-path", str(model), "--layers", "2", "2", "58"]) == 1
+        assert launch.main(["--model-path", str(tmp_path)]) == 1
+
+
+def test_vllm_hook_cli_has_the_dump_dir_commands_of_the_sglang_hook(tmp_path: Path) -> None:
+    # Given a dump dir that does not exist yet
+    run = partial(subprocess.run, capture_output=True, text=True, timeout=60)
+    base = [sys.executable, "-m", "vllm_hook"]
+    # When the hook's CLI is asked about it, and for help
+    owner = run([*base, "dumpdir", "--dump-dir", str(tmp_path / "d")])
+    found = run([*base, "markers", "--dump-dir", str(tmp_path)])
+    usage = run([*base, "--help"])
+    bad = run([*base, "markers"])
+    # Then it answers as sglang_patch's does, under its own name
+    assert owner.returncode == 0 and "does not exist yet" in owner.stdout
+    assert found.returncode == 0 and "ready markers in" in found.stdout
+    for sub in ("verify", "markers", "dumpdir", "launch-args"):
+        assert f"python -m vllm_hook {sub}" in usage.stdout
+    assert bad.returncode == 2 and "usage: python -m vllm_hook markers" in bad.stderr
