@@ -29,6 +29,9 @@ from vllm_hook.layout import CONNECTOR_NAME, ENV_DUMP_DIR, METHOD, RID_PARAM
 AUX_IDS = [2, 3, 5]  # of the 6-layer tiny model; with L = 6 for hidden_state
 FIRST_ORDINARY_ID = 6  # the tiny tokenizer's special tokens come first
 START_TIMEOUT_S = 600
+LAUNCH_SCRIPT = Path(__file__).resolve().parents[2] / "ops" / "launch-vllm.sh"
+# What a CPU server needs beyond the launcher's flags (which add the hook's and --port)
+CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details"]
 # The python that runs vLLM: .venv-vllm's, given to tests that run in the farm's venv
 VLLM_PYTHON = os.environ.get("HSFARM_VLLM_PYTHON", sys.executable)
 
@@ -50,7 +53,9 @@ class LiveVllm:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     python: str = VLLM_PYTHON
+    via_script: bool = False  # started by ops/launch-vllm.sh, as an operator would
     proc: subprocess.Popen[bytes] | None = None
+    _log_from: int = 0
     start_s: float = 0.0
 
     @property
@@ -58,6 +63,8 @@ class LiveVllm:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        if self.via_script:  # the script adds the hook's flags, --port and --max-model-len
+            return ["bash", str(LAUNCH_SCRIPT), "--", *CPU_FLAGS, *self.extra]
         spec = {"method": METHOD, "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {
                     "eagle_aux_hidden_state_layer_ids": [*AUX_IDS, 6]}}}
@@ -73,7 +80,14 @@ class LiveVllm:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                ENV_DUMP_DIR: str(self.dumps), **self.env}
+        if self.via_script:  # the farm's variables; the script refuses the hook's own
+            env.pop(ENV_DUMP_DIR)
+            env.update({"FARM_MODEL_PATH": str(self.model), "FARM_DUMP_DIR": str(self.dumps),
+                        "FARM_SERVER_URL": self.url, "FARM_MAX_TOKENS": "2047", "TP": "1",
+                        "FARM_LAYERS_TO_CAPTURE": " ".join(map(str, AUX_IDS)),
+                        "PYTHON": self.python, **self.env})
         t0 = time.monotonic()
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:  # a restart appends
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
@@ -83,7 +97,8 @@ class LiveVllm:
                                    + self.tail())
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
+                    # the launcher's "ready": its probe request came back as a right dump
+                    if r.status == 200 and (not self.via_script or self._said_ready()):
                         self.start_s = time.monotonic() - t0
                         return
             except (urllib.error.URLError, OSError):
@@ -91,6 +106,12 @@ class LiveVllm:
             time.sleep(1)
         self.stop()
         raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S}s:\n" + self.tail())
+
+    def _said_ready(self) -> bool:
+        """The launcher printed "ready" since this start (a restart appends to the log)."""
+        with open(self.log, "rb") as f:
+            f.seek(self._log_from)
+            return "ready" in f.read().decode(errors="replace").splitlines()
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])

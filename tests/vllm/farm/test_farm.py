@@ -1,7 +1,7 @@
 """The farm against a live vLLM server: enqueue → workers → verified files → a trainer's loader.
 
 Run from the farm's venv (Celery, Redis, the workers as on a worker host); the server is
-.venv-vllm's (``HSFARM_VLLM_PYTHON``), one at a time, restarted by the tests that need it:
+.venv-vllm's (``HSFARM_VLLM_PYTHON``), started by ops/launch-vllm.sh, restarted by tests:
 killed mid-run, another checkpoint of the same config, fp8 dumps. Nothing here tells the
 workers which engine they talk to: they find it from the server. ``make test-vllm``.
 """
@@ -27,7 +27,6 @@ from tests.conftest import EXAMPLES, FAST_ENV, assert_farm_invariants, wait_fini
 from tests.vllm.conftest import measured
 from tests.vllm.live import AUX_IDS, LiveVllm
 from tests.vllm.reference import reference, rel_errors
-from vllm_hook.layout import ENV_DUMP_DTYPE
 from worker.core import outdir
 from worker.state.queue_scan import broker_depth
 
@@ -45,9 +44,9 @@ FARM_ENV = {**FAST_ENV, "FARM_LAYERS_TO_CAPTURE": ",".join(map(str, AUX_IDS)),
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveVllm]:
     base = tmp_path_factory.mktemp("vllm")
-    server = LiveVllm(model, base / "dumps", base / "server.log")
+    server = LiveVllm(model, base / "dumps", base / "server.log", via_script=True)
     server.start()
-    measured(f"farm server: healthy {server.start_s:.0f}s after its start")
+    measured(f"farm server (ops/launch-vllm.sh): healthy {server.start_s:.0f}s after its start")
     try:
         yield server
     finally:
@@ -218,7 +217,7 @@ def test_another_checkpoint_is_refused_by_the_canary_and_its_identity(
 def test_an_fp8_run_stores_vllms_fp8_dumps(server: LiveVllm, model: Path,
                                            tmp_path: Path) -> None:
     # Given the server dumping fp8, and a run storing fp8
-    restart(server, model, {ENV_DUMP_DTYPE: c.DTYPE_FP8})
+    restart(server, model, {"FARM_STORE_DTYPE": c.DTYPE_FP8})
     f = LocalFarm(tmp_path / "farm", model=str(model), dumps=server.dumps,
                   server_port=server.port,
                   extra_env={**FARM_ENV, "FARM_MODEL_PATH": str(model),
