@@ -4,14 +4,17 @@ The hook reads per-token rows at ``LogitsProcessor.forward``, correct only when 
 there holds all rows of its batch in order (TP, pipeline size 1; under DP attention each
 group's attention-TP rank 0), every prefill runs eagerly (no prefill CUDA graph) and no prompt
 is partly served from the prefix cache. Anything else is refused at model load, with the
-flag that fixes it. Attributes of SGLang 0.5.23's ``ServerArgs`` are read defensively, so
-another version fails ``verify`` with a message. Test: tests/sglang/test_plugin.py.
+flag that fixes it, as is a release older than ``SUPPORTED_SGLANG`` (it has no
+``--enable-return-aux-hidden-states``). Test: tests/unit/test_sglang_layout.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+# The releases the hook is tested with, oldest first (docs/sglang-live.md, "Supported SGLang
+# releases"). 0.5.18-0.5.22 have the same plugin loader and hook targets but no
+# --enable-return-aux-hidden-states: aux capture there needs an EAGLE-3 draft model.
 SUPPORTED_SGLANG = ("0.5.23",)
 
 
@@ -27,6 +30,25 @@ def sglang_version() -> str:
         return version("sglang")
     except PackageNotFoundError:
         return ""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.5.22.post1+cpu"`` → ``(0, 5, 22)``: the leading digits of the first three parts."""
+    import re
+
+    return tuple(int(m.group()) if (m := re.match(r"\d+", part)) else 0
+                 for part in version.split("+")[0].split(".")[:3])
+
+
+def version_problem(version: str) -> str | None:
+    """Why the hook refuses this SGLang at start-up: a release older than the oldest supported
+    one, whose launch flags cannot turn on target-only aux capture; None otherwise."""
+    if not version or _release(version) >= _release(SUPPORTED_SGLANG[0]):
+        return None
+    return (f"SGLang {version} is not supported (supported: {', '.join(SUPPORTED_SGLANG)}): "
+            f"releases before {SUPPORTED_SGLANG[0]} have no --enable-return-aux-hidden-states "
+            f"(aux capture without a draft model); install sglang=={SUPPORTED_SGLANG[-1]}")
+
 
 # The launch flags extraction needs, as a user types them (checked against SGLang's parser by
 # ``python -m sglang_patch verify``).

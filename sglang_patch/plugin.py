@@ -55,9 +55,10 @@ def around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) -> 
     runner after."""
     from engine_dump import contracts as c
     from engine_dump import dumpdir
-    from sglang_patch.layout import layout_problems
+    from sglang_patch.layout import layout_problems, sglang_version, version_problem
 
-    problems = layout_problems(runner.server_args)
+    too_old = version_problem(sglang_version())
+    problems = [too_old] if too_old else layout_problems(runner.server_args)
     dtype = os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16
     if dtype not in c.STORE_DTYPES:
         problems.append(f"{c.ENV_DUMP_DTYPE}={dtype!r}: set it to one of "

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from engine_dump.live_check import Check, add_live_args, verify_main
-from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG, sglang_version
+from sglang_patch.layout import REQUIRED_FLAGS, SUPPORTED_SGLANG, sglang_version, version_problem
 from sglang_patch.plugin import ENV_DUMP_DIR, EXPECTED_PARAMS, TARGET_LOGITS
 
 
@@ -27,6 +27,9 @@ def check_version() -> Check:
     v = sglang_version()
     if v in SUPPORTED_SGLANG:
         return Check("sglang version", True, v)
+    too_old = version_problem(v)
+    if too_old:
+        return Check("sglang version", False, too_old)
     return Check("sglang version", False,
                  f"{v} is not supported (supported: {', '.join(SUPPORTED_SGLANG)}); install "
                  f"sglang=={SUPPORTED_SGLANG[-1]} or check the hook targets below by hand")

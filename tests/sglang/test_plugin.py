@@ -309,7 +309,8 @@ def test_verify_fails_on_an_unsupported_sglang_version(tmp_path: Path) -> None:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.4.0\n")
     res = _verify(env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
     assert res.returncode == 1
-    assert "FAIL  sglang version: 0.4.0 is not supported (supported: 0.5.23)" in res.stdout
+    assert ("FAIL  sglang version: SGLang 0.4.0 is not supported (supported: 0.5.23): releases "
+            "before 0.5.23 have no --enable-return-aux-hidden-states") in res.stdout
 
 
 def test_verify_ready_marker_missing_stale_and_fresh(tmp_path: Path) -> None:
