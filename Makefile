@@ -118,9 +118,9 @@ $(TDATA)/.complete: $(STAMP)
 	$(MAKE) trainer-data
 
 # Two lines at once: the tiers of tests/ (mostly waiting on real processes), and beside them
-# lint, the side venvs (mostly unpacking wheels), then the SGLang, live-server and trainers'
-# tests one after another. The farm's timing windows are sized for a loaded machine; the two
-# lines together take ~10 minutes less than one after the other (docs/benchmarks.md).
+# lint, the side venvs (mostly unpacking wheels), then the SGLang, live-server, trainers' and
+# vLLM tests one after another. The farm's timing windows are sized for a loaded machine; the
+# two lines together take ~10 minutes less than one after the other (docs/benchmarks.md).
 test: $(STAMP) test-system-deps
 	$(MAKE) -j2 test-tiers side-tests
 
@@ -128,8 +128,9 @@ side-tests: lint build-side-venvs
 	$(MAKE) test-sglang
 	$(MAKE) test-live
 	$(MAKE) trainer-data test-trainers
+	$(MAKE) test-vllm
 
-build-side-venvs: $(SGSTAMP) $(TRAINER_STAMPS)
+build-side-venvs: $(SGSTAMP) $(VLSTAMP) $(TRAINER_STAMPS)
 
 # The tiers of tests/ (markers unit, state, farm, set from the folder by tests/conftest.py):
 # test-unit starts no service (a few minutes), test-state one redis-server for the whole tier,
@@ -151,8 +152,6 @@ test-sglang: $(SGSTAMP)
 	PYTHONWARNINGS=ignore $(SGVENV)/bin/python -m pytest -p no:cacheprovider \
 		--confcutdir tests/sglang tests/sglang
 
-# tests/vllm has its own conftest and starts live vLLM servers (python -m
-# vllm.entrypoints.openai.api_server in $(VLVENV)) with the hook loaded from its entry point.
 # vLLM: the hook inside live servers (tests/vllm, in $(VLVENV), against transformers), then
 # the farm against a live server (tests/vllm/farm, in the farm's venv: Celery and the workers,
 # the server from $(VLVENV)); its export is read by SpecForge's loader in .venv-specforge.
