@@ -7,6 +7,21 @@
 # layers (exit 2 on a bad one); the check_* functions print one OK/WARN/FAIL line each and set
 # failed=1 on a FAIL; wait_ready starts the server and waits for a correct probe dump.
 
+# parse_options "$@": --help (the script's header), --dry-run (sets dry_run=1); the rest,
+# after an optional "--", are the server's own args: rest=(...)
+parse_options() {
+  dry_run=0
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      -h|--help) usage; exit 0 ;;
+      --dry-run) dry_run=1; shift ;;
+      --) shift; break ;;
+      *) break ;;
+    esac
+  done
+  rest=("$@")
+}
+
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 failed=0

@@ -30,15 +30,8 @@ set -euo pipefail
 ENGINE=SGLang HOOK=sglang_patch HEALTH_PATH=/model_info
 DUMP_DIR_VAR=SGLANG_HS_DUMP_DIR DUMP_DTYPE_VAR=SGLANG_HS_DUMP_DTYPE
 . "$(dirname "${BASH_SOURCE[0]}")/launch-common.sh"
-dry_run=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -h|--help) usage; exit 0 ;;
-    --dry-run) dry_run=1; shift ;;
-    --) shift; break ;;
-    *) break ;;
-  esac
-done
+parse_options "$@"
+set -- ${rest[@]+"${rest[@]}"}
 
 farm_settings
 TP=${TP:-8}

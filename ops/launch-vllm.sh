@@ -31,15 +31,8 @@ set -euo pipefail
 ENGINE=vLLM HOOK=vllm_hook HEALTH_PATH=/health
 DUMP_DIR_VAR=HSFARM_VLLM_DUMP_DIR DUMP_DTYPE_VAR=HSFARM_VLLM_DUMP_DTYPE
 . "$(dirname "${BASH_SOURCE[0]}")/launch-common.sh"
-dry_run=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -h|--help) usage; exit 0 ;;
-    --dry-run) dry_run=1; shift ;;
-    --) shift; break ;;
-    *) break ;;
-  esac
-done
+parse_options "$@"
+set -- ${rest[@]+"${rest[@]}"}
 
 farm_settings
 if [ -n "${HSFARM_VLLM_DUMP_DIR:-}" ] && [ "$HSFARM_VLLM_DUMP_DIR" != "$DUMP_DIR" ]; then
