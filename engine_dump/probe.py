@@ -84,8 +84,9 @@ def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> st
     if failed:
         ok = f" (groups {', '.join(str(p.dp_rank) for p in passed)} passed)" if passed else ""
         raise ProbeFailed("; ".join(failed) + ok)
-    return (f"{groups} DP groups, one request pinned to each, each dumped by its own group: "
-            f"{passed[0].summary}")
+    pin = engines.VLLM_DP_RANK_HEADER if engine.name == engines.VLLM else "routed_dp_rank"
+    return (f"{groups} DP groups, one request pinned to each ({pin}), each dumped by its own "
+            f"group: {passed[0].summary}")
 
 
 def served_engine(url: str) -> Engine:
