@@ -50,10 +50,6 @@ class Engine:
         """The variable that gives this engine's hook its dump dir (for fixes)."""
         return DUMP_DIR_VARIABLE[self.name]
 
-    @property
-    def dump_dtype_variable(self) -> str:
-        return DUMP_DTYPE_VARIABLE[self.name]
-
     def describe(self) -> str:
         name = "vLLM" if self.name == VLLM else "SGLang"
         return f"{name} {self.version or '(version not said)'} serving {self.model_path}"
