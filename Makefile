@@ -134,7 +134,8 @@ build-side-venvs: $(SGSTAMP) $(VLSTAMP) $(TRAINER_STAMPS)
 
 # The tiers of tests/ (markers unit, state, farm, set from the folder by tests/conftest.py):
 # test-unit starts no service (a few minutes), test-state one redis-server for the whole tier,
-# test-farm real farms of processes. test-tiers runs all three in one pytest, as make test does.
+# test-farm real farms of processes. test-tiers runs all three in one pytest, as make test does,
+# in two processes a file each (pytest-xdist): a farm test mostly waits on its processes.
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
@@ -145,7 +146,7 @@ test-farm: $(STAMP) test-system-deps
 	$(PY) -m pytest tests/farm
 
 test-tiers: $(STAMP) test-system-deps
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # tests/sglang has its own conftest; --confcutdir keeps the farm's out of that venv.
 test-sglang: $(SGSTAMP)
