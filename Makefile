@@ -117,13 +117,21 @@ test-trainers: $(TRAINER_STAMPS) $(TDATA)/.complete
 $(TDATA)/.complete: $(STAMP)
 	$(MAKE) trainer-data
 
-# Two lines at once: the tiers of tests/ (mostly waiting on real processes), and beside them
-# lint, the side venvs (mostly unpacking wheels), then the SGLang, live-server, trainers' and
-# vLLM tests one after another. The farm's timing windows are sized for a loaded machine; the
-# two lines together take ~10 minutes less than one after the other (docs/benchmarks.md).
+# Two lines at once (one make, two jobs at a time; SUITE orders them below): the tiers of
+# tests/ in two processes (mostly waiting on real processes), then the vLLM tests; beside them
+# lint, the side venvs (mostly unpacking wheels), then the SGLang, live-server and trainers'
+# tests. The farm's timing windows are sized for a loaded machine (docs/benchmarks.md).
 test: $(STAMP) test-system-deps
-	$(MAKE) -j2 test-tiers side-tests
+	$(MAKE) -j2 SUITE=1 test-tiers test-vllm test-trainers
 
+ifdef SUITE
+test-vllm: | test-tiers
+test-sglang: | lint build-side-venvs
+test-live: | test-sglang
+$(TDATA)/.complete test-trainers: | test-live
+endif
+
+# The side lines of make test, in their order (without the tiers)
 side-tests: lint build-side-venvs
 	$(MAKE) test-sglang
 	$(MAKE) test-live
