@@ -27,9 +27,9 @@ from tests.live.conftest import measured, running
 from tests.live.reference import check_dump
 from tests.live.sglang_server import LiveServer
 from tests.live.test_live_deepseek import LAYERS, SERVER_ENV, SERVER_FLAGS, clear, record
-from tests.live.test_live_tp2 import traced
 from tests.live.tiny_deepseek import ensure_tiny_deepseek
 from tests.live.traffic import Req, wait_dump
+from tests.support.strace import traced
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,17 @@ writes (seen with strace on both ranks), and the dumps equal transformers' state
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from producer.localfarm.farm import wait_until
 from tests.live.conftest import measured, running
 from tests.live.reference import check_dump
 from tests.live.sglang_server import LiveServer
 from tests.live.traffic import PREFILL_LINE, log_lines_since, ours, send, vocab_size, wait_dump
-
-# strace is a system package like redis-server (`make system-deps` installs both)
-STRACE = shutil.which("strace") or "strace"
+from tests.support.strace import calls_on, traced
 
 
 @pytest.fixture(scope="module")
@@ -36,24 +29,6 @@ def server(module_dir: Path, attending_model: Path) -> Iterator[LiveServer]:
 def scheduler_pids(server: LiveServer) -> dict[int, int]:
     """TP rank → pid of the server's scheduler processes."""
     return server.pids_titled({rank: f"scheduler_TP{rank}" for rank in range(server.tp)})
-
-
-def _all_threads_traced(pid: int) -> bool:
-    tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    return all("TracerPid:\t0\n" not in (t / "status").read_text() for t in tasks)
-
-
-@contextmanager
-def traced(pid: int, out: Path) -> Iterator[None]:
-    """strace on a running process and all its threads: its file system calls, into ``out``."""
-    tracer = subprocess.Popen([STRACE, "-f", "-qq", "-e", "trace=%file", "-o", str(out),
-                               "-p", str(pid)], stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: _all_threads_traced(pid), 60, f"strace to attach to {pid}")
-        yield
-    finally:
-        tracer.send_signal(signal.SIGINT)
-        tracer.wait(60)
 
 
 def test_tp2_one_marker_only_rank0_writes_and_values_equal_transformers(
@@ -77,8 +52,7 @@ def test_tp2_one_marker_only_rank0_writes_and_values_equal_transformers(
         dumps = [wait_dump(server.dumps, r.rid) for r in reqs]
     # Then rank 0 wrote every dump (temp file renamed into place) and rank 1 never touched
     # the dump dir
-    calls = {r: [ln for ln in trace[r].read_text().splitlines() if str(server.dumps) in ln]
-             for r in ranks}
+    calls = {r: calls_on(trace[r], server.dumps) for r in ranks}
     for r in reqs:
         assert any("rename" in ln and f"{r.rid}.safetensors" in ln for ln in calls[0]), r.rid
     assert calls[1] == [], calls[1][:5]
