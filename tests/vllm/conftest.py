@@ -44,7 +44,7 @@ def model() -> Path:
     return ensure_tiny_model(CACHE, **VLLM_SHAPE)
 
 
-def _serve(model: Path, base: Path, name: str, extra: list[str], env: dict[str, str]
+def serve(model: Path, base: Path, name: str, extra: list[str], env: dict[str, str]
            ) -> Iterator[LiveVllm]:
     dumps = base / "dumps"
     server = LiveVllm(model, dumps, base / "server.log", extra=extra, env=env)
@@ -59,7 +59,7 @@ def _serve(model: Path, base: Path, name: str, extra: list[str], env: dict[str, 
 @pytest.fixture(scope="session")
 def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveVllm]:
     """Default scheduler (2048 tokens a step: one chunk), prefix cache on, bf16 dumps."""
-    yield from _serve(model, tmp_path_factory.mktemp("plain"), "plain (bf16, one chunk)",
+    yield from serve(model, tmp_path_factory.mktemp("plain"), "plain (bf16, one chunk)",
                       [], {})
 
 
@@ -70,6 +70,6 @@ def chunked(model: Path, tmp_path_factory: pytest.TempPathFactory,
     requests stay bf16). It stops ``plain`` first (one server at a time on two cores): the
     tests that use ``plain`` come first in their file."""
     plain.stop()
-    yield from _serve(model, tmp_path_factory.mktemp("chunked"), "chunked (64 tokens, fp8)",
+    yield from serve(model, tmp_path_factory.mktemp("chunked"), "chunked (64 tokens, fp8)",
                       ["--enable-chunked-prefill", "--max-num-batched-tokens", "64",
                        "--max-num-seqs", "4"], {ENV_DUMP_DTYPE: c.DTYPE_FP8})

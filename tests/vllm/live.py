@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,9 +133,25 @@ class LiveVllm:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
 
+    def group_pids(self) -> list[int]:
+        """Every process of the server (its API server, engine cores and workers): those of
+        its process group, which it leads."""
+        assert self.proc is not None
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp, after the state and the ppid
+                pids.append(int(stat.parent.name))
+        return sorted(pids)
+
     def complete(self, ids: list[int], rid: str | None,
-                 params: Mapping[str, object] | None = None) -> dict[str, object]:
-        """POST /v1/completions with prompt token ids, one token generated; the answer."""
+                 params: Mapping[str, object] | None = None,
+                 headers: Mapping[str, str] | None = None) -> dict[str, object]:
+        """POST /v1/completions with prompt token ids, one token generated; the answer.
+        ``headers``: more of the request's (``X-data-parallel-rank``)."""
         body: dict[str, object] = {"model": str(self.model), "prompt": ids, "max_tokens": 1,
                                    "temperature": 0}
         if params is not None:
@@ -142,7 +159,7 @@ class LiveVllm:
         elif rid is not None:
             body["kv_transfer_params"] = {RID_PARAM: rid}
         req = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json", **(headers or {})})
         with urllib.request.urlopen(req, timeout=300) as r:
             return dict(json.loads(r.read()))
 
@@ -163,3 +180,18 @@ def wait_dump(dump_dir: Path, rid: str, timeout_s: float = 120) -> Path:
             return dump
         time.sleep(0.05)
     raise AssertionError(f"no dump of {rid} after {timeout_s}s")
+
+
+def vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def send_all(server: LiveVllm, reqs: list[tuple[str, list[int]]],
+             headers: list[Mapping[str, str]] | None = None) -> list[dict[str, object]]:
+    """Every request at once, each on its own connection (``headers``: each one's own); the
+    answers in order."""
+    each = headers or [{} for _ in reqs]
+    with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+        futures = [pool.submit(server.complete, ids, rid, None, h)
+                   for (rid, ids), h in zip(reqs, each, strict=True)]
+        return [f.result() for f in futures]

@@ -1,11 +1,23 @@
-"""The transformers float32 forward the dumps are compared with, and how far apart they are."""
+"""The transformers float32 forward the dumps are compared with, and how far apart they are:
+per layer, per token, for a live case (``Errors``), printed in the session's summary."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from engine_dump import contracts as c
+from tests.vllm.conftest import measured
+from tests.vllm.live import AUX_IDS, LiveVllm, wait_dump
+
+L = 6
+LAYER_NAMES = [f"aux id {k}" for k in AUX_IDS] + [f"hidden_state (norm of id {L})"]
+BF16_TOLERANCE = 2.0**-8  # per token: bf16's own rounding (8 significant bits) stays below it
 
 
 @cache
@@ -51,3 +63,57 @@ def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     a = got.to(torch.bfloat16).view(torch.int16).to(torch.int32)
     b = want.to(torch.bfloat16).view(torch.int16).to(torch.int32)
     return (a - b).abs()
+
+
+def dump_of(server: LiveVllm, rid: str) -> dict[str, torch.Tensor]:
+    return load_file(str(wait_dump(server.dumps, rid)))
+
+
+def load_file_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata())
+
+
+@dataclass
+class Errors:
+    """Per-token relative errors of one case, layer by layer, and bf16 steps off."""
+
+    case: str
+    errors: list[list[torch.Tensor]] = field(default_factory=lambda: [[] for _ in LAYER_NAMES])
+    rounded: list[list[torch.Tensor]] = field(default_factory=lambda: [[] for _ in LAYER_NAMES])
+    equal: int = 0
+    values: int = 0
+    worst_ulps: int = 0
+    tokens: int = 0
+
+    def add(self, dump: dict[str, torch.Tensor], ids: list[int], model: Path) -> None:
+        post, pre, inputs = reference(model, ids, AUX_IDS)
+        n, h = len(ids), post.shape[1]
+        got = [*dump[c.T_AUX].view(n, len(AUX_IDS), h).unbind(1), dump[c.T_HIDDEN]]
+        for i, (g, want) in enumerate(zip(got, [*inputs, post], strict=True)):
+            self.errors[i].append(rel_errors(g, want))
+            self.rounded[i].append(rel_errors(g, want.to(torch.bfloat16)))
+            ulps = bf16_ulps(g, want)
+            self.equal += int((ulps == 0).sum())
+            self.values += ulps.numel()
+            self.worst_ulps = max(self.worst_ulps, int(ulps.max()))
+        assert torch.equal(dump[c.T_INPUT_IDS], torch.tensor(ids))
+        # hidden_state is the post-norm state: far from the pre-norm one vLLM captures
+        assert float(rel_errors(dump[c.T_HIDDEN], pre).min()) > 0.1
+        self.tokens += n
+
+    def report(self) -> None:
+        for name, errs, rounded in zip(LAYER_NAMES, self.errors, self.rounded, strict=True):
+            e, r = torch.cat(errs), torch.cat(rounded)
+            measured(f"{self.case:<36} {name:<30} max {float(e.max()):.2e}  "
+                     f"mean {float(e.mean()):.2e}  (vs bf16(hf): max {float(r.max()):.1e}  "
+                     f"mean {float(r.mean()):.1e})")
+        measured(f"{self.case:<36} {self.tokens} tokens: {self.equal / self.values:.5f} of "
+                 f"values equal transformers rounded to bf16, the rest within "
+                 f"{self.worst_ulps} bf16 step")
+        for errs in self.errors:
+            assert float(torch.cat(errs).max()) < BF16_TOLERANCE
+        # Not a bound on steps: an element near 0 has a tiny bf16 step, and a chunk boundary
+        # that moves with the load changes float32 sums by ~1e-7 of the row, which can be
+        # two of its steps (seen once, under load); the per-token error is the bound.
+        assert self.equal / self.values > 0.98

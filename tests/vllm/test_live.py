@@ -15,87 +15,21 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from engine_dump import contracts as c
 from engine_dump import fp8 as codec
 from tests.vllm.conftest import measured
-from tests.vllm.live import AUX_IDS, LiveVllm, prompt, wait_dump
-from tests.vllm.reference import bf16_ulps, reference, rel_errors
+from tests.vllm.live import AUX_IDS, LiveVllm, prompt, send_all, vocab, wait_dump
+from tests.vllm.reference import Errors, L, dump_of, load_file_metadata, reference, rel_errors
 from vllm_hook.layout import ENV_DUMP_DIR, RID_PARAM
 from worker.core import fp8 as farm_fp8
 
-L = 6
-LAYER_NAMES = [f"aux id {k}" for k in AUX_IDS] + [f"hidden_state (norm of id {L})"]
-BF16_TOLERANCE = 2.0**-8  # per token: bf16's own rounding (8 significant bits) stays below it
 FP8_TOLERANCE = 0.05  # per token and layer, as for SGLang's fp8 dumps (tests/live)
-
-
-def vocab(model: Path) -> int:
-    return int(json.loads((model / "config.json").read_text())["vocab_size"])
-
-
-@dataclass
-class Errors:
-    """Per-token relative errors of one case, layer by layer, and bf16 steps off."""
-
-    case: str
-    errors: list[list[torch.Tensor]] = field(default_factory=lambda: [[] for _ in LAYER_NAMES])
-    rounded: list[list[torch.Tensor]] = field(default_factory=lambda: [[] for _ in LAYER_NAMES])
-    equal: int = 0
-    values: int = 0
-    worst_ulps: int = 0
-    tokens: int = 0
-
-    def add(self, dump: dict[str, torch.Tensor], ids: list[int], model: Path) -> None:
-        post, pre, inputs = reference(model, ids, AUX_IDS)
-        n, h = len(ids), post.shape[1]
-        got = [*dump[c.T_AUX].view(n, len(AUX_IDS), h).unbind(1), dump[c.T_HIDDEN]]
-        for i, (g, want) in enumerate(zip(got, [*inputs, post], strict=True)):
-            self.errors[i].append(rel_errors(g, want))
-            self.rounded[i].append(rel_errors(g, want.to(torch.bfloat16)))
-            ulps = bf16_ulps(g, want)
-            self.equal += int((ulps == 0).sum())
-            self.values += ulps.numel()
-            self.worst_ulps = max(self.worst_ulps, int(ulps.max()))
-        assert torch.equal(dump[c.T_INPUT_IDS], torch.tensor(ids))
-        # hidden_state is the post-norm state: far from the pre-norm one vLLM captures
-        assert float(rel_errors(dump[c.T_HIDDEN], pre).min()) > 0.1
-        self.tokens += n
-
-    def report(self) -> None:
-        for name, errs, rounded in zip(LAYER_NAMES, self.errors, self.rounded, strict=True):
-            e, r = torch.cat(errs), torch.cat(rounded)
-            measured(f"{self.case:<36} {name:<30} max {float(e.max()):.2e}  "
-                     f"mean {float(e.mean()):.2e}  (vs bf16(hf): max {float(r.max()):.1e}  "
-                     f"mean {float(r.mean()):.1e})")
-        measured(f"{self.case:<36} {self.tokens} tokens: {self.equal / self.values:.5f} of "
-                 f"values equal transformers rounded to bf16, the rest within "
-                 f"{self.worst_ulps} bf16 step")
-        for errs in self.errors:
-            assert float(torch.cat(errs).max()) < BF16_TOLERANCE
-        # Not a bound on steps: an element near 0 has a tiny bf16 step, and a chunk boundary
-        # that moves with the load changes float32 sums by ~1e-7 of the row, which can be
-        # two of its steps (seen once, under load); the per-token error is the bound.
-        assert self.equal / self.values > 0.98
-
-
-def dump_of(server: LiveVllm, rid: str) -> dict[str, torch.Tensor]:
-    return load_file(str(wait_dump(server.dumps, rid)))
-
-
-def send_all(server: LiveVllm, reqs: list[tuple[str, list[int]]]) -> list[dict[str, object]]:
-    """Every request at once, each on its own connection; the answers in order."""
-    with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
-        futures = [pool.submit(server.complete, ids, rid) for rid, ids in reqs]
-        return [f.result() for f in futures]
 
 
 # --- plain: the default scheduler, bf16 -------------------------------------------------------
@@ -125,13 +59,6 @@ def test_dumps_say_what_served_them(plain: LiveVllm) -> None:
     assert meta[c.M_SERVER_VERSION].startswith("vllm-0.32.")
     assert weights["id"] == c.weights_identity(plain.model)["id"]
     assert weights["model_path"] == str(plain.model)
-
-
-def load_file_metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        return dict(f.metadata())
 
 
 def test_concurrent_requests_match_transformers(plain: LiveVllm) -> None:
