@@ -91,12 +91,15 @@ class Engine:
 
 
 def vllm_marker(dump_dir: Path | None) -> dict[str, Any]:
-    """The newest ready marker of a live vLLM hook in ``dump_dir``; {} when there is none."""
+    """The newest ready marker of a live vLLM hook in ``dump_dir``, with its server's DP group
+    count (``markers.dp_groups``); {} when there is none."""
     if dump_dir is None:
         return {}
     found = [m for m in mk.markers(dump_dir) if m.info.get("engine") == VLLM]
     live = mk.live(found)
-    return dict(live[-1].info) if live else {}
+    if not live:
+        return {}
+    return {**live[-1].info, "dp_groups": mk.dp_groups(live[-1], found)}
 
 
 def sglang_engine(model_info: dict[str, Any], version: str = "") -> Engine:

@@ -66,8 +66,8 @@ def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0, *, env: s
                      f"{newest.path.name} is {age:.0f}s old and its process {info.get('pid')} "
                      f"is gone: stale, from an earlier server ({newest.why}); restart the "
                      "server with the variable")
-    groups = info.get("dp_groups")
-    if isinstance(groups, int) and groups > 1:
+    groups = mk.dp_groups(newest, found)
+    if groups > 1:
         return _check_groups(newest, found, groups)
     return Check("ready marker", True, f"pid {info.get('pid')} ({_where(newest)}), "
                  + _served(info))
@@ -82,9 +82,10 @@ def _check_groups(newest: mk.Marker, found: list[mk.Marker], groups: int) -> Che
     of ``newest``'s server start must have one whose process is not dead."""
     by_rank: dict[object, mk.Marker] = {}
     for m in found:  # oldest first: the newest of a group's markers wins
-        if m.server == newest.server and m.info.get("dp_groups") == groups:
+        if m.server == newest.server:
             by_rank[m.info.get("attn_dp_rank")] = m
-    server = f"server process {newest.info.get('ppid')}"
+    sid = newest.info.get("server_id")
+    server = f"server {sid}" if sid else f"server process {newest.info.get('ppid')}"
     seen = ", ".join(f"group {r} pid {by_rank[r].info.get('pid')} ({_where(by_rank[r])})"
                      for r in range(groups) if r in by_rank)
     for rank in range(groups):

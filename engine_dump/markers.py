@@ -69,9 +69,11 @@ class Marker:
 
     @property
     def server(self) -> tuple[object, ...]:
-        """Which server start wrote it: its launcher process (``ppid``) on this host and boot.
-        Markers of an older hook have no ``ppid``: all of them count as one server."""
-        return tuple(self.info.get(k) for k in ("host", "boot_id", "pid_ns", "ppid"))
+        """Which server start wrote it, on this host and boot: the id its hook was given for
+        it (``server_id``: vLLM's), else its launcher process (``ppid``: SGLang's schedulers
+        are its children). Markers of an older hook have neither: they count as one server."""
+        start = self.info.get("server_id") or self.info.get("ppid")
+        return (*(self.info.get(k) for k in ("host", "boot_id", "pid_ns")), start)
 
     def line(self) -> str:
         return f"{self.path.name}: {self.state} ({self.why})"
@@ -117,6 +119,24 @@ def live(found: list[Marker]) -> list[Marker]:
     """Of ``found`` (oldest first), those whose process runs, else those not known dead
     (another host's or pid namespace's)."""
     return [m for m in found if m.state == ALIVE] or [m for m in found if m.state != DEAD]
+
+
+def dp_groups(newest: Marker, found: list[Marker]) -> int:
+    """How many DP groups ``newest``'s server start has: the most any of its markers says
+    (dead ones too: a group that died is still missing), or its highest rank + 1. vLLM runs a
+    dense model's DP ranks as independent engines, each told it is rank 0 of 1 (only
+    ``data_parallel_index`` keeps the rank): there the ranks alone give the count.
+    Test: tests/unit/test_markers.py::test_dp_groups_count_the_ranks_of_one_server."""
+    groups = 1
+    for m in found:
+        if m.server != newest.server:
+            continue
+        said, rank = m.info.get("dp_groups"), m.info.get("attn_dp_rank")
+        if isinstance(said, int) and not isinstance(said, bool):
+            groups = max(groups, said)
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            groups = max(groups, rank + 1)
+    return groups
 
 
 def newest_live(dump_dir: Path) -> Marker | None:

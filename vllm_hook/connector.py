@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,14 @@ def _ids(layers: Any) -> tuple[int, ...]:
         return ()
 
 
+def server_id(cfg: Any) -> str:
+    """One id for every engine and worker of a server start (a marker's ``server``): vLLM's
+    KV engine_id, a uuid drawn in the API server, less the ``_dp<rank>`` each DP rank's engine
+    adds to it (vllm/v1/engine/core.py run_engine_core). The hook's writer is a worker process
+    whose parent is its rank's engine core, so the parent pid differs across DP ranks."""
+    return re.sub(r"_dp\d+$", "", str(cfg.kv_transfer_config.engine_id))
+
+
 def marker_info(cfg: Any, aux_ids: list[int], last_id: int) -> dict[str, object]:
     """What the ready marker says: versions, the ids, the model, the layout."""
     version = vllm_version()
@@ -292,9 +301,14 @@ def marker_info(cfg: Any, aux_ids: list[int], last_id: int) -> dict[str, object]
         "model_config_sha256": model_config_sha256(str(cfg.model_config.model)),
         "hidden_size": int(cfg.model_config.get_hidden_size()),
         "tp_size": int(par.tensor_parallel_size),
-        # one engine (and one writer) per DP rank: which one this marker's process is
+        "server_id": server_id(cfg),
+        # one engine (and one writer) per DP rank: which one this marker's process is. A
+        # dense model's ranks run as independent engines, each reconfigured as rank 0 of 1
+        # (vllm/config/parallel.py reconfigure_for_independent_dp_rank); only
+        # data_parallel_index keeps the rank, and the readers count the ranks
+        # (engine_dump.markers.dp_groups)
         "dp_groups": int(par.data_parallel_size),
-        "attn_dp_rank": int(par.data_parallel_rank),
+        "attn_dp_rank": int(getattr(par, "data_parallel_index", par.data_parallel_rank)),
         # what a worker sizes admission and the canary by (vLLM's HTTP API does not say)
         "max_model_len": int(cfg.model_config.max_model_len),
         "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),

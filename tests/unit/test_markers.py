@@ -164,3 +164,44 @@ def test_verify_under_dp_attention_needs_a_live_marker_of_every_group_of_the_ser
         for p, _ in procs:
             p.kill()
             p.wait()
+
+
+def test_dp_groups_count_the_ranks_of_one_server(tmp_path: Path) -> None:
+    # Given vLLM's dense DP 2: two engines of one server, each saying it is one group of one,
+    # with its own rank; and a marker of another server start beside them
+    procs = [_group_writer(tmp_path, rank, 1) for rank in (0, 1)]
+    other = tmp_path / f"{c.READY_PREFIX}1"
+    other.write_text(json.dumps({"dp_groups": 4, "attn_dp_rank": 3, "ppid": 1, "pid": 1}))
+    try:
+        found = mk.markers(tmp_path)
+        newest = mk.live(found)[-1]
+        # Then the server has two groups (the other server's four do not count), and verify
+        # checks a live marker of each
+        assert mk.dp_groups(newest, found) == 2
+        check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
+        assert check.ok and check.detail.startswith("2 DP groups of server process "), check
+        # When rank 1's engine dies, then the count stays two, and verify names the dead one
+        p1, pid1 = procs[1]
+        p1.kill()
+        p1.wait()
+        assert mk.dp_groups(newest, mk.markers(tmp_path)) == 2
+        check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
+        assert not check.ok and "DP group 1 of 2" in check.detail and str(pid1) in check.detail
+    finally:
+        for p, _ in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_vllm_server_start_is_its_id_not_its_writers_parent(tmp_path: Path) -> None:
+    # Given the markers of vLLM's DP ranks: one server id, each writer the child of its own
+    # engine core; and a later server start whose writer has a parent pid seen before
+    def marker(sid: str, ppid: int, rank: int) -> mk.Marker:
+        info = {"server_id": sid, "ppid": ppid, "attn_dp_rank": rank, "dp_groups": 1}
+        return mk.Marker(tmp_path / f"{c.READY_PREFIX}{ppid}{rank}", info, mk.UNKNOWN, "")
+
+    rank0, rank1, later = marker("e1", 10, 0), marker("e1", 11, 1), marker("e2", 10, 0)
+    # Then the ranks are one server start of two groups, and the later start is another
+    assert rank0.server == rank1.server != later.server
+    assert mk.dp_groups(rank0, [rank0, rank1, later]) == 2
+    assert mk.dp_groups(later, [rank0, rank1, later]) == 1
