@@ -33,10 +33,19 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
          "rope_theta": 10000.0}
 
 
-def ensure_tiny_deepseek(cache_dir: Path, tokenizer_dir: Path) -> Path:
-    """Build the model once into ``cache_dir`` (atomically); returns its directory."""
-    return _build_once(cache_dir / f"tiny-deepseek-v3-{VERSION}",
-                       lambda tmp: _build(tmp, tokenizer_dir))
+# vLLM's CPU MLA kernels compile only for DeepSeek's latent cache row (kv_lora_rank 512 +
+# qk_rope_head_dim 64 = 576): the same model with those two sizes (tests/vllm/test_deepseek.py)
+VLLM_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def ensure_tiny_deepseek(cache_dir: Path, tokenizer_dir: Path, vllm_latent: bool = False
+                         ) -> Path:
+    """Build the model once into ``cache_dir`` (atomically); returns its directory.
+    ``vllm_latent``: with ``VLLM_LATENT``'s sizes, in a directory of its own."""
+    suffix = "-vllm" if vllm_latent else ""
+    return _build_once(cache_dir / f"tiny-deepseek-v3-{VERSION}{suffix}",
+                       lambda tmp: _build(tmp, tokenizer_dir,
+                                          VLLM_LATENT if vllm_latent else {}))
 
 
 def ensure_tiny_kimi(cache_dir: Path, tokenizer_dir: Path) -> Path:
@@ -98,7 +107,7 @@ def _build_kimi(out: Path, deepseek: Path) -> None:
               str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _build(out: Path, tokenizer_dir: Path) -> None:
+def _build(out: Path, tokenizer_dir: Path, sizes: dict[str, int] | None = None) -> None:
     import torch
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -108,7 +117,8 @@ def _build(out: Path, tokenizer_dir: Path) -> None:
     config = DeepseekV3Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        **{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 16, **(sizes or {})},
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, max_position_embeddings=4096, rope_parameters=dict(_YARN),

@@ -54,6 +54,8 @@ class LiveVllm:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     python: str = VLLM_PYTHON
+    aux_ids: list[int] = field(default_factory=lambda: list(AUX_IDS))
+    last_id: int = 6  # hidden_state: the final norm of this id's state (the model's layers)
     via_script: bool = False  # started by ops/launch-vllm.sh, as an operator would
     proc: subprocess.Popen[bytes] | None = None
     _log_from: int = 0
@@ -68,7 +70,7 @@ class LiveVllm:
             return ["bash", str(LAUNCH_SCRIPT), "--", *CPU_FLAGS, *self.extra]
         spec = {"method": METHOD, "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {
-                    "eagle_aux_hidden_state_layer_ids": [*AUX_IDS, 6]}}}
+                    "eagle_aux_hidden_state_layer_ids": [*self.aux_ids, self.last_id]}}}
         kv = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer"}
         return [self.python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
@@ -85,7 +87,7 @@ class LiveVllm:
             env.pop(ENV_DUMP_DIR)
             env.update({"FARM_MODEL_PATH": str(self.model), "FARM_DUMP_DIR": str(self.dumps),
                         "FARM_SERVER_URL": self.url, "FARM_MAX_TOKENS": "2047", "TP": "1",
-                        "FARM_LAYERS_TO_CAPTURE": " ".join(map(str, AUX_IDS)),
+                        "FARM_LAYERS_TO_CAPTURE": " ".join(map(str, self.aux_ids)),
                         "PYTHON": self.python, **self.env})
         t0 = time.monotonic()
         self._log_from = self.log.stat().st_size if self.log.exists() else 0

@@ -15,8 +15,7 @@ from engine_dump import contracts as c
 from tests.vllm.conftest import measured
 from tests.vllm.live import AUX_IDS, LiveVllm, wait_dump
 
-L = 6
-LAYER_NAMES = [f"aux id {k}" for k in AUX_IDS] + [f"hidden_state (norm of id {L})"]
+L = 6  # the tiny Llama's layers: hidden_state is the norm of id L's state
 BF16_TOLERANCE = 2.0**-8  # per token: bf16's own rounding (8 significant bits) stays below it
 
 
@@ -79,17 +78,28 @@ class Errors:
     """Per-token relative errors of one case, layer by layer, and bf16 steps off."""
 
     case: str
-    errors: list[list[torch.Tensor]] = field(default_factory=lambda: [[] for _ in LAYER_NAMES])
-    rounded: list[list[torch.Tensor]] = field(default_factory=lambda: [[] for _ in LAYER_NAMES])
+    aux_ids: list[int] = field(default_factory=lambda: list(AUX_IDS))
+    last_id: int = L
+    errors: list[list[torch.Tensor]] = field(default_factory=list)
+    rounded: list[list[torch.Tensor]] = field(default_factory=list)
     equal: int = 0
     values: int = 0
     worst_ulps: int = 0
     tokens: int = 0
 
+    def __post_init__(self) -> None:
+        self.errors = [[] for _ in self.layer_names]
+        self.rounded = [[] for _ in self.layer_names]
+
+    @property
+    def layer_names(self) -> list[str]:
+        return ([f"aux id {k}" for k in self.aux_ids]
+                + [f"hidden_state (norm of id {self.last_id})"])
+
     def add(self, dump: dict[str, torch.Tensor], ids: list[int], model: Path) -> None:
-        post, pre, inputs = reference(model, ids, AUX_IDS)
+        post, pre, inputs = reference(model, ids, self.aux_ids)
         n, h = len(ids), post.shape[1]
-        got = [*dump[c.T_AUX].view(n, len(AUX_IDS), h).unbind(1), dump[c.T_HIDDEN]]
+        got = [*dump[c.T_AUX].view(n, len(self.aux_ids), h).unbind(1), dump[c.T_HIDDEN]]
         for i, (g, want) in enumerate(zip(got, [*inputs, post], strict=True)):
             self.errors[i].append(rel_errors(g, want))
             self.rounded[i].append(rel_errors(g, want.to(torch.bfloat16)))
@@ -103,7 +113,7 @@ class Errors:
         self.tokens += n
 
     def report(self) -> None:
-        for name, errs, rounded in zip(LAYER_NAMES, self.errors, self.rounded, strict=True):
+        for name, errs, rounded in zip(self.layer_names, self.errors, self.rounded, strict=True):
             e, r = torch.cat(errs), torch.cat(rounded)
             measured(f"{self.case:<36} {name:<30} max {float(e.max()):.2e}  "
                      f"mean {float(e.mean()):.2e}  (vs bf16(hf): max {float(r.max()):.1e}  "
