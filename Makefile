@@ -26,7 +26,7 @@ TRAINERS := specforge modelopt speculators
 TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
 TDATA := .trainer-data
 
-.PHONY: demo test side-tests test-unit test-state test-farm test-tiers test-sglang test-vllm test-live \
+.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-vllm test-live \
 	test-trainers trainer-data build-side-venvs \
 	lint system-deps test-system-deps clean
 
@@ -130,13 +130,6 @@ test-sglang: | lint build-side-venvs
 test-live: | test-sglang
 $(TDATA)/.complete test-trainers: | test-live
 endif
-
-# The side lines of make test, in their order (without the tiers)
-side-tests: lint build-side-venvs
-	$(MAKE) test-sglang
-	$(MAKE) test-live
-	$(MAKE) trainer-data test-trainers
-	$(MAKE) test-vllm
 
 build-side-venvs: $(SGSTAMP) $(VLSTAMP) $(TRAINER_STAMPS)
 
