@@ -10,6 +10,7 @@ tests/vllm/test_cpu_rope.py; used by tests/vllm/test_deepseek.py.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -44,9 +45,11 @@ def rope_reference(positions: torch.Tensor, x: torch.Tensor, base: float,
 
 def use_native_rope() -> None:
     """Make vLLM's rotary embeddings built from now on use ``forward_native`` on CPU."""
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    _send_to_native(importlib.import_module(ROPE_MODULE))
 
-    RotaryEmbedding.forward_cpu = RotaryEmbedding.forward_native
+
+def _send_to_native(rope_module: ModuleType) -> None:
+    rope_module.RotaryEmbedding.forward_cpu = rope_module.RotaryEmbedding.forward_native
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -65,7 +68,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run(module)
-            module.RotaryEmbedding.forward_cpu = module.RotaryEmbedding.forward_native
+            _send_to_native(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

@@ -27,7 +27,8 @@ from pathlib import Path
 from engine_dump import contracts as c
 from vllm_hook.layout import CONNECTOR_NAME, ENV_DUMP_DIR, METHOD, RID_PARAM
 
-AUX_IDS = [2, 3, 5]  # of the 6-layer tiny model; with L = 6 for hidden_state
+AUX_IDS = [2, 3, 5]  # of the 6-layer tiny model
+LAST_ID = 6  # hidden_state: the final norm of this id's state (the tiny model's layers)
 FIRST_ORDINARY_ID = 6  # the tiny tokenizer's special tokens come first
 START_TIMEOUT_S = 600
 LAUNCH_SCRIPT = Path(__file__).resolve().parents[2] / "ops" / "launch-vllm.sh"
@@ -55,7 +56,7 @@ class LiveVllm:
     port: int = field(default_factory=free_port)
     python: str = VLLM_PYTHON
     aux_ids: list[int] = field(default_factory=lambda: list(AUX_IDS))
-    last_id: int = 6  # hidden_state: the final norm of this id's state (the model's layers)
+    last_id: int = LAST_ID
     via_script: bool = False  # started by ops/launch-vllm.sh, as an operator would
     proc: subprocess.Popen[bytes] | None = None
     _log_from: int = 0

@@ -13,9 +13,8 @@ from safetensors.torch import load_file
 
 from engine_dump import contracts as c
 from tests.vllm.conftest import measured
-from tests.vllm.live import AUX_IDS, LiveVllm, wait_dump
+from tests.vllm.live import AUX_IDS, LAST_ID, LiveVllm, wait_dump
 
-L = 6  # the tiny Llama's layers: hidden_state is the norm of id L's state
 BF16_TOLERANCE = 2.0**-8  # per token: bf16's own rounding (8 significant bits) stays below it
 
 
@@ -79,7 +78,7 @@ class Errors:
 
     case: str
     aux_ids: list[int] = field(default_factory=lambda: list(AUX_IDS))
-    last_id: int = L
+    last_id: int = LAST_ID
     errors: list[list[torch.Tensor]] = field(default_factory=list)
     rounded: list[list[torch.Tensor]] = field(default_factory=list)
     equal: int = 0

@@ -24,8 +24,8 @@ import torch
 from engine_dump import contracts as c
 from engine_dump import fp8 as codec
 from tests.vllm.conftest import measured
-from tests.vllm.live import AUX_IDS, LiveVllm, prompt, send_all, vocab, wait_dump
-from tests.vllm.reference import Errors, L, dump_of, load_file_metadata, reference, rel_errors
+from tests.vllm.live import AUX_IDS, LAST_ID, LiveVllm, prompt, send_all, vocab, wait_dump
+from tests.vllm.reference import Errors, dump_of, load_file_metadata, reference, rel_errors
 from vllm_hook.layout import ENV_DUMP_DIR, RID_PARAM
 from worker.core import fp8 as farm_fp8
 
@@ -126,7 +126,7 @@ def test_ready_marker_says_what_the_hook_serves(plain: LiveVllm) -> None:
     info = json.loads(markers[0].read_text())
     assert info["engine"] == "vllm" and info["vllm_version"].startswith("0.32.")
     assert info["server_version"] == f"vllm-{info['vllm_version']}"
-    assert info["layers_to_capture"] == AUX_IDS and info["hidden_state_of_id"] == L
+    assert info["layers_to_capture"] == AUX_IDS and info["hidden_state_of_id"] == LAST_ID
     assert info["hidden_size"] == 128 and info["tp_size"] == 1
     assert info["dump_dtype"] == c.DTYPE_BF16
     assert info["model_path"] == str(plain.model)
