@@ -82,8 +82,9 @@ def parse_rid(rid: object) -> Rid | None:
 def rid_of_file(name: str) -> Rid | None:
     """The rid a dump dir entry belongs to: ``<rid>.safetensors``, ``<rid>.err`` or the
     hook's temp file ``.<rid>.tmp.<pid>``; None for any other name."""
-    if name.startswith(".") and TMP_MARK in name:
-        return parse_rid(name[1:].split(TMP_MARK, 1)[0])
+    if is_temp_name(name):
+        # the writer's part follows the last mark: the key itself may hold one
+        return parse_rid(name[1:].rsplit(TMP_MARK, 1)[0])
     for suffix in (DUMP_SUFFIX, ERR_SUFFIX):
         if name.endswith(suffix):
             return parse_rid(name[: -len(suffix)])
@@ -249,7 +250,10 @@ def err_path(dump_dir: Path, rid: str) -> Path:
 
 
 def is_temp_name(name: str) -> bool:
-    return TMP_MARK in name
+    """True for a temp file of ours: a hidden name (no sample key, rid or run file starts
+    with a dot) holding ``TMP_MARK``. A key may itself contain ``.tmp.`` (``a.tmp.b`` is a
+    valid record id): its final file is never taken for a temp file."""
+    return name.startswith(".") and TMP_MARK in name
 
 
 # --- fingerprint -----------------------------------------------------------------------------

@@ -477,8 +477,8 @@ def _writer_pid(name: str) -> int | None:
     """The pid in a ready marker's or a hook temp file's name; None for any other file."""
     if name.startswith(c.READY_PREFIX):
         field = name[len(c.READY_PREFIX):]
-    elif name.startswith(".") and c.is_temp_name(name):
-        field = name.split(c.TMP_MARK, 1)[1]
+    elif c.is_temp_name(name):
+        field = name.rsplit(c.TMP_MARK, 1)[1]
     else:
         return None
     digits = field.split(".", 1)[0]

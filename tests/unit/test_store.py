@@ -364,3 +364,34 @@ def test_parts_from_a_file_are_checked_and_checksummed_as_copied(tmp_path: Path)
             store.write("k2", parts, {M_CONTENT: "h"}, validate=bad)
     files = sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert files == ["k.safetensors", "manifest.json"]
+
+
+def test_a_key_holding_the_temp_mark_is_a_final_file_never_a_temp_file(tmp_path: Path) -> None:
+    # Given finished samples whose keys hold the temp mark (valid record ids), aged past any
+    # temp file's age limit, and a dead writer's real temp file of one of them
+    from worker.core import liveness
+    from worker.state import hosts
+
+    store = OutputStore(tmp_path, _fp()).open()
+    keys = ["a.tmp.b", "x.tmp.1234", "rec.tmp.host.m1.99.abcd", "plain"]
+    for key in keys:
+        assert c.is_user_sample_key(key)
+        path = store.write(key, _tensors(), {M_CONTENT: "h"})
+        os.utime(path, (1, 1))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    final = store.final_path("a.tmp.b")
+    stale = final.with_name(f".{final.name}{c.TMP_MARK}{liveness.temp_tag('abcd1234', dead.pid)}")
+    stale.write_bytes(b"partial")
+    # When a worker starts (stale temp cleanup with any age limit)
+    store.clean_stale_temp(max_age_s=0)
+    # Then every final file is kept and verifies, the dead writer's temp file is gone, and
+    # the run's file walks (hosts, adopt, training) see all of them
+    assert not stale.exists()
+    for key in keys:
+        store.verify(key, "h")
+    assert sorted(p.name for p in hosts._final_files(tmp_path)) == sorted(
+        f"{k}{c.DUMP_SUFFIX}" for k in keys)
+    assert not any(c.is_temp_name(f"{k}{c.DUMP_SUFFIX}") for k in keys)
+    assert c.rid_of_file(f".{c.make_rid('a.tmp.b', 1, 5)}{c.TMP_MARK}4242") == c.parse_rid(
+        c.make_rid("a.tmp.b", 1, 5))

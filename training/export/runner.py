@@ -233,7 +233,7 @@ def _count(summary: ExportSummary, key: str, result: _Outcome | str) -> None:
 
 def _remove_dead_temps(dest: Path) -> None:
     """Temp files left by an export that was killed (this host, writer gone)."""
-    for p in dest.rglob(f"*{c.TMP_MARK}*"):
+    for p in dest.rglob(f".*{c.TMP_MARK}*"):
         if outdir.temp_writer_dead(p.name):
             p.unlink(missing_ok=True)
 

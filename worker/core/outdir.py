@@ -55,5 +55,5 @@ def temp_tag() -> str:
 
 def temp_writer_dead(name: str) -> bool:
     """True if a temp file's name says it was written by a process of this machine now gone."""
-    parts = name.split(TMP_MARK, 1)
-    return len(parts) == 2 and liveness.temp_writer_gone(parts[1])
+    parts = name.rsplit(TMP_MARK, 1)
+    return c.is_temp_name(name) and liveness.temp_writer_gone(parts[1])

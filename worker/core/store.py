@@ -360,7 +360,7 @@ class OutputStore:
         or it is older than ``max_age_s`` (writers on other machines sharing the directory).
         """
         removed = 0
-        for p in self.out_dir.rglob(f"*{outdir.TMP_MARK}*"):
+        for p in self.out_dir.rglob(f".*{outdir.TMP_MARK}*"):
             try:
                 if outdir.temp_writer_dead(p.name) or time.time() - p.stat().st_mtime > max_age_s:
                     p.unlink()
