@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from producer.status import Status
+from worker.core.units import size_text
 
 SHOW_RETRYING = 20  # retrying samples listed by name (the count is always shown)
 
@@ -25,13 +26,6 @@ def duration(seconds: float | None) -> str:
     return f"{minutes}m{s:02d}s" if minutes else f"{s}s"
 
 
-def size(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def render(st: Status, run_id: str, source: str) -> list[str]:
     """The text of ``status``: progress, broker, speed, time, pauses, retrying, finished."""
     pct = 100.0 * st.done / st.total if st.total else 0.0
@@ -43,7 +37,7 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
         f"broker    queued {st.queued}, unacked {st.unacked} (delivered, not yet acknowledged)"
         f"; running {st.running}, retrying {st.retrying}"
         + (f" ({st.pruned_running} stale running entries removed)" if st.pruned_running else ""),
-        f"speed     {_speed(st)}; {size(st.bytes)} written",
+        f"speed     {_speed(st)}; {size_text(st.bytes)} written",
         f"time      elapsed {duration(st.elapsed_s)}, ETA {_eta(st)}",
     ]
     if st.admission:
@@ -87,7 +81,7 @@ def host_lines(per_host: list[dict[str, Any]]) -> list[str]:
 def _speed(st: Status) -> str:
     if not st.rate_window_s:
         return "no sample done yet"
-    return (f"{st.rate_per_s:.2f} samples/s, {size(st.bytes_per_s)}/s "
+    return (f"{st.rate_per_s:.2f} samples/s, {size_text(st.bytes_per_s)}/s "
             f"(over the last {duration(st.rate_window_s)})")
 
 

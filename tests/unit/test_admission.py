@@ -152,7 +152,7 @@ def test_under_dp_attention_the_in_flight_default_is_per_group_and_the_budget_pe
                           None).max_in_flight == 8
     # And describe() says the layout
     assert lim.describe().startswith("in-flight max 64 (8 per DP group × 8 DP groups), dump "
-                                     "budget 30.07 GB for the host")
+                                     "budget 30.1 GB for the host")
     assert resolve_limits(s, 7168, None, None).describe().startswith(
         "in-flight max 8, dump budget")
 

@@ -33,6 +33,7 @@ from worker.core import checksums, durable, outdir
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.setaside import removed_by_key
 from worker.core.store import free_bytes, is_no_space
+from worker.core.units import size_text
 
 MARGIN_BYTES = 64 << 20
 # Samples exported at once: one sample's CPU work (the save's page faults, speculators'
@@ -268,8 +269,8 @@ def check_space(info: RunInfo, dest: Path, out_dir: Path, pending: list[Path],
     free = free_bytes(dest)
     if need > free:
         raise ConfigError(
-            f"{dest} has {free / 1e9:.2f} GB free; exporting {len(pending)} samples needs "
-            f"about {need / 1e9:.2f} GB: {(need - free) / 1e9:.2f} GB missing. Free space, or "
+            f"{dest} has {size_text(free)} free; exporting {len(pending)} samples needs "
+            f"about {size_text(need)}: {size_text(need - free)} missing. Free space, or "
             "pass --delete-source (each source removed once its export verified"
             f"{'' if same_fs else '; DEST must then be on the same file system'})")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
+from worker.core.units import size_text
 
 SOFT_MARGIN_MAX_S = 20.0  # the soft limit comes this much (at most a fifth) before the hard
 
@@ -58,7 +59,7 @@ def check_visibility(settings: Settings, bytes_per_token: int) -> None:
         return
     raise ConfigError(
         f"a sample of FARM_MAX_TOKENS={settings.max_tokens} tokens "
-        f"({settings.max_tokens * bytes_per_token / 1e9:.2f} GB of hidden states) gets a time "
+        f"({size_text(settings.max_tokens * bytes_per_token)} of hidden states) gets a time "
         f"limit of {longest.hard_s:.0f}s (FARM_TASK_TIME_LIMIT_S={settings.task_time_limit_s:g}"
         f" + its bytes at FARM_MIN_SAMPLE_BYTES_PER_S={settings.min_sample_bytes_per_s:g}); "
         f"with FARM_RETRY_BACKOFF_MAX_S that is {need_s:.0f}s, not under "

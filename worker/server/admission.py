@@ -26,6 +26,7 @@ from engine_dump.engines import dp_groups
 from worker.core.dp_routing import NO_GROUP, SERVER, choose_group
 from worker.core.errors import BadInput, NoSpace, Transient
 from worker.core.settings import Settings
+from worker.core.units import size_text
 from worker.server.client import ServerClient
 
 SLOT_DIR = ".hsfarm-slots"
@@ -49,9 +50,9 @@ class Limits:
             per = self.max_in_flight / self.dp_groups
             return (f"in-flight max {self.max_in_flight} ({per:g} per DP group × "
                     f"{self.dp_groups} DP groups), dump budget "
-                    f"{self.dump_budget_bytes / 1e9:.2f} GB for the host ({self.source})")
+                    f"{size_text(self.dump_budget_bytes)} for the host ({self.source})")
         return (f"in-flight max {self.max_in_flight}, dump budget "
-                f"{self.dump_budget_bytes / 1e9:.2f} GB ({self.source})")
+                f"{size_text(self.dump_budget_bytes)} ({self.source})")
 
 
 def dump_bytes_per_token(hidden_size: int, dtype: str = c.DTYPE_BF16) -> int:
@@ -217,8 +218,8 @@ class Admission:
             return
         fits_tokens = fs_bytes // self.limits.bytes_per_token
         raise NoSpace(
-            f"a dump of {tokens} tokens needs {dump_bytes / 1e9:.2f} GB; the dump dir's file "
-            f"system holds {fs_bytes / 1e9:.2f} GB in all. Mount a larger tmpfs (mount -o "
+            f"a dump of {tokens} tokens needs {size_text(dump_bytes)}; the dump dir's file "
+            f"system holds {size_text(fs_bytes)} in all. Mount a larger tmpfs (mount -o "
             f"remount,size={math.ceil(dump_bytes * 1.25 / 2**30)}G <dump dir's mount>, on the "
             f"server's host too) or set FARM_MAX_TOKENS to at most {fits_tokens} (another "
             "run), then enqueue --retry-failed",
