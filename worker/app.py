@@ -1,4 +1,6 @@
-"""The Celery app, configured by DESIGN.md's reliability rules. Only the app lives here.
+"""The Celery app, configured so that no message is lost: acknowledged late, rejected when its
+worker is lost, one prefetched, JSON only, a hard time limit under Redis' visibility timeout.
+Only the app lives here.
 
 ``create_app(settings)`` builds a ``FarmApp``: its bootsteps read ``.settings`` and the run's
 ``.context`` (set by worker/startup.py) from the app they are given. ``app``, the worker's

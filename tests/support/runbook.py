@@ -1,7 +1,10 @@
-"""The commands ops/RUNBOOK.md tells a person to run, as both halves of test_runbook read them.
+"""The commands the guide and the reference pages tell a person to run, as the tests read them.
 
-From the runbook's ``sh`` code blocks and its inline code that starts like a command, one
-``Command`` per simple command; ``RUNNABLE``: the lines this machine can run (not ``NOT_RUN``).
+From a page's shell code blocks and its inline code that starts like a command, one ``Command``
+per simple command. ``COMMANDS``: ops/RUNBOOK.md's (its blocks are ``sh`` or ``text`` only);
+``DOC_COMMANDS``: every page's (README.md, the runbook, docs/), checked, never run; ``RUNNABLE``: the runbook lines this machine can run
+(not ``NOT_RUN``). Inline code that names a producer command alone (`` `status --failures` ``)
+is read as ``python -m producer status --failures``: a person types it so.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOK = ROOT / "ops" / "RUNBOOK.md"
+DOC_PAGES = [ROOT / "README.md", RUNBOOK, *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND_START = re.compile(r"^(?:[A-Z_]+=\S+ )*(python -m |ops/\S+\.sh|systemctl |journalctl "
                            r"|celery |docker compose )")
+# A producer command named alone in prose: `status --failures`, `enqueue --limit 50`
+PRODUCER_ALONE = re.compile(r"^(enqueue|status|audit|adopt|index|export|dashboard|settings|demo)"
+                            r" --?[a-z]")
+SHELL_BLOCKS = ("", "sh", "bash", "shell", "console")
 
 # Runnable here but not run: each starts something for good, or is run elsewhere.
 NOT_RUN = {"ops/launch-sglang.sh": "starts SGLang (its --dry-run runs here)",
@@ -60,6 +68,23 @@ def split_commands(line: str) -> list[list[str]]:
     return [words for words in out if words]
 
 
+def page_commands(page: Path) -> list[Command]:
+    """Every command ``page`` quotes: its shell blocks' lines that start like a command (a
+    continued line joined), and its inline code that does."""
+    text = page.read_text()
+    blocks = re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, re.M | re.S)
+    block_lines = [x.strip() for lang, body in blocks if lang in SHELL_BLOCKS
+                   for x in body.replace("\\\n", " ").splitlines()]
+    lines = [x for x in block_lines if COMMAND_START.match(x)]
+    prose = re.sub(r"^ *```.*?^ *```", "", text, flags=re.M | re.S)
+    for x in re.findall(r"`([^`\n]+)`", prose):
+        if COMMAND_START.match(x):
+            lines.append(x)
+        elif PRODUCER_ALONE.match(x):
+            lines.append(f"python -m producer {x}")
+    return _commands(lines)
+
+
 def runbook_commands() -> list[Command]:
     text = RUNBOOK.read_text()
     blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
@@ -68,6 +93,10 @@ def runbook_commands() -> list[Command]:
     lines = [x for lang, body in blocks if lang == "sh" for x in body.splitlines()]
     prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
     lines += [x for x in re.findall(r"`([^`\n]+)`", prose) if COMMAND_START.match(x)]
+    return _commands(lines)
+
+
+def _commands(lines: list[str]) -> list[Command]:
     cmds = []
     for line in lines:
         for words in split_commands(line):
@@ -78,6 +107,7 @@ def runbook_commands() -> list[Command]:
     return cmds
 
 COMMANDS = runbook_commands()
+DOC_COMMANDS = [c for page in DOC_PAGES for c in page_commands(page)]
 
 
 def runnable(cmd: Command) -> bool:
