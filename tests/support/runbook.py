@@ -2,9 +2,10 @@
 
 From a page's shell code blocks and its inline code that starts like a command, one ``Command``
 per simple command. ``COMMANDS``: ops/RUNBOOK.md's (its blocks are ``sh`` or ``text`` only);
-``DOC_COMMANDS``: every page's (README.md, the runbook, docs/), checked, never run; ``RUNNABLE``: the runbook lines this machine can run
-(not ``NOT_RUN``). Inline code that names a producer command alone (`` `status --failures` ``)
-is read as ``python -m producer status --failures``: a person types it so.
+``DOC_COMMANDS``: every page's (README.md, the runbook, docs/), checked, never run;
+``RUNNABLE``: the runbook lines this machine can run (not ``NOT_RUN``). Inline code that names
+a producer command alone (`` `status --failures` ``) is read as
+``python -m producer status --failures``: a person types it so.
 """
 
 from __future__ import annotations

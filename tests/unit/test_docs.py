@@ -48,7 +48,7 @@ def test_the_readme_is_a_guide_not_a_manual() -> None:
 
 TOP_DIRS = ("docs", "ops", "worker", "producer", "engine_dump", "sglang_patch", "vllm_hook",
             "training", "tests", "bench", "examples")
-REPO_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\w)(\.\*)?" % "|".join(TOP_DIRS))
+REPO_PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP_DIRS) + r")/[\w./-]*\w)(\.\*)?")
 MD_NAME = re.compile(r"(?<![\w./-])([A-Za-z][\w-]*\.md)\b")
 README_SECTION = re.compile(r"README(?:'s|,)? (?:section )?\"([^\"]+)\"")
 # Paths of other projects that look like ours, with whose they are

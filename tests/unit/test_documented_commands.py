@@ -57,10 +57,10 @@ def _missing(flags: list[str], help_text: str) -> list[str]:
 def _check_module(cmd: Command) -> None:
     module, rest = cmd.argv[2], list(cmd.argv[3:])
     argv: tuple[str, ...] = (sys.executable, "-m", module)
-    if module in WITH_SUBCOMMANDS and rest[:1] != ["…"]:  # `python -m producer …`: the program
-        if rest:
-            assert rest[0] not in PLACEHOLDERS, f"no subcommand: {cmd.line}"
-            argv += (rest.pop(0),)
+    # `python -m producer` or `python -m producer …` alone names the program
+    if module in WITH_SUBCOMMANDS and rest and rest[0] != "…":
+        assert rest[0] not in PLACEHOLDERS, f"no subcommand: {cmd.line}"
+        argv += (rest.pop(0),)
     text = _help(argv)
     assert not _missing(_flags(rest), text), \
         f"{cmd.line}: no such flag {_missing(_flags(rest), text)} in `{' '.join(argv[2:])}`"
