@@ -62,20 +62,49 @@ def stop_worker(reason: str) -> None:
 
 
 def _wait_for_redis(settings: Settings) -> redis.Redis:
+    """Until Redis answers a ping. A worker that has never reached it waits at most
+    ``redis_start_wait_s``: a mistyped ``REDIS_URL`` or a refused password never heals by
+    itself, and a worker waiting forever looks healthy to systemd. Once connected, an outage
+    pauses the work instead (``steps/outage.py``).
+
+    Raises:
+        ConfigError: the URL is an open door, Redis refuses our credentials, or it did not
+            answer within ``redis_start_wait_s``: each with the URL (password masked) and the fix.
+    """
     allowed = broker.check_auth(settings)  # an open door stops the worker here (exit 2)
     if allowed:
         log.warning("%s", allowed)
     r = broker.client(settings)
     said = -math.inf
+    deadline = time.monotonic() + settings.redis_start_wait_s
     while True:
         try:
             r.ping()
             return r
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
+            raise ConfigError(_redis_refused(settings, e)) from e
         except redis.RedisError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(_redis_unreachable(settings, e)) from e
             if time.monotonic() - said > 30:
                 said = time.monotonic()
-                log.warning("waiting for Redis at %s: %s", broker.where(settings), e)
+                log.warning("waiting for Redis at %s (at most %.0f s more): %s",
+                            broker.where(settings), deadline - time.monotonic(), e)
             time.sleep(1.0)
+
+
+def _redis_refused(settings: Settings, e: Exception) -> str:
+    return (f"Redis at {broker.where(settings)} refuses this worker's credentials ({e}): fix "
+            "the user or password in REDIS_URL (/etc/hsfarm/env; python -m producer settings "
+            "shows what the worker reads)")
+
+
+def _redis_unreachable(settings: Settings, e: Exception) -> str:
+    return (f"Redis at {broker.where(settings)} did not answer within "
+            f"{settings.redis_start_wait_s:.0f} s of this worker's start ({e}): check REDIS_URL "
+            "(host, port, database; python -m producer settings shows what the worker reads) "
+            "and that Redis runs there (systemctl status hsfarm-redis, or ops/start-redis.sh); "
+            "FARM_REDIS_START_WAIT_S waits longer for a Redis that starts after the workers")
 
 
 def _wait_for_hook(settings: Settings) -> dict[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from producer.localfarm.farm import wait_until
+from producer.localfarm.farm import free_port, wait_until
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import enqueue, failed, running_farm
 from worker.state.queue_scan import broker_depth
@@ -102,4 +102,36 @@ def test_a_first_start_on_a_server_capturing_other_layers_records_no_canary(
         wait_finished(farm, 20)
         assert not failed(farm)
         assert canary.path_in(farm.output_dir).exists()
+        assert_farm_invariants(farm, keys)
+
+
+def test_a_worker_that_never_reaches_redis_exits_2_with_the_fix(tmp_path: Path,
+                                                                tiny_model: Path) -> None:
+    with running_farm(tmp_path) as farm:
+        # Given samples queued in the run's Redis
+        keys = enqueue(farm, tmp_path, 4)
+        good_url = farm.redis_url or f"redis://127.0.0.1:{farm.redis_port}/0"
+        # When a worker starts with a mistyped REDIS_URL (a port where nothing listens) and a
+        # bounded start-up wait
+        farm.extra_env.update(REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
+                              FARM_REDIS_START_WAIT_S="3")
+        lost = farm.start_worker("lost", concurrency=1, wait=False)
+        wait_until(lambda: not lost.alive(), 90, "the worker without Redis to exit")
+        # Then it exits 2 (systemd does not restart it) naming the URL and the fix
+        assert lost.popen is not None and lost.popen.returncode == 2
+        log = lost.log.read_text()
+        assert "did not answer within 3 s" in log and "check REDIS_URL" in log, log[-2000:]
+        assert "FARM_REDIS_START_WAIT_S" in log and " ready." not in log
+        # When a worker's REDIS_URL names a user Redis refuses
+        farm.extra_env["REDIS_URL"] = good_url.replace("redis://", "redis://nobody:wrong@")
+        refused = farm.start_worker("refused", concurrency=1, wait=False)
+        wait_until(lambda: not refused.alive(), 60, "the refused worker to exit")
+        # Then it exits 2 at once, saying the credentials are refused
+        assert refused.popen is not None and refused.popen.returncode == 2
+        assert "refuses this worker's credentials" in refused.log.read_text()
+        # And nothing was taken: a worker with the right URL finishes every sample
+        farm.extra_env.pop("REDIS_URL")
+        assert broker_depth(farm.redis(), farm.queue()) == (4, 0)
+        farm.start_worker("w1", concurrency=1)
+        wait_finished(farm, 4)
         assert_farm_invariants(farm, keys)

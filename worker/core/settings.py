@@ -87,6 +87,9 @@ class Settings:
                                       "restart loses the queue)")
     allow_unauthenticated_redis: bool = _doc(False, "accept a `REDIS_URL` off this machine "
                                              "without a password (a private network you trust)")
+    redis_start_wait_s: float = _doc(120.0, "a worker's start: how long it waits for a Redis it "
+                                     "has never reached, then exits 2 naming `REDIS_URL` (an "
+                                     "outage after that pauses the work instead)")
     redis_ca_file: str = _doc("", "for a `rediss://` URL: the CA that signed Redis's "
                               "certificate (empty: the system's CAs; always verified)")
     redis_cert_file: str = _doc("", "for a `rediss://` URL: this client's certificate, when "
