@@ -24,6 +24,10 @@ parse_options() {
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
+# The farm's default FARM_MAX_TOKENS (worker/core/settings.py; tests/unit/test_ops.py keeps the
+# two equal): what the workers read when FARM_MAX_TOKENS is unset, so the server's context too.
+DEFAULT_MAX_TOKENS=8192
+
 failed=0
 ok()   { echo "OK    $*"; }
 warn() { echo "WARN  $*"; }
@@ -68,6 +72,47 @@ farm_settings() {
   fi
   LAYERS_RAW=${FARM_LAYERS_TO_CAPTURE:-}
   read -r -a layers <<<"${LAYERS_RAW//,/ }"
+}
+
+# layout_settings PREFIX (SGLANG or VLLM): the launcher's TP, DP and EP from PREFIX_TP,
+# PREFIX_DP and PREFIX_EP (their names in TPV, DPV, EPV, for messages). One env file serves both
+# launchers, and DP means two things: SGLang's attention-DP groups share one engine of TP GPUs,
+# vLLM's DP ranks are whole engines of TP GPUs each. Plain TP, DP and EP are refused: nothing
+# could tell which engine they were meant for.
+layout_settings() {
+  local v
+  for v in TP DP EP; do
+    if [ -n "${!v:-}" ]; then
+      echo "FAIL  $v=${!v} is not read: set ${1}_$v instead (each engine has its own layout" \
+           "variables in /etc/hsfarm/env: SGLANG_TP, SGLANG_DP, SGLANG_EP for SGLang;" \
+           "VLLM_TP, VLLM_DP for vLLM)" >&2
+      exit 2
+    fi
+  done
+  TPV=${1}_TP DPV=${1}_DP EPV=${1}_EP
+  TP=${!TPV:-8}
+  DP=${!DPV:-1}
+  EP=${!EPV:-}
+}
+
+# check_devices N WHAT: FAIL (and return 1) when this host cannot hold WHAT, a layout of N
+# devices: more than its GPUs or, with no GPU (a CPU engine: a rank per core at least), more
+# than its cores.
+check_devices() {
+  local gpus=0 cores
+  if command -v nvidia-smi >/dev/null; then
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  if [ "$gpus" -gt 0 ]; then
+    [ "$1" -gt "$gpus" ] || return 0
+    bad "$2 needs $1 GPUs, this host has $gpus"
+    return 1
+  fi
+  cores=$(nproc)
+  [ "$1" -gt "$cores" ] || return 0
+  bad "$2 needs $1 devices, and this host has no GPU (no nvidia-smi, or it lists none) and" \
+      "$cores CPU cores: run it on the GPU host"
+  return 1
 }
 
 check_model_dir() {

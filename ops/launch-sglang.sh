@@ -8,14 +8,16 @@
 #   FARM_LAYERS_TO_CAPTURE  three aux layer ids, e.g. "2 30 58" (default: SGLang's own)
 #   FARM_STORE_DTYPE        bf16 (default) or fp8_e4m3: the hook stores that, as the workers
 #                           expect (passed to the server as SGLANG_HS_DUMP_DTYPE)
-# and, for the launcher only: TP (tensor parallel size, default 8), DP (attention data-parallel
-# groups, default 1: with DP > 1, --attn-dp-size DP, SGLang 0.5.23's spelling of --dp-size DP
-# --enable-dp-attention; it must divide TP: each group's attention runs on TP/DP GPUs, with its
-# own scheduler and its own dump writer), EP (expert parallel size, default unset: --ep-size
-# EP; other MoE flags such as --moe-a2a-backend go after --), SGLANG_HOST (address to bind,
+# and, for the launcher only: SGLANG_TP (tensor parallel size, default 8), SGLANG_DP (attention
+# data-parallel groups, default 1: with SGLANG_DP > 1, --attn-dp-size, SGLang 0.5.23's spelling
+# of --dp-size --enable-dp-attention; it must divide SGLANG_TP: each group's attention runs on
+# TP/DP GPUs, with its own scheduler and its own dump writer), SGLANG_EP (expert parallel size,
+# default unset: --ep-size; other MoE flags such as --moe-a2a-backend go after --); plain TP,
+# DP and EP are refused (vLLM's DP means whole engines), SGLANG_HOST (address to bind,
 # default 127.0.0.1; 0.0.0.0 only inside a container network), PYTHON (SGLang's python,
 # default python3).
-# Checks first, one line each (OK, WARN or FAIL): the model dir, the install (python -m
+# Checks first, one line each (OK, WARN or FAIL): the model dir, the layout (refused when the
+# host has fewer GPUs than SGLANG_TP), the install (python -m
 # sglang_patch verify: SGLang, its plugin loader, hook targets, flags), the GPUs (refuses while
 # another process holds them, naming it and its systemd unit), the port, the dump dir (tmpfs;
 # its owner and mode: refused when another user owns it or others can write to it; ready
@@ -34,17 +36,15 @@ parse_options "$@"
 set -- ${rest[@]+"${rest[@]}"}
 
 farm_settings
-TP=${TP:-8}
-DP=${DP:-1}
-EP=${EP:-}
+layout_settings SGLANG
 HOST=${SGLANG_HOST:-127.0.0.1}
 
 check_model() {
   check_model_dir
-  if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "TP=$TP must be a positive integer"; return; fi
-  if ! [[ "$DP" =~ ^[1-9][0-9]*$ ]]; then bad "DP=$DP must be a positive integer"; return; fi
+  if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "$TPV=$TP must be a positive integer"; return; fi
+  if ! [[ "$DP" =~ ^[1-9][0-9]*$ ]]; then bad "$DPV=$DP must be a positive integer"; return; fi
   if [ -n "$EP" ] && ! [[ "$EP" =~ ^[1-9][0-9]*$ ]]; then
-    bad "EP=$EP must be a positive integer (or unset)"; return
+    bad "$EPV=$EP must be a positive integer (or unset)"; return
   fi
   if [ $((TP % DP)) -ne 0 ]; then
     local d fits=()
@@ -52,10 +52,11 @@ check_model() {
     local last=${fits[-1]}
     unset 'fits[-1]'
     local list="${fits[*]}"
-    bad "DP=$DP does not divide TP=$TP: each attention-DP group takes TP/DP GPUs; use" \
-        "DP=${list// /, }${list:+ or }$last"
+    bad "$DPV=$DP does not divide $TPV=$TP: each attention-DP group takes TP/DP GPUs; use" \
+        "$DPV=${list// /, }${list:+ or }$last"
     return
   fi
+  check_devices "$TP" "$TPV=$TP" || return 0
   local layout="TP $TP (no DP attention)"
   [ "$DP" -eq 1 ] || layout="TP $TP, $DP attention-DP groups of $((TP / DP)) GPU$(
     [ $((TP / DP)) -eq 1 ] || echo s) each"

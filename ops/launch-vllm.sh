@@ -10,13 +10,15 @@
 #   FARM_STORE_DTYPE        bf16 (default) or fp8_e4m3: the hook stores that, as the workers
 #                           expect (passed to the server as HSFARM_VLLM_DUMP_DTYPE)
 #   FARM_MAX_TOKENS         the longest sample: the server gets --max-model-len FARM_MAX_TOKENS+1
-#                           (vLLM decodes one token after the prompt); unset: the model's own
-# and, for the launcher only: TP (tensor parallel size, default 8), DP (vLLM data-parallel
-# ranks, default 1: --data-parallel-size DP; each rank is a whole engine on TP GPUs of its own,
-# so the host needs TP x DP GPUs; expert parallelism over them: -- --enable-expert-parallel),
-# VLLM_HOST (address to bind, default 127.0.0.1), PYTHON (vLLM's python, default python3).
+#                           (vLLM decodes one token after the prompt); unset: the farm's default
+#                           (8192), as the workers read it, never the model's own (256k: Kimi)
+# and, for the launcher only: VLLM_TP (tensor parallel size, default 8), VLLM_DP (vLLM
+# data-parallel ranks, default 1: --data-parallel-size; each rank is a whole engine on VLLM_TP
+# GPUs of its own, so the host needs TP x DP GPUs; expert parallelism over them: --
+# --enable-expert-parallel); plain TP, DP and EP are refused (SGLang's DP means attention
+# groups), VLLM_HOST (address to bind, default 127.0.0.1), PYTHON (vLLM's python, default python3).
 # Pipeline parallelism is refused: vLLM 0.32 does not carry DeepSeek-V3's or Kimi's aux
-# states across PP stages. Kimi-K2.5 on one 8-GPU host: TP=8 DP=1.
+# states across PP stages. Kimi-K2.5 on one 8-GPU host: VLLM_TP=8 VLLM_DP=1.
 # Checks first, one line each (OK, WARN or FAIL): the model dir, the install (python -m
 # vllm_hook verify: vLLM's version, its plugin loader registering HsfarmConnector, the vLLM
 # code the hook uses), the hook's layout (python -m vllm_hook launch-args: the aux ids and the
@@ -40,22 +42,21 @@ if [ -n "${HSFARM_VLLM_DUMP_DIR:-}" ] && [ "$HSFARM_VLLM_DUMP_DIR" != "$DUMP_DIR
        "set FARM_DUMP_DIR only (the workers read it too), and unset HSFARM_VLLM_DUMP_DIR" >&2
   exit 2
 fi
-TP=${TP:-8}
-DP=${DP:-1}
+layout_settings VLLM
 HOST=${VLLM_HOST:-127.0.0.1}
-MAX_TOKENS=${FARM_MAX_TOKENS:-}
+MAX_TOKENS=${FARM_MAX_TOKENS:-$DEFAULT_MAX_TOKENS}
 hook_args=()
 
 check_layout() {
   check_model_dir
-  if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "TP=$TP must be a positive integer"; return; fi
-  if ! [[ "$DP" =~ ^[1-9][0-9]*$ ]]; then bad "DP=$DP must be a positive integer"; return; fi
-  if [ -n "$MAX_TOKENS" ] && ! [[ "$MAX_TOKENS" =~ ^[1-9][0-9]*$ ]]; then
+  if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]]; then bad "$TPV=$TP must be a positive integer"; return; fi
+  if ! [[ "$DP" =~ ^[1-9][0-9]*$ ]]; then bad "$DPV=$DP must be a positive integer"; return; fi
+  if ! [[ "$MAX_TOKENS" =~ ^[1-9][0-9]*$ ]]; then
     bad "FARM_MAX_TOKENS=$MAX_TOKENS must be a positive integer"; return
   fi
-  if [ -n "${EP:-}" ]; then
-    warn "EP=$EP is not read by the vLLM launcher: vLLM's expert parallelism spans all TP x DP" \
-         "GPUs (-- --enable-expert-parallel)"
+  if [ -n "$EP" ]; then
+    warn "$EPV=$EP is not read by the vLLM launcher: vLLM's expert parallelism spans all TP x" \
+         "DP GPUs (-- --enable-expert-parallel)"
   fi
   local i pp=1 args=("$@")
   for ((i = 0; i < ${#args[@]}; i++)); do  # the hook reads one stage's blocks
@@ -67,19 +68,21 @@ check_layout() {
   if [ "$pp" != 1 ]; then
     bad "pipeline parallel size $pp: the hook reads the blocks of one stage, and vLLM 0.32" \
         "does not carry DeepSeek-V3's or Kimi's aux states across PP stages; drop it" \
-        "(Kimi-K2.5 on one 8-GPU host: TP=8)"; return
+        "(Kimi-K2.5 on one 8-GPU host: VLLM_TP=8)"; return
   fi
-  local gpus=""
-  if command -v nvidia-smi >/dev/null; then gpus=$(nvidia-smi -L 2>/dev/null | wc -l); fi
-  if [ -n "$gpus" ] && [ "$gpus" -gt 0 ] && [ $((TP * DP)) -gt "$gpus" ]; then
-    bad "TP=$TP x DP=$DP needs $((TP * DP)) GPUs (each vLLM data-parallel rank is a whole" \
-        "engine on TP GPUs), this host has $gpus"; return
+  local what="$TPV=$TP x $DPV=$DP (each vLLM data-parallel rank is a whole engine on TP GPUs)"
+  if check_devices $((TP * DP)) "$what"; then
+    local layout="TP $TP (no data parallelism)"
+    [ "$DP" -eq 1 ] || layout="TP $TP x DP $DP: $DP engines of $TP GPU$([ "$TP" -eq 1 ] \
+      || echo s) each, $((TP * DP)) GPUs"
+    ok "layout: $layout, --max-model-len $((MAX_TOKENS + 1)) (FARM_MAX_TOKENS + 1$(
+      [ -n "${FARM_MAX_TOKENS:-}" ] || echo ", the farm's default"))"
   fi
-  local layout="TP $TP (no data parallelism)"
-  [ "$DP" -eq 1 ] || layout="TP $TP x DP $DP: $DP engines of $TP GPU$([ "$TP" -eq 1 ] \
-    || echo s) each, $((TP * DP)) GPUs"
-  ok "layout: $layout${MAX_TOKENS:+, --max-model-len $((MAX_TOKENS + 1)) (FARM_MAX_TOKENS + 1)}"
-  [ -f "$MODEL/config.json" ] && command -v "$PY" >/dev/null || return 0
+  if ! [ -f "$MODEL/config.json" ] || ! command -v "$PY" >/dev/null; then
+    # the dry run's command still shows where they go, and why they are missing
+    hook_args=("<hook flags: python -m vllm_hook launch-args, once $MODEL/config.json and PYTHON=$PY are there>")
+    return 0
+  fi
   local out err
   err=$(mktemp)
   if out=$("$PY" -m vllm_hook launch-args --model-path "$MODEL" ${layers[@]:+--layers \
@@ -100,7 +103,7 @@ check_dump_dir
 
 parallel=(--tensor-parallel-size "$TP")
 [ "$DP" = 1 ] || parallel+=(--data-parallel-size "$DP")
-[ -z "$MAX_TOKENS" ] || parallel+=(--max-model-len "$((MAX_TOKENS + 1))")
+parallel+=(--max-model-len "$((MAX_TOKENS + 1))")
 # the hook's default is bf16: its variable is named only when it says something else
 server_env=("HSFARM_VLLM_DUMP_DIR=$DUMP_DIR")
 [ "$DUMP_DTYPE" = bfloat16 ] || server_env+=("HSFARM_VLLM_DUMP_DTYPE=$DUMP_DTYPE")

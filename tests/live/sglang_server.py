@@ -100,7 +100,7 @@ class LiveServer:
             env["SGLANG_HS_DUMP_DIR"] = str(self.dump_dir)
         if self.via_script:
             assert self.dump_dir is not None
-            env.update({"FARM_MODEL_PATH": str(self.model), "TP": str(self.tp),
+            env.update({"FARM_MODEL_PATH": str(self.model), "SGLANG_TP": str(self.tp),
                         "FARM_SERVER_URL": f"http://127.0.0.1:{self.port}",
                         "FARM_DUMP_DIR": str(self.dump_dir), "PYTHON": str(sglang_python())})
         if self.tp > 1:

@@ -95,7 +95,7 @@ def test_launcher_takes_verifys_verdict_not_its_stderr(tmp_path: Path, tiny_mode
         f'exec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
-                    FARM_SERVER_URL="http://127.0.0.1:9", TP="1", PYTHON=str(fake))
+                    FARM_SERVER_URL="http://127.0.0.1:9", SGLANG_TP="1", PYTHON=str(fake))
     out = sh("ops/launch-sglang.sh", "--dry-run", env=env).stdout
     assert "WARN  verify (stderr): FutureWarning: The pynvml package is deprecated" in out, out
     if verify_rc == 0:
@@ -122,8 +122,8 @@ def test_launcher_dry_run_with_dp_attention_and_expert_parallelism(tmp_path: Pat
     # Given Kimi-K2.5's layout on 8 GPUs: DP attention over 8 groups, and EP where asked
     fake = _verify_passes(tmp_path)
     env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
-                    FARM_SERVER_URL="http://127.0.0.1:9", TP="8", DP="8", EP="8",
-                    PYTHON=str(fake))
+                    FARM_SERVER_URL="http://127.0.0.1:9", SGLANG_TP="8", SGLANG_DP="8",
+                    SGLANG_EP="8", PYTHON=str(fake), PATH=_eight_gpus(tmp_path))
     # When the launcher's dry run looks, with an extra SGLang flag for the MoE all-to-all
     res = sh("ops/launch-sglang.sh", "--dry-run", "--", "--moe-a2a-backend", "deepep", env=env)
     # Then the command runs 8 attention-DP groups (SGLang 0.5.23's --attn-dp-size, what
@@ -136,18 +136,19 @@ def test_launcher_dry_run_with_dp_attention_and_expert_parallelism(tmp_path: Pat
     assert cmd.endswith("--trust-remote-code --moe-a2a-backend deepep"), cmd
     assert "--disable-radix-cache --disable-prefill-cuda-graph" in cmd
     # And without DP and EP, neither flag appears
-    plain = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "DP": "1", "EP": ""})
+    plain = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "SGLANG_DP": "1", "SGLANG_EP": ""})
     assert plain.returncode == 0, plain.stdout
     assert "OK    layout: TP 8 (no DP attention)" in plain.stdout
     assert "--attn-dp-size" not in plain.stdout and "--ep-size" not in plain.stdout
     # And a DP that does not divide TP is refused, with the sizes that do
-    bad = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "DP": "3"})
+    bad = sh("ops/launch-sglang.sh", "--dry-run", env={**env, "SGLANG_DP": "3"})
     assert bad.returncode == 1
-    assert ("FAIL  DP=3 does not divide TP=8: each attention-DP group takes TP/DP GPUs; use "
-            "DP=1, 2, 4 or 8") in bad.stdout, bad.stdout
+    assert ("FAIL  SGLANG_DP=3 does not divide SGLANG_TP=8: each attention-DP group takes TP/DP "
+            "GPUs; use SGLANG_DP=1, 2, 4 or 8") in bad.stdout, bad.stdout
     # And --help says so
     text = " ".join(sh("ops/launch-sglang.sh", "--help", env=clean_env()).stdout.split())
-    assert "DP (attention data-parallel groups" in text and "EP (expert parallel size" in text
+    assert "SGLANG_DP (attention data-parallel groups" in text
+    assert "SGLANG_EP (expert parallel size" in text
 
 
 def test_launcher_carries_the_store_dtype_to_the_server(tmp_path: Path,
@@ -155,7 +156,7 @@ def test_launcher_carries_the_store_dtype_to_the_server(tmp_path: Path,
     # Given the farm's settings asking for fp8 storage
     fake = _verify_passes(tmp_path)
     env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"),
-                    FARM_SERVER_URL="http://127.0.0.1:9", TP="1", PYTHON=str(fake),
+                    FARM_SERVER_URL="http://127.0.0.1:9", SGLANG_TP="1", PYTHON=str(fake),
                     FARM_STORE_DTYPE="fp8_e4m3")
     # When the launcher's dry run looks
     res = sh("ops/launch-sglang.sh", "--dry-run", env=env)
@@ -210,6 +211,15 @@ esac
 """
 
 
+def _eight_gpus(tmp_path: Path) -> str:
+    """A PATH whose nvidia-smi lists 8 GPUs (``FAKE_SMI``; none held unless ``HOLDERS``)."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir(exist_ok=True)
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    return f"{smi.parent}:{clean_env()['PATH']}"
+
+
 def _vllm_verify_passes(tmp_path: Path) -> Path:
     """vLLM's python, stood in (vLLM is not in this venv): its install checks PASS, and
     everything else (launch-args, dumpdir, markers) goes to this python."""
@@ -226,7 +236,7 @@ def _vllm_verify_passes(tmp_path: Path) -> Path:
 def _kimi_like(tmp_path: Path) -> Path:
     """A model dir whose config is Kimi-K2.5's shape: 61 layers, in a multimodal wrapper."""
     model = tmp_path / "kimi"
-    model.mkdir()
+    model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(
         {"architectures": ["KimiK25ForConditionalGeneration"],
          "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
@@ -235,7 +245,7 @@ def _kimi_like(tmp_path: Path) -> Path:
 
 def _vllm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     given = {"FARM_MODEL_PATH": str(_kimi_like(tmp_path)), "FARM_DUMP_DIR": str(tmp_path / "d"),
-             "FARM_SERVER_URL": "http://127.0.0.1:9",
+             "FARM_SERVER_URL": "http://127.0.0.1:9", "PATH": _eight_gpus(tmp_path),
              "PYTHON": str(_vllm_verify_passes(tmp_path))}
     return clean_env(**{**given, **extra})
 
@@ -245,13 +255,13 @@ def test_vllm_launcher_help_lists_the_farms_variables() -> None:
     assert res.returncode == 0 and res.stdout.startswith("Usage: ops/launch-vllm.sh")
     for name in ("FARM_MODEL_PATH", "FARM_DUMP_DIR", "FARM_SERVER_URL", "FARM_LAYERS_TO_CAPTURE",
                  "FARM_STORE_DTYPE", "FARM_MAX_TOKENS", "HSFARM_VLLM_DUMP_DTYPE", "--dry-run",
-                 "Kimi-K2.5 on one 8-GPU host: TP=8"):
+                 "Kimi-K2.5 on one 8-GPU host: VLLM_TP=8"):
         assert name in res.stdout, name
 
 
 def test_vllm_launcher_dry_run_holds_the_connector_the_ids_and_tp_dp(tmp_path: Path) -> None:
     # Given Kimi-K2.5's config (61 layers, in text_config) and the farm's settings
-    env = _vllm_env(tmp_path, TP="8", FARM_MAX_TOKENS="8192")
+    env = _vllm_env(tmp_path, VLLM_TP="8", FARM_MAX_TOKENS="8192", PATH=_eight_gpus(tmp_path))
     # When the launcher's dry run looks, with an extra vLLM flag
     res = sh("ops/launch-vllm.sh", "--dry-run", "--", "--gpu-memory-utilization", "0.9", env=env)
     # Then every check passes, and the command is vLLM's server with the hook's dump dir,
@@ -276,7 +286,7 @@ def test_vllm_launcher_dry_run_holds_the_connector_the_ids_and_tp_dp(tmp_path: P
         [2, 30, 58, 61]
     # And data parallelism, the farm's own ids and fp8 storage reach the command
     dp = sh("ops/launch-vllm.sh", "--dry-run", env={
-        **env, "TP": "2", "DP": "4", "FARM_LAYERS_TO_CAPTURE": "3,31,57",
+        **env, "VLLM_TP": "2", "VLLM_DP": "4", "FARM_LAYERS_TO_CAPTURE": "3,31,57",
         "FARM_STORE_DTYPE": "fp8_e4m3"})
     assert dp.returncode == 0, dp.stdout
     assert "OK    layout: TP 2 x DP 4: 4 engines of 2 GPUs each, 8 GPUs" in dp.stdout
@@ -293,7 +303,8 @@ def test_vllm_launcher_dry_run_holds_the_connector_the_ids_and_tp_dp(tmp_path: P
     ({"FARM_LAYERS_TO_CAPTURE": "2 30 61"}, (),
      "FAIL  hook layout: aux ids [2, 30, 61]: give three distinct ids below the layer count 61", 1),
     ({"FARM_LAYERS_TO_CAPTURE": "2 30"}, (), "FAIL  FARM_LAYERS_TO_CAPTURE=2 30 must hold 3", 1),
-    ({"TP": "0"}, (), "FAIL  TP=0 must be a positive integer", 1),
+    ({"VLLM_TP": "0"}, (), "FAIL  VLLM_TP=0 must be a positive integer", 1),
+    ({"DP": "8"}, (), "FAIL  DP=8 is not read: set VLLM_DP instead", 2),
     ({}, ("--", "--pipeline-parallel-size", "2"), "FAIL  pipeline parallel size 2: the hook "
      "reads the blocks of one stage, and vLLM 0.32 does not carry DeepSeek-V3's or Kimi's", 1),
     ({}, ("--", "-pp=4"), "FAIL  pipeline parallel size 4", 1),
@@ -322,21 +333,19 @@ def test_vllm_launcher_refuses_what_the_hook_or_the_farm_cannot_serve(
 
 def test_vllm_launcher_refuses_gpus_held_by_another_process_or_too_few(tmp_path: Path) -> None:
     # Given 8 GPUs (a stand-in nvidia-smi: no GPU here), held by this test's process
-    (tmp_path / "nvidia-smi").write_text(FAKE_SMI)
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    env = _vllm_env(tmp_path, PATH=f"{tmp_path}:{clean_env()['PATH']}", TP="8")
+    env = _vllm_env(tmp_path, PATH=_eight_gpus(tmp_path), VLLM_TP="8")
     # When the launcher's dry run looks
     held = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "HOLDERS": str(os.getpid())})
     free = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "HOLDERS": ""})
-    many = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "HOLDERS": "", "DP": "8"})
+    many = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "HOLDERS": "", "VLLM_DP": "8"})
     # Then a holder is named with its unit and the launch refused; free GPUs are OK; and
     # TP x DP over the host's GPUs (SGLang's TP=8 DP=8 read as vLLM's) is refused
     assert held.returncode == 1
     assert f"FAIL  GPUs are in use by: pid {os.getpid()} x (" in held.stdout, held.stdout
     assert free.returncode == 0 and "OK    GPUs: 8 present, none in use" in free.stdout
     assert many.returncode == 1
-    assert ("FAIL  TP=8 x DP=8 needs 64 GPUs (each vLLM data-parallel rank is a whole engine "
-            "on TP GPUs), this host has 8") in many.stdout, many.stdout
+    assert ("FAIL  VLLM_TP=8 x VLLM_DP=8 (each vLLM data-parallel rank is a whole engine "
+            "on TP GPUs) needs 64 GPUs, this host has 8") in many.stdout, many.stdout
 
 
 # --- deployment files agree with the settings table ----------------------------------------
@@ -357,13 +366,15 @@ def test_every_farm_variable_named_is_a_setting(name: str) -> None:
 
 def test_env_example_sets_settings_and_the_launchers_few_own_names() -> None:
     # launcher, unit and Flower variables that are not settings, each said so in the file
-    own = {"REDIS_PASSWORD", "TP", "DP", "WORKER_CONCURRENCY", "FLOWER_BASIC_AUTH"}
+    own = {"REDIS_PASSWORD", "SGLANG_TP", "SGLANG_DP", "VLLM_TP", "VLLM_DP",
+           "WORKER_CONCURRENCY", "FLOWER_BASIC_AUTH"}
     text = (OPS / "systemd" / "env.example").read_text()
     names = set(re.findall(r"^([A-Z_][A-Z0-9_]*)=", text, re.M))
     assert "FARM_MODEL_PATH" in names and "MODEL_PATH" not in names
     assert names <= SETTING_NAMES | own, sorted(names - SETTING_NAMES - own)
     used = "".join((OPS / "systemd" / u).read_text() for u in os.listdir(OPS / "systemd"))
-    used += (OPS / "launch-sglang.sh").read_text() + (OPS / "start-redis.sh").read_text()
+    used += (OPS / "launch-sglang.sh").read_text() + (OPS / "launch-vllm.sh").read_text()
+    used += (OPS / "start-redis.sh").read_text()
     for name in own:  # each is read by a unit or a script
         assert re.search(rf"\b{name}\b", used.replace(text, "")), name
 
@@ -399,3 +410,74 @@ def test_readme_and_runbook_say_where_the_logs_are() -> None:
         for how in ("journalctl -u hsfarm-worker@1 -f", "docker compose logs -f worker",
                     "tail -f demo-out/logs/demo1.log"):
             assert how in text, (doc, how)
+
+
+# --- one environment file for either engine ------------------------------------------------
+
+
+def test_each_launcher_reads_its_own_engines_layout_from_one_env_file(tmp_path: Path,
+                                                                      tiny_model: Path) -> None:
+    # Given the env file's layout for both engines (Kimi-K2.5: SGLang with 8 attention-DP
+    # groups, vLLM as one engine of 8 GPUs) on an 8-GPU host
+    values = dict(re.findall(r"^((?:SGLANG|VLLM)_[A-Z]+)=(\S*)$",
+                             (OPS / "systemd" / "env.example").read_text(), re.M))
+    assert values == {"SGLANG_TP": "8", "SGLANG_DP": "8", "VLLM_TP": "8", "VLLM_DP": "1"}
+    path = _eight_gpus(tmp_path)
+    sglang = sh("ops/launch-sglang.sh", "--dry-run", env=clean_env(
+        FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"), PATH=path,
+        FARM_SERVER_URL="http://127.0.0.1:9", PYTHON=str(_verify_passes(tmp_path)), **values))
+    vllm = sh("ops/launch-vllm.sh", "--dry-run", env=_vllm_env(tmp_path, PATH=path, **values))
+    # When each launcher's dry run reads it, Then SGLang runs DP attention and vLLM one engine
+    assert sglang.returncode == 0, sglang.stdout
+    assert "OK    layout: TP 8, 8 attention-DP groups of 1 GPU each" in sglang.stdout
+    assert vllm.returncode == 0, vllm.stdout
+    assert "OK    layout: TP 8 (no data parallelism)" in vllm.stdout
+    # And a plain TP/DP/EP (which engine's?) is refused by both, naming the engine's own
+    for script, name in (("ops/launch-sglang.sh", "SGLANG_DP"), ("ops/launch-vllm.sh", "VLLM_DP")):
+        plain = sh(script, "--dry-run", env=_vllm_env(tmp_path, PATH=path, DP="1"))
+        assert plain.returncode == 2, plain.stdout
+        assert f"FAIL  DP=1 is not read: set {name} instead" in plain.stderr, plain.stderr
+
+
+@pytest.mark.parametrize("script,env_layout,said", [
+    ("ops/launch-sglang.sh", {"SGLANG_TP": "8"},
+     "FAIL  SGLANG_TP=8 needs 8 devices, and this host has no GPU"),
+    ("ops/launch-vllm.sh", {"VLLM_TP": "8", "VLLM_DP": "8"},
+     "FAIL  VLLM_TP=8 x VLLM_DP=8 (each vLLM data-parallel rank is a whole engine on TP GPUs) "
+     "needs 64 devices, and this host has no GPU"),
+])
+def test_a_launcher_refuses_a_layout_a_gpu_less_host_cannot_hold(
+        tmp_path: Path, script: str, env_layout: dict[str, str], said: str) -> None:
+    # Given a host with no GPU (no nvidia-smi on PATH) and fewer cores than the layout's ranks
+    env = _vllm_env(tmp_path, PATH=clean_env()["PATH"], **env_layout)
+    assert shutil.which("nvidia-smi", path=env["PATH"]) is None
+    assert (os.cpu_count() or 1) < 8
+    # When the dry run looks, Then the layout is a FAIL, not an OK, and nothing starts
+    res = sh(script, "--dry-run", env=env)
+    assert res.returncode == 1, res.stdout
+    assert " ".join(said.split()) in " ".join(res.stdout.split()), res.stdout
+    assert "OK    layout" not in res.stdout
+
+
+def test_vllm_gets_the_farms_max_tokens_and_its_hook_flags_even_in_a_failed_dry_run(
+        tmp_path: Path) -> None:
+    from worker.core.settings import Settings
+
+    # Given the farm's default FARM_MAX_TOKENS (unset), which the workers read as 8192
+    env = _vllm_env(tmp_path, VLLM_TP="8", PATH=_eight_gpus(tmp_path))
+    default = re.search(r"^DEFAULT_MAX_TOKENS=(\d+)$",
+                        (OPS / "launch-common.sh").read_text(), re.M)
+    assert default is not None and int(default.group(1)) == Settings().max_tokens
+    # When the dry run looks, Then vLLM gets a context of that + 1, never the model's own
+    res = sh("ops/launch-vllm.sh", "--dry-run", env=env)
+    assert res.returncode == 0, res.stdout
+    assert "--max-model-len 8193" in res.stdout.splitlines()[-1]
+    assert "--max-model-len 8193 (FARM_MAX_TOKENS + 1, the farm's default)" in res.stdout
+    # And with the model dir missing, or a layout this host cannot hold, the command still
+    # shows where the hook's flags go
+    gone = sh("ops/launch-vllm.sh", "--dry-run",
+              env={**env, "FARM_MODEL_PATH": str(tmp_path / "none")})
+    assert gone.returncode == 1
+    assert "<hook flags: python -m vllm_hook launch-args" in gone.stdout.splitlines()[-1]
+    big = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "VLLM_DP": "8"})
+    assert big.returncode == 1 and "--kv-transfer-config" in big.stdout.splitlines()[-1]

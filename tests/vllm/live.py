@@ -87,7 +87,7 @@ class LiveVllm:
         if self.via_script:  # the farm's variables; the script refuses the hook's own
             env.pop(ENV_DUMP_DIR)
             env.update({"FARM_MODEL_PATH": str(self.model), "FARM_DUMP_DIR": str(self.dumps),
-                        "FARM_SERVER_URL": self.url, "FARM_MAX_TOKENS": "2047", "TP": "1",
+                        "FARM_SERVER_URL": self.url, "FARM_MAX_TOKENS": "2047", "VLLM_TP": "1",
                         "FARM_LAYERS_TO_CAPTURE": " ".join(map(str, self.aux_ids)),
                         "PYTHON": self.python, **self.env})
         t0 = time.monotonic()
