@@ -34,10 +34,18 @@ class Ran:
 
 @pytest.fixture(scope="module")
 def farm(module_farm_factory: FarmFactory) -> Iterator[LocalFarm]:
-    """Redis (AOF), the reference server with its dumps on tmpfs, one worker; 6 samples done."""
+    """Redis (AOF), the reference server with its dumps on tmpfs, one worker; 6 samples done.
+    The output dir is a file system of its own (a 2 GiB tmpfs, as root): what preflight says
+    of its free space moves only with this farm's files, never with the rest of the machine."""
     dumps = Path(tempfile.mkdtemp(prefix="hsfarm-test-runbook-", dir="/dev/shm"))
+    mounted: list[Path] = []
     try:
-        f = module_farm_factory("runbook", dumps=dumps, workers=("w1",))
+        f = module_farm_factory("runbook", dumps=dumps)
+        f.output_dir.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g,mode=0755", "tmpfs",
+                           str(f.output_dir)], capture_output=True).returncode == 0:
+            mounted.append(f.output_dir)
+        f.start_worker("w1", concurrency=2)
         data = f.work_dir.parent / "train.jsonl"
         write_samples(data, 6)
         res = f.cli("enqueue", str(data), "--no-progress")
@@ -46,6 +54,8 @@ def farm(module_farm_factory: FarmFactory) -> Iterator[LocalFarm]:
         yield f
         f.close(kill=True)  # before its dumps go
     finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
         shutil.rmtree(dumps, ignore_errors=True)
 
 
@@ -115,8 +125,12 @@ def test_runbook_command_runs_here(farm: LocalFarm, tiny_model: Path, line: str)
 
 def test_preflight_sizes_the_output_disk_to_the_remaining_samples(
         farm: LocalFarm, tmp_path: Path) -> None:
-    # Given the run's 6 done files, and 4 more samples enqueued on a queue no worker takes,
-    # so 4 remain at the run's average file size
+    # Given the run's 6 done files on an output file system of the farm's own (its free
+    # space holds still while other tests fill and free the machine's disk), and 4 more
+    # samples enqueued on a queue no worker takes, so 4 remain at the run's average file size
+    if subprocess.run(["mountpoint", "-q", str(farm.output_dir)]).returncode != 0:
+        pytest.skip("needs root to mount the output dir's own tmpfs: the machine's disk "
+                    "moves by more than 4 samples' bytes between two reads")
     data = tmp_path / "more.jsonl"
     write_samples(data, 4, start=6)
     enqueue = f"python -m producer enqueue {data} --no-progress"
