@@ -117,19 +117,12 @@ test-trainers: $(TRAINER_STAMPS) $(TDATA)/.complete
 $(TDATA)/.complete: $(STAMP)
 	$(MAKE) trainer-data
 
-# Two lines at once (one make, two jobs at a time; SUITE orders them below): the tiers of
-# tests/ in two processes (mostly waiting on real processes), then the vLLM tests; beside them
-# lint, the side venvs (mostly unpacking wheels), then the SGLang, live-server and trainers'
-# tests. The farm's timing windows are sized for a loaded machine (docs/benchmarks.md).
+# The whole suite: tests/suite.sh runs its two lines at once (the tiers, then the vLLM tests;
+# lint, the side venvs, then the SGLang, live-server and trainers' tests), every step of each
+# line even after one failed, then a summary; it exits 1 when any step failed. The farm's
+# timing windows are sized for a loaded machine (docs/benchmarks.md).
 test: $(STAMP) test-system-deps
-	$(MAKE) -j2 SUITE=1 test-tiers test-vllm test-trainers
-
-ifdef SUITE
-test-vllm: | test-tiers
-test-sglang: | lint build-side-venvs
-test-live: | test-sglang
-$(TDATA)/.complete test-trainers: | test-live
-endif
+	tests/suite.sh
 
 build-side-venvs: $(SGSTAMP) $(VLSTAMP) $(TRAINER_STAMPS)
 
