@@ -115,6 +115,34 @@ check_devices() {
   return 1
 }
 
+# nccl_setup: the server's NCCL logs go to NCCL_LOG_DIR (HSFARM_NCCL_LOG_DIR, else
+# /var/log/hsfarm/nccl-PORT where this user may write, else the temp dir; engine_dump/nccl.py's
+# log_dirs, which preflight reads), at INFO for INIT and GRAPH unless the operator set
+# NCCL_DEBUG*; the NCCL_* settings given are passed through, shown in one line.
+nccl_setup() {
+  nccl_env=()
+  NCCL_LOG_DIR=
+  if [ $((TP * DP)) -le 1 ]; then ok "NCCL: one GPU, no collectives"; return 0; fi
+  if [ -n "${HSFARM_NCCL_LOG_DIR:-}" ]; then NCCL_LOG_DIR=$HSFARM_NCCL_LOG_DIR
+  elif [ -w /var/log/hsfarm ] || { [ ! -e /var/log/hsfarm ] && [ -w /var/log ]; }; then
+    NCCL_LOG_DIR=/var/log/hsfarm/nccl-$PORT
+  else NCCL_LOG_DIR=${TMPDIR:-/tmp}/hsfarm-nccl-$PORT
+  fi
+  nccl_env=("NCCL_DEBUG=${NCCL_DEBUG:-INFO}" "NCCL_DEBUG_SUBSYS=${NCCL_DEBUG_SUBSYS:-INIT,GRAPH}"
+            "NCCL_DEBUG_FILE=${NCCL_DEBUG_FILE:-$NCCL_LOG_DIR/nccl.%h.%p.log}")
+  local given
+  given=$(env | grep -E '^NCCL_' | grep -vE '^NCCL_DEBUG(_SUBSYS|_FILE)?=' | sort \
+          | tr '\n' ' ' || true)
+  [ -n "$given" ] || given="none, the defaults of NCCL "
+  ok "NCCL settings passed to the server: ${given% }; its INFO log (INIT, GRAPH) in" \
+     "$NCCL_LOG_DIR"
+}
+
+# check_nccl: after the server is ready, what NCCL chose (a WARN with the fix on the slow ring)
+check_nccl() {
+  [ -z "$NCCL_LOG_DIR" ] || "$PY" -m "$HOOK" nccl --log-dir "$NCCL_LOG_DIR" || true
+}
+
 check_model_dir() {
   if [ -f "$MODEL/config.json" ]; then ok "model dir $MODEL"
   else bad "model dir $MODEL has no config.json: set FARM_MODEL_PATH to the local model directory"
@@ -221,6 +249,9 @@ wait_ready() {
   if ! out=$("$PY" -m "$HOOK" dumpdir --create --dump-dir "$DUMP_DIR"); then
     echo "$out"; echo "not starting $ENGINE: fix the dump dir"; exit 1
   fi
+  if [ -n "$NCCL_LOG_DIR" ]; then  # this start's logs only
+    mkdir -p "$NCCL_LOG_DIR" && rm -f "$NCCL_LOG_DIR"/nccl.*.log
+  fi
   started=$(date +%s)
   env "${server_env[@]}" "$@" &
   server=$!
@@ -236,6 +267,7 @@ wait_ready() {
         echo "the server runs but its dumps are wrong (above); stopping it"
         kill "$server"; wait "$server" || true; exit 1
       fi
+      check_nccl
       echo ready
       wait "$server"
       exit $?

@@ -68,6 +68,7 @@ check_install
 check_gpus
 check_port /model_info
 check_dump_dir
+nccl_setup
 
 layer_args=()
 [ "${#layers[@]}" -eq 0 ] || layer_args=(--return-aux-hidden-state-layer-ids "${layers[@]}")
@@ -77,6 +78,7 @@ parallel=(--tp-size "$TP")
 # the hook's default is bf16: its variable is named only when it says something else
 server_env=("SGLANG_HS_DUMP_DIR=$DUMP_DIR")
 [ "$DUMP_DTYPE" = bfloat16 ] || server_env+=("SGLANG_HS_DUMP_DTYPE=$DUMP_DTYPE")
+server_env+=(${nccl_env[@]+"${nccl_env[@]}"})
 cmd=("$PY" -m sglang.launch_server --model-path "$MODEL" "${parallel[@]}" --port "$PORT"
      --host "$HOST" --disable-radix-cache --disable-prefill-cuda-graph --skip-server-warmup
      --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "${layer_args[@]}"

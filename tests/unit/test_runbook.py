@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import yaml
 
-from engine_dump import markers
+from engine_dump import markers, nccl
 from producer.cli import build_parser as producer_parser
 from sglang_patch import verify
 from tests.support.runbook import COMMANDS, ROOT, RUNNABLE, Command
@@ -53,7 +53,8 @@ def check_exists(cmd: Command) -> None:
     if cmd.kind == "python -m producer":
         _parses(a[3:], producer_parser)
     elif cmd.kind == "python -m sglang_patch":
-        sub = {"verify": verify.build_parser, "markers": markers.build_parser}
+        sub = {"verify": verify.build_parser, "markers": markers.build_parser,
+               "nccl": nccl.build_parser}
         assert a[3] in sub, f"no sglang_patch command {a[3]}"
         _parses(a[4:], sub[a[3]])
     elif cmd.kind == "python -m vllm_hook":
