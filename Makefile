@@ -54,6 +54,7 @@ demo: $(STAMP) system-deps
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy .
+	$(VENV)/bin/lint-imports --no-cache
 
 $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	python3 -m venv $(SGVENV)

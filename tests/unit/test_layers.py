@@ -1,34 +1,23 @@
-"""The farm's layers, read from every import in the source (ast), those inside functions too.
-
-worker: ``core`` ← ``state`` ← ``server`` ← ``steps`` ← the app's modules; each imports only
-the layers to its left. ``training`` imports ``worker.core`` only; ``engine_dump`` (the dump
-both engine hooks write) imports nothing of the farm, of either hook or of an engine; each hook
-(``sglang_patch``, ``vllm_hook``) imports ``engine_dump`` and nothing of the farm or the other
-hook; no module is part of an import circle. ``if TYPE_CHECKING:`` imports count for the
-layers, not for circles (they never run)."""
+"""The farm's import rules: import-linter's contracts (pyproject.toml, ``[tool.importlinter]``:
+the packages' layers, worker's layers, each layer's forbidden libraries, the hooks' independence),
+proven here on a copy of the tree to fail for each kind of violation; what a static import graph
+cannot see (``__import__``, ``importlib.import_module`` of our own modules) and import circles
+are read from every import in the source (ast), those inside functions too."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("worker", "producer", "training", "engine_dump", "sglang_patch", "vllm_hook")
-FARM = PACKAGES[:3]
-HOOKS = ("sglang_patch", "vllm_hook")
-LAYERS = ("worker.core", "worker.state", "worker.server", "worker.steps")
-# Libraries a layer may not import at all (the rest of its rule is the layer order).
-FORBIDDEN = {
-    "worker.core": ("celery", "kombu", "redis", "aiohttp", "transformers", "torch"),
-    "worker.state": ("celery", "aiohttp", "transformers", "torch"),
-    "worker.server": ("celery", "torch"),
-    "worker.steps": ("aiohttp", "transformers", "torch"),
-    "training": ("celery", "kombu", "redis", "aiohttp"),
-    "engine_dump": ("sglang", "vllm", "sgl_kernel", *FARM, *HOOKS),
-    "sglang_patch": ("vllm_hook",),
-    "vllm_hook": ("sglang_patch",),
-}
 # Flat modules per package, at most (subpackages hold families and layers).
 MAX_FLAT = 25
 
@@ -71,35 +60,77 @@ def imports(path: Path, known: dict[str, Path]) -> Iterator[tuple[str, bool]]:
             yield (name if top in PACKAGES else top), id(node) in typing_only
 
 
-def layer_of(mod: str) -> str | None:
-    for layer in LAYERS:
-        if mod == layer or mod.startswith(layer + "."):
-            return layer
-    return None
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """import-linter's verdict on the tree at ``root`` (its pyproject.toml's contracts)."""
+    return subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache"],
+                          cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
 
 
-def test_each_layer_imports_only_the_layers_below_it_and_its_libraries() -> None:
-    known = modules()
+def dynamic_imports(root: Path) -> list[str]:
+    """Imports by name at run time that the contracts cannot see: any ``__import__``, and
+    ``importlib.import_module`` of a module of ours."""
     bad = []
-    for mod, path in sorted(known.items()):
-        for imp, _ in imports(path, known):
-            here = layer_of(mod)
-            rule = FORBIDDEN.get(here or mod.split(".")[0], ())
-            if imp.split(".")[0] in rule:
-                bad.append(f"{mod} imports {imp}")
-            if mod.startswith("training") and imp.startswith(("worker", "producer")) and \
-                    layer_of(imp) != "worker.core":
-                bad.append(f"{mod} imports {imp} (training imports worker.core only)")
-            if mod.split(".")[0] in HOOKS and imp.split(".")[0] in FARM:
-                bad.append(f"{mod} imports {imp} (a hook imports nothing of the farm)")
-            if here is None or not imp.startswith("worker"):
-                continue
-            there = layer_of(imp)
-            if there is None and imp != "worker":  # the app's modules, above every layer
-                bad.append(f"{mod} imports {imp} (a layer never imports the app's modules)")
-            elif there is not None and LAYERS.index(there) > LAYERS.index(here):
-                bad.append(f"{mod} imports {imp} (a layer above it)")
-    assert bad == []
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call):
+                    continue
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(
+                    f, ast.Attribute) else ""
+                arg = node.args[0] if node.args else None
+                target = arg.value if isinstance(arg, ast.Constant) else None
+                ours = isinstance(target, str) and target.split(".")[0] in PACKAGES
+                if name == "__import__" or (name == "import_module" and ours):
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: {name}({target!r})")
+    return bad
+
+
+def test_the_import_contracts_hold() -> None:
+    res = lint_imports(ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 broken" in res.stdout
+
+
+def test_no_module_imports_one_of_ours_by_name_at_run_time() -> None:
+    assert dynamic_imports(ROOT) == []
+
+
+# Each kind of violation the rules exist for: (file, line added, what must say so)
+VIOLATIONS = {
+    "core imports state, relatively": (
+        "worker/core/units.py", "from ..state import index", "worker: the app's modules"),
+    "state imports training": (
+        "worker/state/keys.py", "from training import index", "producer over training"),
+    "the task imports the producer": (
+        "worker/tasks.py", "import producer.status", "producer over training"),
+    "server imports a hook": (
+        "worker/server/limits.py", "import sglang_patch.plugin",
+        "the worker imports neither hook"),
+    "core reaches torch through engine_dump": (
+        "worker/core/units.py", "from engine_dump import cuda_stager",
+        "worker.core needs no Celery"),
+    "a module imports by name": (
+        "worker/core/units.py", "_m = __import__('producer.status')", "__import__"),
+}
+
+
+@pytest.mark.parametrize("kind", list(VIOLATIONS))
+def test_each_kind_of_violation_fails_the_check(tmp_path: Path, kind: str) -> None:
+    # Given a copy of the tree with one violation added
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "static"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    rel, line, said = VIOLATIONS[kind]
+    with open(tmp_path / rel, "a") as f:
+        f.write(f"\n{line}  # noqa\n")
+    # When the import rules are checked, Then they fail and name the rule broken
+    res = lint_imports(tmp_path)
+    found = res.stdout + "\n".join(dynamic_imports(tmp_path))
+    assert said in found, found
+    assert res.returncode != 0 or dynamic_imports(tmp_path)
 
 
 def test_no_module_is_part_of_an_import_circle() -> None:
