@@ -58,8 +58,8 @@ def test_the_key_is_the_runs_and_the_samples(r: redis.Redis) -> None:
     got = lease.try_acquire(r, lease.lease_name("a" * 16, "k1"), ttl_s=5)
     assert isinstance(got, lease.Lease)
     try:  # another run's lease of the same key is another lease
-        assert isinstance(other := lease.try_acquire(r, lease.lease_name("b" * 16, "k1"), 5),
-                          lease.Lease)
+        other = lease.try_acquire(r, lease.lease_name("b" * 16, "k1"), 5)
+        assert isinstance(other, lease.Lease)
         other.release()
     finally:
         got.release()
