@@ -126,6 +126,7 @@ def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_
     training set, so each sample is in one place.
     Then the entry's ``registered_at``: the host has been heard from."""
     index, reg = RunIndex(r, run_id), Registration()
+    _announce(r, run_id, host, out_dir)
     batch: list[Held] = []
     for held in scan(out_dir, fingerprint_id):
         batch.append(held)
@@ -136,6 +137,15 @@ def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_
     beat(r, run_id, host, out_dir, settings, registered_files=reg.files)
     remember_hosts(r, run_id, out_dir)
     return reg
+
+
+def _announce(r: redis.Redis, run_id: str, host: str, out_dir: Path) -> None:
+    """The host's output dir in its entry before its files are registered: a host that shares
+    this mount with one registered before is then seen as the same output (``same_output``),
+    and the files they share are never taken for a second copy and set aside."""
+    old = entry(r, run_id, host) or {}
+    r.hset(_k(run_id, keys.HOSTS), host,
+           json.dumps({**old, "output_dir": str(out_dir), "root_id": root_id(out_dir)}))
 
 
 def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: list[Held],
