@@ -23,15 +23,17 @@ H = 4
 DOWN = Settings(server_url="http://127.0.0.1:1")  # no server: its state is "down (...)"
 
 
-def _fp() -> c.Fingerprint:
+def _fp(hidden_size: int = H) -> c.Fingerprint:
     return c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
                          layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
-                         hidden_size=H, dtype="bfloat16", max_tokens=8192, overlong="reject")
+                         hidden_size=hidden_size, dtype="bfloat16", max_tokens=8192,
+                         overlong="reject")
 
 
 def _parts(n: int, seed: int) -> dict[str, Part]:
     rng = np.random.default_rng(seed)
-    arrays = {c.T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
+    arrays: dict[str, tuple[str, np.ndarray]] = {
+              c.T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
               c.T_LOSS_MASK: ("I64", np.ones(n, dtype=np.int64)),
               c.T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
               c.T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16))}
@@ -59,9 +61,7 @@ def test_scan_reads_every_final_file_of_the_run_and_nothing_else(tmp_path: Path)
     shard = store.final_path("zz").parent
     shard.mkdir(parents=True, exist_ok=True)
     (shard / f".zz.safetensors{c.TMP_MARK}host.m1.1.abcd").write_bytes(b"partial")
-    other = OutputStore(tmp_path / "other", c.Fingerprint(**{**_fp().to_json(),
-                                                            "hidden_size": 8})).open()
-    del other
+    OutputStore(tmp_path / "other", _fp(hidden_size=8)).open()
     # When it is scanned for the run, Then each of its files is held with its content and size
     held = {h.key: h for h in hosts.scan(tmp_path, store.fingerprint.id)}
     assert sorted(held) == ["a", "b", "c.tmp.x"]
