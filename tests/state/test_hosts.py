@@ -30,13 +30,13 @@ def _fp(hidden_size: int = H) -> c.Fingerprint:
                          overlong="reject")
 
 
-def _parts(n: int, seed: int) -> dict[str, Part]:
+def _parts(n: int, seed: int, h: int = H) -> dict[str, Part]:
     rng = np.random.default_rng(seed)
     arrays: dict[str, tuple[str, np.ndarray]] = {
               c.T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
               c.T_LOSS_MASK: ("I64", np.ones(n, dtype=np.int64)),
-              c.T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
-              c.T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16))}
+              c.T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, h), dtype=np.uint16)),
+              c.T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * h), dtype=np.uint16))}
     return {k: Part.from_array(dt, a) for k, (dt, a) in arrays.items()}
 
 
@@ -61,7 +61,9 @@ def test_scan_reads_every_final_file_of_the_run_and_nothing_else(tmp_path: Path)
     shard = store.final_path("zz").parent
     shard.mkdir(parents=True, exist_ok=True)
     (shard / f".zz.safetensors{c.TMP_MARK}host.m1.1.abcd").write_bytes(b"partial")
-    OutputStore(tmp_path / "other", _fp(hidden_size=8)).open()
+    other = OutputStore(tmp_path / "other", _fp(hidden_size=8)).open()
+    foreign = other.write("f", _parts(3, 9, h=8), {M_CONTENT: "hf"})
+    foreign.rename(shard / foreign.name)
     # When it is scanned for the run, Then each of its files is held with its content and size
     held = {h.key: h for h in hosts.scan(tmp_path, store.fingerprint.id)}
     assert sorted(held) == ["a", "b", "c.tmp.x"]
