@@ -4,14 +4,14 @@ requests sent straight to the server, with the farm's concurrency swept.
     python bench/prefill.py [--concurrency 1 2 4] [--samples 12] [--tokens 1024] [--json out]
     python bench/prefill.py --server URL --dump-dir D --model-path M ...   # a running server
 
-Without ``--server`` the bench starts the reference server (the tiny model) on this machine.
-Per concurrency C: (a) the server alone: the samples' token ids sent as C concurrent prefill
-requests of no rid of ours (so nothing is dumped), tok/s = tokens / wall; (b) the farm: the same
-number of new samples (pre-tokenized, same lengths) enqueued to a private Redis and run by one
-``celery worker -c C``, tok/s = tokens of samples whose files verified / wall from enqueue to the
-last done. Printed: both, and (b)/(a), measured in the same run. On a GPU box with NCCL, run it
-before and after a change of NCCL settings (ops/RUNBOOK.md "Slow prefill").
+Without ``--server``: the reference server (tiny model) on this machine. docs/benchmarks.md.
 """
+
+# Per concurrency C: (a) the server alone: the samples' ids sent as C concurrent prefill
+# requests with no rid of ours (nothing is dumped), tok/s = tokens / wall; (b) the farm: as
+# many new samples of the same lengths enqueued to a private Redis and run by one
+# ``celery worker -c C``, tok/s = tokens of samples whose files verified / wall from enqueue
+# to the last done. Printed: both, and (b)/(a), measured in the same run.
 
 from __future__ import annotations
 
