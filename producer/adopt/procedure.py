@@ -143,8 +143,11 @@ class Report:
 def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
           keys: dict[str, tuple[str, ...]] | None = None, check_k: int | None = None,
           dry_run: bool = False, jobs: int = 2, progress: bool = True,
-          seed: int | None = None) -> Report:
+          seed: int | None = None, after_check: Callable[[], None] | None = None) -> Report:
     """Adopt ``source``'s files for the records of ``data``. See the module's docstring.
+
+    ``after_check`` runs once every check passed, before anything is written (a test swaps a
+    source file there).
 
     Raises:
         ConfigError: an unrecognised format, a foreign output dir, an unusable setting.
@@ -187,6 +190,8 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     report.would_adopt = len(found.matched)
     if dry_run:
         return report
+    if after_check is not None:
+        after_check()
     # only the writing holds the lock: each sample's state is read again under its lease
     with leases.held(r, run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
         _adopt_all(run, store, RunIndex(r, run_id), found, fmt, keys, source, report, jobs,
