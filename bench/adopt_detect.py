@@ -16,6 +16,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def one(run: Run, src: Path, data: Path, n_foreign: int, foreign: set[int],
     names = {f"data_{i}.ckpt" for i in foreign}
     rows_caught = len(names & report.rows.refused_names()) if report.rows else 0
     k_caught = not report.check.passed
-    files = [(f"data_{i}.ckpt", src / f"data_{i}.ckpt") for i in sorted(foreign)]
+    files = _files(src, sorted(foreign))
     alone = ar.check_files(run.settings, c.NO_RUN, run.fingerprint, files,
                            lambda p: open_sample(p, "specforge"))
     return {"foreign": n_foreign, "rows_alone_refused_foreign": len(alone.refused),
@@ -80,9 +81,15 @@ def one(run: Run, src: Path, data: Path, n_foreign: int, foreign: set[int],
             "total_s": round(total_s, 2)}
 
 
+def _files(src: Path, numbers: Iterable[int]) -> list[tuple[str, Path, int]]:
+    """The per-file check's input: (name, path, tokens) of ``data_<i>.ckpt`` files."""
+    paths = [src / f"data_{i}.ckpt" for i in numbers]
+    return [(p.name, p, len(open_sample(p, "specforge").input_ids)) for p in paths]
+
+
 def rows_rate(run: Run, src: Path, n: int, run_id: str) -> float:
     """Files per second of the per-file check alone (all ``n`` files)."""
-    files = [(f"data_{i}.ckpt", src / f"data_{i}.ckpt") for i in range(n)]
+    files = _files(src, range(n))
     t0 = time.monotonic()
     ar.check_files(run.settings, run_id, run.fingerprint, files,
                    lambda p: open_sample(p, "specforge"))

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from engine_dump import contracts as c
+from producer.adopt.formats import open_sample
 from producer.adopt.procedure import Run
 from producer.adopt.procedure import adopt as run_adopt
 from producer.localfarm.farm import LocalFarm
@@ -225,9 +226,11 @@ def test_a_source_file_changed_between_its_check_and_its_write_is_not_adopted(
     spares = srcs.write_specforge(spare, others)  # the same names for the same records
     renamed, rewritten = paths[0], paths[1]
     assert os.path.getsize(rewritten) == os.path.getsize(spare / rewritten.name)
-    changed = {tuple(items[i].ids) for i in range(2)}
-    assert changed == {tuple(others[i].ids) for i in range(2)}
-    assert [p.name for p in spares] == [p.name for p in paths]
+    assert [p.name for p in spares] == [p.name for p in paths]  # same order, same records
+    changed = {tuple(open_sample(p, "specforge").input_ids.tolist())
+               for p in (renamed, rewritten)}
+    assert changed == {tuple(open_sample(spare / p.name, "specforge").input_ids.tolist())
+                       for p in (renamed, rewritten)}
 
     def swap() -> None:  # once every check passed, before anything is written
         os.replace(spare / renamed.name, renamed)  # another file at its name
