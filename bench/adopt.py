@@ -27,7 +27,7 @@ import numpy as np
 from engine_dump import contracts as c
 from producer.adopt import rows as adopt_rows
 from producer.adopt.formats import open_sample
-from producer.adopt.procedure import write_adopted
+from producer.adopt.write import write_adopted
 from worker.core import diskio
 from worker.core.store import OutputStore
 
@@ -78,8 +78,8 @@ def adopt_one(store: OutputStore, src: Path, i: int) -> None:
 
 
 def rows_one(src: Path) -> None:
-    """The per-file check's source side: the file's prefix rows, all layers."""
-    adopt_rows.picked_of(src.name, open_sample(src, "specforge"))
+    """The per-file check's source side: the file read once (hashed), its rows, all layers."""
+    adopt_rows.picked_of(src.name, open_sample(src, "specforge"), np.random.default_rng(0))
 
 
 def copy_one(src: Path, dst: Path) -> None:

@@ -1,9 +1,12 @@
 """How often ``adopt`` catches a foreign minority, against the fraction of foreign files.
 
     python bench/adopt_detect.py [--files 100] [--fractions 0.01,0.05,0.2] [--seeds 5]
+                                 [--damage file|tail|shift]
 
 Records extracted by the tiny model (checkpoint A) and another seed's (B) are mixed into
-SpecForge-format sources, B's files at random places, and ``adopt --dry-run`` judges each: did
+SpecForge-format sources, B's files at random places (``--damage tail``: A's files whose rows
+from 32 on are B's; ``shift``: A's files shifted by a row from row 40), and ``adopt --dry-run``
+judges each: did
 the K-file check catch it, how many foreign files the per-file check refused, how many good
 ones it refused, and each phase's files/s. Results: docs/benchmarks.md, "What adopt catches".
 """
@@ -16,6 +19,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +54,19 @@ def unique_records(chat: Any, n: int) -> list[dict[str, Any]]:
     return [records[i] for i in keep[:n]]
 
 
+def damaged(ea: srcs.Extracted, eb: srcs.Extracted, how: str) -> srcs.Extracted:
+    """A foreign file: B's whole (``file``), A's with B's rows from 32 on (``tail``), or A's
+    shifted by a row from row 40 (``shift``)."""
+    if how == "tail":
+        return srcs.tail_of(ea, eb, 32)
+    return srcs.shifted_from(ea, 40) if how == "shift" else eb
+
+
 def write_source(src: Path, a: list[srcs.Extracted], b: list[srcs.Extracted],
-                 foreign: set[int]) -> None:
+                 foreign: set[int], how: str = "file") -> None:
     src.mkdir(parents=True)
     for i, (ea, eb) in enumerate(zip(a, b, strict=True)):
-        e = eb if i in foreign else ea
+        e = damaged(ea, eb, how) if i in foreign else ea
         torch.save({"input_ids": torch.tensor(e.ids), "loss_mask": torch.tensor(e.mask),
                     "hidden_state": e.hidden[None], "aux_hidden_state": e.aux[None]},
                    src / f"data_{i}.ckpt")
@@ -69,7 +81,7 @@ def one(run: Run, src: Path, data: Path, n_foreign: int, foreign: set[int],
     names = {f"data_{i}.ckpt" for i in foreign}
     rows_caught = len(names & report.rows.refused_names()) if report.rows else 0
     k_caught = not report.check.passed
-    files = [(f"data_{i}.ckpt", src / f"data_{i}.ckpt") for i in sorted(foreign)]
+    files = _files(src, sorted(foreign))
     alone = ar.check_files(run.settings, c.NO_RUN, run.fingerprint, files,
                            lambda p: open_sample(p, "specforge"))
     return {"foreign": n_foreign, "rows_alone_refused_foreign": len(alone.refused),
@@ -80,9 +92,15 @@ def one(run: Run, src: Path, data: Path, n_foreign: int, foreign: set[int],
             "total_s": round(total_s, 2)}
 
 
+def _files(src: Path, numbers: Iterable[int]) -> list[tuple[str, Path, int]]:
+    """The per-file check's input: (name, path, tokens) of ``data_<i>.ckpt`` files."""
+    paths = [src / f"data_{i}.ckpt" for i in numbers]
+    return [(p.name, p, len(open_sample(p, "specforge").input_ids)) for p in paths]
+
+
 def rows_rate(run: Run, src: Path, n: int, run_id: str) -> float:
     """Files per second of the per-file check alone (all ``n`` files)."""
-    files = [(f"data_{i}.ckpt", src / f"data_{i}.ckpt") for i in range(n)]
+    files = _files(src, range(n))
     t0 = time.monotonic()
     ar.check_files(run.settings, run_id, run.fingerprint, files,
                    lambda p: open_sample(p, "specforge"))
@@ -94,6 +112,7 @@ def main() -> int:
     p.add_argument("--files", type=int, default=100)
     p.add_argument("--fractions", default="0.01,0.05,0.2")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--damage", choices=("file", "tail", "shift"), default="file")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="adopt-detect-"))
@@ -116,7 +135,7 @@ def main() -> int:
             for seed in range(args.seeds):
                 foreign = set(random.Random(10_000 + seed).sample(range(args.files), n_foreign))
                 src = work / f"src-{n_foreign}-{seed}"
-                write_source(src, a, b, foreign)
+                write_source(src, a, b, foreign, args.damage)
                 results.append(one(run, src, data, n_foreign, foreign, seed))
                 print(json.dumps(results[-1]), flush=True)
         clean = work / "src-clean"

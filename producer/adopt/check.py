@@ -4,6 +4,11 @@ live server as the canary extracts them, compared per layer with the canary's to
 Over the tolerance, it names the likely cause from what the numbers show: every layer off
 (another checkpoint); only aux layers off (other layers; an off-by-one when an adjacent
 captured layer matches); only the final state off until the final RMSNorm is applied (pre-norm).
+A file of fp8 states is compared by where the server's state lies from the interval of values
+that round to each stored e4m3 byte (``worker.core.fp8.rounding_half_widths``): the server's
+state is compared with the nearest point of that interval, a lower bound of its difference from
+the state the file rounded, so a file of the run's model passes as its bf16 states would; a
+difference within e4m3's rounding (up to 6.25% of a value) goes unseen.
 Tests: tests/farm/test_adopt.py::test_off_by_one_layers_diagnosed,
 tests/unit/test_adopt.py::test_pre_norm_final_state_diagnosed.
 """
@@ -13,21 +18,24 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engine_dump import contracts as c
+from producer.adopt.formats import SourceSample
 from worker.core import canary as cn
 from worker.core import final_norm
+from worker.core import fp8 as f8
 from worker.core.settings import Settings
 from worker.server.canary_check import extract
 from worker.server.client import ServerClient
 
 MAX_DEFAULT_K = 32
 ROWS = cn.ROWS_PER_PROMPT
+WIDTH_MARGIN = 1 + 2 ** -10  # float32 rounding of the hook's division and of value * scale
 
 
 def default_k(n_matched: int) -> int:
@@ -43,6 +51,14 @@ class Picked:
     input_ids: list[int]
     rows: np.ndarray
     states: np.ndarray  # float32 [4, R, H]: aux layers, then final (bf16 values)
+    width: np.ndarray | None = None  # fp8: how far from ``states`` the rounded states may lie
+
+    def recorded(self, new: np.ndarray) -> cn.Canary:
+        """The file's states to compare with the server's ``new``: as stored (bf16), or the
+        point of each value's rounding interval nearest to the server's (fp8)."""
+        states = self.states if self.width is None else np.clip(
+            new, self.states - self.width, self.states + self.width)
+        return cn.Canary(np.asarray(self.input_ids), self.rows, states)
 
 
 @dataclass(frozen=True)
@@ -82,12 +98,37 @@ def rows_of(n_tokens: int) -> np.ndarray:
     return cn.sample_rows(n_tokens, 0)
 
 
+def picked(name: str, s: SourceSample, rows: np.ndarray) -> Picked:
+    """``s``'s ids up to its last row and its states at ``rows`` (read from its mapping)."""
+    at = {c.T_HIDDEN: s.hidden[rows], c.T_AUX: s.aux[rows]}
+    if s.hidden_scale is not None and s.aux_scale is not None:
+        at |= {c.T_HIDDEN_SCALE: s.hidden_scale[rows], c.T_AUX_SCALE: s.aux_scale[rows]}
+    return picked_of_rows(name, s.input_ids[:int(rows[-1]) + 1].tolist(), rows, at)
+
+
+def picked_of_rows(name: str, ids: list[int], rows: np.ndarray,
+                   at: Mapping[str, np.ndarray]) -> Picked:
+    """A ``Picked`` from a file's tensors at ``rows`` (by tensor name; fp8: with scales)."""
+    if c.T_HIDDEN_SCALE not in at:
+        return Picked(name, ids, rows, states_at(at[c.T_HIDDEN], at[c.T_AUX],
+                                                 np.arange(len(rows))))
+    pairs = ((c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS), (c.T_HIDDEN, c.T_HIDDEN_SCALE, 1))
+    values = [f8.dequantize(at[q], at[sc], layers=n) for q, sc, n in pairs]
+    widths = [f8.rounding_half_widths(at[q], at[sc], layers=n) * WIDTH_MARGIN
+              for q, sc, n in pairs]
+    return Picked(name, ids, rows, _layout(values[0], values[1]), _layout(widths[0], widths[1]))
+
+
 def states_at(hidden: np.ndarray, aux: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """bf16 bits [T, H] and [T, 3H] → float32 [4, R, H] at ``rows`` (the canary's layout)."""
-    h = hidden.shape[1]
-    fin = cn.from_bf16(np.asarray(hidden[rows]))
-    aux_rows = cn.from_bf16(np.asarray(aux[rows])).reshape(len(rows), c.AUX_LAYERS, h)
-    return np.concatenate([aux_rows.transpose(1, 0, 2), fin[None]], axis=0)
+    return _layout(cn.from_bf16(np.asarray(aux[rows])), cn.from_bf16(np.asarray(hidden[rows])))
+
+
+def _layout(aux: np.ndarray, fin: np.ndarray) -> np.ndarray:
+    """float32 [R, 3H] and [R, H] → [4, R, H]: aux layers, then final."""
+    r, h = fin.shape
+    return np.concatenate([aux.reshape(r, c.AUX_LAYERS, h).transpose(1, 0, 2), fin[None]],
+                          axis=0)
 
 
 def run_check(settings: Settings, run_id: str, fingerprint: c.Fingerprint, out_dir: Path,
@@ -99,7 +140,7 @@ def run_check(settings: Settings, run_id: str, fingerprint: c.Fingerprint, out_d
     """
     new = extract_again(settings, run_id, picked)
     names = cn.layer_names(fingerprint.layers_to_capture)
-    recorded = [cn.Canary(np.asarray(p.input_ids), p.rows, p.states) for p in picked]
+    recorded = [p.recorded(n) for p, n in zip(picked, new, strict=True)]
     cmp = cn.compare(recorded, new, names, settings.canary_max_rel_err,
                      settings.canary_mean_rel_err)
     why = "" if cmp.passed else diagnose(cmp, recorded, new, fingerprint, _norm(out_dir))

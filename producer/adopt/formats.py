@@ -4,7 +4,9 @@ and plain torch ``.pt`` dicts with user-given key names; lazy, and never writing
 Only regular files are read: ``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``
 on the descriptor, so nothing swapped in between blocks or leads outside SOURCE. Torch files
 load with ``weights_only=True``: a pickle that would run code is refused before it runs.
-States come back as bf16 bit patterns; f16/f32 sources are rounded to nearest even. Test:
+States come back as bf16 bit patterns (f16/f32 sources rounded to nearest even), or as an
+hsfarm fp8 run stores them: e4m3 bytes and their float32 scales. Each file opened says which
+file it was (``Identity``: device, inode, size, mtime), so a later open can tell another. Test:
 tests/farm/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan
 """
 
@@ -35,17 +37,40 @@ MAX_UNMAPPED_BYTES = 4 << 30  # a legacy torch file is read whole: at most this
 DEFAULT_KEYS: dict[str, tuple[str, ...]] = {r: (r,) for r in ROLES}
 
 
+@dataclass(frozen=True)
+class Identity:
+    """A source file as ``fstat`` describes it: another file, or a changed one, differs."""
+
+    device: int
+    inode: int
+    size_bytes: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, fd: int) -> Identity:
+        st = os.fstat(fd)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @dataclass
 class SourceSample:
-    """One source file's tensors: ids int64 [T], mask int64 [T] or None, states bf16 bits."""
+    """One source file's tensors: ids int64 [T], mask int64 [T] or None, states bf16 bits (or
+    fp8: e4m3 bytes with their scales)."""
 
     input_ids: np.ndarray
     loss_mask: np.ndarray | None
-    hidden: np.ndarray  # uint16 [T, H]
-    aux: np.ndarray  # uint16 [T, 3H]
-    dtype: str  # the source's dtype of the states ("bfloat16", "float32", ...)
+    hidden: np.ndarray  # uint16 [T, H] (bf16 bits), or uint8 [T, H] (e4m3 bits)
+    aux: np.ndarray  # uint16 [T, 3H], or uint8 [T, 3H]
+    dtype: str  # the source's dtype of the states ("bfloat16", "float32", "fp8_e4m3", ...)
     meta: dict[str, str] = field(default_factory=dict)
     verify: Callable[[], None] | None = None  # the source's own checksums, if it has any
+    hidden_scale: np.ndarray | None = None  # float32 [T, B] (fp8 only)
+    aux_scale: np.ndarray | None = None  # float32 [T, 3B] (fp8 only)
+    identity: Identity | None = None  # the file as it was opened
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == c.DTYPE_FP8
 
 
 def detect(source: Path) -> str:
@@ -157,8 +182,12 @@ def open_sample(path: Path, fmt: str, keys: dict[str, tuple[str, ...]] | None = 
 
 # --- hsfarm: safetensors final files ---------------------------------------------------------
 
+_FP8_SCALES = {c.T_HIDDEN: c.T_HIDDEN_SCALE, c.T_AUX: c.T_AUX_SCALE}
+
+
 def _open_safetensors(path: Path) -> SourceSample:
     with _open_regular(path) as f:
+        identity = Identity.of(f.fileno())
         try:
             header = tensorfile.read_header_fd(f.fileno(), path.name)
         except (Corrupt, OSError) as e:
@@ -167,9 +196,7 @@ def _open_safetensors(path: Path) -> SourceSample:
         missing = [n for n in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX) if n not in t]
         if missing:
             raise SourceFileRefused(f"no tensor(s) {missing} (has {sorted(t)})")
-        for name in (c.T_HIDDEN, c.T_AUX):
-            if t[name].dtype != "BF16":
-                raise SourceFileRefused(f"{name} is {t[name].dtype}, expected BF16")
+        fp8 = _states_dtype(t) == "F8_E4M3"
         mm = np.memmap(f, dtype=np.uint8, mode="r")  # the mapping outlives the descriptor
 
     def take(name: str) -> np.ndarray:
@@ -190,8 +217,28 @@ def _open_safetensors(path: Path) -> SourceSample:
 
     mask = take(c.T_LOSS_MASK).astype(np.int64) if c.T_LOSS_MASK in t else None
     return SourceSample(take(c.T_INPUT_IDS).astype(np.int64).reshape(-1), mask,
-                        take(c.T_HIDDEN), take(c.T_AUX), "bfloat16", dict(header.metadata),
-                        verify)
+                        take(c.T_HIDDEN), take(c.T_AUX), c.DTYPE_FP8 if fp8 else c.DTYPE_BF16,
+                        dict(header.metadata), verify,
+                        hidden_scale=take(c.T_HIDDEN_SCALE) if fp8 else None,
+                        aux_scale=take(c.T_AUX_SCALE) if fp8 else None, identity=identity)
+
+
+def _states_dtype(t: dict[str, tensorfile.Entry]) -> str:
+    """"BF16" or "F8_E4M3" (with both float32 scales): the states' dtype in an hsfarm file.
+
+    Raises:
+        SourceFileRefused: another dtype, the two states in two dtypes, or fp8 without scales.
+    """
+    dtypes = {t[c.T_HIDDEN].dtype, t[c.T_AUX].dtype}
+    if dtypes == {"BF16"}:
+        return "BF16"
+    if dtypes != {"F8_E4M3"}:
+        raise SourceFileRefused(f"{c.T_HIDDEN} is {t[c.T_HIDDEN].dtype} and {c.T_AUX} "
+                                f"{t[c.T_AUX].dtype}, expected BF16 or F8_E4M3 (fp8 runs)")
+    bad = [s for s in _FP8_SCALES.values() if s not in t or t[s].dtype != "F32"]
+    if bad:
+        raise SourceFileRefused(f"fp8 states without float32 scales {bad}")
+    return "F8_E4M3"
 
 
 # --- torch: SpecForge's .ckpt and hand-written .pt dicts -------------------------------------
@@ -205,10 +252,11 @@ def _torch() -> Any:
     return torch
 
 
-def _load_torch(path: Path) -> dict[str, Any]:
+def _load_torch(path: Path) -> tuple[dict[str, Any], Identity]:
     torch = _torch()
     with _open_regular(path) as f:
-        return _load_torch_from(torch, f)
+        identity = Identity.of(f.fileno())  # before a byte is read
+        return _load_torch_from(torch, f), identity
 
 
 def _load_torch_from(torch: Any, f: io.FileIO) -> dict[str, Any]:
@@ -248,7 +296,7 @@ def _why(e: BaseException) -> str:
 
 def _open_torch(path: Path, keys: dict[str, tuple[str, ...]]) -> SourceSample:
     torch = _torch()
-    d = _load_torch(path)
+    d, identity = _load_torch(path)
 
     def get(role: str, required: bool = True) -> list[Any] | None:
         names = keys[role]
@@ -274,7 +322,7 @@ def _open_torch(path: Path, keys: dict[str, tuple[str, ...]]) -> SourceSample:
     auxes = [_states(a, "aux_hidden_state")[0] for a in aux_t]
     aux = auxes[0] if len(auxes) == 1 else np.concatenate(auxes, axis=1)
     mask = None if mask_t is None else _flat_ints(mask_t[0], "loss_mask")
-    return SourceSample(ids, mask, hidden, aux, dtype)
+    return SourceSample(ids, mask, hidden, aux, dtype, identity=identity)
 
 
 def _flat_ints(t: Any, name: str) -> np.ndarray:

@@ -87,8 +87,29 @@ def check_shapes(s: SourceSample, fp: c.Fingerprint) -> None:
         problems.append(f"loss_mask has {len(s.loss_mask)} entries for {t} ids")
     if t < 2:
         problems.append(f"{t} tokens: trainers need at least 2")
+    if s.fp8:
+        problems += _fp8_problems(s, fp)
     if problems:
         raise SourceFileRefused("; ".join(problems))
+
+
+def _fp8_problems(s: SourceSample, fp: c.Fingerprint) -> list[str]:
+    """An fp8 file's problems: a run that stores bf16, scales of neither layout."""
+    if fp.dtype != c.DTYPE_FP8:
+        return [f"its states are {c.DTYPE_FP8} (an fp8 run's), this run stores {fp.dtype}: "
+                "states rounded to e4m3 are not taken into a bf16 run; extract them again"]
+    assert s.hidden_scale is not None and s.aux_scale is not None
+    if s.hidden_scale.ndim != 2 or s.aux_scale.ndim != 2:
+        return [f"scales of shapes {list(s.hidden_scale.shape)} and {list(s.aux_scale.shape)}"]
+    t, (rows, blocks) = len(s.input_ids), s.hidden_scale.shape
+    try:
+        c.fp8_block_of(fp.hidden_size, blocks)
+    except ValueError as e:
+        return [f"{c.T_HIDDEN_SCALE}: {e}"]
+    if rows != t or s.aux_scale.shape != (t, c.AUX_LAYERS * blocks):
+        return [f"scales of shapes {list(s.hidden_scale.shape)} and {list(s.aux_scale.shape)} "
+                f"for {t} tokens and {blocks} blocks a layer"]
+    return []
 
 
 def done_state(store: st.OutputStore, ref: SampleRef) -> str | None:

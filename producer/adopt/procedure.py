@@ -1,8 +1,9 @@
 """``python -m producer adopt SOURCE --data DATA``: take an earlier run's files into this run.
 
 Steps: check the server is the run's; match each source file to the record with exactly its
-``input_ids``; re-extract K files and compare every file's first rows; write each as this
-run's final file under the sample's lease. Only the write step holds the run's enqueue lock,
+``input_ids``; re-extract K files and compare every file's rows over its whole length (each
+file read once and pinned); write each as this run's final file under the sample's lease, with
+the bytes it was checked with. Only the write step holds the run's enqueue lock,
 so a slow source or server stalls neither ``enqueue`` nor the reconciler. Killed anywhere, it
 leaves whole or temp files; run again, it adopts the rest (docs/adopt.md).
 Test: tests/farm/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once.
@@ -14,7 +15,6 @@ import json
 import math
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,9 +27,11 @@ from engine_dump import contracts as c
 from producer.adopt import check as ck
 from producer.adopt import header as ah
 from producer.adopt import match as am
+from producer.adopt import pin as pn
 from producer.adopt import rows as ar
 from producer.adopt.canary import canary_outcome, served_check
-from producer.adopt.formats import SourceSample, detect, list_files, open_sample
+from producer.adopt.formats import detect, list_files, open_sample
+from producer.adopt.write import write_adopted
 from producer.audit import M_ADOPTED_FROM
 from producer.enqueue import open_run, run_lock_name
 from worker.core import durable, outdir, tensorfile
@@ -44,12 +46,10 @@ from worker.state import broker
 from worker.state import lease as leases
 from worker.state.index import RunIndex
 
-M_ADOPTED_FORMAT = "adopted_format"
-M_ADOPTED_DTYPE, M_ADOPTED_CHECK = "adopted_source_dtype", "adopted_check"
+M_ADOPTED_FORMAT, M_ADOPTED_CHECK = "adopted_format", "adopted_check"
 MANIFEST_ADOPTIONS = "adoptions"
 # a Hugging Face fast tokenizer is not safe to call from two threads at once (--jobs)
 _ENCODE = threading.Lock()
-QUANTIZE_ROWS = 1024  # tokens quantized at once (fp8 runs): bounds the float32 temporaries
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,12 @@ class Report:
             per_file.append(f"own header (layers, fingerprint id, weights identity, dtype) of "
                             f"{self.headers_checked}")
         if self.rows is not None:
-            per_file.append(f"states at {ar.ROWS} rows of the first {ar.PREFIX_TOKENS} tokens "
-                            f"of all {self.rows.checked} matched, against the server "
-                            f"({len(self.rows.refused)} differ)")
+            per_file.append(f"states at the first, the last and {ar.ROWS} random rows over "
+                            f"the whole length of all {self.rows.checked} matched, against the "
+                            f"server ({len(self.rows.refused)} differ)")
         out.append(f"checked per file: {'; '.join(per_file)}")
-        if self.rows is not None and self.check is not None:
-            out += ar.guarantee(self.rows.checked, len(self.check.files))
+        if self.rows is not None:
+            out += ar.guarantee()
         return out
 
     def lines(self) -> list[str]:
@@ -143,8 +143,11 @@ class Report:
 def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
           keys: dict[str, tuple[str, ...]] | None = None, check_k: int | None = None,
           dry_run: bool = False, jobs: int = 2, progress: bool = True,
-          seed: int | None = None) -> Report:
+          seed: int | None = None, after_check: Callable[[], None] | None = None) -> Report:
     """Adopt ``source``'s files for the records of ``data``. See the module's docstring.
+
+    ``after_check`` runs once every check passed, before anything is written (a test swaps a
+    source file there).
 
     Raises:
         ConfigError: an unrecognised format, a foreign output dir, an unusable setting.
@@ -182,15 +185,17 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     report.check = _check(run, store, run_id, found, fmt, keys, check_k, seed, source)
     if not report.check.passed:
         return report
-    report.rows = _check_rows(run, run_id, found, fmt, keys, source, progress)
+    report.rows = _check_rows(run, run_id, found, fmt, keys, source, progress, seed)
     _drop(found, source, report.rows.refused, report)
     report.would_adopt = len(found.matched)
     if dry_run:
         return report
+    if after_check is not None:
+        after_check()
     # only the writing holds the lock: each sample's state is read again under its lease
     with leases.held(r, run_lock_name(run_id), s.lease_ttl_s, deadline=math.inf, poll_s=1.0):
         _adopt_all(run, store, RunIndex(r, run_id), found, fmt, keys, source, report, jobs,
-                   progress)
+                   progress, report.rows.pins)
         _record(store.out_dir, source, fmt, data, report)
     return report
 
@@ -209,9 +214,7 @@ def _check(run: Run, store: st.OutputStore, run_id: str, found: am.Scan, fmt: st
     for key in ck.pick(sorted(found.matched), k, seed):
         path, _, _ = found.matched[key]
         s = open_sample(path, fmt, keys)
-        rows = ck.rows_of(len(s.input_ids))
-        picked.append(ck.Picked(str(path.relative_to(source)), s.input_ids.tolist(), rows,
-                                ck.states_at(s.hidden, s.aux, rows)))
+        picked.append(ck.picked(str(path.relative_to(source)), s, ck.rows_of(len(s.input_ids))))
     return ck.run_check(run.settings, run_id, run.fingerprint, store.out_dir, picked)
 
 
@@ -235,13 +238,14 @@ def _screen_headers(run: Run, store: st.OutputStore, found: am.Scan, source: Pat
 
 def _check_rows(run: Run, run_id: str, found: am.Scan, fmt: str,
                 keys: dict[str, tuple[str, ...]] | None, source: Path,
-                progress: bool) -> ar.RowsResult:
-    """Every matched file's first rows against the server (``adopt_rows``)."""
-    files = [(str(path.relative_to(source)), path)
-             for _, (path, _, _) in sorted(found.matched.items())]
+                progress: bool, seed: int | None) -> ar.RowsResult:
+    """Every matched file's rows over its whole length against the server (``rows``); each
+    file once, however many records share it."""
+    files = sorted({(str(path.relative_to(source)), path, tokens)
+                    for path, _, tokens in found.matched.values()})
     with _bar(progress, "check rows", len(files)) as bar:
         return ar.check_files(run.settings, run_id, run.fingerprint, files,
-                              lambda p: open_sample(p, fmt, keys), bar.update)
+                              lambda p: open_sample(p, fmt, keys), bar.update, seed)
 
 
 def _drop(found: am.Scan, source: Path, refused: list[tuple[str, str]],
@@ -256,7 +260,7 @@ def _drop(found: am.Scan, source: Path, refused: list[tuple[str, str]],
 
 def _adopt_all(run: Run, store: st.OutputStore, index: RunIndex, found: am.Scan, fmt: str,
                keys: dict[str, tuple[str, ...]] | None, source: Path, report: Report,
-               jobs: int, progress: bool) -> None:
+               jobs: int, progress: bool, pins: dict[str, pn.Pin]) -> None:
     assert report.check is not None
     check = json.dumps({"files": len(report.check.files),
                         "worst_max_rel": max((e.max_rel for e in report.check.comparison.layers),
@@ -267,7 +271,10 @@ def _adopt_all(run: Run, store: st.OutputStore, index: RunIndex, found: am.Scan,
         _, (path, ref, _) = item
         name = str(path.relative_to(source))
         try:
-            return name, *_adopt_one(run, store, index, path, ref, fmt, keys, check)
+            if name not in pins:
+                raise SourceFileRefused("not checked against the server: not adopted")
+            return name, *_adopt_one(run, store, index, path, ref, fmt, keys, check,
+                                     pins[name])
         except SourceFileRefused as e:
             return name, "refused", str(e)
         except leases.LeaseLost:  # an attempt took the sample while it was written
@@ -289,7 +296,7 @@ def _adopt_all(run: Run, store: st.OutputStore, index: RunIndex, found: am.Scan,
 
 
 def _adopt_one(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: SampleRef,
-               fmt: str, keys: dict[str, tuple[str, ...]] | None, check: str
+               fmt: str, keys: dict[str, tuple[str, ...]] | None, check: str, pin: pn.Pin
                ) -> tuple[str, str]:
     """(outcome, detail): ("adopted", "" | "mask differs"), ("done", ""), ("busy", holder).
 
@@ -307,14 +314,14 @@ def _adopt_one(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref
             return "done", ""
         if state is not None:
             raise SourceFileRefused(state)
-        return _write(run, store, index, path, ref, fmt, keys, check, got)
+        return _write(run, store, index, path, ref, fmt, keys, check, got, pin)
     finally:
         got.release()
 
 
 def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: SampleRef,
            fmt: str, keys: dict[str, tuple[str, ...]] | None, check: str,
-           lease: leases.Lease) -> tuple[str, str]:
+           lease: leases.Lease, pin: pn.Pin) -> tuple[str, str]:
     try:
         sample, _ = read_sample(ref)
         with _ENCODE:
@@ -322,6 +329,8 @@ def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: Sa
     except (BadInput, StaleRecord) as e:
         raise SourceFileRefused(f"its record {ref.index} changed: {e}") from e
     s = open_sample(path, fmt, keys)
+    if why := pin.problem(s):  # another file than the one checked: not even its ids count
+        raise SourceFileRefused(why)
     if not np.array_equal(s.input_ids, np.asarray(tok.input_ids, dtype=np.int64)):
         raise SourceFileRefused(f"its record {ref.index} changed since it was matched")
     mask = np.asarray(tok.loss_mask, dtype=np.int64)
@@ -331,86 +340,10 @@ def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: Sa
             c.M_LAYERS: json.dumps(list(run.fingerprint.layers_to_capture)),
             M_WEIGHTS_ID: store.weights_id, M_ADOPTED_FROM: str(path.resolve()),
             M_ADOPTED_FORMAT: fmt, M_ADOPTED_CHECK: check}
-    v = write_adopted(store, ref.key, ref.sha256, s, mask, meta, before_write=lease.check)
+    v = write_adopted(store, ref.key, ref.sha256, s, mask, meta, before_write=lease.check,
+                      pin=pin)
     index.mark_done(ref.key, v.size_bytes, v.tokens)
     return "adopted", "mask differs" if differs else ""
-
-
-def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: SourceSample,
-                  loss_mask: np.ndarray, meta: dict[str, str],
-                  before_write: Callable[[], None] | None = None) -> st.Verified:
-    """One adopted file's data path: the source's own checksums and its values checked
-    (NaN/Inf), written durably as a final file, read back from the device and verified.
-
-    Raises:
-        SourceFileRefused: bad values or checksums; or the file does not read back whole.
-        NoSpace, OutputUnavailable: the output disk failed.
-    """
-    if s.verify is not None:
-        s.verify()
-    nonfinite = {c.T_HIDDEN: 0, c.T_AUX: 0}
-    parts = {c.T_INPUT_IDS: st.Part.from_array("I64", s.input_ids),
-             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask)}
-    if store.fingerprint.dtype == c.DTYPE_FP8:
-        parts |= _quantized(s.hidden, 1, c.T_HIDDEN, c.T_HIDDEN_SCALE)
-        parts |= _quantized(s.aux, c.AUX_LAYERS, c.T_AUX, c.T_AUX_SCALE)
-    else:
-        parts |= {c.T_HIDDEN: _part(s.hidden, nonfinite, c.T_HIDDEN),
-                  c.T_AUX: _part(s.aux, nonfinite, c.T_AUX)}
-
-    def verdict() -> None:  # every byte was checked as it was copied (in cache)
-        bad = [f"{n} has {k} NaN/Inf values" for n, k in nonfinite.items() if k]
-        if bad:
-            raise SourceFileRefused("; ".join(bad))
-
-    meta = {**meta, st.M_CONTENT: content_sha256, c.M_PATCH_VERSION: c.PATCH_VERSION,
-            M_ADOPTED_DTYPE: s.dtype}
-    if before_write is not None:
-        before_write()  # lost the lease (stalled past its TTL): write nothing
-    try:
-        return store.write_verified(key, parts, meta, validate=verdict)
-    except Corrupt as e:
-        raise SourceFileRefused(f"not adopted (nothing left at its final path): {e}") from e
-
-
-def _part(bits: np.ndarray, nonfinite: dict[str, int], name: str) -> st.Part:
-    """A bf16 tensor's bytes straight from the source's mapping (no copy when contiguous),
-    its NaN/Inf values counted into ``nonfinite[name]`` piece by piece as they are copied."""
-    arr = np.ascontiguousarray(bits)
-
-    def check(piece: memoryview) -> None:
-        values = np.frombuffer(piece, dtype="<u2")
-        if tensorfile.bf16_any_nonfinite(values):
-            nonfinite[name] += tensorfile.bf16_nonfinite(values)
-
-    return st.Part("BF16", tuple(arr.shape), data=arr.data.cast("B"), check=check)
-
-
-def _quantized(bits: np.ndarray, layers: int, name: str, scale_name: str
-               ) -> dict[str, st.Part]:
-    """bf16 states (bits) quantized by the hook's own code (``engine_dump.fp8.quantize``),
-    ``QUANTIZE_ROWS`` tokens at a time as the hook quantizes a chunk of a prefill, so an
-    adopted file holds what a worker writes from the same states.
-
-    Raises:
-        SourceFileRefused: the states hold NaN/Inf (refused before quantizing, as in bf16).
-    """
-    import torch
-
-    from engine_dump import fp8
-
-    values = np.ascontiguousarray(bits).view("<u2")
-    if tensorfile.bf16_any_nonfinite(values):
-        raise SourceFileRefused(f"{name} has {tensorfile.bf16_nonfinite(values)} NaN/Inf values")
-    with warnings.catch_warnings():  # a read-only mapping: quantize never writes its input
-        warnings.simplefilter("ignore", UserWarning)
-        x = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
-    pieces = [fp8.quantize(x[i:i + QUANTIZE_ROWS], layers)
-              for i in range(0, max(len(x), 1), QUANTIZE_ROWS)]
-    q = np.ascontiguousarray(torch.cat([p[0] for p in pieces]).numpy())
-    scale = np.ascontiguousarray(torch.cat([p[1] for p in pieces]).numpy(), dtype="<f4")
-    return {name: st.Part("F8_E4M3", tuple(q.shape), data=q.data.cast("B")),
-            scale_name: st.Part("F32", tuple(scale.shape), data=scale.data.cast("B"))}
 
 
 def fp8_problem(settings: Settings) -> str | None:

@@ -1,16 +1,22 @@
-"""Every matched file's first rows against the live server: ``adopt``'s per-file check.
+"""Every matched file's rows, over its whole length, against the live server: ``adopt``'s
+per-file check.
 
-The K-file check misses a foreign minority with probability C(n-f, K) / C(n, K), so every
-file's first ``PREFIX_TOKENS`` tokens are sent (``BATCH`` files at once) and its states at
-``ROWS`` of them compared with the dump's. Causal attention makes the prefix's rows the whole
-file's rows, and another model, layer set or norm differs at every row, so each such file is
-refused on its own. A file edited only after its first rows is left to the checksums.
-Test: tests/farm/test_adopt_checks.py::test_a_foreign_minority_is_caught_file_by_file.
+The K-file check misses a foreign minority with probability C(n-f, K) / C(n, K), so every file
+is sent whole (``BATCH`` files, at most ``BATCH_TOKENS`` tokens, at once) and its states at its
+first and last rows and ``ROWS`` rows drawn at random among the others are compared with the
+dump's, all layers. Another model, layer set or norm differs at every row; damage confined to
+some rows (a tail another checkpoint wrote, rows shifted by one) is caught when a drawn row
+holds it: a file with a fraction f of its rows off escapes with probability at most
+(1 - f) ** ROWS (``escape_probability``), and a damaged tail never escapes (the last row is
+always compared). The rows are drawn whatever the file holds (from ``--seed`` when given).
+Each file is read once here and pinned (``pin``): it is written as it was compared, or not.
+Tests: tests/farm/test_adopt_checks.py::test_a_foreign_minority_is_caught_file_by_file,
+tests/farm/test_adopt_checks.py::test_a_file_damaged_after_its_first_rows_is_refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,78 +24,115 @@ import numpy as np
 
 from engine_dump import contracts as c
 from producer.adopt import check as ck
+from producer.adopt import pin as pn
 from producer.adopt.formats import SourceSample
 from worker.core import canary as cn
 from worker.core.errors import SourceFileRefused
 from worker.core.settings import Settings
 
-PREFIX_TOKENS = 32  # tokens sent per file: a prefill this short costs little next to a sample
-ROWS = 8  # rows of the prefix compared per file (its first and last included)
+ROWS = 48  # rows drawn per file besides its first and last: see escape_probability
 BATCH = 64  # files sent to the server at once
+BATCH_TOKENS = 32768  # tokens sent at once (their dumps wait on the dump dir's tmpfs)
+BOUND_FRACTIONS = (0.05, 0.10, 0.25)  # damaged fractions the report states the bound for
 
 
 @dataclass
 class RowsResult:
-    """What the per-file check found: files checked, and those refused with the reason."""
+    """What the per-file check found: files checked, those refused with the reason, and the
+    pin of each file that passed (by name)."""
 
     checked: int = 0
     refused: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
     worst_max_rel: float = 0.0  # the worst row error among the files that passed
+    pins: dict[str, pn.Pin] = field(default_factory=dict)
 
     def refused_names(self) -> set[str]:
         return {name for name, _ in self.refused}
 
 
-def prefix_rows(n_tokens: int) -> np.ndarray:
-    """The rows compared: ``ROWS`` evenly spaced over the first ``PREFIX_TOKENS`` tokens."""
-    n = min(n_tokens, PREFIX_TOKENS)
-    return np.unique(np.linspace(0, n - 1, min(ROWS, n)).round().astype(np.int64))
+def file_rows(n_tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """The rows compared: the first, the last, and ``ROWS`` of the others drawn uniformly
+    without replacement (all of them when there are fewer)."""
+    inner = np.arange(1, n_tokens - 1, dtype=np.int64)
+    if len(inner) > ROWS:
+        inner = rng.choice(inner, ROWS, replace=False)
+    return np.unique(np.concatenate([[0, n_tokens - 1], inner]).astype(np.int64))
 
 
-def picked_of(name: str, s: SourceSample) -> ck.Picked:
-    """A file's prefix ids and its states at ``prefix_rows`` (read from the source's mapping:
-    a few rows, not the file)."""
-    rows = prefix_rows(len(s.input_ids))
-    n = int(rows[-1]) + 1
-    return ck.Picked(name, s.input_ids[:n].tolist(), rows, ck.states_at(s.hidden, s.aux, rows))
+def picked_of(name: str, s: SourceSample, rng: np.random.Generator
+              ) -> tuple[ck.Picked, pn.Pin]:
+    """A file's ids and its states at ``file_rows``, and its pin: one read of the file."""
+    rows = file_rows(len(s.input_ids), rng)
+    pin, at = pn.take(s, rows)
+    return ck.picked_of_rows(name, s.input_ids.tolist(), rows, at), pin
+
+
+def batches(sizes: list[int]) -> Iterator[range]:
+    """Consecutive ranges of ``sizes`` (tokens per file): at most ``BATCH`` files and
+    ``BATCH_TOKENS`` tokens each, or one longer file alone."""
+    start, tokens = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and (i - start >= BATCH or tokens + n > BATCH_TOKENS):
+            yield range(start, i)
+            start, tokens = i, 0
+        tokens += n
+    if start < len(sizes):
+        yield range(start, len(sizes))
 
 
 def check_files(settings: Settings, run_id: str, fingerprint: c.Fingerprint,
-                files: list[tuple[str, Path]], load: Callable[[Path], SourceSample],
-                tick: Callable[[], None] | None = None) -> RowsResult:
-    """Compare every file of ``files`` (name, path) at its prefix rows with the server.
+                files: list[tuple[str, Path, int]], load: Callable[[Path], SourceSample],
+                tick: Callable[[], None] | None = None, seed: int | None = None) -> RowsResult:
+    """Compare every file of ``files`` (name, path, tokens) at its ``file_rows`` with the server.
 
     Raises:
         ServerUnavailable, Transient, Corrupt: the server could not answer for a file.
     """
     out = RowsResult()
-    names = cn.layer_names(fingerprint.layers_to_capture)
-    for start in range(0, len(files), BATCH):
+    rng = np.random.default_rng(seed)
+    for batch in batches([n for _, _, n in files]):
         picked = []
-        for name, path in files[start:start + BATCH]:
+        for name, path, _ in (files[i] for i in batch):
             try:
-                picked.append(picked_of(name, load(path)))
+                p, pin = picked_of(name, load(path), rng)
             except SourceFileRefused as e:
                 out.refused.append((name, str(e)))
+                continue
+            picked.append(p)
+            out.pins[name] = pin
         for p, new in zip(picked, ck.extract_again(settings, run_id, picked), strict=True):
-            cmp = cn.compare([cn.Canary(np.asarray(p.input_ids), p.rows, p.states)], [new],
-                             names, settings.canary_max_rel_err, settings.canary_mean_rel_err)
-            out.checked += 1
-            if cmp.passed:
-                out.worst_max_rel = max([out.worst_max_rel, *(e.max_rel for e in cmp.layers)])
-            else:
-                out.refused.append((p.name, _why(cmp, len(p.rows))))
+            _judge(out, p, new, fingerprint, settings)
             if tick is not None:
                 tick()
     return out
 
 
-def _why(cmp: cn.Comparison, rows: int) -> str:
+def _judge(out: RowsResult, p: ck.Picked, new: np.ndarray, fingerprint: c.Fingerprint,
+           settings: Settings) -> None:
+    names = cn.layer_names(fingerprint.layers_to_capture)
+    cmp = cn.compare([p.recorded(new)], [new], names, settings.canary_max_rel_err,
+                     settings.canary_mean_rel_err)
+    out.checked += 1
+    if cmp.passed:
+        out.worst_max_rel = max([out.worst_max_rel, *(e.max_rel for e in cmp.layers)])
+    else:
+        out.refused.append((p.name, _why(cmp, p)))
+        del out.pins[p.name]
+
+
+def _why(cmp: cn.Comparison, p: ck.Picked) -> str:
     bad = [e.name for e in cmp.layers
            if e.max_rel > cmp.max_rel_tol or e.mean_rel > cmp.mean_rel_tol]
-    return (f"its states at {rows} rows of its first {PREFIX_TOKENS} tokens are not the "
+    return (f"its states at {len(p.rows)} of its {len(p.input_ids)} rows are not the "
             f"server's ({', '.join(bad)} differ; {cmp.summary()}; tolerance max "
-            f"{cmp.max_rel_tol:.2%}): written by another model, checkpoint or layer set")
+            f"{cmp.max_rel_tol:.2%}): written by another model, checkpoint or layer set, or "
+            "damaged")
+
+
+def escape_probability(damaged_fraction: float, rows: int = ROWS) -> float:
+    """The most a file with ``damaged_fraction`` of its rows off escapes the check with:
+    ``rows`` drawn without replacement all miss them, at most (1 - f) ** rows."""
+    return max(0.0, 1.0 - damaged_fraction) ** rows
 
 
 def miss_probability(n: int, foreign: int, k: int) -> float:
@@ -102,14 +145,14 @@ def miss_probability(n: int, foreign: int, k: int) -> float:
     return p
 
 
-def guarantee(n_files: int, k: int) -> list[str]:
-    """What the checks guarantee for a foreign minority among ``n_files``, in words."""
-    one = max(1, round(n_files / 100))
+def guarantee() -> list[str]:
+    """What the per-file check guarantees for each file, in words."""
+    bounds = ", ".join(f"{f:.0%} of its rows off: at most {escape_probability(f):.2g}"
+                       for f in BOUND_FRACTIONS)
     return [
         "detection guarantee: every file whose states another model, checkpoint or layer set "
-        f"wrote is refused on its own by the per-file check ({ROWS} rows of its first "
-        f"{PREFIX_TOKENS} tokens, all layers, each file against the server), whatever their "
-        "fraction;",
-        f"  a file edited only after its first {PREFIX_TOKENS} tokens is caught by its "
-        f"checksums (hsfarm) or the {k} full re-extractions: {one} such file of {n_files} "
-        f"escapes them with probability {miss_probability(n_files, one, k):.0%}"]
+        f"wrote is refused on its own by the per-file check (its first and last rows and "
+        f"{ROWS} drawn at random over its whole length, all layers, against the server), "
+        "whatever their fraction; a file damaged from some row to its end is refused;",
+        f"  a file with damage confined to some rows escapes with probability ({bounds}); "
+        "each file is written with the bytes it was checked with, or not at all"]

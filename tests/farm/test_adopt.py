@@ -332,6 +332,20 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         audited = farm.cli("audit")
         assert audited.returncode == 0, audited.stdout + audited.stderr
         assert f"whole: {N_DATA} " in audited.stdout, audited.stdout
+        # And that fp8 run, as SOURCE, is adopted into a new fp8 run: its stored e4m3 values
+        # and scales copied as they are
+        again_out = tmp_path / "out2"
+        res = adopt(farm, out, data[0], again_out)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"adopted: {N_DATA}\n" in res.stdout, res.stdout
+        stored = {p.name: tensorfile.read(p).tensors for p in finals(out).values()}
+        for name, p in finals(again_out).items():
+            got = tensorfile.read(p)
+            assert got.metadata["adopted_source_dtype"] == c.DTYPE_FP8
+            for t in (c.T_HIDDEN, c.T_HIDDEN_SCALE, c.T_AUX, c.T_AUX_SCALE):
+                assert got.tensors[t].dtype == stored[name][t].dtype
+                assert np.array_equal(got.tensors[t].array, stored[name][t].array), (name, t)
+        assert len(finals(again_out)) == N_DATA
 
 
 def test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan(

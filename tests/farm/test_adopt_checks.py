@@ -1,5 +1,6 @@
 """``adopt``'s checks of what it lets in: the served identity before any source is read, each
-hsfarm file's own header, and every file's first rows against the live server.
+hsfarm file's own header, every file's rows over its whole length against the live server, and
+each file written as it was checked.
 
 Real processes: a private Redis, the reference server (the tiny model, or a fine-tune of it:
 the same config and tokenizer, other weights), ``python -m producer adopt`` as a user runs it.
@@ -8,6 +9,7 @@ the same config and tokenizer, other weights), ``python -m producer adopt`` as a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,14 +19,19 @@ import numpy as np
 import pytest
 
 from engine_dump import contracts as c
+from producer.adopt.formats import open_sample
+from producer.adopt.procedure import Run
+from producer.adopt.procedure import adopt as run_adopt
 from producer.localfarm.farm import LocalFarm
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, EXAMPLES, FarmFactory
 from tests.support import adopt_sources as srcs
 from tests.support.faults import running_farm
 from worker.core import checksums, tensorfile, weights
+from worker.core.settings import Settings
 from worker.core.store import M_FINGERPRINT
 from worker.server.chat import ChatTokenizer
+from worker.server.fingerprint import load_run
 
 N_DATA = 20
 
@@ -173,3 +180,74 @@ def test_a_foreign_minority_is_caught_file_by_file(
     adopted = {tuple(tensorfile.read(p).tensors[c.T_INPUT_IDS].array.tolist())
                for p in finals(out_dir)}
     assert len(adopted) == 19 and foreign not in adopted
+
+
+def _adopted_ids(out: Path) -> set[tuple[int, ...]]:
+    return {tuple(tensorfile.read(p).tensors[c.T_INPUT_IDS].array.tolist()) for p in finals(out)}
+
+
+def test_a_file_damaged_after_its_first_rows_is_refused(
+        farm: LocalFarm, tmp_path: Path, tiny_model: Path) -> None:
+    # Given 20 SpecForge files of this run's model, two of them damaged past their first 32
+    # rows: one whose rows from 32 on another checkpoint wrote, one shifted by a row from 40 on
+    data, records = _data(tmp_path)
+    chat = _chat(tiny_model)
+    items = srcs.extract(tiny_model, records, chat)
+    other = srcs.extract(ensure_tiny_model(CACHE, seed=1), records[2:3], chat)[0]
+    items[2] = srcs.tail_of(items[2], other, 32)
+    items[3] = srcs.shifted_from(items[3], 40)
+    damaged = {tuple(items[2].ids), tuple(items[3].ids)}
+    src = tmp_path / "sf"
+    srcs.write_specforge(src, items)
+    # When adopt checks one whole file (record 4's with --seed 1: neither damaged one)
+    out_dir = tmp_path / "out"
+    env = {**farm.env(), "FARM_OUTPUT_DIR": str(out_dir)}
+    res = subprocess.run([sys.executable, "-m", "producer", "adopt", str(src), "--data",
+                          str(data), "--no-progress", "--seed", "1", "--check", "1"],
+                         env=env, capture_output=True, text=True, timeout=400)
+    # Then the per-file check refuses both, and adopts the 18 others
+    out = res.stdout
+    assert res.returncode == 1, out + res.stderr
+    assert _count(out, "adopted") == 18 and _count(out, "refused") == 2, out
+    assert out.count("are not the server's") == 2, out
+    assert len(_adopted_ids(out_dir)) == 18 and not damaged & _adopted_ids(out_dir)
+
+
+def test_a_source_file_changed_between_its_check_and_its_write_is_not_adopted(
+        farm: LocalFarm, tmp_path: Path, tiny_model: Path) -> None:
+    # Given 6 SpecForge files of this run's model, and for two of their records files of the
+    # same ids that another checkpoint wrote
+    data, records = _data(tmp_path)
+    chat = _chat(tiny_model)
+    items = srcs.extract(tiny_model, records[:6], chat)
+    src, spare = tmp_path / "sf", tmp_path / "spare"
+    paths = srcs.write_specforge(src, items)
+    others = srcs.extract(ensure_tiny_model(CACHE, seed=1), records[:6], chat)
+    spares = srcs.write_specforge(spare, others)  # the same names for the same records
+    renamed, rewritten = paths[0], paths[1]
+    assert os.path.getsize(rewritten) == os.path.getsize(spare / rewritten.name)
+    assert [p.name for p in spares] == [p.name for p in paths]  # same order, same records
+    changed = {tuple(open_sample(p, "specforge").input_ids.tolist())
+               for p in (renamed, rewritten)}
+    assert changed == {tuple(open_sample(spare / p.name, "specforge").input_ids.tolist())
+                       for p in (renamed, rewritten)}
+
+    def swap() -> None:  # once every check passed, before anything is written
+        os.replace(spare / renamed.name, renamed)  # another file at its name
+        st = os.stat(rewritten)  # the same file rewritten in place: size and mtime kept
+        with open(rewritten, "r+b") as f:
+            f.write((spare / rewritten.name).read_bytes())
+        os.utime(rewritten, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(rewritten).st_mtime_ns == st.st_mtime_ns
+
+    # When adopt runs, the two files changing between its checks and its writes
+    out_dir = tmp_path / "out"
+    settings = Settings.from_env({**farm.env(), "FARM_OUTPUT_DIR": str(out_dir)})
+    model_path, run_chat, fp = load_run(settings)
+    report = run_adopt(Run(settings, run_chat, fp, model_path), src, data, progress=False,
+                       seed=1, after_check=swap)
+    # Then neither is adopted, each refused as changed since its check; the 4 others are
+    text = "\n".join(report.lines())
+    assert report.adopted == 4 and len(report.refused) == 2, text
+    assert all("since it was checked" in why for _, why in report.refused), text
+    assert len(_adopted_ids(out_dir)) == 4 and not changed & _adopted_ids(out_dir), text

@@ -131,3 +131,17 @@ def write_bad(src: Path, good: Extracted, marker: Path) -> dict[str, str]:
     return {"data_900.ckpt": "GLOBAL posix.system", "data_901.ckpt": "weights_only",
             "data_902.ckpt": "unreadable", "data_903.ckpt": "NaN/Inf",
             "data_904.ckpt": "hidden size 32", "data_905.ckpt": "match no record"}
+
+
+def tail_of(good: Extracted, other: Extracted, row: int) -> Extracted:
+    """``good``'s states up to ``row``, ``other``'s (the same ids, another checkpoint) from it."""
+    hidden, aux = good.hidden.clone(), good.aux.clone()
+    hidden[row:], aux[row:] = other.hidden[row:], other.aux[row:]
+    return Extracted(good.ids, good.mask, hidden, aux)
+
+
+def shifted_from(good: Extracted, row: int) -> Extracted:
+    """``good``'s states with every row from ``row`` on holding the state of the row before."""
+    hidden, aux = good.hidden.clone(), good.aux.clone()
+    hidden[row + 1:], aux[row + 1:] = good.hidden[row:-1], good.aux[row:-1]
+    return Extracted(good.ids, good.mask, hidden, aux)

@@ -19,6 +19,7 @@ Test: tests/farm/test_env_faults.py::test_gateway_refusals_spend_no_attempts.
 # │   ├── OutputUnavailable    the output disk refuses writes (EROFS, EIO...): wait, refunded
 # │   └── DataFileUnavailable  the data file cannot be read: its samples park, refunded
 # └── Corrupt            a dump or file failed a check; retried, then recorded as failed
+#     └── NotAsHashed    bytes copied into a file are not the ones its writer hashed earlier
 
 from __future__ import annotations
 
@@ -121,3 +122,8 @@ class DataFileUnavailable(Transient):
 
 class Corrupt(FarmError):
     """A dump or output file failed validation. Retried; recorded as failed when attempts end."""
+
+
+class NotAsHashed(Corrupt):
+    """Bytes copied into a final file are not the ones the writer hashed before (``adopt``: the
+    source file changed after its check); the file is abandoned before its rename."""

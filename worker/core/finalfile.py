@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from worker.core import checksums, diskio, tensorfile
-from worker.core.errors import Corrupt
+from worker.core.errors import Corrupt, NotAsHashed
 
 PIECE_BYTES = 256 << 10  # checksummed and checked at a time: stays in L2
 
@@ -28,7 +28,9 @@ class Part:
 
     Either ``data`` (small tensors, in memory) or ``nbytes`` of the open file ``source`` (a
     dump) from ``offset``. ``check`` sees every piece of the bytes as they are copied (the
-    value check). A closed ``source`` raises on use, never reads a recycled descriptor.
+    value check). ``expect_sum``: the checksum the copied bytes must have (a writer that hashed
+    them earlier, ``adopt``), compared before the file is final. A closed ``source`` raises on
+    use, never reads a recycled descriptor.
     """
 
     dtype: str
@@ -37,6 +39,7 @@ class Part:
     source: io.FileIO | None = None
     offset: int = 0
     check: Callable[[memoryview], None] | None = None
+    expect_sum: str | None = None
 
     @classmethod
     def from_array(cls, dtype: str, arr: np.ndarray) -> Part:
@@ -58,6 +61,7 @@ def write_parts(fd: int, parts: dict[str, Part], metadata: dict[str, str],
 
     Raises:
         OSError: from the writes (ENOSPC included). Whatever ``validate`` raises.
+        NotAsHashed: a part's bytes do not have its ``expect_sum``.
     """
     placeholder = dict.fromkeys(parts, "0" * checksums.DIGEST_HEX_LEN)
     head, header = _header(parts, metadata, placeholder)
@@ -65,6 +69,10 @@ def write_parts(fd: int, parts: dict[str, Part], metadata: dict[str, str],
     sums = {}
     for name, offset, _ in header.file_ranges():
         sums[name] = _copy(parts[name], fd, offset)
+        want = parts[name].expect_sum
+        if want is not None and sums[name] != want:
+            raise NotAsHashed(f"{name}'s bytes are not the ones hashed before (checksum "
+                              f"{sums[name]}, expected {want})")
     if validate is not None:
         validate()
     final_head, _ = _header(parts, metadata, sums)

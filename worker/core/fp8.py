@@ -40,19 +40,37 @@ def _e4m3_table() -> np.ndarray:
     return out.astype(np.float32)
 
 
+def _half_step_table() -> np.ndarray:
+    """Half the gap from each e4m3 value to the next larger one (magnitude): every value that
+    rounds to it lies within that much of it (the gap below a power of two is half as wide)."""
+    exp = (np.arange(256, dtype=np.int32) >> 3) & 0xF
+    return (np.exp2(np.maximum(exp, 1) - 10.0) / 2).astype(np.float32)
+
+
 E4M3_VALUES = _e4m3_table()  # the float32 value of every byte
+E4M3_HALF_STEPS = _half_step_table()
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, *, layers: int) -> np.ndarray:
     """uint8 [T, layers*H] (e4m3fn bits) and float32 [T, layers*blocks] -> float32
     [T, layers*H]. Raises ValueError for a scale shape of neither layout."""
+    return _scaled(E4M3_VALUES, q, scales, layers)
+
+
+def rounding_half_widths(q: np.ndarray, scales: np.ndarray, *, layers: int) -> np.ndarray:
+    """How far from ``dequantize``'s value the state each stored byte rounds may lie (float32,
+    same shape): the original state lies within value ± half-width."""
+    return _scaled(E4M3_HALF_STEPS, q, scales, layers)
+
+
+def _scaled(table: np.ndarray, q: np.ndarray, scales: np.ndarray, layers: int) -> np.ndarray:
     t, width = q.shape
     h = width // layers
     nb = scales.shape[1] // layers
     if scales.shape[1] != layers * nb:
         raise ValueError(f"{scales.shape[1]} scales per token for {layers} layers")
     block = c.fp8_block_of(h, nb)
-    v = E4M3_VALUES[q].reshape(t, layers, h)
+    v = table[q].reshape(t, layers, h)
     if nb * block != h:
         v = np.pad(v, ((0, 0), (0, 0), (0, nb * block - h)))
     v = v.reshape(t, layers, nb, block) * scales.reshape(t, layers, nb, 1)
