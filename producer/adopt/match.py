@@ -69,6 +69,8 @@ class Scan:
     matched: dict[str, tuple[Path, SampleRef, int]] = field(default_factory=dict)  # key ->
     done: list[tuple[str, str]] = field(default_factory=list)  # (file, key) already done
     refused: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
+    # (file, the file read before it with the same ids): its samples are that file's
+    duplicates: list[tuple[str, str]] = field(default_factory=list)
     unmatched: int = 0
 
 
@@ -134,6 +136,7 @@ def scan(files: Iterable[Path], fmt: str, keys: dict[str, tuple[str, ...]] | Non
     """Open each regular file (ids and shapes only: the states are not read), match it, sort
     it. Entries that are not regular files, or links leaving ``source``, are refused unread."""
     out = Scan()
+    first_of: dict[bytes, str] = {}  # ids digest -> the first file read with those ids
     for path in files:
         name = str(path.relative_to(source))
         if tick is not None:
@@ -147,15 +150,14 @@ def scan(files: Iterable[Path], fmt: str, keys: dict[str, tuple[str, ...]] | Non
             out.refused.append((name, str(e)))
             continue
         refs = records.by_ids.get(digest, [])
-        taken = [r.key for r in refs if r.key in out.matched]
         if not refs:
             out.unmatched += 1
             out.refused.append((name, f"its {len(s.input_ids)} input_ids match no record of "
                                       "the data file as this run tokenizes it"))
-        elif taken:
-            out.refused.append((name, f"same record as {out.matched[taken[0]][0].name} "
-                                      f"(sample {taken[0]})"))
+        elif digest in first_of:  # a copy (a corpus's twin records): one file serves them
+            out.duplicates.append((name, first_of[digest]))
         else:
+            first_of[digest] = name
             for ref in refs:  # records with the same ids: each gets the file
                 _sort(out, store, name, path, ref, len(s.input_ids))
     return out

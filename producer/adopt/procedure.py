@@ -64,11 +64,19 @@ class Run:
 
 @dataclass
 class Report:
+    """What one adopt did, counted in one unit per count: ``files`` read from SOURCE (each
+    ends in exactly one of ``file_counts``' outcomes), samples adopted and already done (a file
+    of records with the same ids serves each of them), refused files with their reasons."""
+
     files: int = 0
-    adopted: int = 0
-    done: int = 0
+    adopted: int = 0  # samples written
+    done: int = 0  # samples whose final file already held their record
     busy: list[tuple[str, str]] = field(default_factory=list)  # (file, holder)
     refused: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (file, its first copy)
+    adopted_files: set[str] = field(default_factory=set)
+    done_files: set[str] = field(default_factory=set)
+    would_files: set[str] = field(default_factory=set)  # a dry run's
     mask_differs: int = 0
     unmatched: int = 0
     records: int = 0
@@ -133,11 +141,41 @@ class Report:
                        "this run's mask was written")
         verb = "would adopt" if self.dry_run else "adopted"
         n = self.would_adopt if self.dry_run else self.adopted
-        out += [f"files: {self.files}", f"{verb}: {n}", f"already done: {self.done}",
-                f"refused: {len(self.refused)}"]
+        per_file = ", ".join(f"{k} {v}" for k, v in self.file_counts().items())
+        out += [f"files: {self.files} read ({per_file})", f"{verb}: {_n(n, 'sample')}",
+                f"already done: {_n(self.done, 'sample')}",
+                f"refused: {_n(self.refused_files(), 'file')}"]
         if self.busy:
-            out.append(f"left to workers: {len(self.busy)}")
+            out.append(f"left to workers: {_n(len(self.busy), 'file')}")
+        if not self.dry_run and not n and not self.refused and not self.busy and self.done:
+            out.append("nothing to adopt: this run already holds every sample these files "
+                       "hold")
         return out
+
+    def refused_files(self) -> int:
+        return len({name for name, _ in self.refused})
+
+    def file_counts(self) -> dict[str, int]:
+        """Each file read, once, by what became of it; the counts sum to ``files``. A file
+        refused for one of its samples counts as refused; the others' outcomes follow."""
+        refused = {name for name, _ in self.refused}
+        busy = {name for name, _ in self.busy} - refused
+        adopted = (self.would_files if self.dry_run else self.adopted_files) - refused - busy
+        done = self.done_files - refused - busy - adopted
+        copies = {name for name, _ in self.duplicates} - refused - busy - adopted - done
+        counts = {"would adopt" if self.dry_run else "adopted": len(adopted),
+                  "already done": len(done), "copies of another file": len(copies),
+                  "refused": len(refused)}
+        if busy:
+            counts["left to workers"] = len(busy)
+        left = self.files - sum(counts.values())
+        if left:  # the run's check refused them all before any was written
+            counts["not adopted (the check above failed)"] = left
+        return counts
+
+
+def _n(count: int, unit: str) -> str:
+    return f"{count} {unit}{'s' * (count != 1)}"
 
 
 def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
@@ -173,7 +211,9 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     report.files, report.records = len(files), records.count
     with _bar(progress, "match", len(files)) as bar:
         found = am.scan(files, fmt, keys, records, store, source, bar.update)
-    report.refused, report.done = list(found.refused), len(found.done)
+    report.refused, report.duplicates = list(found.refused), list(found.duplicates)
+    report.done = len({key for _, key in found.done})
+    report.done_files = {name for name, _ in found.done}
     report.unmatched = found.unmatched
     if fmt == "hsfarm":
         report.headers_checked = _screen_headers(run, store, found, source, report)
@@ -188,6 +228,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     report.rows = _check_rows(run, run_id, found, fmt, keys, source, progress, seed)
     _drop(found, source, report.rows.refused, report)
     report.would_adopt = len(found.matched)
+    report.would_files = {str(path.relative_to(source)) for path, _, _ in found.matched.values()}
     if dry_run:
         return report
     if after_check is not None:
@@ -286,9 +327,11 @@ def _adopt_all(run: Run, store: st.OutputStore, index: RunIndex, found: am.Scan,
             bar.update()
             if outcome == "adopted":
                 report.adopted += 1
+                report.adopted_files.add(name)
                 report.mask_differs += why == "mask differs"
             elif outcome == "done":
                 report.done += 1
+                report.done_files.add(name)
             elif outcome == "busy":
                 report.busy.append((name, why))
             else:
@@ -366,6 +409,7 @@ def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -
     body.setdefault(MANIFEST_ADOPTIONS, []).append({
         "at": time.time(), "source": str(source.resolve()), "format": fmt,
         "data": str(data.resolve()), "adopted": report.adopted, "already_done": report.done,
-        "refused": len(report.refused), "mask_differs": report.mask_differs,
+        "refused": report.refused_files(), "copies": len(report.duplicates),
+        "mask_differs": report.mask_differs,
         "check": report.check.to_json() if report.check else None})
     durable.write_json(path, body)

@@ -141,7 +141,8 @@ def test_specforge_source_adopted_bit_equal_then_the_run_finishes(
     res = adopt_here(src, data[0], farm.output_dir)
     out = res.stdout
     assert res.returncode == 1, out + res.stderr  # some refused, the rest adopted
-    assert f"adopted: {N_SOURCE}\n" in out and f"refused: {len(expect)}\n" in out, out
+    assert f"adopted: {N_SOURCE} samples\n" in out, out
+    assert f"refused: {len(expect)} files\n" in out, out
     for name, why in expect.items():
         assert any(line.startswith(f"  {name}: ") and why in line for line in out.splitlines()), (
             name, out)
@@ -153,7 +154,8 @@ def test_specforge_source_adopted_bit_equal_then_the_run_finishes(
     assert manifest["adoptions"][0]["adopted"] == N_SOURCE
     # again: nothing twice
     again = adopt_here(src, data[0], farm.output_dir)
-    assert "adopted: 0\n" in again.stdout and f"already done: {N_SOURCE}\n" in again.stdout
+    assert "adopted: 0 samples\n" in again.stdout, again.stdout
+    assert f"already done: {N_SOURCE} samples\n" in again.stdout, again.stdout
     # enqueue publishes only the rest; workers do them; audit finds the run whole
     enq = farm.cli("enqueue", str(data[0]), "--no-progress")
     assert f"published: {N_DATA - N_SOURCE}\n" in enq.stdout, enq.stdout + enq.stderr
@@ -166,7 +168,7 @@ def test_specforge_source_adopted_bit_equal_then_the_run_finishes(
     lost.unlink()
     again = adopt_here(src, data[0], farm.output_dir)
     assert "canary passed: 3 prompts" in again.stdout, again.stdout + again.stderr
-    assert "adopted: 1\n" in again.stdout, again.stdout
+    assert "adopted: 1 sample\n" in again.stdout, again.stdout
     audited = farm.cli("audit")
     assert audited.returncode == 0, audited.stdout + audited.stderr
     assert f"whole: {N_DATA} " in audited.stdout and f"adopted: {N_SOURCE}\n" in audited.stdout
@@ -181,7 +183,8 @@ def test_dry_run_adopts_nothing_and_another_template_matches_nothing(
         tiny_model: Path, tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
     srcs.write_specforge(tmp_path / "sf", extracted[:3])
     res = adopt_here(tmp_path / "sf", data[0], tmp_path / "out", "--dry-run")
-    assert res.returncode == 0 and "would adopt: 3\n" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "would adopt: 3 samples\n" in res.stdout, res.stdout
     assert not (tmp_path / "out").exists() or not finals(tmp_path / "out")
     # a source whose tool rendered the chat another way: its ids are no record's
     other = ChatTokenizer.from_pretrained(str(tiny_model), 8192, "reject")
@@ -190,7 +193,7 @@ def test_dry_run_adopts_nothing_and_another_template_matches_nothing(
     srcs.write_specforge(tmp_path / "tpl", srcs.extract(tiny_model, data[1][:2], other))
     res = adopt_here(tmp_path / "tpl", data[0], tmp_path / "out")
     assert res.returncode == 1 and "no file matches a record" in res.stdout, res.stdout
-    assert "adopted: 0\n" in res.stdout and "refused: 2\n" in res.stdout
+    assert "adopted: 0 samples\n" in res.stdout and "refused: 2 files\n" in res.stdout
 
 
 def test_other_checkpoint_refused_as_a_whole(
@@ -225,7 +228,7 @@ def test_hsfarm_and_torch_sources_beside_a_worker_and_unknown_format(
     srcs.write_hsfarm(tmp_path / "hs", extracted[:2])
     srcs.write_hsfarm_damaged(tmp_path / "hs", extracted[4], extracted[5])
     res = adopt_here(tmp_path / "hs", data[0], tmp_path / "out")
-    assert res.returncode == 1 and "adopted: 2\n" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 1 and "adopted: 2 samples\n" in res.stdout, res.stdout + res.stderr
     assert re.search(r"^  samples/00/flipped.safetensors: checksum of \w+ differs", res.stdout,
                      re.M), res.stdout
     assert re.search(r"^  samples/00/cut.safetensors: unreadable: .*truncated", res.stdout,
@@ -242,10 +245,11 @@ def test_hsfarm_and_torch_sources_beside_a_worker_and_unknown_format(
         res = adopt_here(tmp_path / "pt", data[0], tmp_path / "out", *torch_args)
     finally:
         lease.release()
-    assert "adopted: 1\n" in res.stdout and "left to workers: 1\n" in res.stdout, res.stdout
+    assert "adopted: 1 sample\n" in res.stdout, res.stdout
+    assert "left to workers: 1 file\n" in res.stdout, res.stdout
     assert f"{key}.safetensors" not in finals(tmp_path / "out")
     res = adopt_here(tmp_path / "pt", data[0], tmp_path / "out", *torch_args)
-    assert res.returncode == 0 and "adopted: 1\n" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "adopted: 1 sample\n" in res.stdout, res.stdout + res.stderr
     assert_bit_equal(tmp_path / "out", extracted[:4])
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "x.npy").write_bytes(b"\0" * 8)
@@ -295,7 +299,7 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         # When they are adopted
         res = adopt(farm, src, data[0], out)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert f"adopted: {N_SOURCE}\n" in res.stdout, res.stdout
+        assert f"adopted: {N_SOURCE} samples\n" in res.stdout, res.stdout
         # Then each file holds the hook's quantization of the source's states, byte for byte
         by_ids = {tuple(e.ids): e for e in extracted[:N_SOURCE]}
         files = finals(out)
@@ -320,8 +324,8 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
                              c.T_HIDDEN: tensorfile.Tensor("BF16", srcs.bits(e.hidden)),
                              c.T_AUX: tensorfile.Tensor("BF16", srcs.bits(e.aux))}, tf.metadata)
         again = adopt(farm, src, data[0], out)
-        assert "adopted: 1\n" in again.stdout, again.stdout + again.stderr
-        assert f"already done: {N_SOURCE - 1}\n" in again.stdout, again.stdout
+        assert "adopted: 1 sample\n" in again.stdout, again.stdout + again.stderr
+        assert f"already done: {N_SOURCE - 1} samples\n" in again.stdout, again.stdout
         assert tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3"
         # And enqueue, workers and audit take them as the run's own
         enq = farm.cli("enqueue", str(data[0]), "--no-progress")
@@ -337,7 +341,7 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         again_out = tmp_path / "out2"
         res = adopt(farm, out, data[0], again_out)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert f"adopted: {N_DATA}\n" in res.stdout, res.stdout
+        assert f"adopted: {N_DATA} samples\n" in res.stdout, res.stdout
         stored = {p.name: tensorfile.read(p).tensors for p in finals(out).values()}
         for name, p in finals(again_out).items():
             got = tensorfile.read(p)
@@ -394,7 +398,9 @@ def test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_s
             proc.kill()
     # And the odd entries are refused by name, the rest adopted
     assert proc.returncode == 1, stdout + "".join(err)
-    assert "adopted: 2\n" in stdout and f"refused: {N_COPIES + 2}\n" in stdout, stdout
+    assert "adopted: 2 samples\n" in stdout and "refused: 2 files\n" in stdout, stdout
+    assert (f"files: {N_COPIES + 4} read (adopted 2, already done 0, copies of another file "
+            f"{N_COPIES}, refused 2)\n") in stdout, stdout
     assert re.search(r"^  samples/00/fifo.safetensors: not a regular file \(a FIFO\)", stdout,
                      re.M), stdout
     assert re.search(r"^  samples/00/outside.safetensors: a symbolic link to .*elsewhere.* "
@@ -418,12 +424,19 @@ def test_records_with_the_same_ids_each_get_the_file(
     path = tmp_path / "twins.json"
     path.write_text(json.dumps([*twins, pretok]))
     src, out = tmp_path / "sf", tmp_path / "out"
-    srcs.write_specforge(src, [extracted[0], extracted[1], extracted[5]])
+    # and a source holding a file per sample, as a run over that corpus leaves it: twins'
+    # files are copies of one another
+    srcs.write_specforge(src, [extracted[0]] * 4 + [extracted[1]] * 2 + [extracted[5]])
     # When their files are adopted
     res = adopt_here(src, path, out)
-    # Then each record has a final file of its own, with the states and its own loss mask
+    # Then each record has a final file of its own, with the states and its own loss mask,
+    # and each count is of one thing and adds up: 7 files read, 3 adopted for 8 samples
+    # (twin records share one), 4 copies of those; none refused
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "adopted: 8\n" in res.stdout and "refused: 0\n" in res.stdout, res.stdout
+    assert "adopted: 8 samples\n" in res.stdout, res.stdout
+    assert "refused: 0 files\n" in res.stdout, res.stdout
+    assert ("files: 7 read (adopted 3, already done 0, copies of another file 4, refused 0)\n"
+            in res.stdout), res.stdout
     refs = list(sample_refs(path, 1 << 20, [], []))
     assert len(refs) == 8
     by_ids = {tuple(e.ids): e for e in (extracted[0], extracted[1], extracted[5])}
@@ -434,6 +447,10 @@ def test_records_with_the_same_ids_each_get_the_file(
         want = chat.encode(validate_record(rec)).loss_mask
         assert tf.tensors[c.T_LOSS_MASK].array.tolist() == list(want), ref.key
         assert tf.metadata["content_sha256"] == ref.sha256
-    # And again: all done
+    # And again: a no-op that says so, and exit 0
     again = adopt_here(src, path, out)
-    assert "adopted: 0\n" in again.stdout and "already done: 8\n" in again.stdout, again.stdout
+    assert again.returncode == 0, again.stdout
+    assert "adopted: 0 samples\n" in again.stdout and "already done: 8 samples\n" in again.stdout
+    assert ("files: 7 read (adopted 0, already done 3, copies of another file 4, refused 0)\n"
+            in again.stdout), again.stdout
+    assert "nothing to adopt: this run already holds every sample" in again.stdout
