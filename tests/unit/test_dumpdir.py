@@ -35,13 +35,17 @@ def _write_dump(d: Path, rid: str, n: int = 4, h: int = 8, config_sha256: str = 
     writer = DumpWriter(d, {c.M_LAYERS: "[2, 4, 5]", c.M_CONFIG_SHA: config_sha256},
                         min_free_bytes=0)
     try:
-        ids = torch.arange(n)
-        writer.submit([Rows(rid, 0, n, _Done([ids, torch.randn(n, h), torch.randn(n, 3 * h)]))])
+        writer.submit(_rows(rid, n, h))
         writer.submit(Failed(rid + "x", "a test error"))
         writer.flush()
     finally:
         writer.close()
     return c.dump_path(d, rid)
+
+
+def _rows(rid: str, n: int = 4, h: int = 8) -> list[Rows]:
+    """A whole request of ``n`` tokens, as the hook hands it to the dump writer."""
+    return [Rows(rid, 0, n, _Done([torch.arange(n), torch.randn(n, h), torch.randn(n, 3 * h)]))]
 
 
 @as_root
@@ -180,6 +184,32 @@ def test_a_dump_dir_made_again_by_another_user_with_its_inode_number_is_never_re
     os.chmod(d, 0o700)
     with worker_dumps.open_dump(again, [0, 1, 2, 3], fp4):
         pass
+
+
+@as_root
+def test_the_dump_writer_writes_nothing_into_a_dump_dir_made_again_by_another_user_and_goes_on(
+        disk_sticky: Path) -> None:
+    # Given the server's dump writer, started on a dump dir on a disk file system
+    d = disk_sticky / "dumps"
+    writer = DumpWriter(d, {c.M_LAYERS: "[2, 4, 5]"}, min_free_bytes=0)
+    try:
+        writer.submit(_rows("hsd-k-a1-n4"))
+        writer.flush(timeout_s=10)
+        assert c.dump_path(d, "hsd-k-a1-n4").exists()
+        # When another user (nobody) makes the dump dir again, with its inode number
+        _made_again_by_nobody(d)
+        # Then the next request's dump is not written into it, nor its error file
+        writer.submit(_rows("hsd-k-a2-n4"))
+        writer.flush(timeout_s=10)
+        assert list(d.iterdir()) == []
+        # And once the dump dir is the server's again, the writer writes the next one there
+        shutil.rmtree(d)
+        d.mkdir(mode=0o700)
+        writer.submit(_rows("hsd-k-a3-n4"))
+        writer.flush(timeout_s=10)
+        assert [p.name for p in d.iterdir()] == [c.dump_path(d, "hsd-k-a3-n4").name]
+    finally:
+        writer.close()
 
 
 def _made_again_by_nobody(d: Path) -> None:
