@@ -450,6 +450,8 @@ def write_err(dump_dir: Path, rid: str, message: str) -> None:
     try:
         dumpdir.write_private(tmp, (message + "\n").encode())
         os.replace(tmp, c.err_path(dump_dir, rid))
+    except dumpdir.DumpDirUnsafe as e:  # not into a dir another user can write: the writer
+        log.error("no .err file for %s: %s", rid, e)  # goes on, for when the dir is fixed
     except OSError:
         log.exception("cannot even write the .err file for %s", rid)
         tmp.unlink(missing_ok=True)

@@ -2,10 +2,9 @@
 
 Whoever can write into it can put forged hidden states where a worker reads them, and
 ``/dev/shm`` is world-writable, so every side refuses at start-up a dump dir another user owns
-or can write to, or can rename away (``problem``). Every file is then opened through the very
-directory that passed (``open_dir``: device and inode), without following links. Layouts (one
-user: 0700; two users: a setgid group dir, 2770): docs/deployment.md. Test:
-tests/unit/test_dumpdir.py::test_a_dump_dir_put_in_place_of_the_checked_one_is_never_read_or_written
+or can write to, or can rename away or reach through a link of theirs (``problem``). Every file
+is then opened through the very directory that passed (``open_dir``), without following links.
+Layouts (one user: 0700; two users: a setgid group dir, 2770): docs/deployment.md.
 """
 
 from __future__ import annotations
@@ -36,25 +35,33 @@ def _user(uid: int) -> str:
 def problem(path: Path, euid: int | None = None) -> str | None:
     """Why ``path`` (an existing directory) must not be a dump dir; None when it is fine."""
     euid = os.geteuid() if euid is None else euid
-    me = f"{_user(euid)} (uid {euid})"
     try:
-        link = os.lstat(path)
         st = os.stat(path)
         parent = os.stat(path.absolute().parent)
     except OSError as e:
         return f"dump dir {path} cannot be examined ({e})"
-    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
-        return (f"dump dir {path} is a symbolic link owned by uid {link.st_uid} "
-                f"({_user(link.st_uid)}): another user can point it anywhere; remove it "
-                f"(as root): rm {path}")
+    why = _dir_problem(path, st, euid)
+    if why:
+        return why
+    pmode = stat.S_IMODE(parent.st_mode)
+    if pmode & stat.S_IWOTH and not pmode & stat.S_ISVTX:
+        return (f"dump dir {path} is in {path.absolute().parent}, which others can write to "
+                f"(mode {pmode:04o}, no sticky bit): they can replace the dump dir; use a dir "
+                "under /dev/shm")
+    return _path_problem(path, euid)
+
+
+def _dir_problem(path: Path, st: os.stat_result, euid: int) -> str | None:
+    """Why the directory ``st`` (the dump dir, looked up or opened) is not this user's alone:
+    another user owns it, or others can write to it."""
     if not stat.S_ISDIR(st.st_mode):
         return f"dump dir {path} is not a directory: remove it (rm {path}) or set another"
     if st.st_uid not in (euid, 0):
         return (f"dump dir {path} is owned by uid {st.st_uid} ({_user(st.st_uid)}), not by "
-                f"this process's user {me}: that user can put forged hidden states in it. "
-                f"Remove it (as root; it may hold forged files): rm -rf {path}, and let the "
-                f"server create it (or: chown {euid} {path} && chmod 0700 {path}, if you know "
-                "what is in it)")
+                f"this process's user {_user(euid)} (uid {euid}): that user can put forged "
+                f"hidden states in it. Remove it (as root; it may hold forged files): rm -rf "
+                f"{path}, and let the server create it (or: chown {euid} {path} && chmod 0700 "
+                f"{path}, if you know what is in it)")
     mode = stat.S_IMODE(st.st_mode)
     if mode & stat.S_IWOTH:
         return (f"dump dir {path} is mode {mode:04o}: others can write to it (forged hidden "
@@ -63,35 +70,77 @@ def problem(path: Path, euid: int | None = None) -> str | None:
         return (f"dump dir {path} is mode {mode:04o}: its group can write to it, and it is no "
                 f"shared group dir (setgid): chmod 0700 {path} (or, for a group that holds "
                 f"the server's and the workers' users: chmod 2770 {path})")
-    pmode = stat.S_IMODE(parent.st_mode)
-    if pmode & stat.S_IWOTH and not pmode & stat.S_ISVTX:
-        return (f"dump dir {path} is in {path.absolute().parent}, which others can write to "
-                f"(mode {pmode:04o}, no sticky bit): they can replace the dump dir; use a dir "
-                "under /dev/shm")
-    return _parents_problem(path, euid)
-
-
-def _parents_problem(path: Path, euid: int) -> str | None:
-    """Why a parent of ``path`` (each, up to ``/``, where the path really leads) lets another
-    user replace the dump dir; None when every one is root's or this user's and no one else
-    can write to it (or it has the sticky bit, as ``/dev/shm`` and ``/tmp``)."""
-    for d in Path(os.path.realpath(path)).parents:
-        try:
-            st = os.stat(d)
-        except OSError as e:
-            return f"dump dir {path}: its parent {d} cannot be examined ({e})"
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid not in (euid, 0):
-            return (f"dump dir {path} is under {d}, owned by uid {st.st_uid} "
-                    f"({_user(st.st_uid)}): that user can rename the dump dir away and put "
-                    f"one of their own at its path (forged hidden states). Use a dump dir "
-                    f"whose every parent is root's or this user's (e.g. /dev/shm/hsfarm-dumps), "
-                    f"or, as root: chown root {d}")
-        if mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
-            return (f"dump dir {path} is under {d} (mode {mode:04o}): others can write to it "
-                    f"and replace what lies below it: chmod go-w {d} (or chmod +t {d}), or "
-                    "use a dir under /dev/shm")
     return None
+
+
+_MAX_LINKS = 40  # as the kernel's lookup: more is a loop
+
+
+def _path_problem(path: Path, euid: int, missing_ok: bool = False) -> str | None:
+    """Why another user can put a dir of their own at ``path``: a symbolic link on it that is
+    not root's or this user's (its owner points it elsewhere at will), or a directory a name of
+    it is looked up in that another user owns or can write to (without the sticky bit, as
+    ``/dev/shm`` and ``/tmp`` have). Each component as given, up from ``/``, and the components
+    of each link's target; None when every one is safe (``missing_ok``: also when a component
+    does not exist yet, as before ``ensure`` creates it)."""
+    todo = list((Path.cwd() / path).parts[1:])
+    here, links = Path("/"), 0
+    while todo:
+        name = todo.pop(0)
+        if name == "..":
+            here = here.parent
+            continue
+        why = _holder_problem(path, here, euid)
+        if why:
+            return why
+        at = here / name
+        try:
+            st = os.lstat(at)
+        except FileNotFoundError as e:
+            return None if missing_ok else f"dump dir {path}: {at} cannot be examined ({e})"
+        except OSError as e:
+            return f"dump dir {path}: {at} cannot be examined ({e})"
+        if not stat.S_ISLNK(st.st_mode):
+            here = at
+            continue
+        if st.st_uid not in (euid, 0):
+            return _link_problem(path, at, st.st_uid)
+        links += 1
+        if links > _MAX_LINKS:
+            return f"dump dir {path}: more than {_MAX_LINKS} symbolic links on its path (a loop)"
+        target = Path(os.readlink(at))
+        if target.is_absolute():
+            here = Path("/")
+        todo[:0] = target.parts[1:] if target.is_absolute() else target.parts
+    return None
+
+
+def _holder_problem(path: Path, d: Path, euid: int) -> str | None:
+    """Why ``d``, a directory on the way to ``path``, lets another user replace what is in it."""
+    try:
+        st = os.stat(d)
+    except OSError as e:
+        return f"dump dir {path}: its parent {d} cannot be examined ({e})"
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in (euid, 0):
+        return (f"dump dir {path} is under {d}, owned by uid {st.st_uid} "
+                f"({_user(st.st_uid)}): that user can rename the dump dir away and put "
+                f"one of their own at its path (forged hidden states). Use a dump dir "
+                f"whose every parent is root's or this user's (e.g. /dev/shm/hsfarm-dumps), "
+                f"or, as root: chown root {d}")
+    if mode & (stat.S_IWOTH | stat.S_IWGRP) and not mode & stat.S_ISVTX:
+        return (f"dump dir {path} is under {d} (mode {mode:04o}): others can write to it "
+                f"and replace what lies below it: chmod go-w {d} (or chmod +t {d}), or "
+                "use a dir under /dev/shm")
+    return None
+
+
+def _link_problem(path: Path, link: Path, uid: int) -> str:
+    which = "" if link == Path.cwd() / path else f": {link}"  # the dump dir itself, or on its way
+    return (f"dump dir {path}{which} is a symbolic link owned by uid {uid} ({_user(uid)}): "
+            f"that user can point it elsewhere at any time, at a dir of their own (forged "
+            f"hidden states). Give the dump dir by a path without their links (it leads to "
+            f"{os.path.realpath(path)} now), or remove the link (as root): rm {link}")
 
 
 def ensure(path: Path) -> os.stat_result:
@@ -101,6 +150,9 @@ def ensure(path: Path) -> os.stat_result:
         DumpDirUnsafe: another user owns it, others can write to it, ...; the fix is named.
         OSError: it cannot be created.
     """
+    why = _path_problem(path, os.geteuid(), missing_ok=True)  # nothing made through a link
+    if why:  # that another user can point anywhere
+        raise DumpDirUnsafe(why)
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, DIR_MODE)  # the umask cannot add bits; the check below sees the result
@@ -139,9 +191,9 @@ def _trust(path: Path, seen: os.stat_result | None = None) -> os.stat_result:
 
 def open_dir(path: Path) -> int:
     """A descriptor of the dump dir ``path``, the very directory that passed the checks (its
-    device and inode); a directory at that path that is not the one checked (deleted and made
-    again) is checked first, as at start-up. Opened per file, never held: a held descriptor of a
-    dir deleted and made again would write and wait in the deleted one. The caller closes it.
+    device and inode) and still no one else's; another at that path is checked first, as at
+    start-up. Opened per file, never held: a held descriptor of a dir deleted and made again
+    would write and wait in the deleted one. The caller closes it.
 
     Raises:
         DumpDirUnsafe: the directory now at ``path`` fails the checks.
@@ -150,6 +202,13 @@ def open_dir(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
+        # Owner and mode at every open, not only device and inode: a disk file system (ext4)
+        # gives a dir deleted and made again, by anyone, the number of the old one. Free (the
+        # fstat is needed anyway), and a dump dir on disk, as the tests and the demo place it,
+        # stays as safe as one on tmpfs, only slower (the launchers warn).
+        why = _dir_problem(path, st, os.geteuid())
+        if why:
+            raise DumpDirUnsafe(why)
         if _checked.get(os.path.abspath(path)) != (st.st_dev, st.st_ino):
             _trust(path, st)
     except BaseException:

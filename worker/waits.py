@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 
+from engine_dump import dumpdir
 from worker.core import dumps, liveness
 from worker.core import store as st
 from worker.core.errors import Transient
@@ -60,12 +61,19 @@ def server_problem(rt: Runtime) -> str | None:
 
 
 def dump_dir_problem(rt: Runtime) -> str | None:
-    """None when the dump dir is there; else why no request may be sent (its dump would be
-    lost) and the fix."""
+    """None when the dump dir is there and still the server's and the workers' alone (as at
+    start-up); else why no request may be sent (its dump would be lost, or refused by the
+    server, or forged) and the fix."""
     d = rt.settings.dump_dir
-    if d.is_dir():
-        return None
-    return dumps.dump_dir_gone(d)
+    if not d.is_dir():
+        return dumps.dump_dir_gone(d)
+    try:
+        os.close(dumpdir.open_dir(d))
+    except dumpdir.DumpDirUnsafe as e:  # made again by another user, opened to others...
+        return str(e)
+    except OSError:  # gone since
+        return dumps.dump_dir_gone(d)
+    return None
 
 
 def space_problem(rt: Runtime, need_bytes: int = 0) -> str | None:

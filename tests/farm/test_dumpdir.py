@@ -1,15 +1,18 @@
 """A dump dir that another user made first (or can write to), or whose parent another user owns,
 is refused by every side that meets it: the reference server, the workers, preflight and the
-launcher, each run as a real process.
+launcher, each run as a real process; one made again by another user mid-run pauses the workers
+until it is fixed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,14 +20,18 @@ import pytest
 from engine_dump import contracts as c
 from engine_dump import dumpdir
 from producer.localfarm.farm import LocalFarm, wait_until
-from tests.conftest import CACHE, FAST_ENV
-from tests.support.dumpdir import AS_NOBODY, NOBODY
+from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, served_farm, wait_finished
+from tests.support.dumpdir import AS_NOBODY, NOBODY, as_root
+from tests.support.dumpdir import disk_sticky as disk_sticky  # a fixture
 from tests.support.dumpdir import shm_dir as shm_dir  # a fixture
 from tests.support.dumpdir import shm_parent as shm_parent  # a fixture
+from tests.support.faults import enqueue, failed, run_hash
+from worker.state import keys as keys_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@as_root
 def test_a_dump_dir_another_user_made_first_is_refused_by_every_side(
         tmp_path: Path, shm_dir: Path, tiny_model: Path) -> None:
     # Given the dump dir created first by another local user (nobody), open to all
@@ -81,6 +88,7 @@ def _refusal(path: Path) -> dumpdir.DumpDirUnsafe:
     return e.value
 
 
+@as_root
 def test_a_dump_dir_whose_parent_another_user_owns_is_refused_by_server_and_worker(
         tmp_path: Path, shm_parent: Path, tiny_model: Path) -> None:
     # Given a dump dir of root's, 0700, in a directory that another user (nobody) owns: that
@@ -114,3 +122,45 @@ def test_a_dump_dir_whose_parent_another_user_owns_is_refused_by_server_and_work
         farm.start_server()
     finally:
         farm.close(kill=True)
+
+
+@as_root
+def test_a_dump_dir_made_again_by_another_user_mid_run_pauses_the_workers_until_fixed(
+        tmp_path: Path, disk_sticky: Path, tiny_model: Path) -> None:
+    # Given a run under way, its dump dir on a disk file system (ext4 gives a dir made again
+    # the inode number of the deleted one) in a dir everyone may write to with the sticky bit
+    d = disk_sticky / "dumps"
+    with served_farm(tmp_path / "farm", 512, dumps=d,
+                     server_args=["--forward-delay-s", "0.2"]) as farm:
+        farm.start_worker("w1", concurrency=2)
+        keys = enqueue(farm, tmp_path, 20)
+        wait_until(lambda: len(run_hash(farm, keys_mod.BYTES)) >= 2, 60, "the first samples")
+        # When its owner deletes it and another user (nobody) makes one at its path at once
+        ino = d.stat().st_ino
+        _remove(d)
+        subprocess.run([*AS_NOBODY, "mkdir", "-m", "0755", str(d)], check=True)
+        print(f"made again by nobody: inode {'the same' if d.stat().st_ino == ino else 'new'}")
+        # Then the workers pause, with status saying why and the fix; nothing is failed, and
+        # the server writes no dump, error or temp file (each names its rid) into that dir
+        why = f"dump dir {d} is owned by uid {NOBODY} (nobody)"
+        wait_until(lambda: why in farm.cli("status").stdout, 90, "status to say the workers "
+                   "paused on the dump dir", poll_s=1.0)
+        assert f"rm -rf {d}" in farm.cli("status").stdout
+        assert not failed(farm), failed(farm)
+        assert not list(d.glob(f"*{c.RID_PREFIX}*")), list(d.iterdir())
+        # And after that fix (removed, and made again by its owner), the run finishes by itself
+        _remove(d)
+        os.mkdir(d, 0o700)
+        wait_finished(farm, 20, timeout_s=180)
+        assert_farm_invariants(farm, keys)
+
+
+def _remove(d: Path) -> None:
+    """``rm -rf d`` while the server and the workers may still add and remove files in it."""
+    for _ in range(50):
+        with contextlib.suppress(OSError):  # a file made or removed while it was emptied
+            shutil.rmtree(d)
+        if not os.path.lexists(d):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{d} could not be removed")
