@@ -13,6 +13,7 @@ import pytest
 
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE
+from tests.support.checkpoints import bos_row_changed
 from worker.core import outdir, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
@@ -42,6 +43,21 @@ def test_identity_tells_another_checkpoint_of_the_same_config(tiny_model: Path,
     assert weights.differences(a, weights.weights_identity(tiny_model)) == []
     shard = a["shards"][0]
     assert shard["size"] == (tiny_model / "model.safetensors").stat().st_size
+
+
+def test_a_change_to_one_embedding_row_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    # Given a copy of the checkpoint whose only change is the BOS token's embedding row
+    # (its bytes lie between the sampled ranges)
+    changed = bos_row_changed(tiny_model, tmp_path / "bos")
+    # Then its identity differs from the original's, saying which shard's bytes differ
+    a, b = weights.weights_identity(tiny_model), weights.weights_identity(changed)
+    assert a["id"] != b["id"]
+    assert weights.differences(a, b) == ["model.safetensors: data bytes differ"]
+    # And a run recorded with the original refuses it before anything is written
+    out = tmp_path / "out"
+    _store(out, tiny_model).open()
+    with pytest.raises(ConfigError, match="data bytes differ"):
+        _store(out, changed).open()
 
 
 def test_sampled_ranges_cover_a_large_shard_sparsely() -> None:
