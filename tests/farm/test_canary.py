@@ -16,6 +16,7 @@ import pytest
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
+from tests.support.checkpoints import bos_row_changed
 from tests.support.faults import (
     FlakyProxy,
     attempts,
@@ -206,6 +207,34 @@ def test_server_on_other_weights_pauses_the_farm_and_loses_nothing(
         assert "canary passed" in w2.log.read_text()
         assert_farm_invariants(farm, first + more)
         assert not _paused(farm)
+
+
+def test_a_change_to_the_bos_embedding_row_pauses_the_farm(
+        tmp_path: Path, tiny_model: Path) -> None:
+    changed = bos_row_changed(tiny_model, tmp_path / "bos")
+    with running_farm(tmp_path) as farm:
+        # Given a run whose worker recorded the canary
+        w1 = farm.start_worker("w1", concurrency=1)
+        first = enqueue(farm, tmp_path, 2)
+        wait_finished(farm, 2)
+        assert "recorded the run's canary" in w1.log.read_text()
+        # When the server restarts on a copy of the checkpoint whose only change is the BOS
+        # token's embedding row, which every sample's first token reads, and more are queued
+        _swap_server(farm, changed, chunk=64)
+        more = enqueue(farm, tmp_path, 3, start=2)
+        # Then the running worker's canary sees it in every layer, and it takes no work
+        wait_until(lambda: "CANARY MISMATCH" in w1.log.read_text(), 120, "w1 to see it")
+        log = w1.log.read_text()
+        table = log[log.index("CANARY MISMATCH"):]
+        assert "final" in table and "<-- differs" in table, table[:3000]
+        assert not any(outdir.final_path(farm.output_dir, k).exists() for k in more)
+        assert not failed(farm)
+        waiting, unacked = broker_depth(farm.redis(), farm.queue())
+        assert waiting + unacked == 3
+        # And once the run's checkpoint is served again, the run finishes
+        _swap_server(farm, None, chunk=64)
+        wait_finished(farm, 5)
+        assert_farm_invariants(farm, first + more)
 
 
 def test_other_checkpoint_is_refused_by_its_identity_before_any_request(
