@@ -4,8 +4,7 @@ It imports nothing but the standard library, so the SGLang plugin loads it witho
 and the worker without torch. It names the rid (``hsd-<run>-<sample_key>-a<attempt>-n<tokens>``),
 the dump file (``<dump_dir>/<rid>.safetensors`` or ``.err``), the final file
 (``<out>/samples/<shard>/<sample_key>.safetensors``), the run fingerprint (what makes two
-files comparable) and the weights identity (which checkpoint a model dir holds: every byte,
-hashed once per file by ``weights_hash``).
+files comparable) and the weights identity (which checkpoint a model dir holds: ``weights_hash``).
 Test: tests/unit/test_contracts.py::test_rid_round_trip.
 """
 
@@ -393,14 +392,11 @@ def weights_identity(model_path: Path) -> dict[str, Any]:
     """The identity of the checkpoint in ``model_path``: ``{"scheme", "shards", "id"}``.
 
     A dir without ``*.safetensors`` shards (a synthetic model, weights in another format) has
-    an empty list of shards: an identity that nothing can be compared with. The first call
-    for a checkpoint reads all of it (``weights_hash``); later ones only its headers and
-    sampled ranges.
+    an empty list of shards. The first call for a checkpoint reads all of it (cached by
+    ``weights_hash``), later ones its headers and sampled ranges.
 
     Raises:
-        WeightsUnreadable: a shard is not whole.
-        OSError: a shard cannot be read.
-        ImportError: xxhash is not installed.
+        WeightsUnreadable, OSError, ImportError: a shard not whole, unreadable; no xxhash.
     """
     paths = sorted(p for p in model_path.glob("*.safetensors") if p.is_file())
     shards = [shard_identity(p) for p in paths]

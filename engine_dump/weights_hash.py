@@ -1,17 +1,16 @@
 """Every data byte of a checkpoint's weight shards, hashed once per file and cached by its identity.
 
-A shard's data (every byte after its safetensors header) is hashed with xxh3-128 over the
-mapped file, shards in parallel threads (xxhash releases the GIL). A 600 GB checkpoint is read
-once per host and copy of it: the digest is cached with the file's identity (device, inode,
-size, mtime and ctime in ns; ctime cannot be set back by a user, so a file rewritten in place
-misses the cache even with its mtime restored) and its sampled-ranges hash, which is
-recomputed each time as a quick check of the entry. The cache lives beside the checkpoint when
-its dir is writable (then a server's hook and the farm's workers on one host share it), else
-in ``$XDG_CACHE_HOME/hsfarm/weights``; an exclusive lock makes processes starting at once hash
-each shard once. A cache that cannot be read or written costs a hash, never an error.
-xxh3-128 finds changes, not tampering: whoever can write the checkpoint can write its cache.
+xxh3-128 over the mapped file, shards in parallel threads (xxhash releases the GIL); the digest
+is cached under the file's (dev, inode, size, mtime_ns, ctime_ns) and its sampled-ranges hash,
+recomputed each time as the entry's quick check. Beside the checkpoint when its dir is
+writable (the hook and the workers of a host share it), else ``$XDG_CACHE_HOME/hsfarm/weights``.
 Measured: bench/weights_hash.py, docs/canary.md. Test: tests/unit/test_weights.py.
 """
+
+# ctime is in the key because a user cannot set it back: a shard rewritten in place with its
+# mtime restored misses the cache. An exclusive lock makes processes starting at once hash each
+# shard once. A cache that cannot be read or written costs a hash, never an error. xxh3-128
+# finds changes, not tampering: whoever can write the checkpoint can write its cache.
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Canary hidden states: what the run's model computed for a few fixed prompts, and the test
 that the server still computes it.
 
-The first worker records three conversations (one long enough for chunked prefill to split),
-tokenized exactly as samples are (the chat template: BOS, its special tokens, a system prompt,
-a user and an assistant turn), in ``<out>/canary.safetensors``, linked into place so one of
-several starting workers wins; every worker re-extracts the recorded token ids and compares per
-layer: the max and mean relative L2 error over sampled tokens stay within
-``FARM_CANARY_*_REL_ERR`` (margins in docs/canary.md). A recording without ``M_PROMPTS`` (an
-older hsfarm's: plain text, no special tokens) is still compared, on its own ids.
+The first worker records three conversations tokenized as samples are (BOS, template tokens,
+system, user and assistant turns) in ``<out>/canary.safetensors``, linked into place so one of
+several starting workers wins; every worker re-sends the recorded ids (an older recording's of
+plain text too) and compares per layer within ``FARM_CANARY_*_REL_ERR`` (docs/canary.md).
 Test: tests/unit/test_canary.py::test_recording_is_written_once_and_read_back."""
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The weights identity on the farm's side: computed from ``FARM_MODEL_PATH``, compared with the
 run's recording and with what the server says it serves.
 
-The algorithm (per ``*.safetensors`` shard: name, size, header hash, a few sampled byte ranges,
-and the xxh3-128 of every data byte, computed once per file and cached: ``engine_dump.
-weights_hash``) lives in ``engine_dump.contracts``, because the SGLang plugin, the vLLM hook
-and the reference server compute the same identity from the files they loaded and publish it
-in their ready marker and in every dump (``contracts.M_WEIGHTS``). A run recorded by an older
-hsfarm (scheme ``shards-v1``, without the data hash) is compared on the fields it recorded,
-which cannot see a change between the sampled ranges; the canary (``canary.py``) still compares
-what the server computes.
+The algorithm (every data byte of each shard, hashed once and cached) lives in
+``engine_dump.contracts``: both hooks and the reference server compute the same identity from
+the files they loaded and publish it (``contracts.M_WEIGHTS``). A run recorded by an older
+hsfarm (``shards-v1``: sampled ranges only) is compared on the fields it recorded; the canary
+(``canary.py``) compares what the server computes.
 """
 
 from __future__ import annotations
