@@ -227,6 +227,7 @@ def test_a_change_to_the_bos_embedding_row_pauses_the_farm(
         log = w1.log.read_text()
         table = log[log.index("CANARY MISMATCH"):]
         assert "final" in table and "<-- differs" in table, table[:3000]
+        print(table[: table.index("This worker takes no work")])
         assert not any(outdir.final_path(farm.output_dir, k).exists() for k in more)
         assert not failed(farm)
         waiting, unacked = broker_depth(farm.redis(), farm.queue())
