@@ -238,6 +238,43 @@ def test_a_change_to_the_bos_embedding_row_pauses_the_farm(
         assert_farm_invariants(farm, first + more)
 
 
+def test_a_recording_of_plain_text_prompts_is_still_compared(tmp_path: Path,
+                                                             tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with running_farm(tmp_path) as farm:
+        # Given a run whose canary an older hsfarm recorded: the prompts' text alone, encoded
+        # without special tokens, and no prompts_form in its metadata
+        settings = farm.settings()
+        old = CanaryCheck(settings, settings.output_dir, tiny_model,
+                          compute_fingerprint(settings, tiny_model), "w",
+                          encode=lambda m: tok(m[1]["content"], add_special_tokens=False)
+                          ["input_ids"])
+        settings.output_dir.mkdir(parents=True, exist_ok=True)
+        client = ServerClient(settings.server_url, 30)
+        loop = asyncio.new_event_loop()
+        try:
+            assert loop.run_until_complete(old.run(client)).passed
+            loop.run_until_complete(client.close())
+        finally:
+            loop.close()
+        path = cn.path_in(farm.output_dir)
+        tf = tensorfile.read(path)
+        meta = {k: v for k, v in tf.metadata.items() if k != cn.M_PROMPTS}
+        tensorfile.write(path, tf.tensors, meta)
+        recorded, _ = cn.load(farm.output_dir)
+        assert recorded[0].input_ids[0] != tok.bos_token_id
+        # When a worker of this hsfarm starts on the run
+        w = farm.start_worker("w", concurrency=1)
+        keys_ = enqueue(farm, tmp_path, 2)
+        wait_finished(farm, 2)
+        # Then it compared the old recording, passed, and says what it cannot see
+        log = w.log.read_text()
+        assert "canary passed" in log and "recorded by an older hsfarm from plain text" in log
+        assert_farm_invariants(farm, keys_)
+
+
 def test_other_checkpoint_is_refused_by_its_identity_before_any_request(
         tmp_path: Path, tiny_model: Path, other_model: Path) -> None:
     with running_farm(tmp_path) as farm:
