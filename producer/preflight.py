@@ -404,6 +404,9 @@ def check_weights(settings: Settings) -> Line:
     why = weights.mismatch(recorded, current, Path(settings.model_path))
     if why:
         return fail(f"weights: {why}")
+    if weights.older_scheme(recorded):
+        return warn(f"weights: {settings.model_path} matches the run's identity "
+                    f"{recorded.get('id')}, but {weights.V1_BLIND}")
     return ok(f"weights: {settings.model_path} is the run's checkpoint (identity "
               f"{recorded.get('id')}, {len(current['shards'])} shards)")
 

@@ -22,7 +22,7 @@ from worker.core.run import queue_for as run_queue
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
 from worker.server.admission import Admission, Limits, limits_for_host
-from worker.server.canary_check import CanaryCheck
+from worker.server.canary_check import CanaryCheck, chat_encoder
 from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
 from worker.server.fingerprint import load_run
@@ -65,8 +65,7 @@ class RunContext:
         limits = limits_for_host(settings, fp.hidden_size)
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
-                            encode=lambda text: list(chat.tok(text, add_special_tokens=False)
-                                                     ["input_ids"]), run_id=store.run_id,
+                            encode=chat_encoder(chat), run_id=store.run_id,
                             server_max_tokens=chat.server_max_tokens)
         return cls(settings, model_path, chat, fp, store, limits, check)
 

@@ -22,7 +22,7 @@ from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
 from worker.server import served_identity
-from worker.server.canary_check import CanaryCheck, Outcome
+from worker.server.canary_check import CanaryCheck, Outcome, chat_encoder
 from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
 
@@ -82,8 +82,7 @@ def canary_outcome(settings: Settings, store: OutputStore, model_path: Path,
         return None
     check = CanaryCheck(settings, store.out_dir, model_path, store.fingerprint,
                         store.weights_id, run_id=store.run_id,
-                        encode=lambda text: list(chat.tok(text, add_special_tokens=False)
-                                                 ["input_ids"]))
+                        encode=chat_encoder(chat))
     loop = asyncio.new_event_loop()
     try:
         return loop.run_until_complete(_run(check, settings))

@@ -16,6 +16,7 @@ import pytest
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
+from tests.support.checkpoints import bos_row_changed
 from tests.support.faults import (
     FlakyProxy,
     attempts,
@@ -206,6 +207,72 @@ def test_server_on_other_weights_pauses_the_farm_and_loses_nothing(
         assert "canary passed" in w2.log.read_text()
         assert_farm_invariants(farm, first + more)
         assert not _paused(farm)
+
+
+def test_a_change_to_the_bos_embedding_row_pauses_the_farm(
+        tmp_path: Path, tiny_model: Path) -> None:
+    changed = bos_row_changed(tiny_model, tmp_path / "bos")
+    with running_farm(tmp_path) as farm:
+        # Given a run whose worker recorded the canary
+        w1 = farm.start_worker("w1", concurrency=1)
+        first = enqueue(farm, tmp_path, 2)
+        wait_finished(farm, 2)
+        assert "recorded the run's canary" in w1.log.read_text()
+        # When the server restarts on a copy of the checkpoint whose only change is the BOS
+        # token's embedding row, which every sample's first token reads, and more are queued
+        _swap_server(farm, changed, chunk=64)
+        more = enqueue(farm, tmp_path, 3, start=2)
+        # Then the running worker's canary sees it in every layer, and it takes no work
+        wait_until(lambda: "CANARY MISMATCH" in w1.log.read_text(), 120, "w1 to see it")
+        log = w1.log.read_text()
+        table = log[log.index("CANARY MISMATCH"):]
+        assert "final" in table and "<-- differs" in table, table[:3000]
+        print(table[: table.index("This worker takes no work")])
+        assert not any(outdir.final_path(farm.output_dir, k).exists() for k in more)
+        assert not failed(farm)
+        waiting, unacked = broker_depth(farm.redis(), farm.queue())
+        assert waiting + unacked == 3
+        # And once the run's checkpoint is served again, the run finishes
+        _swap_server(farm, None, chunk=64)
+        wait_finished(farm, 5)
+        assert_farm_invariants(farm, first + more)
+
+
+def test_a_recording_of_plain_text_prompts_is_still_compared(tmp_path: Path,
+                                                             tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with running_farm(tmp_path) as farm:
+        # Given a run whose canary an older hsfarm recorded: the prompts' text alone, encoded
+        # without special tokens, and no prompts_form in its metadata
+        settings = farm.settings()
+        old = CanaryCheck(settings, settings.output_dir, tiny_model,
+                          compute_fingerprint(settings, tiny_model), "w",
+                          encode=lambda m: tok(m[1]["content"], add_special_tokens=False)
+                          ["input_ids"])
+        settings.output_dir.mkdir(parents=True, exist_ok=True)
+        client = ServerClient(settings.server_url, 30)
+        loop = asyncio.new_event_loop()
+        try:
+            assert loop.run_until_complete(old.run(client)).passed
+            loop.run_until_complete(client.close())
+        finally:
+            loop.close()
+        path = cn.path_in(farm.output_dir)
+        tf = tensorfile.read(path)
+        meta = {k: v for k, v in tf.metadata.items() if k != cn.M_PROMPTS}
+        tensorfile.write(path, tf.tensors, meta)
+        recorded, _ = cn.load(farm.output_dir)
+        assert recorded[0].input_ids[0] != tok.bos_token_id
+        # When a worker of this hsfarm starts on the run
+        w = farm.start_worker("w", concurrency=1)
+        keys_ = enqueue(farm, tmp_path, 2)
+        wait_finished(farm, 2)
+        # Then it compared the old recording, passed, and says what it cannot see
+        log = w.log.read_text()
+        assert "canary passed" in log and "recorded by an older hsfarm from plain text" in log
+        assert_farm_invariants(farm, keys_)
 
 
 def test_other_checkpoint_is_refused_by_its_identity_before_any_request(

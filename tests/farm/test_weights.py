@@ -8,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+from tests.support.checkpoints import bos_row_changed
 from worker.core import weights
 from worker.core.outdir import MANIFEST
 
@@ -79,3 +80,30 @@ def test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_lat
         log = refused("later", 4)
         assert f"serves weights {tuned_id}" in log and f"the run's weights are {base_id}" in log
         assert "restart the server with the run's checkpoint" in log
+
+
+def test_a_server_whose_checkpoint_differs_in_one_embedding_row_is_refused(
+        tmp_path: Path, tiny_model: Path) -> None:
+    from producer.localfarm.farm import wait_until
+    from tests.support.faults import enqueue, running_farm
+    from worker.state.queue_scan import broker_depth
+
+    # Given the server serving a copy of the run's checkpoint whose only change is the BOS
+    # token's embedding row (between the sampled ranges), the workers holding the original
+    changed = bos_row_changed(tiny_model, tmp_path / "bos")
+    with running_farm(tmp_path, server_args=["--model", str(changed)],
+                      env={"FARM_MODEL_PATH": str(tiny_model)}) as farm:
+        enqueue(farm, tmp_path, 2)
+        # When a worker starts
+        w = farm.start_worker("w", concurrency=1, wait=False)
+        wait_until(lambda: not w.alive() or b" ready." in w.log.read_bytes(), 120,
+                   "the worker to start or stop")
+        # Then it refuses the server before taking anything, naming both identities
+        log = w.log.read_text()
+        assert not w.alive() and w.popen is not None and w.popen.returncode == 2, log[-3000:]
+        changed_id = weights.weights_identity(changed)["id"]
+        base_id = weights.weights_identity(tiny_model)["id"]
+        assert changed_id != base_id
+        assert f"serves weights {changed_id}" in log and f"holds {base_id}" in log
+        assert broker_depth(farm.redis(), farm.queue()) == (2, 0)
+        assert not list((farm.output_dir / "samples").rglob("*.safetensors"))

@@ -15,7 +15,9 @@ from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE
 from worker.core import canary as cn
 from worker.core.errors import ConfigError
-from worker.server.canary_check import CanaryCheck
+from worker.core.samples import Sample
+from worker.server.canary_check import CanaryCheck, chat_encoder
+from worker.server.chat import ChatTokenizer
 from worker.server.fingerprint import compute_fingerprint
 
 # --- the recording and the comparison, without services --------------------------------------
@@ -75,6 +77,43 @@ def test_a_small_mismatch_names_a_change_of_numerics_a_large_one_does_not(
     small = text(0.03)
     assert "Three ways on:" in small and "FARM_CANARY_MAX_REL_ERR" in small
     assert "restore the server's model" in small and "FARM_OUTPUT_DIR" in small
+
+
+def test_the_prompts_are_tokenized_as_samples_are(tiny_model: Path) -> None:
+    # Given the run's tokenizer, as a worker loads it
+    chat = ChatTokenizer.from_pretrained(str(tiny_model), 8192, "truncate")
+    tok = chat.tok
+    # When the canary's prompts are tokenized as the worker tokenizes them
+    prompts = cn.prompt_ids(chat_encoder(chat), 256, 8192)
+    # Then each starts with BOS and the template's header tokens, has the system prompt and,
+    # where not cut, the assistant's turn, just as a sample of the same conversation
+    header = tok.convert_tokens_to_ids("<|start_header_id|>")
+    for ids, conversation in zip(prompts, cn.prompt_conversations(), strict=True):
+        assert ids[:2] == [tok.bos_token_id, header], ids[:8]
+        assert "system" in tok.decode(ids[:8])
+        rendered = tok.apply_chat_template(conversation, tokenize=False)
+        assert ids == tok(rendered, add_special_tokens=False)["input_ids"][: len(ids)]
+    for ids, conversation in zip(prompts[:2], cn.prompt_conversations(), strict=False):
+        assert ids == chat.encode(Sample("s", messages=tuple(conversation))).input_ids
+    assert tok.decode(prompts[0]).endswith(cn.ANSWER + "<|eot_id|>")
+    assert len(prompts[2]) == cn.long_tokens(256, 8192)
+
+
+def test_a_template_without_a_system_turn_gets_the_conversation_without_it(
+        tiny_model: Path) -> None:
+    # Given a template that refuses a system turn (as some do)
+    chat = ChatTokenizer.from_pretrained(str(tiny_model), 8192, "reject")
+    chat.tok.chat_template = ("{% if messages[0]['role'] == 'system' %}"
+                              "{{ raise_exception('no system role') }}{% endif %}"
+                              + chat.tok.chat_template)
+    # Then the canary's prompts are its user and assistant turns, still after BOS
+    prompts = cn.prompt_ids(chat_encoder(chat), 256, 8192)
+    assert all(p[0] == chat.tok.bos_token_id for p in prompts)
+    assert "system" not in chat.tok.decode(prompts[0])
+    # And a template that refuses every conversation of the canary stops the worker
+    chat.tok.chat_template = "{{ raise_exception('no') }}"
+    with pytest.raises(ConfigError, match="refuses the canary's conversation"):
+        chat_encoder(chat)(cn.prompt_conversations()[0])
 
 
 def test_rows_include_the_chunk_boundary() -> None:

@@ -6,6 +6,7 @@ host without the weight files is not refused. Files only; no server.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE
+from tests.support.checkpoints import bos_row_changed
 from worker.core import outdir, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
@@ -42,6 +44,76 @@ def test_identity_tells_another_checkpoint_of_the_same_config(tiny_model: Path,
     assert weights.differences(a, weights.weights_identity(tiny_model)) == []
     shard = a["shards"][0]
     assert shard["size"] == (tiny_model / "model.safetensors").stat().st_size
+
+
+def test_a_change_to_one_embedding_row_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    # Given a copy of the checkpoint whose only change is the BOS token's embedding row
+    # (its bytes lie between the sampled ranges)
+    changed = bos_row_changed(tiny_model, tmp_path / "bos")
+    # Then its identity differs from the original's, saying which shard's bytes differ
+    a, b = weights.weights_identity(tiny_model), weights.weights_identity(changed)
+    assert a["id"] != b["id"]
+    assert weights.differences(a, b) == ["model.safetensors: data bytes differ"]
+    # And a run recorded with the original refuses it before anything is written
+    out = tmp_path / "out"
+    _store(out, tiny_model).open()
+    with pytest.raises(ConfigError, match="data bytes differ"):
+        _store(out, changed).open()
+
+
+def test_the_data_hash_is_cached_by_file_identity(tmp_path: Path, tiny_model: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_dump import weights_hash
+
+    # Given a checkpoint hashed once: its digest is cached beside it
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns(".hsfarm-*"))
+    first = weights.weights_identity(model)
+    cache = model / weights_hash.CACHE_NAME
+    body = json.loads(cache.read_text())
+    [key] = body["entries"]
+    # When the cached digest is replaced by another: the next identity takes it unread
+    body["entries"][key][weights_hash.ALGORITHM] = "0" * 32
+    cache.write_text(json.dumps(body))
+    assert weights.weights_identity(model)["shards"][0]["data_xxh3_128"] == "0" * 32
+    # When the shard is rewritten in place with its mtime set back (same inode, size, mtime)
+    shard = model / "model.safetensors"
+    st = shard.stat()
+    shard.write_bytes(shard.read_bytes())
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # Then the cache misses (the ctime moved) and every byte is read again
+    assert weights.weights_identity(model)["shards"][0]["data_xxh3_128"] \
+        == first["shards"][0]["data_xxh3_128"]
+    # And a checkpoint in a dir this process cannot write caches in XDG_CACHE_HOME
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(os, "access", lambda p, mode: False)
+    assert weights_hash.cache_path(model).parent == tmp_path / "xdg" / "hsfarm" / "weights"
+    assert weights.weights_identity(model)["id"] == first["id"]
+    assert list((tmp_path / "xdg" / "hsfarm" / "weights").glob(f"*{weights_hash.CACHE_NAME}"))
+
+
+def test_a_run_recorded_under_the_older_scheme_is_compared_on_its_fields(
+        tmp_path: Path, tiny_model: Path, other_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a run whose manifest records a shards-v1 identity (no data hash), as an older
+    # hsfarm wrote it
+    out = tmp_path / "out"
+    _store(out, tiny_model).open()
+    manifest = json.loads((out / outdir.MANIFEST).read_text())
+    shards = manifest["weights"]["shards"]
+    v1 = {"scheme": "shards-v1",
+          "shards": [{k: v for k, v in s.items() if k != "data_xxh3_128"} for s in shards]}
+    v1["id"] = "00112233aabbccdd"
+    manifest["weights"] = v1
+    (out / outdir.MANIFEST).write_text(json.dumps(manifest))
+    # When a worker opens it with the same checkpoint: it runs, files carry the run's id, and
+    # the log says what the older identity cannot see
+    assert _store(out, tiny_model).open().weights_id == "00112233aabbccdd"
+    assert "shards-v1" in caplog.text and "one embedding row" in caplog.text
+    # And another checkpoint is still refused by the fields it recorded
+    with pytest.raises(ConfigError, match=r"sampled bytes differ \(compared on the run's "
+                                          r"identity scheme shards-v1\)"):
+        _store(out, other_model).open()
 
 
 def test_sampled_ranges_cover_a_large_shard_sparsely() -> None:

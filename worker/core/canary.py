@@ -1,10 +1,10 @@
 """Canary hidden states: what the run's model computed for a few fixed prompts, and the test
 that the server still computes it.
 
-The first worker records ``PROMPTS`` (one long enough for chunked prefill to split) in
-``<out>/canary.safetensors``, linked into place so one of several starting workers wins; every
-worker re-extracts the recorded token ids and compares per layer: the max and mean relative L2
-error over sampled tokens stay within ``FARM_CANARY_*_REL_ERR`` (margins in docs/canary.md).
+The first worker records three conversations tokenized as samples are (BOS, template tokens,
+system, user and assistant turns) in ``<out>/canary.safetensors``, linked into place so one of
+several starting workers wins; every worker re-sends the recorded ids (an older recording's of
+plain text too) and compares per layer within ``FARM_CANARY_*_REL_ERR`` (docs/canary.md).
 Test: tests/unit/test_canary.py::test_recording_is_written_once_and_read_back."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +27,13 @@ LONG_CAP_TOKENS = 16384
 _TEXT = ("Hidden states are the activations of a model. Speculative decoding drafts tokens "
          "with a small model and verifies them with a large one. The quick brown fox jumps "
          "over the lazy dog; le renard brun saute par-dessus le chien paresseux. ")
+SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
+ANSWER = "Hidden states feed the draft model; the target model checks its tokens."
 M_LAYERS_NAMES = "layer_names"
 M_WEIGHTS = "weights_id"
+M_PROMPTS = "prompts_form"  # how the prompts were tokenized; absent: plain text (older hsfarm)
+PROMPTS_CHAT = "chat-template"
+Messages = list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -47,16 +53,26 @@ def prompt_texts() -> list[str]:
     return [_TEXT.split(";")[0], _TEXT * 3, _TEXT * 400]
 
 
+def prompt_conversations() -> list[Messages]:
+    """Each text as a sample's conversation: a system prompt, the text as the user's turn, an
+    assistant's answer. The long one is cut inside its user turn, after the template's
+    leading tokens."""
+    return [[{"role": "system", "content": SYSTEM_PROMPT},
+             {"role": "user", "content": text},
+             {"role": "assistant", "content": ANSWER}] for text in prompt_texts()]
+
+
 def long_tokens(chunk_size: int, max_tokens: int) -> int:
     """The long prompt's length: past one chunk of a chunked-prefill server, within limits."""
     want = chunk_size + 64 if chunk_size > 0 else 1024
     return max(2, min(want, max_tokens, LONG_CAP_TOKENS))
 
 
-def prompt_ids(encode: object, chunk_size: int, max_tokens: int) -> list[list[int]]:
-    """The canary prompts as token ids of the run's tokenizer (``encode(text) -> ids``)."""
-    assert callable(encode)
-    short, medium, long = (list(encode(t)) for t in prompt_texts())
+def prompt_ids(encode: Callable[[Messages], list[int]], chunk_size: int,
+               max_tokens: int) -> list[list[int]]:
+    """The canary prompts as token ids (``encode(messages) -> ids``: the run's tokenizer and
+    chat template, as samples are tokenized)."""
+    short, medium, long = (list(encode(m)) for m in prompt_conversations())
     limit = min(max_tokens, LONG_CAP_TOKENS)
     return [short[:limit], medium[:limit], long[: long_tokens(chunk_size, max_tokens)]]
 
@@ -210,7 +226,7 @@ def compare(recorded: list[Canary], new: list[np.ndarray], names: list[str],
 
 def recording_meta(fingerprint: c.Fingerprint, weights_id: str, server_version: str,
                    chunk_size: int) -> dict[str, str]:
-    return {"fingerprint_id": fingerprint.id, M_WEIGHTS: weights_id,
+    return {"fingerprint_id": fingerprint.id, M_WEIGHTS: weights_id, M_PROMPTS: PROMPTS_CHAT,
             c.M_LAYERS: json.dumps(list(fingerprint.layers_to_capture)),
             M_LAYERS_NAMES: json.dumps(layer_names(fingerprint.layers_to_capture)),
             c.M_SERVER_VERSION: server_version, "chunked_prefill_size": str(chunk_size),

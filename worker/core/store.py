@@ -181,6 +181,11 @@ class OutputStore:
             why = weights.mismatch(recorded, identity, self.model_path or self.out_dir)
             if why:
                 raise ConfigError(why)
+            if weights.older_scheme(recorded):  # files keep the run's own identity
+                log.warning("the weights in %s match the run's identity %s as far as it can "
+                            "tell: %s", self.model_path, recorded.get("id"), weights.V1_BLIND)
+                self.weights_id = str(recorded.get("id"))
+                return
         else:  # a run started before the identity existed: keep it running, say what is unchecked
             log.warning("%s/%s records no weights identity (a run started by an older hsfarm): "
                         "the checkpoint cannot be checked against it; files written from now on "

@@ -1,11 +1,11 @@
 """The weights identity on the farm's side: computed from ``FARM_MODEL_PATH``, compared with the
 run's recording and with what the server says it serves.
 
-The algorithm (name, size, header hash and a few sampled byte ranges per ``*.safetensors``
-shard: cheap for a 600 GB checkpoint) lives in ``engine_dump.contracts``, because the SGLang
-plugin and the reference server compute the same identity from the files they loaded and
-publish it in their ready marker and in every dump (``contracts.M_WEIGHTS_ID``). What it cannot
-see (a change confined to bytes between the samples) the canary (``canary.py``) compares.
+The algorithm (every data byte of each shard, hashed once and cached) lives in
+``engine_dump.contracts``: both hooks and the reference server compute the same identity from
+the files they loaded and publish it (``contracts.M_WEIGHTS``). A run recorded by an older
+hsfarm (``shards-v1``: sampled ranges only) is compared on the fields it recorded; the canary
+(``canary.py``) compares what the server computes.
 """
 
 from __future__ import annotations
@@ -25,18 +25,10 @@ SAMPLE_BYTES = c.WEIGHTS_SAMPLE_BYTES
 M_WEIGHTS_ID = "weights_id"  # final-file metadata key: the identity it was written under
 WORKER_REFUSES = "This worker takes no work."  # what a worker does while its server is wrong
 sample_offsets = c.sample_offsets
-
-
-def shard_identity(path: Path) -> dict[str, Any]:
-    """One shard's entry (``contracts.shard_identity``).
-
-    Raises:
-        ConfigError: the file is not a whole safetensors file (truncated, not safetensors).
-    """
-    try:
-        return c.shard_identity(path)
-    except c.WeightsUnreadable as e:
-        raise ConfigError(str(e)) from e
+# what a run recorded under the older scheme cannot be checked for, in a log line
+V1_BLIND = (f"its identity (scheme {c.WEIGHTS_SCHEME_V1}, recorded by an older hsfarm) hashes only "
+            "sampled ranges of each shard: a change between them (one embedding row) is not "
+            "seen here, only by the canary; a new run records every byte")
 
 
 def weights_identity(model_path: Path) -> dict[str, Any]:
@@ -52,6 +44,11 @@ def weights_identity(model_path: Path) -> dict[str, Any]:
         identity = c.weights_identity(model_path)
     except c.WeightsUnreadable as e:
         raise ConfigError(str(e)) from e
+    except OSError as e:
+        raise ConfigError(f"the weights in {model_path} cannot be read ({e}); make them "
+                          "readable by this worker, or set FARM_MODEL_PATH") from e
+    except ImportError as e:
+        raise ConfigError(str(e)) from e
     if not identity["shards"]:
         log.warning("no *.safetensors weight files in %s: the weights cannot be identified "
                     "(only the canary guards them)", model_path)
@@ -66,7 +63,7 @@ def incomparable(recorded: dict[str, Any], current: dict[str, Any]) -> str | Non
     hsfarm version) says nothing about the weights: refusing the run for it would stop a
     healthy farm.
     """
-    if recorded.get("scheme") != current.get("scheme"):
+    if _fields(recorded, current) is None:
         return (f"the run recorded identity scheme {recorded.get('scheme')!r}, this hsfarm "
                 f"computes {current.get('scheme')!r}")
     if not current.get("shards"):
@@ -76,9 +73,25 @@ def incomparable(recorded: dict[str, Any], current: dict[str, Any]) -> str | Non
     return None
 
 
+def _fields(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, ...] | None:
+    """The shard fields the two identities can be compared on: all of the recorded scheme's
+    when the current one has them (an older scheme's are a subset); None if none."""
+    fields = c.WEIGHTS_SCHEME_FIELDS.get(str(recorded.get("scheme")))
+    have = c.WEIGHTS_SCHEME_FIELDS.get(str(current.get("scheme")), ())
+    return fields if fields and set(fields) <= set(have) else None
+
+
+def older_scheme(recorded: dict[str, Any]) -> bool:
+    """The run recorded its identity under ``shards-v1``: compared, but blind between samples."""
+    return recorded.get("scheme") == c.WEIGHTS_SCHEME_V1 != SCHEME
+
+
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between two identities, shard by shard, in words (empty: the same)."""
-    if recorded.get("scheme") != current.get("scheme"):
+    """What differs between two identities, shard by shard, in words (empty: the same).
+
+    An identity of the older scheme is compared on the fields it recorded."""
+    fields = _fields(recorded, current)
+    if fields is None:
         return [f"identity scheme {recorded.get('scheme')!r} != {current.get('scheme')!r}"]
     mine = {s["name"]: s for s in recorded.get("shards", [])}
     now = {s["name"]: s for s in current.get("shards", [])}
@@ -86,13 +99,17 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     out += [f"{n}: not in the recorded checkpoint" for n in sorted(set(now) - set(mine))]
     for name in sorted(set(mine) & set(now)):
         a, b = mine[name], now[name]
-        what = [k for k in ("size", "header_sha256", "sampled_sha256") if a.get(k) != b.get(k)]
+        what = [k for k in fields if a.get(k) != b.get(k)]
+        if "sampled_sha256" in what and "data_xxh3_128" in what:
+            what.remove("data_xxh3_128")  # the sampled ranges are data: implied
         if "size" in what:
             out.append(f"{name}: size {a.get('size')} != {b.get('size')}")
         elif what:
-            out.append(f"{name}: {' and '.join(k.replace('_sha256', '') for k in what)} "
-                       "bytes differ")
+            out.append(f"{name}: {' and '.join(_WORDS[k] for k in what)} bytes differ")
     return out
+
+
+_WORDS = {"header_sha256": "header", "sampled_sha256": "sampled", "data_xxh3_128": "data"}
 
 
 def mismatch(recorded: dict[str, Any], current: dict[str, Any], model_path: Path) -> str | None:
@@ -101,6 +118,8 @@ def mismatch(recorded: dict[str, Any], current: dict[str, Any], model_path: Path
     if not diff:
         return None
     shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+    if older_scheme(recorded):
+        shown += f" (compared on the run's identity scheme {c.WEIGHTS_SCHEME_V1})"
     return (f"the weights in {model_path} are not the checkpoint this run's hidden states came "
             f"from (weights identity {current.get('id')} != recorded {recorded.get('id')}): "
             f"{shown}. Restore the original checkpoint (and serve it), or start a new "

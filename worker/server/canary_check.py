@@ -30,16 +30,37 @@ from engine_dump import contracts as c
 from worker.core import canary as cn
 from worker.core import liveness, tensorfile
 from worker.core.dumps import identity_problems, open_file, wait_for_dump
-from worker.core.errors import ConfigError, Corrupt, ServerUnavailable, Transient
+from worker.core.errors import BadInput, ConfigError, Corrupt, ServerUnavailable, Transient
 from worker.core.settings import Settings
+from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
 from worker.state import keys
 from worker.state import lease as leases
 
 log = logging.getLogger("hsfarm.canary")
-Encode = Callable[[str], list[int]]
+Encode = Callable[[cn.Messages], list[int]]
 PROMPT_TRIES = 5  # requests per canary prompt within one check, with backoff between
 CANARY_KEY_PREFIX = "_hsfarm_canary"
+
+
+def chat_encoder(chat: ChatTokenizer) -> Encode:
+    """The canary's conversations tokenized as samples are; a template that refuses a system
+    turn (some do) gets the conversation without it.
+
+    The encoder raises ConfigError when the template refuses the conversation even so: the
+    canary cannot be recorded with it, which a person must look at.
+    """
+    def encode(messages: cn.Messages) -> list[int]:
+        try:
+            return chat.conversation_ids(messages)
+        except BadInput as first:
+            if messages and messages[0]["role"] == "system":
+                with contextlib.suppress(BadInput):
+                    return chat.conversation_ids(messages[1:])
+            raise ConfigError(f"the chat template refuses the canary's conversation ({first}): "
+                              "fix the template (chat_template.jinja or "
+                              "tokenizer_config.json)") from first
+    return encode
 
 
 def canary_key(i: int) -> str:
@@ -196,6 +217,7 @@ class CanaryCheck:
     forced_at: float = 0.0  # wall clock: shared passes older than this are not taken
     epoch: tuple[tuple[str, int], ...] | None = None
     _said: float = field(default=-math.inf, repr=False)
+    _said_plain: bool = field(default=False, repr=False)
 
     def _keys(self, epoch: tuple[tuple[str, int], ...]) -> tuple[str, str]:
         where = hashlib.sha256(json.dumps([liveness.HOST, liveness.MACHINE,
@@ -264,6 +286,15 @@ class CanaryCheck:
 
     async def _compare(self, client: ServerClient) -> Outcome:
         recorded, meta = cn.load(self.out_dir)
+        if meta.get(cn.M_PROMPTS) != cn.PROMPTS_CHAT and not self._said_plain:
+            self._said_plain = True
+            log.warning("the run's canary %s was recorded by an older hsfarm from plain text, "
+                        "without the chat template's special tokens that every sample starts "
+                        "with: it cannot see a change only they read (the BOS token's embedding "
+                        "row). It is still compared. To record one that sees it, remove the "
+                        "file once the server certainly serves the run's checkpoint (its "
+                        "weights identity matches the run's); the next worker records it anew",
+                        cn.path_in(self.out_dir))
         prompts = [r.input_ids.tolist() for r in recorded]
         got = await extract(client, self.settings.dump_dir, prompts,
                             [r.rows for r in recorded], self.settings.dump_timeout_s,

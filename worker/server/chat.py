@@ -98,6 +98,16 @@ class ChatTokenizer:
             ids, mask = self._encode_messages(list(sample.messages))
         return self._fit(ids, mask)
 
+    def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation's token ids exactly as a sample's (the chat template, its special
+        tokens, the same tokenizer call), without the run's length policy: the canary's.
+
+        Raises:
+            BadInput: the template refuses the conversation.
+            ConfigError: the template engine or the template is broken.
+        """
+        return self._encode_messages(messages)[0]
+
     def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
         """Raises ConfigError (engine missing, template broken) or BadInput (refused)."""
         try:
