@@ -139,6 +139,7 @@ def test_workers_killed_the_run_is_stalled_everywhere_and_its_rate_drops_to_zero
                      r"ago; a worker is dead once its heartbeat is 4s old\)", out), out
     assert "fix       start the workers (systemctl start hsfarm-worker@{1..4})" in out
     assert "ETA - (STALLED, see below)" in out
+    (tmp_path / "status-stalled.txt").write_text(out)  # for a person (docs/monitoring.md)
     # And status --check exits 3, saying so
     res = farm.cli("status", "--check")
     assert res.returncode == 3, res.stdout + res.stderr
@@ -190,6 +191,7 @@ def test_server_down_paused_first_then_stalled_with_the_server_as_reason(
                      r"time limit \(\d+s\): the inference server does not answer \(\d "
                      r"process\(es\) paused: ", out), out
     assert "fix       restart the inference server" in out
+    (tmp_path / "status-server-down.txt").write_text(out)
     assert farm.cli("status", "--check").returncode == 3
     _until("/metrics to say stalled on the server",
            lambda: watch.metric("hsfarm_stalled") == {"reason=server_down": 1.0}, 15)
