@@ -6,7 +6,7 @@ Real farms (tests/conftest.py): a private Redis, the reference server slowed by
 worker``, the dashboard sampling every second. Workers are SIGKILLed with their process group;
 the server is SIGKILLed the same way. With HSFARM_SCREENSHOT_DIR=docs/img the screenshots of
 docs/monitoring.md are written there (running, paused, stalled; the finished one is
-test_dashboard.py's).
+test_dashboard.py's). A slow sample under its time limit is running, not stalled.
 """
 
 from __future__ import annotations
@@ -224,3 +224,30 @@ def test_dashboard_shows_redis_away_as_stalled(farm_factory: FarmFactory,
     # And status cannot run without Redis, and says so (exit 2)
     res = farm.cli("status", "--check")
     assert res.returncode == 2 and "Redis" in res.stderr, res.stdout + res.stderr
+
+
+def test_a_slow_sample_under_its_time_limit_is_running_not_stalled(
+        farm_factory: FarmFactory, tmp_path: Path) -> None:
+    # Given one sample of 4,921 tokens that takes ~30 s (20 chunks of 256 tokens, 1.5 s each)
+    # under a 60 s time limit (soft 48 s), so the stall time is 63 s; nothing else to do
+    env = {**ENV, "FARM_TASK_TIME_LIMIT_S": "60", "FARM_VISIBILITY_TIMEOUT_S": "100",
+           "FARM_REQUEST_TIMEOUT_S": "55"}
+    farm = farm_factory("farm", env=env, server_args=["--forward-delay-s", "1.5"],
+                        workers=("w1",))
+    data = tmp_path / "data.json"
+    write_samples(data, 1, start=23)
+    assert "published: 1" in farm.cli("enqueue", str(data), "--no-progress").stdout
+    # When status is asked all along, until it is done
+    seen: list[tuple[float, str]] = []
+
+    def done() -> bool:
+        body = dict(json.loads(farm.cli("status", "--json").stdout))
+        seen.append((float(body["elapsed_s"] or 0), str(body["state"])))
+        assert body["stall"] is None, body
+        return bool(body["finished"])
+
+    _until("the slow sample", done, 120)
+    # Then it was running the whole time and never stalled, though nothing finished for
+    # over 20 s
+    assert {state for _, state in seen[:-1]} == {"running"}, seen
+    assert seen[-2][0] > 20, seen
