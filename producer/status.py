@@ -167,48 +167,23 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
     stalled = bool(paused) and counts.running == 0
     again = republished(index)
     st = Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
-                  running=counts.running, retrying=counts.retrying, failed=counts.failed,
-                  rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
-                  tokens=counts.tokens, rate_per_s=rate,
-                  eta_s=(remaining / rate) if rate > 0 and remaining and not stalled else None,
-                  bytes_per_s=bytes_rate, rate_window_s=measured_s,
-                  elapsed_s=None if started is None else max(
-                      (until or time.time()) - float(started), 0.0),
-                  retrying_samples=index.outcomes(keys.RETRYING),
-                  paused=paused, pruned_running=pruned,
-                  republished=sum(again.values()), republished_samples=sorted(again)[:SHOW_KEYS],
-                  admission=host_admission(settings, fingerprint),
-                  parked=counts.parked, removed=counts.removed,
-                  unreadable=unreadable_files(index),
-                  hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
-                                       until=until))
+                running=counts.running, retrying=counts.retrying, failed=counts.failed,
+                rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
+                tokens=counts.tokens, rate_per_s=rate,
+                eta_s=(remaining / rate) if rate > 0 and remaining and not stalled else None,
+                bytes_per_s=bytes_rate, rate_window_s=measured_s,
+                elapsed_s=None if started is None else max(
+                    (until or time.time()) - float(started), 0.0),
+                retrying_samples=index.outcomes(keys.RETRYING),
+                paused=paused, pruned_running=pruned,
+                republished=sum(again.values()), republished_samples=sorted(again)[:SHOW_KEYS],
+                admission=host_admission(settings, fingerprint),
+                parked=counts.parked, removed=counts.removed,
+                unreadable=unreadable_files(index),
+                hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
+                                     until=until))
     stall = run_stall(index, st, settings, fingerprint)
     return st if stall is None else replace(st, stall=stall.to_json(), eta_s=None)
-
-
-# --- is the run stalled? (the rule is producer/stall.py's) ------------------------------------
-
-
-def run_stall(index: RunIndex, st: Status, settings: Settings,
-              fingerprint: c.Fingerprint) -> stalls.Stall | None:
-    """The run's stall from ``st`` and the index: when it last moved, what waits."""
-    meta = index.meta()
-    moved = [_last_outcome_at(index), *(float(meta[k]) for k in ("published_at", "started_at")
-                                        if k in meta),
-             *(float(h["registered_at"]) for h in st.hosts if h.get("registered_at"))]
-    newest_errors = sorted(st.retrying_samples.values(), key=lambda b: -float(b.get("at", 0)))
-    return stalls.judge(stalls.Signals(
-        # parked and stale samples wait for a person (status says so), not for a worker
-        work_waits=not st.finished and (st.remaining > st.parked + st.stale
-                                        or st.queued + st.unacked > 0),
-        hosts=st.hosts, paused=st.paused,
-        last_moved_at=max((t for t in moved if t is not None), default=None),
-        now=time.time(), stall_after_s=stalls.stall_after_s(settings, fingerprint),
-        heartbeat_ttl_s=settings.heartbeat_ttl_s, running=st.running, retrying=st.retrying,
-        retry_reasons=[str(b.get("reason", "")) for b in newest_errors]))
-
-
-# --------------------------------------------------------------------------------------------
 
 
 def unreadable_files(index: RunIndex) -> dict[str, dict[str, Any]]:
@@ -302,3 +277,25 @@ def worker_heartbeats(r: redis.Redis) -> list[str]:
     found = (k.decode() if isinstance(k, bytes) else str(k)
              for k in r.scan_iter(f"{prefix}*", count=1000))
     return sorted(k[len(prefix):] for k in found)
+
+
+# --- is the run stalled? (the rule is producer/stall.py's) ------------------------------------
+
+
+def run_stall(index: RunIndex, st: Status, settings: Settings,
+              fingerprint: c.Fingerprint) -> stalls.Stall | None:
+    """The run's stall from ``st`` and the index: when it last moved, what waits."""
+    meta = index.meta()
+    moved = [_last_outcome_at(index), *(float(meta[k]) for k in ("published_at", "started_at")
+                                        if k in meta),
+             *(float(h["registered_at"]) for h in st.hosts if h.get("registered_at"))]
+    newest_errors = sorted(st.retrying_samples.values(), key=lambda b: -float(b.get("at", 0)))
+    return stalls.judge(stalls.Signals(
+        # parked and stale samples wait for a person (status says so), not for a worker
+        work_waits=not st.finished and (st.remaining > st.parked + st.stale
+                                        or st.queued + st.unacked > 0),
+        hosts=st.hosts, paused=st.paused,
+        last_moved_at=max((t for t in moved if t is not None), default=None),
+        now=time.time(), stall_after_s=stalls.stall_after_s(settings, fingerprint),
+        heartbeat_ttl_s=settings.heartbeat_ttl_s, running=st.running, retrying=st.retrying,
+        retry_reasons=[str(b.get("reason", "")) for b in newest_errors]))
