@@ -1,7 +1,8 @@
 """``python -m producer``: enqueue samples, watch a run, index and export the output.
 
 Exit codes: 0 all well; 1 done, but some records were rejected (or, for ``status --check``,
-the run is not finished cleanly); 2 could not run (settings, server, file).
+the run is not finished cleanly); 2 could not run (settings, server, file); 3 ``status
+--check``: the run is stalled (its work waits and nothing moves: ``producer/stall.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from worker.state import broker
 from worker.state.hosts import host_id
 from worker.state.index import RunIndex
 
-EXIT_OK, EXIT_PARTIAL, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_PARTIAL, EXIT_ERROR, EXIT_STALLED = 0, 1, 2, 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list failed, rejected, stale and retrying samples with their reasons")
     s.add_argument("--watch", type=float, default=0, metavar="S", help="repeat every S seconds")
     s.add_argument("--check", action="store_true",
-                   help="exit 0 only if every sample has an outcome and none failed")
+                   help="exit 0 only if every sample has an outcome and none failed; 3 "
+                        "while the run is stalled")
     a = sub.add_parser("audit", help="read back and check every output file")
     a.add_argument("--data", type=Path, default=None,
                    help="the data file (default: every file enqueued for this run)")
@@ -205,6 +207,9 @@ def _status(settings: Settings, fingerprint: Fingerprint, source: str,
                   f"or a gateway, not for their content (first: {key}: {why[:160]!r}); run "
                   "'python -m producer enqueue <data file>' again to retry them",
                   file=sys.stderr)
+        if st.stall:
+            print(f"stalled: {st.stall['reason']}. Fix: {st.stall['fix']}", file=sys.stderr)
+            return EXIT_STALLED
         ok = (st.finished and st.failed == 0 and st.stale == 0 and not gone
               and not not_theirs)
         return EXIT_OK if ok else EXIT_PARTIAL

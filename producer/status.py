@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from engine_dump import contracts as c
+from producer import stall as stalls
 from worker.core import liveness, outdir
 from worker.core import run as runs
 from worker.core.errors import ConfigError
@@ -28,7 +29,6 @@ from worker.state.index import RunIndex
 from worker.state.queue_scan import broker_depth
 from worker.steps.reconciler import republished
 
-RATE_WINDOW_S = 300.0  # the moving window of the rate, once the run is older than it
 SHOW_KEYS = 20  # sample keys listed by name where only the count would be too little
 BYTES_WINDOW_MAX = 5000  # newest completions whose sizes make bytes/s (one HMGET)
 
@@ -68,6 +68,8 @@ class Status:
     removed: int = 0  # samples that left the run: their records left the corpus
     # fid -> {path, reason, host, at, parked}: data files a worker could not read
     unreadable: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # {kind, reason, fix} while the run's work waits and nothing moves (producer/stall.py)
+    stall: dict[str, str] | None = None
 
     @property
     def remaining(self) -> int:
@@ -81,8 +83,14 @@ class Status:
         return (self.total > 0 and self.remaining == 0 and self.queued == 0 and self.unacked == 0
                 and self.running == 0 and self.retrying == 0)
 
+    @property
+    def state(self) -> str:
+        """``finished``, ``stalled``, ``paused`` or ``running``."""
+        return stalls.run_state(self.finished, self.stall, bool(self.paused))
+
     def to_json(self) -> dict[str, object]:
-        return {**asdict(self), "remaining": self.remaining, "finished": self.finished}
+        return {**asdict(self), "remaining": self.remaining, "finished": self.finished,
+                "state": self.state}
 
 
 def status_fingerprint(settings: Settings) -> tuple[c.Fingerprint, str]:
@@ -136,7 +144,10 @@ def run_settings(settings: Settings, fingerprint: c.Fingerprint) -> Settings:
 
 
 def read_status(settings: Settings, fingerprint: c.Fingerprint,
-                window_s: float = RATE_WINDOW_S) -> Status:
+                window_s: float | None = None) -> Status:
+    """Where the run stands now. ``window_s``: what the rate is measured over (default: the
+    run's stall time, ``stall.stall_after_s``, so a rate of 0 while work waits is a stall)."""
+    window_s = window_s or stalls.stall_after_s(settings, fingerprint)
     r = broker.client(settings)
     run_id = runs.run_id_of(settings.output_dir)
     index = RunIndex(r, run_id)
@@ -155,22 +166,24 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
     # while every process with work waits out the environment, no rate predicts the end
     stalled = bool(paused) and counts.running == 0
     again = republished(index)
-    return Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
-                  running=counts.running, retrying=counts.retrying, failed=counts.failed,
-                  rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
-                  tokens=counts.tokens, rate_per_s=rate,
-                  eta_s=(remaining / rate) if rate > 0 and remaining and not stalled else None,
-                  bytes_per_s=bytes_rate, rate_window_s=measured_s,
-                  elapsed_s=None if started is None else max(
-                      (until or time.time()) - float(started), 0.0),
-                  retrying_samples=index.outcomes(keys.RETRYING),
-                  paused=paused, pruned_running=pruned,
-                  republished=sum(again.values()), republished_samples=sorted(again)[:SHOW_KEYS],
-                  admission=host_admission(settings, fingerprint),
-                  parked=counts.parked, removed=counts.removed,
-                  unreadable=unreadable_files(index),
-                  hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
-                                       until=until))
+    st = Status(total=counts.total, done=counts.done, queued=waiting, unacked=unacked,
+                running=counts.running, retrying=counts.retrying, failed=counts.failed,
+                rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
+                tokens=counts.tokens, rate_per_s=rate,
+                eta_s=(remaining / rate) if rate > 0 and remaining and not stalled else None,
+                bytes_per_s=bytes_rate, rate_window_s=measured_s,
+                elapsed_s=None if started is None else max(
+                    (until or time.time()) - float(started), 0.0),
+                retrying_samples=index.outcomes(keys.RETRYING),
+                paused=paused, pruned_running=pruned,
+                republished=sum(again.values()), republished_samples=sorted(again)[:SHOW_KEYS],
+                admission=host_admission(settings, fingerprint),
+                parked=counts.parked, removed=counts.removed,
+                unreadable=unreadable_files(index),
+                hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
+                                     until=until))
+    stall = run_stall(index, st, settings, fingerprint)
+    return st if stall is None else replace(st, stall=stall.to_json(), eta_s=None)
 
 
 def unreadable_files(index: RunIndex) -> dict[str, dict[str, Any]]:
@@ -264,3 +277,25 @@ def worker_heartbeats(r: redis.Redis) -> list[str]:
     found = (k.decode() if isinstance(k, bytes) else str(k)
              for k in r.scan_iter(f"{prefix}*", count=1000))
     return sorted(k[len(prefix):] for k in found)
+
+
+# --- is the run stalled? (the rule is producer/stall.py's) ------------------------------------
+
+
+def run_stall(index: RunIndex, st: Status, settings: Settings,
+              fingerprint: c.Fingerprint) -> stalls.Stall | None:
+    """The run's stall from ``st`` and the index: when it last moved, what waits."""
+    meta = index.meta()
+    moved = [_last_outcome_at(index), *(float(meta[k]) for k in ("published_at", "started_at")
+                                        if k in meta),
+             *(float(h["registered_at"]) for h in st.hosts if h.get("registered_at"))]
+    newest_errors = sorted(st.retrying_samples.values(), key=lambda b: -float(b.get("at", 0)))
+    return stalls.judge(stalls.Signals(
+        # parked and stale samples wait for a person (status says so), not for a worker
+        work_waits=not st.finished and (st.remaining > st.parked + st.stale
+                                        or st.queued + st.unacked > 0),
+        hosts=st.hosts, paused=st.paused,
+        last_moved_at=max((t for t in moved if t is not None), default=None),
+        now=time.time(), stall_after_s=stalls.stall_after_s(settings, fingerprint),
+        heartbeat_ttl_s=settings.heartbeat_ttl_s, running=st.running, retrying=st.retrying,
+        retry_reasons=[str(b.get("reason", "")) for b in newest_errors]))

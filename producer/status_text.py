@@ -40,6 +40,7 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
         f"speed     {_speed(st)}; {size_text(st.bytes)} written",
         f"time      elapsed {duration(st.elapsed_s)}, ETA {_eta(st)}",
     ]
+    lines += stall_lines(st)
     if st.admission:
         lines.append(f"host      {_admission_text(st.admission)}")
     if st.republished:
@@ -90,9 +91,18 @@ def _eta(st: Status) -> str:
         return "-" if st.finished else "- (nothing left to start; waiting for the broker)"
     if st.eta_s is not None:
         return duration(st.eta_s)
+    if st.stall:
+        return "- (STALLED, see below)"
     if st.paused:
         return "- (paused, see below)"
     return "- (no sample done in the rate window)"
+
+
+def stall_lines(st: Status) -> list[str]:
+    """Two lines while the run is stalled: why, and the fix."""
+    if not st.stall:
+        return []
+    return [f"STALLED   {st.stall['reason']}", f"fix       {st.stall['fix']}"]
 
 
 def _paused_lines(st: Status) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from engine_dump import contracts as c
+from producer.stall import redis_stall, run_state
 from producer.status import Status, read_status, worker_heartbeats
 from worker.core import run as runs
 from worker.core.settings import Settings
@@ -200,6 +201,20 @@ class Sampler:
         }
         self.error = None
         return self.snapshot
+
+    def redis_away(self, e: Exception) -> None:
+        """Redis did not answer: say so, keep the last figures, and show an unfinished run as
+        stalled on Redis (no worker can take or record a sample without it)."""
+        where = broker.where(self.settings)
+        shown = "the figures are from the last good sample" if self.snapshot else "no figures yet"
+        self.error = (f"Redis at {where} did not answer ({e}); {shown}. Is Redis running, is "
+                      "REDIS_URL right?")
+        if not self.snapshot or self.snapshot["status"]["finished"]:
+            return
+        stall = redis_stall(where, str(e)).to_json()
+        st = {**self.snapshot["status"], "stall": stall, "eta_s": None}
+        self.snapshot = {**self.snapshot, "status": {
+            **st, "state": run_state(st["finished"], stall, bool(st["paused"]))}}
 
     def _workers(self, heartbeats: list[str]) -> list[dict[str, Any]]:
         """Each live worker main process (heartbeat), and what each process runs or waits on."""

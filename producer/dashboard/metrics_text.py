@@ -72,6 +72,10 @@ def render(snapshot: dict[str, Any]) -> str:
               "itself (the reconciler)", st.get("republished", 0))
     e.gauge("hsfarm_finished", "1 when every sample has an outcome and nothing is in flight",
             1 if st["finished"] else 0)
+    stall = st.get("stall") or {}
+    e.gauge("hsfarm_stalled", "1 while the run's work waits and nothing moves; reason: "
+            "no_worker, server_down, dump_dir, paused, no_progress or redis (none: 0)",
+            1 if stall else 0, reason=str(stall.get("kind", "none")))
     e.gauge("hsfarm_written_bytes", "Bytes of verified final files", st["bytes"])
     e.gauge("hsfarm_tokens", "Tokens in verified final files", st["tokens"])
     e.gauge("hsfarm_rate_samples_per_second", "Samples done per second (moving window)",

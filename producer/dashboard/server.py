@@ -36,7 +36,6 @@ from worker.core import outdir
 from worker.core import run as runs
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
-from worker.state import broker
 
 log = logging.getLogger("hsfarm.dashboard")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -161,10 +160,7 @@ async def sample_forever(app: web.Application) -> None:
             try:
                 await asyncio.to_thread(sampler.sample, server)
             except (redis.RedisError, Transient) as e:
-                shown = ("the figures are from the last good sample" if sampler.snapshot
-                         else "no figures yet")
-                sampler.error = (f"Redis at {broker.where(sampler.settings)} did not answer "
-                                 f"({e}); {shown}. Is Redis running, is REDIS_URL right?")
+                sampler.redis_away(e)
                 log.warning("%s", sampler.error)
             await asyncio.sleep(period_s)
 

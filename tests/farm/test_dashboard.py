@@ -16,9 +16,6 @@ import itertools
 import json
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +28,7 @@ import pytest
 
 from producer.localfarm.farm import LocalFarm, free_port, wait_until
 from tests.conftest import CACHE, FAST_ENV, wait_finished, write_samples
+from tests.support.chromium import chromium
 from worker.state import keys
 
 N_SAMPLES = 24
@@ -39,9 +37,6 @@ REJECTED = ["ex-0023"]  # 4,921 tokens, over FARM_MAX_TOKENS (rejected before th
 NOT_DONE = FAILED + REJECTED
 DONE = N_SAMPLES - len(NOT_DONE)
 AUTH = ("watcher", "s3cret-pw")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
 # Slow retries (2 s, then 4 s) so a sample is visibly "retrying" for a while, and 3 attempts
 ENV = dict(FAST_ENV, FARM_MAX_ATTEMPTS="3", FARM_RETRY_BACKOFF_S="2",
            FARM_RETRY_BACKOFF_MAX_S="4", FARM_MAX_TOKENS="4700")
@@ -76,17 +71,6 @@ class Run:
             return {str(k, "utf-8"): s for k, s in pairs}
         raw: dict[bytes, bytes] = r.hgetall(f"{run}:{name}")  # type: ignore[assignment]
         return {str(k, "utf-8"): json.loads(v) for k, v in raw.items()}
-
-
-def chromium(url: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Headless Chromium on ``url`` with a fresh profile; ``args``: --dump-dom, --screenshot."""
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.skip("chromium is not installed (make test-system-deps installs Debian's chromium)")
-    profile = tempfile.mkdtemp(dir=out, prefix="chromium-")
-    return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-                           "--virtual-time-budget=10000", *args, url],
-                          capture_output=True, text=True, timeout=120)
 
 
 def _collect_status_until_done(run: Run) -> None:

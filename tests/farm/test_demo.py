@@ -22,7 +22,7 @@ import redis
 from engine_dump import contracts as c
 from producer.localfarm.farm import wait_until
 from tests.conftest import ROOT, write_samples
-from tests.farm.test_dashboard import chromium
+from tests.support.chromium import chromium
 from worker.core import tensorfile
 from worker.core.run import read_run_id
 

@@ -350,7 +350,8 @@ def rate_window(first_done_at: float, until: float, window_s: float) -> tuple[fl
 
 def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
              window_s: float = 300.0, until: float | None = None) -> list[dict[str, Any]]:
-    """Per host: output dir, state, heartbeat age, server state, done there, running, rate.
+    """Per host: output dir, state, heartbeat age, server state, done there, running, rate,
+    when a worker of it last started.
 
     ``until``: a finished run's last outcome (None while it runs): rates stop there, and a
     host whose heartbeat was fresh then is "stopped" (after the finish), not "lost".
@@ -375,6 +376,7 @@ def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
                     "alive": alive,
                     "state": "alive" if alive else "stopped" if stopped or at_finish else "lost",
                     "heartbeat_age_s": age, "server": e.get("server", "unknown"),
+                    "registered_at": e.get("registered_at"),  # its newest worker's start
                     "done": held.get(name, 0), "running": running.get(name, 0),
                     "rate_per_s": by_host.get(name, 0) / span_s if span_s else 0.0})
     return out

@@ -376,10 +376,12 @@ class RunIndex:
 
         The count starts at the current time in ms, so a run whose Redis lost its data
         does not publish under numbers (hence task ids) a monitor's history already holds.
+        ``published_at`` is when the run was last given work: a stall is measured from it.
         """
         p = self.r.pipeline()
         p.hsetnx(self.k(keys.META), "publications", int(time.time() * 1000))
         p.hincrby(self.k(keys.META), "publications", 1)
+        p.hset(self.k(keys.META), "published_at", repr(time.time()))
         return int(p.execute()[1])
 
     @redis_errors

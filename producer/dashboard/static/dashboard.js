@@ -112,9 +112,21 @@ function fill(snap) {
   const box = document.getElementById("paused");
   box.hidden = !paused.length;
   box.textContent = paused.length ? `paused (${paused.length}): ${[...new Set(paused)].join("; ")}` : "";
+  // the state and the stall are the server's (producer/stall.py): one rule for status too
+  const stall = document.getElementById("stall");
+  stall.hidden = !st.stall;
+  stall.replaceChildren();
+  if (st.stall) {
+    const why = document.createElement("b");
+    why.textContent = `Stalled: ${st.stall.reason}`;
+    const fix = document.createElement("div");
+    fix.textContent = `Fix: ${st.stall.fix}`;
+    stall.append(why, fix);
+  }
+  set("v-eta", st.stall ? "- (stalled)" : duration(st.eta_s));
   const state = document.getElementById("state");
-  state.textContent = st.finished ? "finished" : paused.length ? "paused" : "running";
-  state.className = `badge ${state.textContent}`;
+  state.textContent = st.state;
+  state.className = `badge ${st.state}`;
   rows("failures", snap.failures, f => [[f.kind], [f.count], [f.reason, "reason"], [f.example]]);
   rows("workers", snap.workers, w => [[w.process], [w.kind], [w.detail, "reason"]]);
   const beat = h => h.alive ? "" : h.state !== "stopped" ? " (LOST)" :
