@@ -1,15 +1,14 @@
 """How often ``adopt`` catches a foreign minority, against the fraction of foreign files.
 
     python bench/adopt_detect.py [--files 100] [--fractions 0.01,0.05,0.2] [--seeds 5]
-                                 [--damage file|tail|shift]
+                                 [--damage file|tail|shift]"""
 
-Records extracted by the tiny model (checkpoint A) and another seed's (B) are mixed into
-SpecForge-format sources, B's files at random places (``--damage tail``: A's files whose rows
-from 32 on are B's; ``shift``: A's files shifted by a row from row 40), and ``adopt --dry-run``
-judges each: did
-the K-file check catch it, how many foreign files the per-file check refused, how many good
-ones it refused, and each phase's files/s. Results: docs/benchmarks.md, "What adopt catches".
-"""
+# Records extracted by the tiny model (checkpoint A) and another seed's (B) are mixed into
+# SpecForge-format sources, B's files at random places (``--damage tail``: A's files whose rows
+# from 32 on are B's; ``shift``: A's files shifted by a row from row 40), and ``adopt --dry-run``
+# judges each: did
+# the K-file check catch it, how many foreign files the per-file check refused, how many good
+# ones it refused, and each phase's files/s. Results: docs/benchmarks.md, "What adopt catches".
 
 from __future__ import annotations
 

@@ -1,26 +1,25 @@
 """When a run is stalled: its work waits and nothing moves; why, and the fix.
 
 The rule (``judge``), for a run that is not finished and has work a worker could take (samples
-without an outcome that are not parked, or task messages in the broker):
+without an outcome that are not parked, or task messages in the broker) is below."""
 
-- **no worker**: no host of the run has a fresh heartbeat (``FARM_HEARTBEAT_TTL_S``) and no
-  process says it is paused (a worker waiting at its start for the canary says so before its
-  host beats). Nothing can move, so this needs no waiting period: it shows within one TTL of
-  the last worker's death.
-- **nothing finished for longer than the slowest sample may take**: no sample got an outcome
-  (done, failed or rejected) for longer than ``stall_after_s``: the time limit of a sample of
-  ``FARM_MAX_TOKENS`` tokens plus the longest retry backoff. Every attempt ends within its
-  delivery's time limit, so a working farm finishes some sample within that time; a slow
-  sample under its limit is not a stall. The clock starts again at each publication (an
-  ``enqueue``, a requeue, the reconciler) and at each worker's start, so a run given new work
-  after a quiet spell, or whose workers were restarted, is not called stalled for the past.
-  The reason names what the workers wait on (the server, the dump dir, another fault they
-  paused for) or, when none waits, that nothing finishes.
-
-A process paused for a fault under that time is "paused", not stalled: a server restart or a
-disk freed clears it. The dashboard adds one reason of its own: Redis does not answer.
-Test: tests/farm/test_stall.py.
-"""
+# - **no worker**: no host of the run has a fresh heartbeat (``FARM_HEARTBEAT_TTL_S``) and no
+#   process says it is paused (a worker waiting at its start for the canary says so before its
+#   host beats). Nothing can move, so this needs no waiting period: it shows within one TTL of
+#   the last worker's death.
+# - **nothing finished for longer than the slowest sample may take**: no sample got an outcome
+#   (done, failed or rejected) for longer than ``stall_after_s``: the time limit of a sample of
+#   ``FARM_MAX_TOKENS`` tokens plus the longest retry backoff. Every attempt ends within its
+#   delivery's time limit, so a working farm finishes some sample within that time; a slow
+#   sample under its limit is not a stall. The clock starts again at each publication (an
+#   ``enqueue``, a requeue, the reconciler) and at each worker's start, so a run given new work
+#   after a quiet spell, or whose workers were restarted, is not called stalled for the past.
+#   The reason names what the workers wait on (the server, the dump dir, another fault they
+#   paused for) or, when none waits, that nothing finishes.
+#
+# A process paused for a fault under that time is "paused", not stalled: a server restart or a
+# disk freed clears it. The dashboard adds one reason of its own: Redis does not answer.
+# Test: tests/farm/test_stall.py.
 
 from __future__ import annotations
 

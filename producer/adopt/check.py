@@ -1,17 +1,16 @@
 """The compatibility check of ``adopt``: K matched source files extracted again through the
-live server as the canary extracts them, compared per layer with the canary's tolerance.
+live server as the canary extracts them, compared per layer with the canary's tolerance."""
 
-Over the tolerance, it names the likely cause from what the numbers show: every layer off
-(another checkpoint); only aux layers off (other layers; an off-by-one when an adjacent
-captured layer matches); only the final state off until the final RMSNorm is applied (pre-norm).
-A file of fp8 states is compared by where the server's state lies from the interval of values
-that round to each stored e4m3 byte (``worker.core.fp8.rounding_half_widths``): the server's
-state is compared with the nearest point of that interval, a lower bound of its difference from
-the state the file rounded, so a file of the run's model passes as its bf16 states would; a
-difference within e4m3's rounding (up to 6.25% of a value) goes unseen.
-Tests: tests/farm/test_adopt.py::test_off_by_one_layers_diagnosed,
-tests/unit/test_adopt.py::test_pre_norm_final_state_diagnosed.
-"""
+# Over the tolerance, it names the likely cause from what the numbers show: every layer off
+# (another checkpoint); only aux layers off (other layers; an off-by-one when an adjacent
+# captured layer matches); only the final state off until the final RMSNorm is applied (pre-norm).
+# A file of fp8 states is compared by where the server's state lies from the interval of values
+# that round to each stored e4m3 byte (``worker.core.fp8.rounding_half_widths``): the server's
+# state is compared with the nearest point of that interval, a lower bound of its difference from
+# the state the file rounded, so a file of the run's model passes as its bf16 states would; a
+# difference within e4m3's rounding (up to 6.25% of a value) goes unseen.
+# Tests: tests/farm/test_adopt.py::test_off_by_one_layers_diagnosed,
+# tests/unit/test_adopt.py::test_pre_norm_final_state_diagnosed.
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """Readers of the files ``adopt`` takes: hsfarm output dirs, SpecForge's ``data_<i>.ckpt`` files
-and plain torch ``.pt`` dicts with user-given key names; lazy, and never writing a file.
+and plain torch ``.pt`` dicts with user-given key names; lazy, and never writing a file."""
 
-Only regular files are read: ``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``
-on the descriptor, so nothing swapped in between blocks or leads outside SOURCE. Torch files
-load with ``weights_only=True``: a pickle that would run code is refused before it runs.
-States come back as bf16 bit patterns (f16/f32 sources rounded to nearest even), or as an
-hsfarm fp8 run stores them: e4m3 bytes and their float32 scales. Each file opened says which
-file it was (``Identity``: device, inode, size, mtime), so a later open can tell another. Test:
-tests/farm/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan
-"""
+# Only regular files are read: ``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``
+# on the descriptor, so nothing swapped in between blocks or leads outside SOURCE. Torch files
+# load with ``weights_only=True``: a pickle that would run code is refused before it runs.
+# States come back as bf16 bit patterns (f16/f32 sources rounded to nearest even), or as an
+# hsfarm fp8 run stores them: e4m3 bytes and their float32 scales. Each file opened says which
+# file it was (``Identity``: device, inode, size, mtime), so a later open can tell another. Test:
+# Test: tests/farm/test_adopt.py::test_odd_entries_in_source_are_refused_by_name_and_enqueue_runs_during_the_scan  # noqa: E501
 
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
 """What ``adopt``'s per-file check saw of a source file, pinned until the file is written: the
-file's identity (device, inode, size, mtime) and the checksum of each array written from it.
+file's identity (device, inode, size, mtime) and the checksum of each array written from it."""
 
-The check reads each array once, a slice of rows at a time: every slice is copied, hashed
-(xxh3-128, the store's checksum) and the compared rows are taken from the copy, so the rows
-compared and the checksum are of the same bytes. The write opens the file again: another
-identity (another file renamed over it, a longer or newer one) is refused before anything is
-written, and bytes that are not the checksummed ones (rewritten in place, size and mtime kept)
-make the store abandon the file before its rename (``finalfile.Part.expect_sum``). So a file
-is written with exactly the states its check saw, or not at all.
-Test:
-tests/farm/test_adopt_checks.py::test_a_source_file_changed_between_its_check_and_its_write_is_not_adopted
-"""
+# The check reads each array once, a slice of rows at a time: every slice is copied, hashed
+# (xxh3-128, the store's checksum) and the compared rows are taken from the copy, so the rows
+# compared and the checksum are of the same bytes. The write opens the file again: another
+# identity (another file renamed over it, a longer or newer one) is refused before anything is
+# written, and bytes that are not the checksummed ones (rewritten in place, size and mtime kept)
+# make the store abandon the file before its rename (``finalfile.Part.expect_sum``). So a file
+# is written with exactly the states its check saw, or not at all.
+# Test:
+# tests/farm/test_adopt_checks.py::test_a_source_file_changed_between_its_check_and_its_write_is_not_adopted  # noqa: E501
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """``python -m producer adopt SOURCE --data DATA``: take an earlier run's files into this run.
 
-Steps: check the server is the run's; match each source file to the record with exactly its
+Check the server is the run's; match each source file to the record with exactly its
 ``input_ids``; re-extract K files and compare every file's rows over its whole length (each
-file read once and pinned); write each as this run's final file under the sample's lease, with
-the bytes it was checked with. Only the write step holds the run's enqueue lock,
-so a slow source or server stalls neither ``enqueue`` nor the reconciler. Killed anywhere, it
+read once and pinned); write each as this run's final file under the sample's lease, with the
+bytes it was checked with. Only the writes hold the run's enqueue lock. Killed anywhere, it
 leaves whole or temp files; run again, it adopts the rest (docs/adopt.md).
-Test: tests/farm/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once.
-"""
+Test: tests/farm/test_adopt.py::test_sigkill_mid_adopt_then_two_at_once."""
 
 from __future__ import annotations
 
@@ -182,8 +180,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
           keys: dict[str, tuple[str, ...]] | None = None, check_k: int | None = None,
           dry_run: bool = False, jobs: int = 2, progress: bool = True,
           seed: int | None = None, after_check: Callable[[], None] | None = None) -> Report:
-    """Adopt ``source``'s files for the records of ``data``. See the module's docstring.
-
+    """Adopt ``source``'s files for the records of ``data`` (the module's steps).
     ``after_check`` runs once every check passed, before anything is written (a test swaps a
     source file there).
 

@@ -1,18 +1,17 @@
 """Every matched file's rows, over its whole length, against the live server: ``adopt``'s
-per-file check.
+per-file check."""
 
-The K-file check misses a foreign minority with probability C(n-f, K) / C(n, K), so every file
-is sent whole (``BATCH`` files, at most ``BATCH_TOKENS`` tokens, at once) and its states at its
-first and last rows and ``ROWS`` rows drawn at random among the others are compared with the
-dump's, all layers. Another model, layer set or norm differs at every row; damage confined to
-some rows (a tail another checkpoint wrote, rows shifted by one) is caught when a drawn row
-holds it: a file with a fraction f of its rows off escapes with probability at most
-(1 - f) ** ROWS (``escape_probability``), and a damaged tail never escapes (the last row is
-always compared). The rows are drawn whatever the file holds (from ``--seed`` when given).
-Each file is read once here and pinned (``pin``): it is written as it was compared, or not.
-Tests: tests/farm/test_adopt_checks.py::test_a_foreign_minority_is_caught_file_by_file,
-tests/farm/test_adopt_checks.py::test_a_file_damaged_after_its_first_rows_is_refused.
-"""
+# The K-file check misses a foreign minority with probability C(n-f, K) / C(n, K), so every file
+# is sent whole (``BATCH`` files, at most ``BATCH_TOKENS`` tokens, at once) and its states at its
+# first and last rows and ``ROWS`` rows drawn at random among the others are compared with the
+# dump's, all layers. Another model, layer set or norm differs at every row; damage confined to
+# some rows (a tail another checkpoint wrote, rows shifted by one) is caught when a drawn row
+# holds it: a file with a fraction f of its rows off escapes with probability at most
+# (1 - f) ** ROWS (``escape_probability``), and a damaged tail never escapes (the last row is
+# always compared). The rows are drawn whatever the file holds (from ``--seed`` when given).
+# Each file is read once here and pinned (``pin``): it is written as it was compared, or not.
+# Tests: tests/farm/test_adopt_checks.py::test_a_foreign_minority_is_caught_file_by_file,
+# tests/farm/test_adopt_checks.py::test_a_file_damaged_after_its_first_rows_is_refused.
 
 from __future__ import annotations
 
