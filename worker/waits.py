@@ -60,12 +60,12 @@ def server_problem(rt: Runtime) -> str | None:
 
 
 def dump_dir_problem(rt: Runtime) -> str | None:
-    """None when the dump dir is there; else why no request may be sent (its dump would be
-    lost) and the fix."""
+    """None when the dump dir is there and no dump writer of the server says it is unhealthy;
+    else why no request may be sent (its dump would be lost) and the fix."""
     d = rt.settings.dump_dir
-    if d.is_dir():
-        return None
-    return dumps.dump_dir_gone(d)
+    if not d.is_dir():
+        return dumps.dump_dir_gone(d)
+    return dumps.writer_problem(d)
 
 
 def space_problem(rt: Runtime, need_bytes: int = 0) -> str | None:
