@@ -144,6 +144,26 @@ def test_ready_marker_says_what_the_hook_serves(plain: LiveVllm) -> None:
         proc.stdout + proc.stderr
 
 
+def test_a_rid_too_long_for_a_file_name_stalls_nothing(plain: LiveVllm) -> None:
+    # Given a request whose rid looks like ours but carries a 300-character sample key (the
+    # last test on ``plain``: a writer that dies on it leaves the server hung)
+    v = vocab(plain.model)
+    n = 40
+    too_long = f"{c.RID_PREFIX}{c.NO_RUN}-{'k' * 300}-a1-n{n}"
+    # When the server serves it, then eight requests of ours, one after the other
+    answer = plain.complete(prompt(n, 60, v), too_long)
+    t0 = time.monotonic()
+    for i in range(8):
+        rid = c.make_rid(f"after-{i}", 1, n)
+        plain.complete(prompt(n, 61 + i, v), rid)
+        # Then each gets its dump: the writer lives on, and no step waits on it
+        wait_dump(plain.dumps, rid, timeout_s=60)
+    measured(f"8 requests after a 300-character key: all dumped in {time.monotonic() - t0:.1f}s")
+    # And the long rid was served as a request not ours: nothing of it was written
+    assert not answer.get("kv_transfer_params")
+    assert not [p for p in os.listdir(plain.dumps) if "kkkk" in p]
+
+
 # --- chunked: 64 tokens a step, fp8 -----------------------------------------------------------
 
 def test_chunked_values_match_transformers(chunked: LiveVllm) -> None:
