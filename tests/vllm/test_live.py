@@ -236,8 +236,11 @@ def test_a_launch_without_the_dump_dir_is_refused_with_the_fix(
     server = LiveVllm(chunked.model, tmp_path / "dumps", tmp_path / "server.log",
                       env={ENV_DUMP_DIR: ""})
     # When it starts, then it exits, naming the variable to set
-    with pytest.raises(RuntimeError, match="exited") as e:
-        server.start()
+    try:
+        with pytest.raises(RuntimeError, match="exited") as e:
+            server.start()
+    finally:
+        server.stop()  # its whole process group, whatever happened
     assert f"set {ENV_DUMP_DIR}" in server.log.read_text(errors="replace"), str(e.value)
     assert not (tmp_path / "dumps").exists()
 
@@ -253,8 +256,11 @@ def test_pipeline_parallelism_is_refused_by_vllm_itself(chunked: LiveVllm,
     # extract_hidden_states does not implement SupportsPP (config/speculative.py), so no
     # model runs it under pipeline parallelism; the hook's own refusal (layout_problems) stays
     # for a release that lifts this
-    with pytest.raises(RuntimeError, match="exited") as e:
-        server.start()
+    try:
+        with pytest.raises(RuntimeError, match="exited") as e:
+            server.start()
+    finally:
+        server.stop()
     log = server.log.read_text(errors="replace")
     assert "Pipeline parallelism is not supported for this model" in log, str(e.value)
     assert not list((tmp_path / "dumps").glob(".ready.*"))
