@@ -35,6 +35,11 @@ RID_RE = re.compile(rf"^hsd-(?P<run>[0-9a-f]{{{RUN_ID_LEN}}})-(?P<key>[{_KEY_CHA
                     r"-a(?P<attempt>\d+)-n(?P<n>\d+)$")
 RUN_ID_RE = re.compile(rf"^[0-9a-f]{{{RUN_ID_LEN}}}$")
 MAX_KEY_LEN = 96
+# The longest rid of ours: every file of it must be nameable, or not even its ``.err`` can be
+# written. Its longest name, the writer's temp ``.err`` (``.<rid>.tmp.<pid>.err``), is 20
+# bytes more with a 10-digit pid, under a file system's 255 (NAME_MAX); the longest rid the
+# farm makes (a 96-character key) is about 150.
+MAX_RID_LEN = 200
 # The run of requests that belong to no run (the probe ``sglang_patch verify`` sends)
 NO_RUN = "0" * RUN_ID_LEN
 
@@ -66,15 +71,21 @@ def make_rid(sample_key: str, attempt: int, token_count: int, run: str = NO_RUN)
         raise ValueError(f"not a run id ({RUN_ID_LEN} hex digits): {run!r}")
     if attempt < 0 or token_count < 1:
         raise ValueError(f"bad attempt/token_count: {attempt}/{token_count}")
-    return str(Rid(sample_key, attempt, token_count, run))
+    rid = str(Rid(sample_key, attempt, token_count, run))
+    if len(rid) > MAX_RID_LEN:
+        raise ValueError(f"rid of {len(rid)} characters, over {MAX_RID_LEN}: {rid[:40]}...")
+    return rid
 
 
 def parse_rid(rid: object) -> Rid | None:
-    """Parse a rid; None for anything that is not an extraction request of ours."""
-    if not isinstance(rid, str):
+    """Parse a rid; None for anything that is not an extraction request of ours, a rid
+    too long for its files' names included (over ``MAX_RID_LEN``, or its key over
+    ``MAX_KEY_LEN``): the hooks take only a request whose dump or ``.err`` can be written.
+    Test: tests/unit/test_contracts.py::test_a_rid_parses_only_if_every_file_name_of_it_fits."""
+    if not isinstance(rid, str) or len(rid) > MAX_RID_LEN:
         return None
     m = RID_RE.match(rid)
-    if m is None:
+    if m is None or len(m["key"]) > MAX_KEY_LEN:
         return None
     return Rid(m["key"], int(m["attempt"]), int(m["n"]), m["run"])
 
@@ -139,12 +150,15 @@ def shard_of(sample_key: str, shards: int = 256) -> str:
 DUMP_SUFFIX = ".safetensors"
 ERR_SUFFIX = ".err"
 READY_PREFIX = ".ready."
+# A hook process's note that its dump writer cannot keep up or no longer runs (``markers``)
+WRITER_UNHEALTHY_PREFIX = ".writer-unhealthy."
 TMP_MARK = ".tmp."  # every temp file of ours contains this, so cleanup can find them
 
 # How a ``.err`` file starts when the fault is the server's environment, not the request: the
 # worker then waits (holding its message, spending no attempt) instead of retrying the sample.
 ERR_DUMP_DIR_FULL = "dump dir full"
 ERR_HOOK_INACTIVE = "the hsfarm dump hook is not active"
+ERR_WRITER_UNHEALTHY = "the hsfarm dump writer is unhealthy"
 
 # Tensor names, shared by the dump file and the final file (SpecForge's offline key names).
 T_INPUT_IDS = "input_ids"

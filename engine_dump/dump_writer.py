@@ -10,6 +10,7 @@ Test: tests/unit/test_dump_writer.py::test_mixed_batches_with_chunks_spread_over
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -106,15 +107,27 @@ class _Open:
     left: int
 
 
+# ``submit`` runs in the engine's step (SGLang's forward, vLLM's ``get_finished``): while it
+# blocks, every request of the server waits, and ``/health`` still says 200. So it waits for
+# room only up to ``max_block_s`` (backpressure when tmpfs is slower than the model), and a
+# writer whose thread is not running, or whose queue stayed full that long, is *unhealthy*: it
+# refuses the rows it cannot take with an ``ERR_WRITER_UNHEALTHY`` ``.err`` (the worker pauses
+# on it, spending no attempt: the server's fault, not the sample's), says so in the log and in
+# a note beside its ready marker (``markers.write_unhealthy``: ``verify`` fails, workers pause),
+# and is healthy again once its queue has drained. A dump refused is an attempt repeated
+# later; a stalled step stalls every client. No job can end the thread: whatever it raises
+# becomes its requests' ``.err``.
+
+
 class DumpWriter:
     """One background thread writing ``<rid>.safetensors`` / ``<rid>.err`` atomically.
 
     A dump is written as its chunks arrive into a temp file of the whole dump's size (the rid
     declares the token count), renamed at the last chunk, so the server holds at most the
-    queued passes: a 128k-token prompt at H = 7,168 is a 7.5 GB dump it never holds whole. The
-    queue is bounded, in passes: when tmpfs is slower than the model, ``submit`` blocks. Tests:
+    queued passes (a bounded queue; ``submit`` waits a bounded time, then refuses: above): a
+    128k-token prompt at H = 7,168 is a 7.5 GB dump it never holds whole. Tests:
     tests/unit/test_dump_writer.py::test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes
-    and ::test_bounded_queue_applies_backpressure.
+    and ::test_a_stuck_writer_refuses_after_a_bounded_wait_and_recovers.
     """
 
     def __init__(
@@ -124,6 +137,7 @@ class DumpWriter:
         max_queue: int = 8,
         min_free_bytes: int = 64 << 20,
         dtype: str = c.DTYPE_BF16,
+        max_block_s: float = 30.0,
     ) -> None:
         if dtype not in c.STORE_DTYPES:
             raise ValueError(f"unknown dump dtype {dtype!r}: one of {', '.join(c.STORE_DTYPES)}")
@@ -131,7 +145,15 @@ class DumpWriter:
         self.dump_dir = dump_dir
         self.metadata = dict(metadata)
         self.min_free_bytes = min_free_bytes
-        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self.max_block_s = max_block_s
+        # Rows take one of ``max_queue`` slots until the thread takes them; failures (a few
+        # bytes each) take none, so a refusal is queued even when the queue is full, and comes
+        # after the rows of its request that are already queued.
+        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._slots = threading.Semaphore(max_queue)
+        self._health = threading.Lock()
+        self._unhealthy: str | None = None
         self._thread = threading.Thread(target=self._run, name="hsfarm-dump-writer", daemon=True)
         self._open: dict[str, _Open] = {}  # the writer thread's own
         self.written = 0
@@ -141,15 +163,84 @@ class DumpWriter:
         dumpdir.ensure(dump_dir)  # refuses a dir another user owns or can write to
         self._thread.start()
 
+    @property
+    def unhealthy(self) -> str | None:
+        """Why the writer cannot take the engine's requests now; None while it can."""
+        return self._unhealthy
+
     def submit(self, job: Job) -> None:
-        """Queue a job; blocks while the queue is full (backpressure, by design)."""
-        if self._q.full():
-            t0 = time.perf_counter()
+        """Queue a job. Rows wait up to ``max_block_s`` while the queue is full
+        (backpressure); an unhealthy writer refuses them instead (``_refuse``). Never raises."""
+        if not self._thread.is_alive():
+            self._refuse(job)
+        elif isinstance(job, Failed):
             self._q.put(job)
-            self.blocked_s += time.perf_counter() - t0
+        elif (self._slots.acquire(blocking=False)
+              or (self._unhealthy is None and self._wait_for_room())):
+            self._q.put(job)
+            self.max_depth = max(self.max_depth, self._q.qsize())
         else:
-            self._q.put(job)
-        self.max_depth = max(self.max_depth, self._q.qsize())
+            self._refuse(job)
+
+    def _wait_for_room(self) -> bool:
+        """Wait for a slot, up to ``max_block_s``; False (and unhealthy) if none came."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.max_block_s
+        try:
+            while self._thread.is_alive():
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    self._set_unhealthy(
+                        f"behind: its queue of {self.max_queue} passes stayed full for "
+                        f"{self.max_block_s:.0f}s (the dump dir slower than the engine, or the "
+                        "writer stuck); requests are refused until it catches up")
+                    return False
+                if self._slots.acquire(timeout=min(left, 0.5)):
+                    return True
+            return False
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+
+    def _refuse(self, job: Job) -> None:
+        """Give each request of ``job`` an ``.err`` instead of its rows. A running thread
+        writes it in order, after the rows it already holds, and drops the dump it started
+        (its later chunks are then ignored), so a refused chunk never leaves a dump with a
+        hole; a dead one cannot, so it is written here."""
+        if not self._thread.is_alive():
+            self._set_unhealthy(self._not_running())
+        why = f"{c.ERR_WRITER_UNHEALTHY}: {self._unhealthy}"
+        failures = [job] if isinstance(job, Failed) else \
+            [Failed(rid, why) for rid in dict.fromkeys(r.rid for r in job)]
+        for failed in failures:
+            if self._thread.is_alive():
+                self._q.put(failed)
+            elif not c.err_path(self.dump_dir, failed.rid).exists():  # once per request
+                self._write_err(failed.rid, failed.error)
+
+    def _not_running(self) -> str:
+        return ("not running: its thread has ended (the server shut it down, or it died: "
+                "see the server's log); restart the server")
+
+    def _set_unhealthy(self, why: str) -> None:
+        with self._health:  # the note's file follows the state in the order of the changes
+            if self._unhealthy == why:
+                return
+            self._unhealthy = why
+            log.error("hsfarm dump writer unhealthy: %s", why)
+            try:
+                markers.write_unhealthy(self.dump_dir, why)
+            except (OSError, dumpdir.DumpDirUnsafe):
+                log.exception("cannot write the unhealthy-writer note in %s", self.dump_dir)
+
+    def _caught_up(self) -> None:
+        """Healthy again once the thread has drained its queue."""
+        with self._health:
+            if self._unhealthy is None or not self._q.empty():
+                return
+            self._unhealthy = None
+            log.warning("hsfarm dump writer caught up: it takes requests again")
+            with contextlib.suppress(OSError):
+                markers.clear_unhealthy(self.dump_dir)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every submitted job is on disk (tests, shutdown)."""
@@ -162,30 +253,47 @@ class DumpWriter:
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a fault of the loop itself: say so (submit refuses)
+            log.critical("hsfarm dump writer died: %s: %s", type(e).__name__, e, exc_info=True)
+            self._set_unhealthy(self._not_running())
+
+    def _serve(self) -> None:
         while True:
             job = self._q.get()
+            if isinstance(job, list):
+                self._slots.release()
             try:
                 if job is None:
                     for rid in list(self._open):  # requests cut off by the shutdown
                         self._drop(rid)
                     return
-                if isinstance(job, Failed):
-                    self._drop(job.rid)
-                    self._write_err(job.rid, job.error)
-                    continue
-                for rows in job:
-                    try:
-                        self._write_rows(rows)
-                    except Exception as e:  # the writer must never die: report and go on
-                        self._drop(rows.rid)
-                        if _no_space(e):
-                            self._write_err(rows.rid, f"{c.ERR_DUMP_DIR_FULL}: "
-                                            f"{type(e).__name__}: {e}")
-                        else:
-                            log.exception("dump writer failed for %s", rows.rid)
-                            self._write_err(rows.rid, f"writer failed: {type(e).__name__}: {e}")
+                self._handle(job)
+            except BaseException:  # no job may end the thread: its requests lose their dumps
+                log.exception("hsfarm dump writer: a job failed; the writer goes on")
+                for rid in _rids(job):
+                    self._drop(rid)
             finally:
                 self._q.task_done()
+            self._caught_up()
+
+    def _handle(self, job: Job) -> None:
+        if isinstance(job, Failed):
+            self._drop(job.rid)
+            self._write_err(job.rid, job.error)
+            return
+        for rows in job:
+            try:
+                self._write_rows(rows)
+            except BaseException as e:  # report and go on (an engine's KeyboardInterrupt too)
+                self._drop(rows.rid)
+                if _no_space(e):
+                    self._write_err(rows.rid, f"{c.ERR_DUMP_DIR_FULL}: "
+                                    f"{type(e).__name__}: {e}")
+                else:
+                    log.exception("dump writer failed for %s", rows.rid)
+                    self._write_err(rows.rid, f"writer failed: {type(e).__name__}: {e}")
 
     def _write_rows(self, rows: Rows) -> None:
         tensors = _named(rows.staged.wait(), rows.dtype)
@@ -250,11 +358,13 @@ class DumpWriter:
         """The last step before the rename (the fault injector corrupts dumps here)."""
 
     def _drop(self, rid: str) -> None:
-        """Forget a dump being written, its temp file removed."""
+        """Forget a dump being written, its temp file removed. Never raises."""
         dump = self._open.pop(rid, None)
         if dump is not None:
-            os.close(dump.fd)
-            dump.tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.close(dump.fd)
+            with contextlib.suppress(OSError):
+                dump.tmp.unlink(missing_ok=True)
 
     def _write_err(self, rid: str, message: str) -> None:
         self.errors += 1
@@ -425,6 +535,12 @@ def _named(tensors: list[torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
             c.T_AUX: aux.to(torch.bfloat16).contiguous()}
 
 
+def _rids(job: Job | None) -> list[str]:
+    if isinstance(job, Failed):
+        return [job.rid]
+    return [rows.rid for rows in job or []]
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` all of ``data`` at ``offset`` (one call writes at most ~2 GB)."""
     while data:
@@ -443,18 +559,24 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def write_err(dump_dir: Path, rid: str, message: str) -> None:
-    """Write ``<rid>.err`` atomically: the request of ours that cannot have a dump, and why."""
+def write_err(dump_dir: Path, rid: str, message: str) -> bool:
+    """Write ``<rid>.err`` atomically: the request of ours that cannot have a dump, and why.
+    False (logged) when it cannot be written; never raises: the engine's step and the
+    writer's thread call it."""
     log.warning("dump error %s: %s", rid, message)
     tmp = dump_dir / f".{rid}{c.TMP_MARK}{os.getpid()}.err"
     try:
         dumpdir.write_private(tmp, (message + "\n").encode())
         os.replace(tmp, c.err_path(dump_dir, rid))
+        return True
     except dumpdir.DumpDirUnsafe as e:  # not into a dir another user can write: the writer
         log.error("no .err file for %s: %s", rid, e)  # goes on, for when the dir is fixed
-    except OSError:
+        return False
+    except (OSError, ValueError):
         log.exception("cannot even write the .err file for %s", rid)
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError, ValueError):
+            tmp.unlink(missing_ok=True)
+        return False
 
 
 def remove_stale_files(dump_dir: Path) -> int:
@@ -467,6 +589,7 @@ def remove_stale_files(dump_dir: Path) -> int:
     removed.
     """
     removed = len(markers.remove_dead(dump_dir))
+    removed += len(markers.remove_dead(dump_dir, c.WRITER_UNHEALTHY_PREFIX))
     for path in dump_dir.iterdir():
         pid = _writer_pid(path.name) if c.is_temp_name(path.name) else None
         if pid is not None and not _process_exists(pid):
@@ -477,8 +600,10 @@ def remove_stale_files(dump_dir: Path) -> int:
 
 def _writer_pid(name: str) -> int | None:
     """The pid in a ready marker's or a hook temp file's name; None for any other file."""
-    if name.startswith(c.READY_PREFIX):
-        field = name[len(c.READY_PREFIX):]
+    prefix = next((p for p in (c.READY_PREFIX, c.WRITER_UNHEALTHY_PREFIX)
+                   if name.startswith(p)), None)
+    if prefix is not None:
+        field = name[len(prefix):]
     elif c.is_temp_name(name):
         field = name.rsplit(c.TMP_MARK, 1)[1]
     else:

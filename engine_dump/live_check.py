@@ -67,10 +67,21 @@ def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0, *, env: s
                      f"is gone: stale, from an earlier server ({newest.why}); restart the "
                      "server with the variable")
     groups = mk.dp_groups(newest, found)
-    if groups > 1:
-        return _check_groups(newest, found, groups)
-    return Check("ready marker", True, f"pid {info.get('pid')} ({_where(newest)}), "
-                 + _served(info))
+    check = _check_groups(newest, found, groups) if groups > 1 else \
+        Check("ready marker", True, f"pid {info.get('pid')} ({_where(newest)}), " + _served(info))
+    return _unless_unhealthy(check, dump_dir)
+
+
+def _unless_unhealthy(check: Check, dump_dir: Path) -> Check:
+    """``check`` failed when a writer of a process not known dead says it is unhealthy
+    (``markers.write_unhealthy``): the server answers, but dumps no request."""
+    notes = mk.unhealthy_writers(dump_dir)
+    if not check.ok or not notes:
+        return check
+    said = "; ".join(f"pid {m.info.get('pid')} ({_where(m)}): {m.info.get('why')}"
+                     for m in notes)
+    return Check(check.name, False, f"the server's dump writer is unhealthy: {said} "
+                 f"({check.detail})")
 
 
 def _where(m: mk.Marker) -> str:

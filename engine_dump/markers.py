@@ -6,6 +6,7 @@ pid namespace of one boot, so a marker is **dead** only when it is of this boot 
 namespace and no process with its pid and start time runs; anything else (another container
 or host, a marker without these fields) is **unknown** and left alone: a live server's
 marker is never removed. Test: tests/unit/test_markers.py::test_dead_live_reused_and_legacy_markers.
+
 """
 
 from __future__ import annotations
@@ -53,6 +54,34 @@ def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
     return path
 
 
+def write_unhealthy(dump_dir: Path, why: str) -> Path:
+    """Write ``.writer-unhealthy.<pid>`` (JSON, atomically): this process's dump writer
+    cannot take the engine's requests (its thread ended, or its queue stayed full), and
+    ``why``. Judged as a marker; the writer removes it when it catches up; ``verify`` fails
+    and workers pause while one of a process not known dead is there. Test:
+    tests/unit/test_markers.py::test_an_unhealthy_writer_fails_verify_and_its_note_goes_with_it.
+
+    Raises:
+        OSError, dumpdir.DumpDirUnsafe: it cannot be written.
+    """
+    body = {**process_identity(), "time": time.time(), "why": why}
+    path = dump_dir / f"{c.WRITER_UNHEALTHY_PREFIX}{os.getpid()}"
+    tmp = path.with_name(f"{path.name}{c.TMP_MARK}")
+    dumpdir.write_private(tmp, json.dumps(body, indent=1, sort_keys=True).encode())
+    os.replace(tmp, path)
+    return path
+
+
+def clear_unhealthy(dump_dir: Path) -> None:
+    """Remove this process's unhealthy-writer note, if there is one."""
+    (dump_dir / f"{c.WRITER_UNHEALTHY_PREFIX}{os.getpid()}").unlink(missing_ok=True)
+
+
+def unhealthy_writers(dump_dir: Path) -> list[Marker]:
+    """The unhealthy-writer notes in ``dump_dir`` of processes not known dead, oldest first."""
+    return [m for m in markers(dump_dir, c.WRITER_UNHEALTHY_PREFIX) if m.state != DEAD]
+
+
 @dataclass(frozen=True)
 class Marker:
     path: Path
@@ -98,11 +127,12 @@ def state(info: dict[str, object]) -> tuple[str, str]:
     return ALIVE, f"process {pid} runs"
 
 
-def markers(dump_dir: Path) -> list[Marker]:
-    """The ready markers in ``dump_dir``, oldest first (none when it does not exist)."""
+def markers(dump_dir: Path, prefix: str = c.READY_PREFIX) -> list[Marker]:
+    """The ready markers in ``dump_dir`` (or the notes named ``prefix``: the
+    ``WRITER_UNHEALTHY_PREFIX`` ones), oldest first (none when it does not exist)."""
     found = []
     try:
-        paths = [p for p in dump_dir.glob(f"{c.READY_PREFIX}*") if not c.is_temp_name(p.name)]
+        paths = [p for p in dump_dir.glob(f"{prefix}*") if not c.is_temp_name(p.name)]
     except OSError:
         return []
     for path in paths:
@@ -145,10 +175,11 @@ def newest_live(dump_dir: Path) -> Marker | None:
     return found[-1] if found else None
 
 
-def remove_dead(dump_dir: Path) -> list[Marker]:
-    """Remove the markers of dead processes (never an alive or unknown one); what went."""
+def remove_dead(dump_dir: Path, prefix: str = c.READY_PREFIX) -> list[Marker]:
+    """Remove the markers (or ``prefix``'s notes) of dead processes (never an alive or unknown
+    one); what went."""
     gone = []
-    for m in markers(dump_dir):
+    for m in markers(dump_dir, prefix):
         if m.state == DEAD and _take_if_unchanged(m):
             gone.append(m)
     return gone
@@ -205,6 +236,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m sglang_patch mark
     removed = {m.path for m in remove_dead(args.dump_dir)} if args.remove_dead else set()
     for m in found:
         print(m.line() + (": removed" if m.path in removed else ""))
+    for m in markers(args.dump_dir, c.WRITER_UNHEALTHY_PREFIX):
+        print(f"{m.line()}: its dump writer is unhealthy: {m.info.get('why')}")
     dead = sum(m.state == DEAD for m in found)
     print(f"ready markers in {args.dump_dir}: {len(found)}, of dead processes: {dead}"
           + (f", removed: {len(removed)}" if args.remove_dead else ""))

@@ -5,7 +5,8 @@
 #   (the server's readiness path) and dry_run (1 for --dry-run).
 # farm_settings reads the farm's variables into MODEL, DUMP_DIR, URL, PORT, PY, DUMP_DTYPE and
 # layers (exit 2 on a bad one); the check_* functions print one OK/WARN/FAIL line each and set
-# failed=1 on a FAIL; wait_ready starts the server and waits for a correct probe dump.
+# failed=1 on a FAIL; wait_ready starts the server and waits for a correct probe dump, then
+# watches it (engine_check, where the launcher defines one).
 
 # parse_options "$@": --help (the script's header), --dry-run (sets dry_run=1); the rest,
 # after an optional "--", are the server's own args: rest=(...)
@@ -242,9 +243,12 @@ check_dump_dir() {
 }
 
 # Starts "$@" with server_env, waits for HEALTH_PATH and a fresh ready marker of the new
-# server, then for one probe request of ours to come back as a correct dump; "ready".
+# server, then for one probe request of ours to come back as a correct dump; "ready". Then
+# watches it until it exits: a launcher that defines engine_check PID (which sets engine_why
+# when the server can no longer serve, e.g. vLLM's engine core died and its API server went
+# on, hung) stops the server's whole process tree with the reason, at start-up or later.
 wait_ready() {
-  local out started server
+  local out started
   # created 0700 (the server's alone), or refused when another user made it first
   if ! out=$("$PY" -m "$HOOK" dumpdir --create --dump-dir "$DUMP_DIR"); then
     echo "$out"; echo "not starting $ENGINE: fix the dump dir"; exit 1
@@ -255,9 +259,10 @@ wait_ready() {
   started=$(date +%s)
   env "${server_env[@]}" "$@" &
   server=$!
-  trap 'kill $server 2>/dev/null || true' INT TERM
+  trap 'stop_tree "$server"; exit 143' INT TERM
   for _ in $(seq 1 720); do
     if ! kill -0 "$server" 2>/dev/null; then echo "$ENGINE exited during start-up"; exit 1; fi
+    broken "$server" && exit 1
     if curl -sf "http://127.0.0.1:$PORT$HEALTH_PATH" >/dev/null \
        && "$PY" -m "$HOOK" verify --live-only --dump-dir "$DUMP_DIR" --since "$started" \
           >/dev/null 2>&1; then
@@ -265,16 +270,55 @@ wait_ready() {
       if ! "$PY" -m "$HOOK" verify --live-only --dump-dir "$DUMP_DIR" --since "$started" \
            --server "http://127.0.0.1:$PORT" --timeout-s 600; then
         echo "the server runs but its dumps are wrong (above); stopping it"
-        kill "$server"; wait "$server" || true; exit 1
+        stop_tree "$server"; exit 1
       fi
       check_nccl
       echo ready
+      while kill -0 "$server" 2>/dev/null; do
+        broken "$server" && exit 1
+        sleep 5
+      done
       wait "$server"
       exit $?
     fi
     sleep 5
   done
-  echo "$ENGINE did not become ready in 1 hour"; exit 1
+  echo "$ENGINE did not become ready in 1 hour"; stop_tree "$server"; exit 1
+}
+
+# broken PID: true (the reason said, every process of the server killed) when the launcher's
+# engine_check finds the server can no longer serve
+broken() {
+  engine_why=""
+  if declare -F engine_check >/dev/null; then engine_check "$1"; fi
+  [ -n "$engine_why" ] || return 1
+  echo "$ENGINE: $engine_why; stopping the server and every process of it"
+  kill_tree KILL "$1"
+}
+
+# descendants PID: the pids of every process below PID (children, theirs, ...)
+descendants() {
+  ps -e -o pid= -o ppid= | awk -v root="$1" '
+    { kids[$2] = kids[$2] " " $1 }
+    END { n = split(kids[root], q, " ")
+          for (i = 1; i <= n; i++) { m = split(kids[q[i]], r, " ")
+                                     for (j = 1; j <= m; j++) q[++n] = r[j] }
+          for (i = 1; i <= n; i++) print q[i] }'
+}
+
+# kill_tree SIGNAL PID: SIGNAL to PID and every process below it (listed first: none escapes)
+kill_tree() {
+  local p pids
+  pids=$(descendants "$2")
+  for p in "$2" $pids; do kill "-$1" "$p" 2>/dev/null || true; done
+  [ "$1" != KILL ] || wait "$2" 2>/dev/null || true
+}
+
+# stop_tree PID: SIGTERM to the server's processes, SIGKILL to what is left after 30 s
+stop_tree() {
+  kill_tree TERM "$1"
+  for _ in $(seq 1 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill_tree KILL "$1"
 }
 
 quote() {  # a word as a person would type it: bare when safe, else in single quotes

@@ -113,6 +113,22 @@ server_env+=(${nccl_env[@]+"${nccl_env[@]}"})
 cmd=("$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" "${parallel[@]}"
      --host "$HOST" --port "$PORT" "${hook_args[@]}" --trust-remote-code "$@")
 
+# vLLM's API server can outlive its engine core (the process titled VLLM::EngineCore; one per
+# DP rank), hung, answering /health, ignoring SIGTERM: fewer cores than were seen is the end
+cores_seen=0
+engine_check() {
+  local n=0 p
+  for p in $(descendants "$1"); do
+    if [[ "$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline")" == VLLM::EngineCore* ]]; then
+      n=$((n + 1))
+    fi
+  done
+  if [ "$n" -lt "$cores_seen" ]; then
+    engine_why="its engine core exited ($cores_seen ran, $n left; its log is above)"
+  fi
+  cores_seen=$((n > cores_seen ? n : cores_seen))
+}
+
 [ "$dry_run" = 0 ] || print_dry_run "${cmd[@]}"
 if [ "$failed" != 0 ]; then echo "not starting vLLM: fix the FAIL lines above"; exit 1; fi
 wait_ready "${cmd[@]}"

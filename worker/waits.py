@@ -61,9 +61,9 @@ def server_problem(rt: Runtime) -> str | None:
 
 
 def dump_dir_problem(rt: Runtime) -> str | None:
-    """None when the dump dir is there and still the server's and the workers' alone (as at
-    start-up); else why no request may be sent (its dump would be lost, or refused by the
-    server, or forged) and the fix."""
+    """None when the dump dir is there, still the server's and the workers' alone (as at
+    start-up), and no dump writer of the server says it is unhealthy; else why no request may
+    be sent (its dump would be lost, refused by the server, or forged) and the fix."""
     d = rt.settings.dump_dir
     if not d.is_dir():
         return dumps.dump_dir_gone(d)
@@ -73,7 +73,7 @@ def dump_dir_problem(rt: Runtime) -> str | None:
         return str(e)
     except OSError:  # gone since
         return dumps.dump_dir_gone(d)
-    return None
+    return dumps.writer_problem(d)
 
 
 def space_problem(rt: Runtime, need_bytes: int = 0) -> str | None:

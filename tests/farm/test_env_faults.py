@@ -189,3 +189,51 @@ def test_a_dump_dir_deleted_mid_run_pauses_then_resumes(tmp_path: Path,
         assert_farm_invariants(farm, keys)
         res = farm.cli("status", "--check")
         assert res.returncode == 0, res.stdout + res.stderr
+
+
+# A process standing in for a server's hook whose dump writer is unhealthy: its note, then it
+# lives on (argv: dump dir, seconds)
+UNHEALTHY = ("import sys, time; from pathlib import Path; "
+             "from engine_dump.markers import write_unhealthy; "
+             "write_unhealthy(Path(sys.argv[1]), 'behind: its queue stayed full for 30s'); "
+             "print('noted', flush=True); time.sleep(float(sys.argv[2]))")
+
+
+def test_an_unhealthy_dump_writer_pauses_the_workers_then_they_resume(
+        tmp_path: Path, tiny_model: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    # Given a run under way
+    with running_farm(tmp_path, ["--forward-delay-s", "0.2"], chunk=512) as farm:
+        farm.start_worker("w1", concurrency=2)
+        keys = enqueue(farm, tmp_path, 16)
+        wait_until(lambda: done(farm) >= 2, 60, "the first samples")
+        # When a live process of the server says its dump writer is unhealthy (stood in: the
+        # reference server's writer cannot be made to stall from outside)
+        note = subprocess.Popen([sys.executable, "-c", UNHEALTHY, str(farm.dump_dir), "600"],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            assert note.stdout is not None and note.stdout.readline() == "noted\n"
+            wait_until(lambda: "dump writer is unhealthy" in farm.cli("status").stdout, 60,
+                       "status to show the pause")
+            before = done(farm)
+            time.sleep(8)
+            status = farm.cli("status").stdout
+            # Then the workers pause, naming the writer and why, send nothing, fail nothing
+            assert f"the server's dump writer is unhealthy (pid {note.pid} on " in status, status
+            assert "behind: its queue stayed full for 30s" in status
+            assert done(farm) == before and not failed(farm), failed(farm)
+        finally:
+            os.killpg(note.pid, signal.SIGKILL)  # pass or fail
+            note.wait(10)
+        # And once that process is gone (its note no longer counts) the run finishes by itself,
+        # each sample in one attempt
+        wait_finished(farm, 16, timeout_s=180)
+        assert set(attempts(farm).values()) == {1}, attempts(farm)
+        # (its dead note goes at the next start of a hook in that dump dir, as here)
+        from engine_dump.dump_writer import remove_stale_files
+
+        assert remove_stale_files(farm.dump_dir) == 1
+        assert_farm_invariants(farm, keys)

@@ -123,9 +123,13 @@ class LiveServer:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LiveServer:
         """Launch and wait until it serves, and (with the plugin) the hook is ready."""
         t0 = time.monotonic()
-        self.launch()
-        wait_until(self.ready, timeout_s, f"SGLang on port {self.port} (log {self.log})",
-                   poll_s=0.5)
+        proc = self.launch()
+        try:
+            wait_until(self.ready, timeout_s, f"SGLang on port {self.port} (log {self.log})",
+                       poll_s=0.5)
+        except BaseException:  # a server that did not start never outlives its test
+            proc.kill_group()
+            raise
         self.started_s = time.monotonic() - t0
         return self
 

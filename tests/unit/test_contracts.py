@@ -118,3 +118,18 @@ def test_fingerprint_id_is_stable_and_sensitive() -> None:
 def test_default_layers_match_sglang() -> None:
     assert c.default_layers_to_capture(61) == (2, 30, 58)  # Kimi-K2.5 / DeepSeek-V3
     assert c.default_layers_to_capture(8) == (2, 4, 5)
+
+
+def test_a_rid_parses_only_if_every_file_name_of_it_fits() -> None:
+    # Given the longest rid the farm makes, and rids whose key or numbers are too long for a
+    # file name (a 300-character key made the writer's own .err unnameable)
+    longest = c.make_rid("k" * c.MAX_KEY_LEN, 10**6, 10**9, run=RUN)
+    too_long = [f"hsd-{RUN}-{'k' * 300}-a1-n2", f"hsd-{RUN}-{'k' * 97}-a1-n2",
+                f"hsd-{RUN}-k-a1-n{'9' * 250}"]
+    # Then the first parses and its writer's longest temp name fits NAME_MAX (a 10-digit
+    # pid), and the others are not ours: no dump or .err of them is ever attempted
+    assert c.parse_rid(longest) is not None
+    assert len(f".{'x' * c.MAX_RID_LEN}{c.TMP_MARK}{'9' * 10}{c.ERR_SUFFIX}") <= 255
+    assert [c.parse_rid(r) for r in too_long] == [None] * 3
+    with pytest.raises(ValueError):
+        c.make_rid("k", 1, 10**300)

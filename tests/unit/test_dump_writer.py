@@ -382,3 +382,168 @@ def test_bounded_queue_applies_backpressure(tmp_path: Path) -> None:
     writer.flush()
     writer.close()
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
+
+
+# --- the writer's health: no job kills it, and a dead or stuck one never blocks the caller ---
+
+class _Boom(BaseException):
+    """Not an Exception: what a job might raise that a plain ``except Exception`` lets by."""
+
+
+class _Raising:
+    """A stager whose staged copy raises ``_Boom`` when the writer waits on it."""
+
+    def stage(self, tensors, encode=None):
+        class S:
+            def wait(self):
+                raise _Boom("the copy failed")
+        return S()
+
+
+class _Gated:
+    """A stager whose staged copies complete only once ``gate`` is set: a stuck writer."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+
+    def stage(self, tensors, encode=None):
+        gate = self.gate
+
+        class S:
+            def wait(self):
+                gate.wait()
+                return [t.clone() for t in tensors]
+        return S()
+
+
+def _in_thread(fn, timeout_s: float) -> float | None:
+    """Run ``fn`` in a daemon thread; the seconds it took, or None if it still runs after
+    ``timeout_s`` (a blocked caller: the test goes on, the thread is left behind)."""
+    import threading
+    import time
+
+    took: list[float] = []
+
+    def run() -> None:
+        t0 = time.monotonic()
+        fn()
+        took.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return took[0] if took else None
+
+
+def test_a_job_that_raises_anything_does_not_kill_the_writer(tmp_path: Path) -> None:
+    from engine_dump.dump_writer import Failed
+
+    # Given a writer handed a failure whose .err cannot even be named (a rid too long for a
+    # file name), then rows whose staged copy raises a BaseException
+    writer = DumpWriter(tmp_path, {}, min_free_bytes=0, max_block_s=2)
+    too_long = f"hsd-{c.NO_RUN}-{'k' * 300}-a1-n2"
+    writer.submit(Failed(too_long, "its name is over NAME_MAX"))
+    boom = c.make_rid("boom", 1, 2)
+    DumpCollector(writer, stager=_Raising()).on_forward(**_batch([(boom, 0, 2, _request(2, 1))]))
+    # When a request after them is dumped
+    ok = c.make_rid("after", 1, 3)
+    r = _request(3, 2)
+    DumpCollector(writer).on_forward(**_batch([(ok, 0, 3, r)]))
+    writer.flush(timeout_s=10)
+    # Then the writer lives on and wrote it; the raising job got its .err; it says healthy
+    try:
+        assert torch.equal(_load(tmp_path, ok)[c.T_INPUT_IDS], r[0])
+        assert "writer failed: _Boom: the copy failed" in c.err_path(tmp_path, boom).read_text()
+        assert writer.unhealthy is None
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [f"{ok}.safetensors", f"{boom}.err"])
+    finally:
+        writer.close()
+
+
+def test_submit_to_a_dead_writer_refuses_at_once_with_an_err(tmp_path: Path) -> None:
+    from engine_dump import markers as mk
+
+    # Given a writer whose thread no longer runs (here: closed; a thread that died alike)
+    writer = DumpWriter(tmp_path, {}, max_queue=1, min_free_bytes=0)
+    writer.close()
+    col = DumpCollector(writer)
+    rids = [c.make_rid(f"d{i}", 1, 2) for i in range(3)]
+    r = _request(2, 3)
+
+    def send() -> None:
+        for rid in rids:
+            col.on_forward(**_batch([(rid, 0, 2, r)]))
+
+    # When the engine hands it more requests than its queue holds
+    took = _in_thread(send, timeout_s=10)
+    # Then no call blocks: each request is refused with an .err the worker waits on (the
+    # server's fault), and the writer says it is unhealthy, in a note verify and workers read
+    assert took is not None and took < 5, "submit blocked on a dead writer"
+    for rid in rids:
+        assert c.err_path(tmp_path, rid).read_text().startswith(c.ERR_WRITER_UNHEALTHY)
+    assert writer.unhealthy is not None and "not running" in writer.unhealthy
+    notes = mk.unhealthy_writers(tmp_path)
+    assert [n.info["pid"] for n in notes] == [os.getpid()]
+    assert "not running" in str(notes[0].info["why"])
+
+
+def test_a_stuck_writer_refuses_after_a_bounded_wait_and_recovers(tmp_path: Path) -> None:
+    from engine_dump import markers as mk
+
+    # Given a writer stuck on its first job (its copy never completes) with one job queued
+    stager = _Gated()
+    writer = DumpWriter(tmp_path, {}, max_queue=1, min_free_bytes=0, max_block_s=1.0)
+    col = DumpCollector(writer, stager=stager)
+    r = _request(2, 4)
+    first, queued, late, later = (c.make_rid(k, 1, 2) for k in ("s0", "s1", "s2", "s3"))
+    try:
+        col.on_forward(**_batch([(first, 0, 2, r)]))
+        col.on_forward(**_batch([(queued, 0, 2, r)]))
+        # When the engine hands it one more, then another
+        took_late = _in_thread(lambda: col.on_forward(**_batch([(late, 0, 2, r)])), 10)
+        took_later = _in_thread(lambda: col.on_forward(**_batch([(later, 0, 2, r)])), 10)
+        # Then the first waits the bound (backpressure) and is refused, the next is refused at
+        # once, and the writer is unhealthy (behind) in its note
+        assert took_late is not None and 0.9 < took_late < 5, took_late
+        assert took_later is not None and took_later < 0.5, took_later
+        assert writer.unhealthy is not None and "behind" in writer.unhealthy
+        assert [n.info["pid"] for n in mk.unhealthy_writers(tmp_path)] == [os.getpid()]
+        # And once it moves again, the jobs it had are written, the refused ones get their
+        # .err (after them, in order), and it is healthy again, its note gone
+        stager.gate.set()
+        writer.flush(timeout_s=10)
+        assert {p.name for p in tmp_path.iterdir()} == {
+            f"{first}.safetensors", f"{queued}.safetensors", f"{late}.err", f"{later}.err"}
+        for rid in (late, later):
+            assert c.err_path(tmp_path, rid).read_text().startswith(c.ERR_WRITER_UNHEALTHY)
+        assert writer.unhealthy is None and mk.unhealthy_writers(tmp_path) == []
+    finally:
+        stager.gate.set()
+        writer.close()
+
+
+def test_a_refused_chunk_never_leaves_a_dump_with_a_hole(tmp_path: Path) -> None:
+    # Given a stuck writer holding a request's first chunk, its second chunk refused
+    stager = _Gated()
+    writer = DumpWriter(tmp_path, {}, max_queue=1, min_free_bytes=0, max_block_s=0.3)
+    col = DumpCollector(writer, stager=stager)
+    r = _request(6, 5)
+    rid, other = c.make_rid("holed", 1, 6), c.make_rid("other", 1, 2)
+    try:
+        col.on_forward(**_batch([(rid, 0, 2, r)]))
+        col.on_forward(**_batch([(other, 0, 2, _request(2, 6))]))  # fills the queue
+        col.on_forward(**_batch([(rid, 2, 2, r)]))  # refused after 0.3 s
+        # When the writer moves again and the request's last chunk arrives
+        stager.gate.set()
+        writer.flush(timeout_s=10)
+        col.on_forward(**_batch([(rid, 4, 2, r)]))
+        writer.flush(timeout_s=10)
+        # Then the request has its .err and no dump (its middle rows were never written)
+        assert c.err_path(tmp_path, rid).read_text().startswith(c.ERR_WRITER_UNHEALTHY)
+        assert {p.name for p in tmp_path.iterdir()} == {f"{rid}.err", f"{other}.safetensors"}
+    finally:
+        stager.gate.set()
+        writer.close()

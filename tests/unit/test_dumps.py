@@ -156,6 +156,7 @@ def test_a_dump_of_a_server_with_other_layers_or_config_is_the_servers_fault(
 @pytest.mark.parametrize(("message", "error"), [
     (f"{c.ERR_DUMP_DIR_FULL}: 10 bytes free", "NoSpace"),
     (f"{c.ERR_HOOK_INACTIVE}: SGLang never set the ids", "ServerMisconfigured"),
+    (f"{c.ERR_WRITER_UNHEALTHY}: behind", "ServerMisconfigured"),
     ("gap: chunk starts at 6", "Corrupt"),
 ])
 def test_the_hooks_err_files_tell_the_environment_from_the_request(
@@ -170,3 +171,27 @@ def test_the_hooks_err_files_tell_the_environment_from_the_request(
         asyncio.run(dumps.wait_for_dump(tmp_path, rid, timeout_s=5))
     assert type(e.value).__name__ == error
     assert not c.err_path(tmp_path, rid).exists()
+
+
+def test_a_wait_for_a_dump_stops_at_once_when_the_servers_writer_is_unhealthy(
+        tmp_path: Path) -> None:
+    import asyncio
+    import time
+
+    from engine_dump import markers
+
+    # Given a dump dir whose hook process (this one) says its dump writer is unhealthy
+    markers.write_unhealthy(tmp_path, "not running: restart the server")
+    rid = c.make_rid("k", 1, 4)
+    # When a worker waits for a dump there
+    t0 = time.monotonic()
+    with pytest.raises(ServerMisconfigured) as e:
+        asyncio.run(dumps.wait_for_dump(tmp_path, rid, timeout_s=60))
+    # Then it stops within a few seconds, not at its time-out, with the reason: the worker
+    # pauses (no attempt spent) instead of failing the sample
+    assert time.monotonic() - t0 < 5
+    assert f"the server's dump writer is unhealthy (pid {os.getpid()} on " in str(e.value)
+    assert "not running: restart the server" in str(e.value)
+    assert dumps.writer_problem(tmp_path) == str(e.value)
+    markers.clear_unhealthy(tmp_path)
+    assert dumps.writer_problem(tmp_path) is None

@@ -205,3 +205,34 @@ def test_a_vllm_server_start_is_its_id_not_its_writers_parent(tmp_path: Path) ->
     assert rank0.server == rank1.server != later.server
     assert mk.dp_groups(rank0, [rank0, rank1, later]) == 2
     assert mk.dp_groups(later, [rank0, rank1, later]) == 1
+
+
+def test_an_unhealthy_writer_fails_verify_and_its_note_goes_with_it(tmp_path: Path) -> None:
+    from engine_dump.dump_writer import remove_stale_files
+
+    # Given this process's ready marker and its writer's note that it is unhealthy, and the
+    # note of a writer whose process has exited
+    mk.write_ready_marker(tmp_path, {"layers_to_capture": [1, 2, 3]})
+    mk.write_unhealthy(tmp_path, "behind: its queue stayed full")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os, sys; from pathlib import Path; "
+         "from engine_dump.markers import write_unhealthy; "
+         "write_unhealthy(Path(sys.argv[1]), 'not running'); print(os.getpid())",
+         str(tmp_path)], capture_output=True, text=True, check=True, timeout=30)
+    dead_note = tmp_path / f"{c.WRITER_UNHEALTHY_PREFIX}{int(gone.stdout)}"
+    # When verify and the markers command look at the dump dir
+    res = _sglang("verify", "--live-only", "--dump-dir", str(tmp_path))
+    listing = _sglang("markers", "--dump-dir", str(tmp_path))
+    # Then verify fails naming the live writer and why (the dead one's note does not count),
+    # and the listing shows both notes
+    assert res.returncode == 1
+    assert res.stdout.startswith(f"FAIL  ready marker: the server's dump writer is unhealthy: "
+                                 f"pid {os.getpid()} (alive): behind: its queue stayed full ")
+    assert "not running" not in res.stdout
+    assert f"{c.WRITER_UNHEALTHY_PREFIX}{os.getpid()}: alive (process {os.getpid()} runs): " \
+           "its dump writer is unhealthy: behind" in listing.stdout
+    assert f"{dead_note.name}: dead" in listing.stdout
+    # And a new hook's start removes the dead note, and the writer's own goes when it clears
+    assert remove_stale_files(tmp_path) == 1 and not dead_note.exists()
+    mk.clear_unhealthy(tmp_path)
+    assert check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR).ok

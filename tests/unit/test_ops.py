@@ -251,6 +251,59 @@ def _vllm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return clean_env(**{**given, **extra})
 
 
+def _hung_vllm(tmp_path: Path) -> Path:
+    """vLLM's python, stood in: its install checks PASS; its API server ignores SIGTERM,
+    starts one process titled as vLLM titles its engine core (``VLLM::EngineCore``), which
+    exits after 8 s, and then hangs, as vLLM's was seen to after its engine core died."""
+    fake = tmp_path / "hung-python"
+    fake.write_text("#!/bin/bash\n"
+                    'case "$*" in\n'
+                    '  "-m vllm_hook verify") echo "PASS  vllm version: 0.32.0"; exit 0 ;;\n'
+                    '  "-m vllm.entrypoints.openai.api_server"*)\n'
+                    f'    echo $$ > {tmp_path / "server.pid"}\n'
+                    "    trap '' TERM\n"
+                    "    bash -c 'exec -a VLLM::EngineCore sleep 8' &\n"
+                    "    wait\n"
+                    "    while :; do sleep 1; done ;;\n"
+                    "esac\n"
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_vllm_launcher_stops_a_server_whose_engine_core_died(tmp_path: Path) -> None:
+    import contextlib
+    import signal
+    import socket
+    import subprocess
+
+    # Given a vLLM whose engine core dies during start-up and whose API server then hangs,
+    # ignoring SIGTERM (stood in: there is no vLLM here)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _vllm_env(tmp_path, TP="1", FARM_SERVER_URL=f"http://127.0.0.1:{port}",
+                    PYTHON=str(_hung_vllm(tmp_path)))
+    # When the launcher starts it
+    proc = subprocess.Popen(["bash", str(OPS / "launch-vllm.sh")], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+        assert (tmp_path / "server.pid").exists(), out
+        server = int((tmp_path / "server.pid").read_text())
+        # Then it says why and stops the server's every process, within seconds, and fails
+        assert proc.returncode == 1, out
+        assert "vLLM: its engine core exited (1 ran, 0 left; its log is above); stopping the " \
+               "server and every process of it" in out, out
+        assert not Path(f"/proc/{server}").exists() or \
+            Path(f"/proc/{server}/stat").read_text().split(") ")[1].startswith("Z")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group, pass or fail
+        proc.wait(10)
+
+
 def test_vllm_launcher_help_lists_the_farms_variables() -> None:
     res = sh("ops/launch-vllm.sh", "--help", env=clean_env())
     assert res.returncode == 0 and res.stdout.startswith("Usage: ops/launch-vllm.sh")

@@ -49,12 +49,12 @@ def serve(model: Path, base: Path, name: str, extra: list[str], env: dict[str, s
            ) -> Iterator[LiveVllm]:
     dumps = base / "dumps"
     server = LiveVllm(model, dumps, base / "server.log", extra=extra, env=env)
-    server.start()
-    measured(f"server {name}: healthy {server.start_s:.0f}s after its start")
     try:
+        server.start()
+        measured(f"server {name}: healthy {server.start_s:.0f}s after its start")
         yield server
     finally:
-        server.stop()
+        server.stop()  # its whole process group, pass or fail
 
 
 @pytest.fixture(scope="session")

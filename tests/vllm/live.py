@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,10 +96,24 @@ class LiveVllm:
         with open(self.log, "ab") as log:  # a restart appends
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
+        try:
+            self._wait_healthy(t0)
+        except BaseException:  # a server that did not start never outlives its test
+            self.kill()
+            raise
+
+    def _wait_healthy(self, t0: float) -> None:
+        assert self.proc is not None
+        cores_seen = 0
         while time.monotonic() - t0 < START_TIMEOUT_S:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} at start-up:\n"
                                    + self.tail())
+            cores = len(self.engine_cores())
+            if cores < cores_seen:  # its API server may go on, hung: never wait it out
+                raise RuntimeError(f"vLLM's engine core exited at start-up ({cores_seen} ran, "
+                                   f"{cores} left):\n" + self.tail())
+            cores_seen = max(cores_seen, cores)
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     # the launcher's "ready": its probe request came back as a right dump
@@ -108,8 +123,19 @@ class LiveVllm:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1)
-        self.stop()
         raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S}s:\n" + self.tail())
+
+    def engine_cores(self) -> list[int]:
+        """The server's engine core processes (vLLM titles them ``VLLM::EngineCore``)."""
+        cores = []
+        for pid in self.group_pids():
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if title.startswith(b"VLLM::EngineCore"):
+                cores.append(pid)
+        return cores
 
     def _said_ready(self) -> bool:
         """The launcher printed "ready" since this start (a restart appends to the log)."""
@@ -121,20 +147,26 @@ class LiveVllm:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def kill(self) -> None:
-        """SIGKILL to the server and its engine processes (a crash: nothing runs after)."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGKILL to the server and its engine processes (a crash: nothing runs after), and
+        to whatever of its process group outlived it."""
+        if self.proc is None:
+            return
+        with suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM, then SIGKILL to the whole process group (always: a child may outlive the
+        API server)."""
+        if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        if self.proc.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        self.kill()
 
     def group_pids(self) -> list[int]:
         """Every process of the server (its API server, engine cores and workers): those of

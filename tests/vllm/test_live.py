@@ -144,6 +144,26 @@ def test_ready_marker_says_what_the_hook_serves(plain: LiveVllm) -> None:
         proc.stdout + proc.stderr
 
 
+def test_a_rid_too_long_for_a_file_name_stalls_nothing(plain: LiveVllm) -> None:
+    # Given a request whose rid looks like ours but carries a 300-character sample key (the
+    # last test on ``plain``: a writer that dies on it leaves the server hung)
+    v = vocab(plain.model)
+    n = 40
+    too_long = f"{c.RID_PREFIX}{c.NO_RUN}-{'k' * 300}-a1-n{n}"
+    # When the server serves it, then eight requests of ours, one after the other
+    answer = plain.complete(prompt(n, 60, v), too_long)
+    t0 = time.monotonic()
+    for i in range(8):
+        rid = c.make_rid(f"after-{i}", 1, n)
+        plain.complete(prompt(n, 61 + i, v), rid)
+        # Then each gets its dump: the writer lives on, and no step waits on it
+        wait_dump(plain.dumps, rid, timeout_s=60)
+    measured(f"8 requests after a 300-character key: all dumped in {time.monotonic() - t0:.1f}s")
+    # And the long rid was served as a request not ours: nothing of it was written
+    assert not answer.get("kv_transfer_params")
+    assert not [p for p in os.listdir(plain.dumps) if "kkkk" in p]
+
+
 # --- chunked: 64 tokens a step, fp8 -----------------------------------------------------------
 
 def test_chunked_values_match_transformers(chunked: LiveVllm) -> None:
@@ -216,8 +236,11 @@ def test_a_launch_without_the_dump_dir_is_refused_with_the_fix(
     server = LiveVllm(chunked.model, tmp_path / "dumps", tmp_path / "server.log",
                       env={ENV_DUMP_DIR: ""})
     # When it starts, then it exits, naming the variable to set
-    with pytest.raises(RuntimeError, match="exited") as e:
-        server.start()
+    try:
+        with pytest.raises(RuntimeError, match="exited") as e:
+            server.start()
+    finally:
+        server.stop()  # its whole process group, whatever happened
     assert f"set {ENV_DUMP_DIR}" in server.log.read_text(errors="replace"), str(e.value)
     assert not (tmp_path / "dumps").exists()
 
@@ -233,8 +256,11 @@ def test_pipeline_parallelism_is_refused_by_vllm_itself(chunked: LiveVllm,
     # extract_hidden_states does not implement SupportsPP (config/speculative.py), so no
     # model runs it under pipeline parallelism; the hook's own refusal (layout_problems) stays
     # for a release that lifts this
-    with pytest.raises(RuntimeError, match="exited") as e:
-        server.start()
+    try:
+        with pytest.raises(RuntimeError, match="exited") as e:
+            server.start()
+    finally:
+        server.stop()
     log = server.log.read_text(errors="replace")
     assert "Pipeline parallelism is not supported for this model" in log, str(e.value)
     assert not list((tmp_path / "dumps").glob(".ready.*"))

@@ -28,6 +28,7 @@ from worker.core.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigure
 from worker.core.finalfile import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+_WRITER_CHECK_S = 1.0  # how often a wait for a dump reads the writers' notes (a glob)
 
 
 def discard_dumps(dump_dir: Path, run: str, sample_key: str) -> int:
@@ -64,17 +65,31 @@ def dump_dir_gone(dump_dir: Path) -> str:
             "(or restart the server, which makes it); work resumes by itself")
 
 
+def writer_problem(dump_dir: Path) -> str | None:
+    """What a worker says while a dump writer of the server is unhealthy (its note, of a
+    process not known dead: ``markers.unhealthy_writers``); None when none says so."""
+    notes = markers.unhealthy_writers(dump_dir)
+    if not notes:
+        return None
+    said = "; ".join(f"pid {m.info.get('pid')} on {m.info.get('host')}: {m.info.get('why')}"
+                     for m in notes)
+    return (f"the server's dump writer is unhealthy ({said}): no request can be dumped. "
+            "Work resumes by itself once it catches up or the server restarts")
+
+
 async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
     """Return the dump's path once it exists.
 
     Raises:
         Transient: nothing appeared within ``timeout_s``.
         NoSpace, ServerMisconfigured: the hook reported a fault of the server's environment,
-            or the dump dir is gone.
+            the dump dir is gone, or the server's dump writer is unhealthy (checked each
+            ``_WRITER_CHECK_S``: a dump it refused may only get its ``.err`` later).
         Corrupt: the hook reported a problem with the request (gap, overrun, truncation).
     """
     dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
     deadline = time.monotonic() + timeout_s
+    next_writer_check = time.monotonic() + _WRITER_CHECK_S
     for i in itertools.count():
         if dump.exists():
             return dump
@@ -84,11 +99,16 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
             err.unlink(missing_ok=True)
             if message.startswith(c.ERR_DUMP_DIR_FULL):
                 raise NoSpace(f"server-side dump failed: {message}", on_server=True)
-            if message.startswith(c.ERR_HOOK_INACTIVE):
+            if message.startswith((c.ERR_HOOK_INACTIVE, c.ERR_WRITER_UNHEALTHY)):
                 raise ServerMisconfigured(f"server-side dump failed: {message}")
             raise Corrupt(f"server-side dump failed: {message}")
         if not dump_dir.is_dir():  # no dump can come: the environment's fault, not the sample's
             raise ServerMisconfigured(dump_dir_gone(dump_dir))
+        if time.monotonic() > next_writer_check:
+            next_writer_check = time.monotonic() + _WRITER_CHECK_S
+            unhealthy = writer_problem(dump_dir)
+            if unhealthy:
+                raise ServerMisconfigured(unhealthy)
         if time.monotonic() > deadline:
             raise Transient(f"no dump {dump.name} in {dump_dir} after {timeout_s:.0f}s (is "
                             "the server's SGLANG_HS_DUMP_DIR or HSFARM_VLLM_DUMP_DIR the same "
