@@ -282,7 +282,7 @@ def test_vllm_launcher_stops_a_server_whose_engine_core_died(tmp_path: Path) -> 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = _vllm_env(tmp_path, TP="1", FARM_SERVER_URL=f"http://127.0.0.1:{port}",
+    env = _vllm_env(tmp_path, VLLM_TP="1", FARM_SERVER_URL=f"http://127.0.0.1:{port}",
                     PYTHON=str(_hung_vllm(tmp_path)))
     # When the launcher starts it
     proc = subprocess.Popen(["bash", str(OPS / "launch-vllm.sh")], env=env, cwd=ROOT,
