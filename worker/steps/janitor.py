@@ -1,14 +1,11 @@
 """The dump-dir janitor: a worker bootstep that keeps tmpfs (RAM) free of orphaned dumps.
 
-A dump is orphaned when its attempt was abandoned (killed, timed out, cancelled) and the
-server finished the request afterwards. At start and every ``FARM_JANITOR_INTERVAL_S`` the
-main process removes this run's orphans: at once when the sample is done (its final file is
-here and the run's index says done: a sample being redone because its file was found damaged
-or gone is not, and its attempt's dump is kept) or their canary checker died here, else once
-older than a task can wait (request + dump timeout); another run's dumps in a shared dump dir
-stay. It also republishes parked samples (``parking``).
-Tests: tests/unit/test_liveness.py::test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only,
-tests/state/test_janitor.py."""
+An orphan's attempt was abandoned (killed, timed out) and the server finished it afterwards.
+At start and every ``FARM_JANITOR_INTERVAL_S`` the main process removes this run's orphans: at
+once when the sample is done (its file is here and the index says done: not while it is redone
+after its file was found damaged) or their canary checker died here, else once older than a
+task can wait; other runs' dumps stay. It also republishes parked samples (``parking``).
+Tests: tests/state/test_janitor.py, tests/unit/test_liveness.py."""
 
 from __future__ import annotations
 
