@@ -141,3 +141,35 @@ def test_audit_checks_the_records_enqueue_took_under_its_limit(
             assert res.returncode == 0, res.stdout + res.stderr
             assert "checked: 6\n" in res.stdout and "missing: 0\n" in res.stdout, res.stdout
             assert "the first 6 records (enqueue --limit 6)" in res.stdout, res.stdout
+
+
+@pytest.mark.timeout(420)
+def test_a_stray_message_of_a_done_sample_whose_file_rotted_records_its_redo(
+        tmp_path: Path, tiny_model: Path) -> None:
+    with running_farm(tmp_path) as farm:
+        # Given a finished run of 4, a copy of one sample's task message kept from its enqueue
+        keys = enqueue(farm, tmp_path, 4)
+        r, queue, bad = farm.redis(), farm.queue(), keys[0]  # the queue is the run's: after
+        queued = r.lrange(queue, 0, -1)
+        stray = next((m for m in queued if json.loads(m)["headers"]["id"].endswith(f":{bad}")),
+                     None)
+        assert stray is not None, [json.loads(m)["headers"]["id"] for m in queued]
+        farm.start_worker("w1", concurrency=2)
+        wait_finished(farm, 4)
+        # And that sample's file rotted (one byte flipped), and a server that now fails it
+        path = outdir.final_path(farm.output_dir, bad)
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x10
+        path.write_bytes(bytes(data))
+        farm.procs["server"].stop()
+        farm.start_server(["--inject-fault", f"nan:{bad}"])
+        # When its message comes again (no audit, no requeue: a redelivery, a duplicate)
+        msg = json.loads(stray)
+        msg["properties"]["delivery_tag"] = "stray-1"
+        r.lpush(queue, json.dumps(msg))
+        # Then the worker that finds the file damaged takes the sample out of done, and its
+        # failure for good is recorded
+        wait_until(lambda: bad in failed(farm), 240, f"{bad} to fail for good")
+        st = _status(farm)
+        assert (st["done"], st["failed"]) == (3, 1), st
+        assert farm.cli("status", "--check").returncode == 1
