@@ -1,9 +1,9 @@
 """Publish one idempotent task per sample of a data file.
 
-Two passes: **check** refuses the whole file before anything is published when a key clashes
-with the run's other data files (keys are unique within a run); **publish** registers and
-publishes each sample unless its task is in flight, the run rejected it, or its final file
-verifies by its header (then it is marked done: so the index is rebuilt after Redis lost it).
+**check** refuses the whole file before anything is published when a key clashes with the
+run's other data files; **publish** registers and publishes each sample unless its task is in
+flight, the run rejected it, or it is done: marked so with its file there, or a file that
+verifies by its header (read whole if an attempt doubted it), relearnt when Redis lost it.
 The run's enqueue lock makes re-runs and two at once safe; a moved file is found by its
 content (docs/input.md). Tests: tests/farm/test_enqueue.py, tests/farm/test_corpus.py.
 """
@@ -236,12 +236,13 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
                              strict=True))
             plan.redo.update(k for k, ok in there.items() if not ok)
             known = [there.get(k, False) for k in names]
-            doubted = index.in_question(names)
+            unsure = [k for k, is_known in zip(names, known, strict=True) if not is_known]
+            doubted = dict(zip(unsure, index.in_question(unsure), strict=True))
             heads = pool.map(lambda x: None if x[1] else _existing(store, x[0].key),
                              zip(batch, known, strict=True))
-            for ref, reg, is_known, head, far, doubt in zip(batch, regs, known, heads, away,
-                                                            doubted, strict=True):
-                _check_one(plan, ref, reg, head, store, is_known, doubt)
+            for ref, reg, is_known, head, far in zip(batch, regs, known, heads, away,
+                                                     strict=True):
+                _check_one(plan, ref, reg, head, store, is_known, doubted.get(ref.key, False))
                 if _digest(ref.key) in plan.done:
                     plan.redo.discard(ref.key)
                 elif far:
