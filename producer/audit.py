@@ -26,7 +26,7 @@ from worker.core.samples import SampleRef, read_sample
 from worker.core.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
 from worker.core.weights import M_WEIGHTS_ID
 from worker.server.chat import ChatTokenizer, Tokenized
-from worker.state import hosts
+from worker.state import hosts, ledger
 
 M_ADOPTED_FROM = "adopted_from"  # set by producer.adopt.procedure on the files it writes
 ADOPTED = "adopted"
@@ -51,6 +51,8 @@ class AuditReport:
     kept_aside: int = 0
     # this audit's fingerprint (settings and model files) != the run's manifest: field by field
     differences: list[str] = field(default_factory=list)
+    # (data file, N): only its first N records are the run's (``enqueue --limit N``)
+    limited: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -60,7 +62,7 @@ class AuditReport:
         """Fold another data file's report into this one."""
         for name in ("checked", "whole", "tokens", "bytes", "invalid_records", "adopted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("missing", "corrupt", "incompatible", "to_requeue"):
+        for name in ("missing", "corrupt", "incompatible", "to_requeue", "limited"):
             getattr(self, name).extend(getattr(other, name))
         self.keys |= other.keys
 
@@ -86,6 +88,8 @@ class AuditReport:
                *self._why_incompatible(),
                f"invalid records (not expected on disk): {self.invalid_records}",
                f"adopted: {self.adopted}"]
+        out += [f"limited: {path}: the first {n} records (enqueue --limit {n}); the rest are "
+                "not in the run" for path, n in self.limited]
         if self.elsewhere:
             named = ", ".join(f"{h} {n}" for h, n in sorted(self.elsewhere.items()))
             out.append(f"on other hosts: {sum(self.elsewhere.values())} ({named}; "
@@ -150,16 +154,19 @@ def _cut_to_server(meta: dict[str, str], tok: Tokenized, n: int) -> int:
 
 
 def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_bytes: int,
-          jobs: int = 4, bar: tqdm | None = None) -> AuditReport:
+          jobs: int = 4, bar: tqdm | None = None, limit: int | None = None) -> AuditReport:
     """Check every sample of ``data_file``; sha256 and reads release the GIL, so threads help.
 
     ``bar``: a progress bar whose total grows by this file's samples, advanced per sample.
+    ``limit``: only the first ``limit`` records are the run's (``enqueue_limits``).
     """
     report = AuditReport()
+    if limit is not None:
+        report.limited.append((str(data_file), limit))
     weights_id = store.recorded_weights_id()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rejected: list[tuple[str, str]] = []
-        refs = list(sample_refs(data_file, max_record_bytes, rejected, []))
+        refs = list(sample_refs(data_file, max_record_bytes, rejected, [], limit=limit))
         report.invalid_records += len(rejected)
         if bar is not None:
             bar.total = (bar.total or 0) + len(refs)
@@ -186,6 +193,12 @@ def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_b
             else:
                 getattr(report, verdict).append((ref.key, why))
     return report
+
+
+def enqueue_limits(out_dir: Path) -> dict[str, int]:
+    """Data file path -> N, for the files the run enqueued with ``--limit N`` (its widest):
+    what the output dir's ledger records (``worker.state.ledger``)."""
+    return {e.path: e.limit for e in ledger.read(out_dir) if e.limit is not None}
 
 
 def place_elsewhere(report: AuditReport, r: redis.Redis, run_id: str, host: str) -> None:

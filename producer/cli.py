@@ -18,14 +18,13 @@ from tqdm import tqdm
 
 from engine_dump.contracts import Fingerprint
 from producer.adopt.cli import add_adopt_parser, main_adopt
-from producer.audit import AuditReport, audit, place_elsewhere
+from producer.audit import AuditReport, audit, enqueue_limits, place_elsewhere
 from producer.enqueue import EnqueueRefused, enqueue, requeue
 from producer.status import (
     environmental_rejections,
     failure_entries,
     failures,
     manifest_fingerprint,
-    missing_done_files,
     read_status,
     run_settings,
     status_fingerprint,
@@ -196,10 +195,11 @@ def _status(settings: Settings, fingerprint: Fingerprint, source: str,
     if args.failures and not args.json:
         print("\n".join(failures(settings)))
     if args.check:
-        gone = missing_done_files(settings, fingerprint)
+        gone = st.files_gone
         if gone:
-            print(f"{len(gone)} samples marked done have no file any more (first: {gone[0]}); "
-                  "run 'python -m producer audit --requeue'", file=sys.stderr)
+            print(f"{gone} samples marked done have no file any more (first: "
+                  f"{st.files_gone_samples[0]}); run 'python -m producer enqueue <data file>' "
+                  "to extract them again", file=sys.stderr)
         not_theirs = environmental_rejections(settings)
         if not_theirs:
             key, why = not_theirs[0]
@@ -228,10 +228,11 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
     store = OutputStore(settings.output_dir, fingerprint)
     report = AuditReport(differences=differences)
     bar = tqdm(total=0, unit="file", desc="audit", disable=args.no_progress, file=sys.stderr)
+    limits = enqueue_limits(settings.output_dir)
     try:
         for data in files:
             report.add(audit(store, chat, data, settings.max_record_bytes, jobs=args.jobs,
-                             bar=bar))
+                             bar=bar, limit=limits.get(str(data.resolve()))))
     finally:
         bar.close()
     try:

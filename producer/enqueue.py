@@ -1,9 +1,9 @@
 """Publish one idempotent task per sample of a data file.
 
-Two passes: **check** refuses the whole file before anything is published when a key clashes
-with the run's other data files (keys are unique within a run); **publish** registers and
-publishes each sample unless its task is in flight, the run rejected it, or its final file
-verifies by its header (then it is marked done: so the index is rebuilt after Redis lost it).
+**check** refuses the whole file before anything is published when a key clashes with the
+run's other data files; **publish** registers and publishes each sample unless its task is in
+flight, the run rejected it, or it is done: marked so with its file there, or a file that
+verifies by its header (read whole if an attempt doubted it), relearnt when Redis lost it.
 The run's enqueue lock makes re-runs and two at once safe; a moved file is found by its
 content (docs/input.md). Tests: tests/farm/test_enqueue.py, tests/farm/test_corpus.py.
 """
@@ -59,6 +59,7 @@ class Summary:
     previously_failed: int = 0
     removed: int = 0  # samples whose records left the file: out of the run
     superseded: int = 0  # records with ids corrected after their file was written
+    redone: int = 0  # marked done, but their final file is gone or not as verified
     set_aside: int = 0  # output files moved to <out>/removed/ (or deleted)
     moved_from: str | None = None  # the path this data file was recorded at before
     fid: int = 0
@@ -90,6 +91,10 @@ class Summary:
         if self.superseded:
             out.append(f"superseded: {self.superseded} records corrected since their file "
                        "was written; extracted again")
+        if self.redone:
+            out.append(f"redone: {self.redone} samples marked done whose final file is gone "
+                       "or not the size it was verified at are not done; published again "
+                       "unless queued or running")
         if self.set_aside:
             out.append(f"set aside: {self.set_aside} output files of removed or superseded "
                        f"records (in {outdir.REMOVED_DIR}/ of the output dir)")
@@ -183,6 +188,9 @@ class _Plan:
     relearn: dict[str, tuple[int, int]] = field(default_factory=dict)
     relearn_at: dict[str, float] = field(default_factory=dict)  # key -> its file's mtime
     relearn_sha: dict[str, str] = field(default_factory=dict)  # key -> its content hash
+    # done in the index, but their final file here is gone or not the size it was verified
+    # at: taken out of done and published again
+    redo: set[str] = field(default_factory=set)
     own_paths: set[str] = field(default_factory=set)  # every path this data file had
     superseded: set[str] = field(default_factory=set)  # keys whose file is an older version
 
@@ -206,25 +214,38 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
            refs: Iterator[SampleRef], own_paths: set[str], host: str) -> _Plan:
     """Pass 1: find the keys this file cannot take; note which samples are done on disk.
 
-    A sample the index already knows as done, registered from this very record, needs no
-    file read; every other key's final file, if any, has its header read (in parallel: on a
-    cold disk the reads wait on I/O), never its tensor data.
+    A sample the index already knows as done, registered from this very record, needs one
+    ``stat`` (its file is there, at the size it was verified at); every other key's final
+    file, if any, has its header read (in parallel: on a cold disk the reads wait on I/O),
+    and its tensor data only when the index doubts it (``RunIndex.in_question``).
     """
     plan = _Plan(fid, _file_version(path), own_paths=own_paths)
     done_in_index = index.done_keys()
     with ThreadPoolExecutor(max_workers=HEADER_THREADS) as pool:
         for batch in _batches(refs):
-            regs = index.registered([r.key for r in batch])
+            names = [r.key for r in batch]
+            regs, held = index.registered(names), hosts.holders(index.r, index.fp, names)
+            away = [ref.key in done_in_index and by is not None and by[0] != host
+                    and by[1] == ref.sha256 for ref, by in zip(batch, held, strict=True)]
             known = [ref.key in done_in_index and reg is not None and reg.fid == fid
-                     and reg.sha256 == ref.sha256 for ref, reg in zip(batch, regs, strict=True)]
+                     and reg.sha256 == ref.sha256 and not far
+                     for ref, reg, far in zip(batch, regs, away, strict=True)]
+            said = [k for k, is_known in zip(names, known, strict=True) if is_known]
+            there = dict(zip(said, pool.map(lambda x: _still_there(store, *x),
+                                            zip(said, index.done_sizes(said), strict=True)),
+                             strict=True))
+            plan.redo.update(k for k, ok in there.items() if not ok)
+            known = [there.get(k, False) for k in names]
+            unsure = [k for k, is_known in zip(names, known, strict=True) if not is_known]
+            doubted = dict(zip(unsure, index.in_question(unsure), strict=True))
             heads = pool.map(lambda x: None if x[1] else _existing(store, x[0].key),
                              zip(batch, known, strict=True))
-            held = hosts.holders(index.r, index.fp, [r.key for r in batch])
-            for ref, reg, is_known, head, by in zip(batch, regs, known, heads, held,
-                                                    strict=True):
-                _check_one(plan, ref, reg, head, store, is_known)
-                if (_digest(ref.key) not in plan.done and by is not None and by[0] != host
-                        and by[1] == ref.sha256):
+            for ref, reg, is_known, head, far in zip(batch, regs, known, heads, away,
+                                                     strict=True):
+                _check_one(plan, ref, reg, head, store, is_known, doubted.get(ref.key, False))
+                if _digest(ref.key) in plan.done:
+                    plan.redo.discard(ref.key)
+                elif far:
                     plan.done.add(_digest(ref.key))
                     plan.done_elsewhere.add(_digest(ref.key))
                 if ref.key in plan.relearn:
@@ -233,8 +254,28 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
     return plan
 
 
+def _still_there(store: st.OutputStore, key: str, size_bytes: int | None) -> bool:
+    """A done sample's final file is in the output dir at the size it was verified at (one
+    ``stat``: its data is ``audit``'s to read)."""
+    try:
+        size = store.final_path(key).stat().st_size
+    except OSError:
+        return False
+    return size_bytes is None or size == size_bytes
+
+
+def _verifies(store: st.OutputStore, ref: SampleRef) -> bool:
+    """The final file of ``ref`` reads back whole (every checksum: the data is read)."""
+    try:
+        store.verify(ref.key, ref.sha256)
+    except (OSError, Corrupt):
+        return False
+    return True
+
+
 def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
-               head: tensorfile.Header | None, store: st.OutputStore, known_done: bool) -> None:
+               head: tensorfile.Header | None, store: st.OutputStore, known_done: bool,
+               doubted: bool = False) -> None:
     digest = _digest(ref.key)
     plan.keys_seen.add(digest)
     fingerprint_id = store.fingerprint.id
@@ -249,6 +290,8 @@ def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
         return
     elif head.metadata.get(st.M_CONTENT) == ref.sha256:
         if store.header_problems(head):  # not this run's dtypes or shapes: extracted again
+            return
+        if doubted and not _verifies(store, ref):  # an attempt found it damaged, or runs
             return
         plan.done.add(digest)
         plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
@@ -412,7 +455,9 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
     failed_before = index.outcomes(keys.FAILED)
     settled = (set(rejected_before) | set(failed_before) | set(index.outcomes(keys.STALE))
                | set(Corpus(index).parked()))
+    summary.redone = len(plan.redo)
     if not dry_run:
+        index.unmark_done(sorted(plan.redo))
         index.mark_done_many(plan.relearn, plan.relearn_at)
         hosts.claim(r, index.fp, hosts.host_id(settings), plan.relearn_sha)
         index.clear_invalid(plan.fid)
@@ -439,7 +484,7 @@ def _publish(settings: Settings, queue: str, index: RunIndex,
                     summary.previously_failed += 1
                 else:
                     if not dry_run:
-                        if ref.key in settled:
+                        if ref.key in settled or ref.key in plan.redo:
                             index.forget_outcome(ref.key)
                         publish.send(app, queue, index.fp, publication,
                                      replace(ref, fid=plan.fid), producer)

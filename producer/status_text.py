@@ -53,6 +53,11 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
     if st.removed:
         lines.append(f"removed   {st.removed} samples left the run: their records were removed "
                      "from the corpus or corrected (output files kept in <output dir>/removed/)")
+    if st.files_gone:
+        lines.append(f"gone      {st.files_gone} samples marked done have no final file here any "
+                     "more, not counted done ('enqueue <data file>' extracts them again): "
+                     f"{', '.join(st.files_gone_samples)}"
+                     + (" …" if len(st.files_gone_samples) < st.files_gone else ""))
     lines += _retrying_lines(st)
     if st.finished:
         lines.append(f"finished: every sample has an outcome ({st.done} done, {st.failed} "

@@ -187,6 +187,9 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease, deadline: float,
         if elsewhere is not None:
             log.info("%s already done on host %s (its output dir holds it)", key, elsewhere)
             return {"status": "done-elsewhere", "key": key}
+        # no verified file here or elsewhere: if the index still says done (a file damaged or
+        # deleted after), it must not, or this attempt's outcomes would be dropped as late
+        rt.index.unmark_done([key])
         _wait(rt, key, lambda: waits.dump_dir_problem(rt) or waits.space_problem(rt), deadline)
         _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
               deadline)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from producer.localfarm.farm import LocalFarm, free_port
 from tests.conftest import CACHE
-from worker.core import liveness
+from worker.core import liveness, outdir
 from worker.core.store import OutputStore
 from worker.server.fingerprint import compute_fingerprint
 from worker.state import keys
@@ -140,17 +140,20 @@ def test_an_outcome_that_reaches_redis_after_done_leaves_the_run_finished(
         index = RunIndex(farm.redis(), run)
         index.register({k: Registered(1, i * 10, 10, "0" * 64, i) for i, k in enumerate("ab")})
         index.mark_started()
-        # Given both samples done (their files verified, by this attempt or another)
-        index.mark_done("a", 100, 10)
-        index.mark_done("b", 100, 10)
+        # Given both samples done (their files verified, by this attempt or another; status
+        # only sees that each file is there)
+        for key in "ab":
+            index.mark_done(key, 100, 10)
+            final = outdir.final_path(farm.output_dir, key)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            final.write_bytes(b"x" * 100)
         # When outcomes of attempts reach Redis after that, in the order a worker cut off
         # from Redis sends them once it answers again: "a" failed an attempt (its mark_done
         # timed out), "b" failed its last one
         index.mark_retrying("a", 1, "Transient: redis: TimeoutError: Timeout reading from socket")
         index.mark_failed("b", "Transient: redis: TimeoutError", 5)
         index.mark_stale("b", "the record changed")
-        # Then neither is recorded: the run is finished, and status says so (``--check``
-        # also reads the files, which this index-only run has not)
+        # Then neither is recorded: the run is finished, and status says so
         assert index.outcomes(keys.RETRYING) == {} and index.outcomes(keys.FAILED) == {}
         assert index.outcomes(keys.STALE) == {}
         res = farm.cli("status")

@@ -148,7 +148,7 @@ def _announce(r: redis.Redis, run_id: str, host: str, out_dir: Path) -> None:
            json.dumps({**old, "output_dir": str(out_dir), "root_id": root_id(out_dir)}))
 
 
-def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: list[Held],
+def _register_batch(r: redis.Redis, index: RunIndex, run_id: str, host: str, batch: list[Held],
                     reg: Registration, out_dir: Path) -> None:
     if not batch:
         return
@@ -178,8 +178,12 @@ def _register_batch(r: redis.Redis, index: Any, run_id: str, host: str, batch: l
         twice[h.key] = json.dumps(entry_)
     if twice:
         r.hset(_k(run_id, keys.HELD_TWICE), mapping=twice)
-    relearn = {h.key: (h.size_bytes, h.tokens) for h, d in zip(batch, done, strict=True)
-               if d is None and h.key not in aside}
+    # a header is not enough for a sample an attempt found damaged or is redoing: that
+    # attempt, or enqueue (which then reads the whole file), decides
+    doubted = index.in_question(names)
+    relearn = {h.key: (h.size_bytes, h.tokens)
+               for h, d, doubt in zip(batch, done, doubted, strict=True)
+               if d is None and h.key not in aside and not doubt}
     index.mark_done_many(relearn, {h.key: h.mtime for h in batch if h.key in relearn})
     reg.files += len(batch) - len(aside)
     reg.relearnt += len(relearn)

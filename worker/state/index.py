@@ -36,7 +36,9 @@ return redis.call('HDEL', KEYS[1], ARGV[1])
 # Record an outcome (failed, rejected, stale, retrying) only while the sample is not done: an
 # outcome of an attempt reaches Redis late when Redis was away (a command sent before it
 # stopped answering runs when it answers again; a host's TCP sends what a partition held back),
-# after the sample was marked done by that attempt or another. The file on disk is the truth.
+# after the sample was marked done by that attempt or another. The file on disk is the truth:
+# whoever finds a done sample's file missing or damaged takes it out of ``done`` first
+# (``forget_outcome``, ``unmark_done``), so the outcomes of its redo are recorded.
 # KEYS: done, the outcome's hash, running, retrying (or '' for none); ARGV: key, body.
 _SET_OUTCOME = """
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
@@ -45,6 +47,14 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 if KEYS[4] ~= KEYS[2] then redis.call('HDEL', KEYS[4], ARGV[1]) end
 return 1
 """
+# A ``running`` entry, likewise, only while the sample is not done: one that lands late would
+# show a finished sample running until the next prune. KEYS: done, running; ARGV: key, body.
+_SET_RUNNING = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+return redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+"""
+# Names whose entry says a sample is done, and where: what taking it out of ``done`` clears.
+_DONE_NAMES = (keys.BYTES, keys.TOKENS, keys.HELD)
 MAX_TEXT_CHARS = 500  # longest reason or record description kept in Redis
 MAX_MALFORMED = 100  # refused task messages remembered (the newest)
 
@@ -137,9 +147,11 @@ class RunIndex:
         self.r.hincrby(self.k(keys.ATTEMPTS), key, -1)
 
     @redis_errors
-    def mark_running(self, key: str, worker: str, attempt: int) -> None:
+    def mark_running(self, key: str, worker: str, attempt: int) -> bool:
+        """An attempt runs, unless the sample is done (False then: a late entry)."""
         body = orjson.dumps({"worker": worker, "attempt": attempt, "since": time.time()})
-        self.r.hset(self.k(keys.RUNNING), key, body)
+        return bool(self.r.eval(_SET_RUNNING, 2, self.k(keys.DONE), self.k(keys.RUNNING), key,
+                                body))
 
     @redis_errors
     def clear_running(self, key: str) -> None:
@@ -252,12 +264,29 @@ class RunIndex:
 
     @redis_errors
     def forget_outcome(self, key: str) -> None:
-        """Before a deliberate requeue: clear failed/rejected/stale marks and the attempts."""
+        """Before a deliberate requeue: clear every outcome, done included (the requeue's
+        reason is that its file is missing or failed a check), and the attempts."""
         p = self.r.pipeline()
+        p.zrem(self.k(keys.DONE), key)
         for name in (keys.FAILED, keys.REJECTED, keys.ATTEMPTS, keys.STALE, keys.RETRYING,
-                     keys.PARKED):
+                     keys.PARKED, *_DONE_NAMES):
             p.hdel(self.k(name), key)
         p.execute()
+
+    @redis_errors
+    def in_question(self, sample_keys: list[str]) -> list[bool]:
+        """Whether each sample's file, if any, needs more than its header to count as done:
+        the index records a failed attempt of it (failed, retrying), or an attempt holds its
+        lease. A header of this run with the record's content is what relearning "done" from
+        the disk reads (``enqueue``, a host's registration); a byte flipped in the data keeps
+        it, and the attempts that found the file damaged must not be overruled by it."""
+        p = self.r.pipeline(transaction=False)
+        for key in sample_keys:
+            p.hexists(self.k(keys.FAILED), key)
+            p.hexists(self.k(keys.RETRYING), key)
+            p.exists(lease_name(self.fp, key))
+        got = p.execute() if sample_keys else []
+        return [any(got[i : i + 3]) for i in range(0, len(got), 3)]
 
     @redis_errors
     def set_paused(self, process: str, reason: str | None) -> None:
@@ -341,13 +370,22 @@ class RunIndex:
 
     @redis_errors
     def unmark_done(self, sample_keys: list[str]) -> None:
-        """Samples whose file was set aside (their record was corrected): not done now."""
+        """Samples whose file is not theirs any more (missing, damaged, set aside because
+        their record was corrected): not done now, held by no host."""
         if sample_keys:
             p = self.r.pipeline()
             p.zrem(self.k(keys.DONE), *sample_keys)
-            p.hdel(self.k(keys.BYTES), *sample_keys)
-            p.hdel(self.k(keys.TOKENS), *sample_keys)
+            for name in _DONE_NAMES:
+                p.hdel(self.k(name), *sample_keys)
             p.execute()
+
+    @redis_errors
+    def done_sizes(self, sample_keys: list[str]) -> list[int | None]:
+        """The size each sample's final file had when it was verified (None: not recorded)."""
+        if not sample_keys:
+            return []
+        return [None if x is None else int(x)
+                for x in self.r.hmget(self.k(keys.BYTES), sample_keys)]
 
     @redis_errors
     def done_keys(self) -> set[str]:
