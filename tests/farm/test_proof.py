@@ -63,3 +63,25 @@ def test_wrong_final_states_never_become_done(tmp_path: Path, tiny_model: Path) 
                                failed=tuple(str(r["id"]) for r in bad))
         print(f"proof: {len(passed)} samples agree, worst |Δ logprob| "
               f"{max(passed.values()):.3g}; 0 false alarms")
+
+
+def test_audit_prove_names_the_files_that_fail(tmp_path: Path, tiny_model: Path) -> None:
+    # Given a run without the worker's proof, where one sample's final state is shifted by a
+    # row on every attempt: it is done, and every other check passes it
+    env = {"FARM_PROOF_RATE": "0"}
+    with running_farm(tmp_path, ["--inject-fault", "shift:bad-shift"], env=env) as farm:
+        farm.start_worker("w1", concurrency=2)
+        data = tmp_path / "data.json"
+        good = records("ok-", 5)
+        data.write_text(json.dumps([*good, {**records("bad-", 1)[0], "id": "bad-shift"}]))
+        assert farm.cli("enqueue", str(data), "--no-progress").returncode == 0
+        wait_finished(farm, 6, timeout_s=240)
+        assert farm.cli("audit", "--no-progress").returncode == 0
+
+        # When the run is audited with --prove against the live server
+        res = farm.cli("audit", "--no-progress", "--prove")
+
+        # Then the shifted file alone fails its proof, and the audit says so in its exit code
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "proven: 5 (" in res.stdout and "proof failed: 1" in res.stdout, res.stdout
+        assert re.search(r"proof failed bad-shift: \d+ of \d+ rows off", res.stdout)

@@ -180,19 +180,20 @@ def read_rows(fd: int, header: tensorfile.Header, rows: np.ndarray) -> np.ndarra
     e = header.tensors[c.T_HIDDEN]
     width = e.shape[1]
     item = tensorfile.numpy_dtype(e.dtype).itemsize
-    raw = np.stack([np.frombuffer(_pread(fd, width * item, header.data_start + e.begin
+    raw = np.stack([np.frombuffer(pread(fd, width * item, header.data_start + e.begin
                                          + int(r) * width * item),
                                   dtype=tensorfile.numpy_dtype(e.dtype)) for r in rows])
     if e.dtype == "BF16":
         return (raw.astype(np.uint32) << 16).view(np.float32)
     s = header.tensors[c.T_HIDDEN_SCALE]
     per = s.shape[1]
-    scales = np.stack([np.frombuffer(_pread(fd, per * 4, header.data_start + s.begin
+    scales = np.stack([np.frombuffer(pread(fd, per * 4, header.data_start + s.begin
                                             + int(r) * per * 4), dtype="<f4") for r in rows])
     return fp8.dequantize(raw, scales, layers=1)
 
 
-def _pread(fd: int, size: int, offset: int) -> bytes:
+def pread(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset`` of ``fd``. Raises OSError on a short read."""
     data = os.pread(fd, size, offset)
     if len(data) != size:
         raise OSError(f"short read: {len(data)} of {size} bytes at {offset}")
@@ -283,14 +284,16 @@ class Verdict:
                 f"{self.worst_allowed:.3g})")
 
 
-def compare(rows: np.ndarray, ours: Recomputed, server: np.ndarray, dtype: str) -> Verdict:
+def compare(rows: np.ndarray, ours: Recomputed, server: np.ndarray, dtype: str,
+            slack: float = 0.0) -> Verdict:
     """Each row's recomputed logprob against the server's (``server[i]`` for ``rows[i]``),
-    within ``TOLERANCE[dtype]``."""
+    within ``TOLERANCE[dtype]``, plus ``slack`` (another forward pass than the stored one's:
+    ``audit --prove``)."""
     if not len(rows):
         return Verdict(0, -1, 0.0, 0.0, ())
     atol, rel = TOLERANCE[dtype]
     error = np.fmin(np.abs(ours.logprob - server), np.abs(ours.logprob_bf16 - server))
-    allowed = atol + rel * ours.magnitude
+    allowed = atol + slack + rel * ours.magnitude
     over = ~(error <= allowed)  # NaN counts as over
     worst = int(np.nanargmax(error / allowed)) if not np.isnan(error).all() else 0
     return Verdict(len(rows), int(rows[worst]), float(error[worst]), float(allowed[worst]),
@@ -298,8 +301,9 @@ def compare(rows: np.ndarray, ours: Recomputed, server: np.ndarray, dtype: str) 
 
 
 def prove(head: LmHead, hidden: np.ndarray, rows: np.ndarray, input_ids: np.ndarray,
-          server_logprobs: np.ndarray, dtype: str) -> Verdict:
+          server_logprobs: np.ndarray, dtype: str, slack: float = 0.0) -> Verdict:
     """The proof of one sample: ``hidden`` [k, H] are its final state's ``rows``;
     ``server_logprobs[j]`` the server's logprob of ``input_ids[j]`` (position 0 unused)."""
     targets = input_ids[rows + 1]
-    return compare(rows, recompute(head, hidden, targets), server_logprobs[rows + 1], dtype)
+    return compare(rows, recompute(head, hidden, targets), server_logprobs[rows + 1], dtype,
+                   slack)
