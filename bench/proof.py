@@ -2,13 +2,9 @@
 
     python bench/proof.py [--vocab 163840] [--hidden 7168] [--rows 8 32 128] [--tokens 2048]
 
-Writes a bf16 LM head [V, H] (2.35 GB at Kimi's size; random values) as a checkpoint, maps it
-as a worker does (``proof.open_lm_head``) and times ``proof.recompute`` over ``--rows`` rows:
-wall and CPU seconds, the peak of the memory it allocates (the head's pages are the page
-cache's, shared by every worker process of the host), first pass (pages read from disk or
-cache) and warm. In the same run it times the worker's data path of one ``--tokens``-token
-sample at that hidden size (``OutputStore.write_verified``: write, fsync, read back, rename)
-and prints each check's ratio to it. Results: docs/proof.md.
+Maps a bf16 LM head [V, H] (2.35 GB at Kimi's size) as a worker does and times
+``proof.recompute`` over ``--rows`` rows (wall, CPU, peak allocation), beside one
+``--tokens``-token sample's data path (``OutputStore.write_verified``). Results: docs/proof.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Fault injection for the reference server: dumps that are wrong in one specific way.
 
 ``--inject-fault KIND:KEY_PREFIX[:ATTEMPTS]`` corrupts the dumps of sample keys starting with
-KEY_PREFIX, on attempts up to ATTEMPTS (all when omitted). KIND (``KINDS``): ``nan`` (one
-value, the e4m3 NaN byte in fp8), ``scale`` (fp8: one final-layer scale 0), ``ids`` (first id
-off by one), ``shape`` (aux loses a column), ``truncate`` (cut in half); and final states that
-pass every check but the proof (``worker/core/proof.py``): ``shift`` (row i holds row i+1's),
-``other`` (the rows of the sample dumped before it), ``prenorm`` (the last layer's state
-before the final norm). The temp file is rewritten before the atomic rename, so a worker sees
-only the final, wrong file. Tests only.
+KEY_PREFIX, on attempts up to ATTEMPTS (all when omitted), as ``KINDS`` says, before the
+atomic rename. ``shift``, ``other`` and ``prenorm`` (bf16) pass every check but the proof.
 Test: tests/farm/test_faults.py::test_corrupt_dumps_are_retried_then_recorded.
 """
 
@@ -24,6 +19,9 @@ from engine_dump import contracts as c
 from engine_dump import dumpdir
 from engine_dump.dump_writer import DumpWriter
 
+# nan: one value (the e4m3 NaN byte in fp8); scale: one final-layer fp8 scale 0; ids: the first
+# id off by one; shape: aux loses a column; truncate: cut in half; shift: row i holds row
+# i+1's; other: the previous dump's rows; prenorm: the last layer's state before the final norm
 KINDS = ("nan", "scale", "ids", "shape", "truncate", "shift", "other", "prenorm")
 PROOF_KINDS = ("shift", "other", "prenorm")  # bf16 dumps only
 

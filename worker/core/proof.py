@@ -1,24 +1,11 @@
 """The per-sample proof: the server's own prompt logprobs, recomputed from the stored final state.
 
-In the request that produces a sample's dump, the server is asked for its prompt-token logprobs
-(``engines.prompt_logprobs_request``). Row ``r`` of the stored final state is the LM head's input
-at position ``r``, so ``log_softmax(W · h_r)[ids[r + 1]]``, recomputed here from the checkpoint's
-LM head ``W``, must equal the server's logprob of token ``r + 1``. It needs no determinism: the
-server computed both from the same forward pass. A row shifted by one, a row of another sample,
-a truncated dump or another layer's state (the pre-norm last layer) is off by far more than
-rounding, on a sample of rows spread over the whole sequence (``pick_rows``).
-
-The LM head ([V, H], 2.3 GB in bf16 for Kimi-K2) is memory-mapped from the checkpoint, read-only:
-every worker process of a host shares the page cache's one copy. It is widened to float32 a
-chunk of vocabulary rows at a time. Numpy only (a worker host has no torch).
-
-The tolerance (``TOLERANCE``) per row: ``atol + rel · (|x_t| + E_p|x|)``, ``x`` the row's
-logits, ``x_t`` the token's. The ``rel`` term is the engine's rounding of its logits (bf16 on
-GPU: half an ulp, ``2^-8 · |x|``, of the token's logit and of the log-sum-exp) and of the
-stored state (fp8: 3 bits of mantissa); ``atol`` what is left. Measured in docs/proof.md.
-The proof does not cover the aux layers (the LM head never reads them): the canary does.
-Test: tests/unit/test_proof.py.
-"""
+Row ``r`` of the final state is the LM head's input at position ``r``: ``log_softmax(W · h_r)
+[ids[r+1]]`` must equal the server's logprob of token ``r+1``, asked in the same request (no
+determinism needed). The LM head is memory-mapped read-only (the page cache's one copy per
+host) and widened a chunk at a time; numpy only. Per row the bound is ``atol + rel · (|x_t| +
+E_p|x|)``: ``rel`` the rounding of the logits (bf16) and of the stored state (docs/proof.md).
+The aux layers are not covered (the canary's). Test: tests/unit/test_proof.py."""
 
 from __future__ import annotations
 
@@ -69,8 +56,10 @@ class LmHead:
     def widened(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` as float32 (bf16 widened exactly)."""
         part = self.rows[start:stop]
-        if self.dtype == "BF16":
-            return (part.astype(np.uint32) << 16).view(np.float32)
+        if self.dtype == "BF16":  # bf16 bits as the high half of each float32: one copy
+            wide = np.zeros(part.shape, dtype=np.uint32)
+            wide.view(np.uint16)[:, 1::2] = part
+            return wide.view(np.float32)
         return part.astype(np.float32)
 
 

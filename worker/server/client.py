@@ -124,8 +124,7 @@ class ServerClient:
     async def generate(self, rid: str, input_ids: list[int], dp_rank: int | None = None,
                        prompt_logprobs: bool = False) -> dict[str, Any]:
         """The prefill request of one sample, which the hook dumps (``Engine.generate``);
-        ``dp_rank`` pins it to that DP group; ``prompt_logprobs`` asks for the prompt's
-        logprobs too (the proof).
+        ``dp_rank`` pins it to that DP group; ``prompt_logprobs``: the proof's logprobs too.
 
         Raises:
             ServerUnavailable: the request failed and the server fails its health check too
