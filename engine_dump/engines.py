@@ -54,20 +54,25 @@ class Engine:
         name = "vLLM" if self.name == VLLM else "SGLang"
         return f"{name} {self.version or '(version not said)'} serving {self.model_path}"
 
-    def generate(self, rid: str, input_ids: list[int], dp_rank: int | None
-                 ) -> tuple[str, dict[str, Any], dict[str, str]]:
+    def generate(self, rid: str, input_ids: list[int], dp_rank: int | None,
+                 prompt_logprobs: bool = False) -> tuple[str, dict[str, Any], dict[str, str]]:
         """(path, body, headers) of the prefill request for one sample: SGLang decodes
         nothing; vLLM decodes one token (it takes no fewer) and hands the rid to the hook.
         No ``model``: vLLM then serves its base model (no LoRA adapter: the states the run
-        is for), whatever name a restart gave it."""
+        is for), whatever name a restart gave it. ``prompt_logprobs``: the answer also holds
+        every prompt token's logprob (``prompt_logprobs``), for the proof."""
         if self.name == VLLM:
             body: dict[str, Any] = {"prompt": input_ids, "max_tokens": 1, "temperature": 0,
                                     VLLM_KV_PARAMS: {VLLM_RID_PARAM: rid}}
+            if prompt_logprobs:
+                body["prompt_logprobs"] = 0  # the prompt token's own, no top-k
             headers = {"X-Request-Id": rid}
             if dp_rank is not None:
                 headers[VLLM_DP_RANK_HEADER] = str(dp_rank)
             return "/v1/completions", body, headers
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}}
+        if prompt_logprobs:
+            body.update(return_logprob=True, logprob_start_len=0)
         if dp_rank is not None:
             body["routed_dp_rank"] = dp_rank
         return "/generate", body, {}
@@ -147,3 +152,51 @@ def dp_groups(args: Any) -> int:
     if read("enable_dp_attention") and isinstance(old, int) and old > 1:
         return old
     return 1
+
+
+def prompt_logprobs(engine: str, answer: Any, input_ids: list[int]) -> list[float | None]:
+    """The server's logprob of each prompt token (position 0: None), from its answer to a
+    request made with ``prompt_logprobs``: SGLang's ``meta_info.input_token_logprobs``
+    (``[logprob, token id, text]`` from ``logprob_start_len`` 0), vLLM's
+    ``choices[0].prompt_logprobs`` (``{token id: {"logprob": ...}}`` per position).
+
+    Raises:
+        ValueError: the answer holds none, or they are for other tokens or another length.
+    """
+    if engine == VLLM:
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        said = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices \
+            and isinstance(choices[0], dict) else None
+        pairs = [None if p is None else _vllm_pair(p, t)
+                 for p, t in zip(said or [], input_ids, strict=False)]
+    else:
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        said = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+        pairs = [_sglang_pair(p) for p in said or []]
+    if not isinstance(said, list) or len(said) != len(input_ids):
+        raise ValueError(f"the answer holds {len(said) if isinstance(said, list) else 'no'} "
+                         f"prompt logprobs for {len(input_ids)} tokens")
+    out: list[float | None] = []
+    for pos, (pair, token) in enumerate(zip(pairs, input_ids, strict=True)):
+        if pos == 0:
+            out.append(None)
+            continue
+        if pair is None or pair[1] != token:
+            raise ValueError(f"prompt logprob {pos} is for token "
+                             f"{None if pair is None else pair[1]}, the request's is {token}")
+        out.append(pair[0])
+    return out
+
+
+def _sglang_pair(item: Any) -> tuple[float | None, int] | None:
+    if not isinstance(item, list | tuple) or len(item) < 2 or not isinstance(item[1], int):
+        return None
+    value = item[0]
+    return (float(value) if isinstance(value, int | float) else None), item[1]
+
+
+def _vllm_pair(item: Any, token: int) -> tuple[float | None, int] | None:
+    entry = item.get(str(token)) if isinstance(item, dict) else None
+    if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), int | float):
+        return None
+    return float(entry["logprob"]), token

@@ -20,6 +20,7 @@ from engine_dump.contracts import Fingerprint
 from producer.adopt.cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit, enqueue_limits, place_elsewhere
 from producer.enqueue import EnqueueRefused, enqueue, requeue
+from producer.prove import DEFAULT_SLACK, prove_files
 from producer.status import (
     environmental_rejections,
     failure_entries,
@@ -31,6 +32,7 @@ from producer.status import (
 )
 from producer.status_text import render
 from training import cli as training_cli
+from training.roots import sample_files
 from worker.core import run as runs
 from worker.core.datafile import DataFileError
 from worker.core.errors import ConfigError, FarmError, Transient
@@ -76,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--requeue", action="store_true",
                    help="publish the missing, corrupt and incompatible samples again")
     a.add_argument("--jobs", type=int, default=4, help="files checked in parallel")
+    a.add_argument("--prove", action="store_true",
+                   help="also prove every whole file's final state against the live server's "
+                        "prompt logprobs (docs/proof.md; needs the server)")
+    a.add_argument("--prove-slack", type=float, default=DEFAULT_SLACK, metavar="NATS",
+                   help="added to each row's bound: the server runs another forward pass")
     a.add_argument("--no-progress", action="store_true",
                    help="no progress bar (on stderr; it shows the rate and the ETA)")
     d = sub.add_parser("demo", help="run the whole farm locally on the example data")
@@ -126,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "audit":  # the only command that renders chat templates
             recorded = manifest_fingerprint(settings)  # first: is there a run at all?
             settings = run_settings(settings, recorded)
-            _, chat, fingerprint = load_run(settings, wait_s=5)
-            return _audit(settings, fingerprint, chat, args,
-                          fingerprint.differences(recorded))
+            model_path, chat, fingerprint = load_run(settings, wait_s=5)
+            code = _audit(settings, fingerprint, chat, args, fingerprint.differences(recorded))
+            if args.prove:
+                code = max(code, _prove(settings, model_path, fingerprint, args))
+            return code
         if args.cmd == "status":  # from the manifest: no server needed
             manifest_fingerprint(settings)  # no run there: said at once, not after 5 s
             fingerprint, source = status_fingerprint(settings)
@@ -214,6 +223,16 @@ def _status(settings: Settings, fingerprint: Fingerprint, source: str,
               and not not_theirs)
         return EXIT_OK if ok else EXIT_PARTIAL
     return EXIT_OK
+
+
+def _prove(settings: Settings, model_path: Path, fingerprint: Fingerprint,
+           args: argparse.Namespace) -> int:
+    """``audit --prove``: every final file of this host's output dir (``producer.prove``)."""
+    files = sample_files(settings.output_dir)
+    report = prove_files(settings, model_path, fingerprint.hidden_size, fingerprint.dtype,
+                         files, settings.proof_rows, args.prove_slack)
+    print("\n".join(report.lines()))
+    return EXIT_OK if not report.failed else EXIT_PARTIAL
 
 
 def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,

@@ -1,10 +1,8 @@
 """Fault injection for the reference server: dumps that are wrong in one specific way.
 
 ``--inject-fault KIND:KEY_PREFIX[:ATTEMPTS]`` corrupts the dumps of sample keys starting with
-KEY_PREFIX, on attempts up to ATTEMPTS (all when omitted). KIND (``KINDS``): ``nan`` (one
-value, the e4m3 NaN byte in fp8), ``scale`` (fp8: one final-layer scale 0), ``ids`` (first id
-off by one), ``shape`` (aux loses a column), ``truncate`` (cut in half). The temp file is
-rewritten before the atomic rename, so a worker sees only the final, wrong file. Tests only.
+KEY_PREFIX, on attempts up to ATTEMPTS (all when omitted), as ``KINDS`` says, before the
+atomic rename. ``shift``, ``other`` and ``prenorm`` (bf16) pass every check but the proof.
 Test: tests/farm/test_faults.py::test_corrupt_dumps_are_retried_then_recorded.
 """
 
@@ -21,7 +19,11 @@ from engine_dump import contracts as c
 from engine_dump import dumpdir
 from engine_dump.dump_writer import DumpWriter
 
-KINDS = ("nan", "scale", "ids", "shape", "truncate")
+# nan: one value (the e4m3 NaN byte in fp8); scale: one final-layer fp8 scale 0; ids: the first
+# id off by one; shape: aux loses a column; truncate: cut in half; shift: row i holds row
+# i+1's; other: the previous dump's rows; prenorm: the last layer's state before the final norm
+KINDS = ("nan", "scale", "ids", "shape", "truncate", "shift", "other", "prenorm")
+PROOF_KINDS = ("shift", "other", "prenorm")  # bf16 dumps only
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,23 @@ class Fault:
 class FaultyWriter(DumpWriter):
     """A DumpWriter that corrupts matching dumps before they are renamed into place."""
 
-    def __init__(self, *args: object, faults: list[Fault], **kwargs: object) -> None:
+    def __init__(self, *args: object, faults: list[Fault],
+                 final_norm: torch.Tensor | None = None, **kwargs: object) -> None:
+        """``final_norm``: the model's final-norm weight (for ``prenorm``)."""
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.faults = faults
+        self.final_norm = final_norm
+        self._last_hidden: torch.Tensor | None = None  # the last dump's, for ``other``
 
     def _sealing(self, rid: str, path: Path, metadata: dict[str, str]) -> None:
         fault = next((f for f in self.faults if f.applies(rid)), None)
         if fault is None:
+            if any(f.kind == "other" for f in self.faults):
+                self._last_hidden = load_file(str(path))[c.T_HIDDEN]
             return
         t = load_file(str(path))  # test-sized dumps: rewritten whole
+        if fault.kind in PROOF_KINDS:
+            t[c.T_HIDDEN] = self._wrong_final(fault.kind, t)
         if fault.kind == "nan":
             if t[c.T_HIDDEN].element_size() == 1:  # float8 e4m3fn: 0x7F is NaN
                 t[c.T_HIDDEN].view(torch.uint8)[0, 0] = 0x7F
@@ -71,3 +81,19 @@ class FaultyWriter(DumpWriter):
         dumpdir.seal(path)  # the dump dir's file mode again, whatever the umask
         if fault.kind == "truncate":
             os.truncate(path, path.stat().st_size // 2)
+
+    def _wrong_final(self, kind: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A final state of the right shape and dtype, of the wrong rows or layer."""
+        h = t[c.T_HIDDEN]
+        if kind == "shift":  # an off-by-one: row i holds position i+1's state
+            return torch.cat([h[1:], h[-1:]]).contiguous()
+        if kind == "other":  # another sample's rows (this one's, reversed, when none yet)
+            other = self._last_hidden if self._last_hidden is not None else h.flip(0)
+            reps = -(-h.shape[0] // other.shape[0])
+            return other.repeat(reps, 1)[: h.shape[0]].contiguous()
+        # prenorm: RMSNorm is h = x / rms(x) * w, so x = h / w * rms(x); the last aux layer's
+        # rms stands in for the residual stream's at the top of the model
+        assert self.final_norm is not None, "prenorm needs the model's final-norm weight"
+        last_aux = t[c.T_AUX].float()[:, -h.shape[1]:]
+        rms = last_aux.pow(2).mean(dim=1, keepdim=True).sqrt()
+        return (h.float() / self.final_norm * rms).to(h.dtype).contiguous()

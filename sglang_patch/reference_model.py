@@ -77,3 +77,12 @@ class ReferenceModel:
         final = out.last_hidden_state[0]
         logits = self.model.lm_head(final[-1:])
         return ChunkOutput(hidden=final, aux=aux, next_token=int(logits.argmax(-1)))
+
+    @torch.inference_mode()
+    def token_logprobs(self, hidden: torch.Tensor, next_ids: list[int]) -> list[float]:
+        """``log_softmax(lm_head(hidden[i]))[next_ids[i]]`` per row, as SGLang's logits
+        processor computes prompt logprobs: logits in the model's dtype, widened to float32."""
+        rows = hidden[: len(next_ids)]
+        logits = self.model.lm_head(rows).float()
+        lp = torch.log_softmax(logits, dim=-1)
+        return lp[torch.arange(len(next_ids)), torch.tensor(next_ids, dtype=torch.long)].tolist()

@@ -59,6 +59,8 @@ class _Req:
     pos: int = 0
     next_token: int = 0
     aborted: bool = False
+    logprob_start: int | None = None  # return_logprob: from this position on
+    logprobs: list[float | None] = field(default_factory=list)  # of positions 0.. so far
 
 
 @dataclass
@@ -156,11 +158,21 @@ class Scheduler:
                 req.cache = self.model.new_cache()
             chunk = req.ids[prefix : prefix + take]
             out = self.model.forward_chunk(req.cache, chunk, prefix)
+            if req.logprob_start is not None:
+                self._add_logprobs(req, out.hidden, prefix, take)
             ids.append(torch.tensor(chunk, dtype=torch.int64))
             hidden.append(out.hidden)
             aux.append(out.aux)
             next_tokens.append(out.next_token)
         return torch.cat(ids), torch.cat(hidden), torch.cat(aux), next_tokens
+
+    def _add_logprobs(self, req: _Req, hidden: torch.Tensor, prefix: int, take: int) -> None:
+        """Row i of a chunk predicts the token after it: the logprob of ``ids[prefix+i+1]``."""
+        assert isinstance(self.model, ReferenceModel)
+        if prefix == 0:
+            req.logprobs.append(None)  # the first token has no logprob, as in SGLang
+        nxt = req.ids[prefix + 1 : prefix + take + 1]
+        req.logprobs.extend(self.model.token_logprobs(hidden, nxt))
 
     def _finish(self, req: _Req, error: BaseException | None = None) -> None:
         self.running.discard(req.rid)
@@ -173,6 +185,11 @@ class Scheduler:
             req.future.set_exception(error)
             return
         out_ids = [req.next_token] if req.max_new_tokens else []
+        logprobs = {} if req.logprob_start is None else {
+            "input_token_logprobs": [[lp, t, None] for lp, t in
+                                     list(zip(req.logprobs, req.ids, strict=True))
+                                     [req.logprob_start :]],
+            "output_token_logprobs": []}
         req.future.set_result({
             "text": "",
             "output_ids": out_ids,
@@ -183,12 +200,13 @@ class Scheduler:
                 "cached_tokens": 0,
                 "finish_reason": {"type": "length", "length": req.max_new_tokens},
                 **({"dp_rank": self.dp_rank} if self.dp_rank is not None else {}),
+                **logprobs,
             },
         })
 
 
 def _parse_generate(body: Any, vocab_size: int, context_len: int,
-                    tokenizer: Any) -> tuple[str, list[int], int]:
+                    tokenizer: Any) -> tuple[str, list[int], int, int | None]:
     """SGLang's checks of a request, with its messages (400s with its JSON error body)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -224,7 +242,17 @@ def _parse_generate(body: Any, vocab_size: int, context_len: int,
     mnt = sp.get("max_new_tokens", 0)
     if type(mnt) is not int or mnt not in (0, 1):
         raise BadRequest("the reference server supports sampling_params.max_new_tokens 0 or 1")
-    return rid, ids, mnt
+    return rid, ids, mnt, _logprob_start(body, len(ids))
+
+
+def _logprob_start(body: dict[str, Any], n: int) -> int | None:
+    """SGLang's ``return_logprob`` and ``logprob_start_len`` (default -1: none of the prompt's)."""
+    if not body.get("return_logprob"):
+        return None
+    start = body.get("logprob_start_len", -1)
+    if type(start) is not int or start >= n:
+        raise BadRequest(f"logprob_start_len ({start}) must be an int below the input length")
+    return n if start < 0 else start
 
 
 def max_req_input_len(context_len: int) -> int:
@@ -270,7 +298,10 @@ class ReferenceServer:
         }
         faults = [Fault.parse(spec) for spec in args.inject_fault]
         if faults:
+            norm = (self.model.model.model.norm.weight.detach().float()
+                    if isinstance(self.model, ReferenceModel) else None)
             self.writer: DumpWriter = FaultyWriter(self.dump_dir, meta, faults=faults,
+                                                   final_norm=norm,
                                                    min_free_bytes=args.dump_reserve_bytes,
                                                    dtype=args.dump_dtype)
         else:
@@ -328,10 +359,12 @@ class ReferenceServer:
                         forward_delay_s=a.forward_delay_s)
 
     async def _run(self, rid: str, ids: list[int], max_new_tokens: int,
-                   routed_dp_rank: int | None = None) -> dict[str, Any]:
+                   routed_dp_rank: int | None = None,
+                   logprob_start: int | None = None) -> dict[str, Any]:
         sch = self.scheduler
         assert sch is not None
-        req = _Req(rid, ids, max_new_tokens, asyncio.get_running_loop().create_future())
+        req = _Req(rid, ids, max_new_tokens, asyncio.get_running_loop().create_future(),
+                   logprob_start=logprob_start)
         sch.submit(req, sch.pick(rid, routed_dp_rank))
         try:
             return await req.future
@@ -345,14 +378,17 @@ class ReferenceServer:
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"invalid JSON body: {e}")
         try:
-            rid, ids, mnt = _parse_generate(body, self.model.vocab_size, self.context_len,
-                                            self.tokenizer)
+            rid, ids, mnt, logprob_start = _parse_generate(
+                body, self.model.vocab_size, self.context_len, self.tokenizer)
+            if logprob_start is not None and isinstance(self.model, SyntheticModel):
+                raise BadRequest("the synthetic model has no LM head: no logprobs")
             # SGLang's name, and its deprecated alias (managers/io_struct.py:419-429)
             rank = body.get("routed_dp_rank", body.get("data_parallel_rank"))
             refusal = routed_rank_error(rank, self.args.attn_dp_size)
             if refusal:
                 raise BadRequest(refusal)
-            result = await self._run(rid, ids, mnt, rank if self.args.attn_dp_size > 1 else None)
+            result = await self._run(rid, ids, mnt, rank if self.args.attn_dp_size > 1 else None,
+                                     logprob_start)
         except BadRequest as e:
             return _error(400, str(e))
         return web.json_response(result)

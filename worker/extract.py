@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
@@ -19,7 +20,7 @@ import redis
 from engine_dump import contracts as c
 from worker.core import store as st
 from worker.core import tensorfile, time_limits
-from worker.core.dumps import discard_dumps, open_dump, wait_for_dump
+from worker.core.dumps import Dump, discard_dumps, open_dump, wait_for_dump
 from worker.core.errors import Corrupt, KeyTaken, Transient
 from worker.core.samples import SampleRef, read_sample
 from worker.core.weights import M_WEIGHTS_ID
@@ -116,11 +117,12 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
     discard_dumps(rt.settings.dump_dir, rt.run_id, ref.key)
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
+    prove = rt.prover is not None and rt.prover.wanted(ref.key)
     with rt.admission.admit(n) as ticket:  # a request place, and tmpfs room for the dump
         dump_wait_s = rt.settings.dump_timeout_s + time_limits.io_s(
             rt.settings, ticket.holding.dump_bytes)  # a long sample's dump takes longer
-        dump = rt.loop.run_until_complete(
-            _request(rt, rid, tok.input_ids, ticket.dp_rank, dump_wait_s))
+        answer, dump = rt.loop.run_until_complete(
+            _request(rt, rid, tok.input_ids, ticket.dp_rank, dump_wait_s, prove))
         ticket.answered()
         try:
             log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
@@ -132,7 +134,8 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
                 M_WEIGHTS_ID: rt.store.weights_id,
             }
             v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
-                           meta, before_write=lease.check)  # lost the lease: write nothing
+                           meta, before_write=lease.check,  # lost the lease: write nothing
+                           prove=_prover(rt, answer, tok.input_ids, rid) if prove else None)
         finally:
             dump.unlink(missing_ok=True)
     rt.index.mark_done(ref.key, v.size_bytes, v.tokens, rt.hostname, ref.sha256)
@@ -143,12 +146,14 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
 
 def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mask: list[int],
                key: str, content_sha256: str, meta: dict[str, str],
-               before_write: Callable[[], None] | None = None) -> st.Verified:
+               before_write: Callable[[], None] | None = None,
+               prove: Callable[[Dump], None] | None = None) -> st.Verified:
     """One sample's data path: validate the dump, write the final file, verify it from disk.
 
     ``meta`` is completed with the content hash and the dump's patch and server versions.
     ``before_write`` runs once the dump's layout, ids and metadata passed, just before the
-    final file is written (the lease check). The file is read back before its rename: one that
+    final file is written (the lease check); ``prove`` before it, with the open dump (the
+    proof). The file is read back before its rename: one that
     fails verification never takes the final path. Raises Corrupt, NoSpace, OutputUnavailable
     or Transient.
     """
@@ -161,12 +166,27 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
         meta = {**meta, st.M_CONTENT: content_sha256,
                 c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
                 c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
+        if prove is not None:
+            prove(d)
         if before_write is not None:
             before_write()
         return store.write_verified(key, parts, meta, validate=d.verdict)
 
 
 async def _request(rt: Runtime, rid: str, ids: list[int], dp_rank: int | None,
-                   dump_wait_s: float) -> Path:
-    await rt.client.generate(rid, ids, dp_rank)
-    return await wait_for_dump(rt.settings.dump_dir, rid, dump_wait_s)
+                   dump_wait_s: float, prompt_logprobs: bool) -> tuple[dict[str, Any], Path]:
+    answer = await rt.client.generate(rid, ids, dp_rank, prompt_logprobs)
+    return answer, await wait_for_dump(rt.settings.dump_dir, rid, dump_wait_s)
+
+
+def _prover(rt: Runtime, answer: dict[str, Any], ids: list[int],
+            rid: str) -> Callable[[Dump], None]:
+    """The proof of this sample's open dump against the server's answer (``sample_proof``)."""
+    prover, engine = rt.prover, rt.loop.run_until_complete(rt.client.engine())
+    assert prover is not None
+
+    def prove(d: Dump) -> None:
+        prover.check(engine.name, answer, ids, d.file.fileno(), d.header,
+                     rt.fingerprint.dtype, rid)
+
+    return prove

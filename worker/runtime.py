@@ -27,6 +27,7 @@ from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
 from worker.server.fingerprint import load_run
 from worker.server.limits import server_info, server_max_tokens
+from worker.server.sample_proof import Prover
 from worker.state import broker
 from worker.state.hosts import host_id
 from worker.state.index import RunIndex
@@ -43,6 +44,7 @@ class RunContext:
     store: OutputStore
     limits: Limits  # the host's admission limits (in flight, dump budget)
     canary: CanaryCheck  # its state (last passed) is inherited by pool processes
+    prover: Prover | None = None  # the LM head, mapped once: pool processes share its pages
 
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
@@ -67,7 +69,8 @@ class RunContext:
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
                             encode=chat_encoder(chat), run_id=store.run_id,
                             server_max_tokens=chat.server_max_tokens)
-        return cls(settings, model_path, chat, fp, store, limits, check)
+        prover = Prover.for_run(settings, model_path, fp.hidden_size)
+        return cls(settings, model_path, chat, fp, store, limits, check, prover)
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Runtime:
     hostname: str
     admission: Admission
     canary: CanaryCheck
+    prover: Prover | None = None
 
     @property
     def run_id(self) -> str:
@@ -104,7 +108,7 @@ class Runtime:
                    hostname=host_id(s),
                    admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2,
                                        dp_routing=s.dp_routing),
-                   canary=ctx.canary)
+                   canary=ctx.canary, prover=ctx.prover)
 
     def close(self) -> None:
         try:

@@ -115,6 +115,10 @@ class Settings:
                                      "error (docs/canary.md)")
     canary_mean_rel_err: float = _doc(0.0025, "per layer, the canary tokens' mean relative "
                                       "error")
+    proof_rate: float = _doc(0.05, "the share of samples proven against the server's own "
+                             "prompt logprobs (0: none, 1: every one; docs/proof.md)")
+    proof_rows: int = _doc(32, "rows of a proven sample's final state checked, spread over "
+                           "the sequence")
     max_in_flight: int = _doc(0, "requests per host at the server at once, all worker processes "
                               "together (0: from `/server_info`)")
     dump_budget_bytes: int = _doc(0, "tmpfs bytes the host's dumps may take until collected "
@@ -178,6 +182,9 @@ class Settings:
             out.append(f"FARM_CANARY_LOCK_TTL_S must be >= 3, not {self.canary_lock_ttl_s}")
         if not 0 < self.canary_mean_rel_err <= self.canary_max_rel_err:
             out.append("FARM_CANARY_MEAN_REL_ERR must be > 0 and at most FARM_CANARY_MAX_REL_ERR")
+        if not 0.0 <= self.proof_rate <= 1.0 or self.proof_rows < 1:
+            out.append("FARM_PROOF_RATE must be within 0..1 and FARM_PROOF_ROWS >= 1, not "
+                       f"{self.proof_rate} and {self.proof_rows}")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
             out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
         tls_files = [f for f in ("redis_ca_file", "redis_cert_file", "redis_key_file")

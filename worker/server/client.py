@@ -121,17 +121,18 @@ class ServerClient:
                               "point FARM_SERVER_URL at the hooked inference server")
         return engine
 
-    async def generate(self, rid: str, input_ids: list[int],
-                       dp_rank: int | None = None) -> dict[str, Any]:
+    async def generate(self, rid: str, input_ids: list[int], dp_rank: int | None = None,
+                       prompt_logprobs: bool = False) -> dict[str, Any]:
         """The prefill request of one sample, which the hook dumps (``Engine.generate``);
-        ``dp_rank`` pins it to that DP group.
+        ``dp_rank`` pins it to that DP group; ``prompt_logprobs``: the proof's logprobs too.
 
         Raises:
             ServerUnavailable: the request failed and the server fails its health check too
                 (down, or hung: a SIGSTOPped server accepts connections and answers nothing).
             ServerBusy: refused for now by the server or a gateway, or reset while it is healthy.
             BadInput: the engine refused the request for its content."""
-        path, body, headers = (await self.engine()).generate(rid, input_ids, dp_rank)
+        path, body, headers = (await self.engine()).generate(rid, input_ids, dp_rank,
+                                                             prompt_logprobs)
         try:
             result = await self._request("POST", path, body, headers=headers)
         except ServerUnavailable:
