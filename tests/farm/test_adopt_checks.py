@@ -62,7 +62,7 @@ def finals(out: Path) -> list[Path]:
 def _count(text: str, what: str) -> int:
     for line in text.splitlines():
         if line.startswith(f"{what}: "):
-            return int(line.split(": ")[1])
+            return int(line.split(": ")[1].split()[0])  # "adopted: 6 samples"
     raise AssertionError(f"no '{what}:' line in:\n{text}")
 
 

@@ -63,7 +63,7 @@ def test_a_dump_dir_another_user_made_first_is_refused_by_every_side(
             pre.stdout
         # And the launcher's dry run too
         launch = subprocess.run(["bash", "ops/launch-sglang.sh", "--dry-run"], cwd=ROOT,
-                                env={**farm.env(), "PYTHON": sys.executable, "TP": "1"},
+                                env={**farm.env(), "PYTHON": sys.executable, "SGLANG_TP": "1"},
                                 capture_output=True, text=True, timeout=120)
         assert f"FAIL  dump dir {shm_dir} is owned by uid {NOBODY} (nobody)" in launch.stdout, \
             launch.stdout

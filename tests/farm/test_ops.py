@@ -136,7 +136,7 @@ def test_launcher_dry_run_checks_everything_and_starts_and_removes_nothing(
         before = sorted(p.name for p in dumps.iterdir())
         env = clean_env(FARM_MODEL_PATH=str(tiny_model), FARM_DUMP_DIR=str(dumps),
                         FARM_SERVER_URL=f"http://127.0.0.1:{redis_farm.redis_port}",
-                        FARM_LAYERS_TO_CAPTURE="2,4,5", TP="1", PYTHON=sys.executable)
+                        FARM_LAYERS_TO_CAPTURE="2,4,5", SGLANG_TP="1", PYTHON=sys.executable)
         # When the launcher's dry run looks, with an extra SGLang flag
         res = sh("ops/launch-sglang.sh", "--dry-run", "--", "--mem-fraction-static", "0.5",
                  env=env)

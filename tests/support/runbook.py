@@ -31,6 +31,8 @@ NOT_RUN = {"ops/launch-sglang.sh": "starts SGLang (its --dry-run runs here)",
            "ops/launch-vllm.sh -- --enable-expert-parallel": "starts vLLM",
            "ops/start-redis.sh": "starts the production Redis",
            "python -m producer demo": "the whole demo (tests/farm/test_demo.py runs it)",
+           "python -m sglang_patch nccl --log-dir /var/log/hsfarm/nccl-30000":
+               "reads a multi-GPU server's NCCL logs (tests/unit/test_nccl.py reads fixtures)",
            "python -m producer dashboard --basic-auth-file /etc/hsfarm/dashboard-auth":
                "serves until stopped (tests/farm/test_dashboard.py runs it against a farm)",
            "python -m producer enqueue /data/train.jsonl --redo-host hostB":
