@@ -129,7 +129,8 @@ class DumpWriter:
             raise ValueError(f"unknown dump dtype {dtype!r}: one of {', '.join(c.STORE_DTYPES)}")
         self.dtype = dtype  # what the collector dumps our requests in
         self.dump_dir = dump_dir
-        self.metadata = dict(metadata)
+        # built in the process that writes the ready marker: every dump names it
+        self.metadata = {**metadata, c.M_WRITER: markers.writer_id()}
         self.min_free_bytes = min_free_bytes
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="hsfarm-dump-writer", daemon=True)

@@ -43,32 +43,46 @@ class RunContext:
     store: OutputStore
     limits: Limits  # the host's admission limits (in flight, dump budget)
     canary: CanaryCheck  # its state (last passed) is inherited by pool processes
+    # the server start this worker talks to, as its probe's dump names it (``M_WRITER``):
+    # the one whose ready marker is read where a dump dir is shared
+    writer: str | None = None
 
     @classmethod
-    def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
+    def build(cls, settings: Settings, server_wait_s: float = 0.0,
+              writer: str | None = None) -> RunContext:
         """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer, a server
-        context shorter than FARM_MAX_TOKENS with FARM_OVERLONG=reject)."""
-        # The dump dir is the server's and the workers' alone. Checked first: a server that
-        # refuses it never comes up, and the checks below would wait for it forever.
-        try:
-            dumpdir.ensure(settings.dump_dir)
-        except dumpdir.DumpDirUnsafe as e:
-            raise ConfigError(str(e)) from e
+        context shorter than FARM_MAX_TOKENS with FARM_OVERLONG=reject).
+
+        Args:
+            writer: the server start whose ready marker is read (a probe dump's
+                ``M_WRITER``; None: the only one in the dump dir)."""
+        check_dump_dir(settings)
         model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
         # before the manifest is written: a server that takes fewer tokens than the run allows
-        info = server_info(settings, wait_s=server_wait_s)
+        info = server_info(settings, wait_s=server_wait_s, writer=writer)
         chat.server_max_tokens = server_max_tokens(settings, info)
         store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,
                             model_path=model_path).open()
-        limits = limits_for_host(settings, fp.hidden_size)
+        limits = limits_for_host(settings, fp.hidden_size, writer=writer)
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
                             encode=lambda text: list(chat.tok(text, add_special_tokens=False)
                                                      ["input_ids"]), run_id=store.run_id,
                             server_max_tokens=chat.server_max_tokens)
-        return cls(settings, model_path, chat, fp, store, limits, check)
+        return cls(settings, model_path, chat, fp, store, limits, check, writer)
+
+
+def check_dump_dir(settings: Settings) -> None:
+    """Raises ConfigError when the dump dir is not the server's and the workers' alone.
+
+    Checked first: a server that refuses it never comes up, and every check that waits for
+    the server would wait forever."""
+    try:
+        dumpdir.ensure(settings.dump_dir)
+    except dumpdir.DumpDirUnsafe as e:
+        raise ConfigError(str(e)) from e
 
 
 @dataclass
@@ -99,7 +113,7 @@ class Runtime:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         s = ctx.settings
-        return cls(settings=s, loop=loop, client=ServerClient.of(s),
+        return cls(settings=s, loop=loop, client=ServerClient.of(s, writer=ctx.writer),
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
                    index=RunIndex(broker.client(s), ctx.store.run_id),
                    hostname=host_id(s),

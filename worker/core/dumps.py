@@ -178,14 +178,19 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
         raise
 
 
-def served_dtype_problem(dump_dir: Path, run_dtype: str) -> str | None:
+def served_dtype_problem(dump_dir: Path, run_dtype: str, writer: str | None = None
+                         ) -> str | None:
     """What is wrong when the server writing ``dump_dir`` stores other hidden states than the
-    run (its newest ready marker of a process not known dead says which; an older hook's says
-    nothing and stores bf16); None when they agree or no marker is there to ask.
+    run (the newest live ready marker of its server start says which: the start of ``writer``,
+    a probe dump's ``contracts.M_WRITER``, in a dump dir servers may share; an older hook's
+    says nothing and stores bf16); None when they agree or no marker is there to ask.
 
     Checked at the worker's start, so a server started without the run's dtype stops the
     worker with the fix before it takes a sample (each dump's own check stays)."""
-    marker = markers.newest_live(dump_dir)
+    try:
+        marker, _ = markers.newest_of_server(dump_dir, writer)
+    except markers.SharedDumpDir as e:
+        return f"{dump_dir}: {e}"
     if marker is None:
         return None
     served = str(marker.info.get("dump_dtype") or c.DTYPE_BF16)

@@ -17,6 +17,7 @@ import orjson
 
 from engine_dump import engines
 from engine_dump.engines import Engine
+from engine_dump.markers import SharedDumpDir
 from worker.core.errors import ConfigError, FarmError, ServerBusy, ServerUnavailable, Transient
 from worker.core.settings import Settings
 from worker.server import answers
@@ -25,20 +26,24 @@ from worker.server import answers
 class ServerClient:
     """Async client; create inside the event loop that will use it."""
 
-    def __init__(self, base_url: str, timeout_s: float, dump_dir: Path | None = None) -> None:
-        """``dump_dir``: the server's, where a vLLM hook's marker says its batch budget."""
+    def __init__(self, base_url: str, timeout_s: float, dump_dir: Path | None = None,
+                 writer: str | None = None) -> None:
+        """``dump_dir``: the server's, where a vLLM hook's marker says its batch budget;
+        ``writer``: the server start whose marker that is (a probe dump's ``M_WRITER``)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.dump_dir = dump_dir
+        self.writer = writer
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self._engine: Engine | None = None
 
     @classmethod
-    def of(cls, settings: Settings, timeout_s: float | None = None) -> ServerClient:
+    def of(cls, settings: Settings, timeout_s: float | None = None,
+           writer: str | None = None) -> ServerClient:
         """The client of ``settings``' server (timeout: the request timeout unless given)."""
         return cls(settings.server_url, settings.request_timeout_s if timeout_s is None
-                   else timeout_s, settings.dump_dir)
+                   else timeout_s, settings.dump_dir, writer)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -161,10 +166,16 @@ class ServerClient:
 
     async def server_info(self) -> dict[str, Any]:
         """SGLang's ``/server_info`` (its server args: chunked prefill size, limits, ...); for
-        vLLM its limits under the same names (``Engine.server_info``)."""
+        vLLM its limits under the same names (``Engine.server_info``).
+
+        Raises:
+            ConfigError: two vLLM servers write the dump dir and no ``writer`` says whose."""
         engine = await self.engine()
         if engine.name == engines.VLLM:
-            return engine.server_info(self.dump_dir)
+            try:
+                return engine.server_info(self.dump_dir, self.writer)
+            except SharedDumpDir as e:
+                raise ConfigError(f"{self.dump_dir}: {e}") from e
         info = await self._request("GET", "/server_info")
         if not isinstance(info, dict):
             raise Transient(f"unexpected /server_info answer: {info!r:.200}")
