@@ -141,6 +141,23 @@ def markers(dump_dir: Path) -> list[Marker]:
     return sorted(found, key=lambda m: m.time)
 
 
+def epoch(dump_dir: Path) -> tuple[tuple[str, int], ...]:
+    """The ready markers in ``dump_dir`` (name and mtime): they change when a server starts."""
+    out = []
+    try:
+        paths = list(dump_dir.glob(f"{c.READY_PREFIX}*"))
+    except OSError:
+        return ()
+    for p in paths:
+        if c.is_temp_name(p.name):
+            continue
+        try:
+            out.append((p.name, p.stat().st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(sorted(out))
+
+
 def live(found: list[Marker]) -> list[Marker]:
     """Of ``found`` (oldest first), those whose process runs, else those not known dead
     (another host's or pid namespace's)."""

@@ -1,11 +1,11 @@
 """The HTTP client for the hooked server (SGLang, vLLM or the reference). One session per process.
 
-The engine is asked of the server once (``engine``). aiohttp's exceptions and the answers are
-translated here (``answers.error_for``). A refused connection, or a failed request while the
-server also fails a health check, is ``ServerUnavailable``; a reset or dropped connection while
-it is healthy is ``ServerBusy`` (the network or a gateway); a timeout while it is healthy is
-``Transient``, a counted attempt, as the request timeout is sized for one sample.
-Test: tests/farm/test_faults.py::test_hung_server_spends_no_attempts."""
+The engine is asked of the server (``engine``), again once the server refused a connection, a
+ready marker is new or it answered 404 (another engine may serve there now). Answers are
+translated by ``answers.error_for``. A refused connection, or a failed request while the server
+fails a health check, is ``ServerUnavailable``; a reset or dropped connection while it is
+healthy is ``ServerBusy``; a timeout while it is healthy is ``Transient``, a counted attempt.
+Tests: tests/farm/test_faults.py::test_hung_server_spends_no_attempts, tests/vllm/farm."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from engine_dump import engines
+from engine_dump import engines, markers
 from engine_dump.engines import Engine
 from engine_dump.markers import SharedDumpDir
 from worker.core.errors import ConfigError, FarmError, ServerBusy, ServerUnavailable, Transient
@@ -37,6 +37,7 @@ class ServerClient:
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self._engine: Engine | None = None
+        self._epoch: tuple[tuple[str, int], ...] = ()  # the ready markers when it was asked
 
     @classmethod
     def of(cls, settings: Settings, timeout_s: float | None = None,
@@ -77,6 +78,8 @@ class ServerClient:
             raise ServerUnavailable(f"{method} {url}: {type(e).__name__}: {e}") from e
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise Transient(f"{method} {url}: {type(e).__name__}: {e}") from e
+        if status == 404:  # not the engine's path: another engine may serve here now
+            self._engine = None
         error = answers.error_for(path, status, data)
         if error is not None:
             raise error
@@ -94,7 +97,9 @@ class ServerClient:
             ServerUnavailable: the server does not answer (down, loading, a gateway's refusal).
             ConfigError: it answers, but as neither engine.
         """
-        if self._engine is None:
+        if self._engine is None or self._restarted():
+            self._engine = None
+            self._epoch = self._markers()  # before asking: a start meanwhile is seen next time
             try:
                 self._engine = await self._detect(timeout_s)
             except (ServerUnavailable, ConfigError):
@@ -103,6 +108,13 @@ class ServerClient:
                 raise ServerUnavailable(f"{self.base_url}: which engine serves cannot be "
                                         f"asked: {e}") from e
         return self._engine
+
+    def _markers(self) -> tuple[tuple[str, int], ...]:
+        return markers.epoch(self.dump_dir) if self.dump_dir is not None else ()
+
+    def _restarted(self) -> bool:
+        """A ready marker came or changed since the engine was asked: a server (re)started."""
+        return self.dump_dir is not None and self._markers() != self._epoch
 
     async def _detect(self, timeout_s: float | None) -> Engine:
         try:
@@ -184,7 +196,7 @@ class ServerClient:
     async def reachable(self, timeout_s: float | None = None) -> bool:
         """A cheap liveness probe (no forward pass, unlike SGLang's /health)."""
         try:
-            if self._engine is None:  # asking which engine is itself a cheap request
+            if self._engine is None or self._restarted():  # asking is itself a cheap request
                 await self.engine(timeout_s)
                 return True
             await self._request("GET", self._engine.liveness_path, timeout_s=timeout_s)
