@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_dump import contracts as c
@@ -43,35 +44,40 @@ class RunContext:
     store: OutputStore
     limits: Limits  # the host's admission limits (in flight, dump budget)
     canary: CanaryCheck  # its state (last passed) is inherited by pool processes
-    # the server start this worker talks to, as its probe's dump names it (``M_WRITER``):
-    # the one whose ready marker is read where a dump dir is shared
-    writer: str | None = None
+    # what the hook probe's dump said (``engine_dump.probe``); its ``M_WRITER`` names the
+    # server start whose ready marker is read where a dump dir is shared
+    probe_meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def writer(self) -> str | None:
+        return self.probe_meta.get(c.M_WRITER)
 
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0,
-              writer: str | None = None) -> RunContext:
+              probe: Callable[[], dict[str, str]] | None = None) -> RunContext:
         """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer, a server
         context shorter than FARM_MAX_TOKENS with FARM_OVERLONG=reject).
 
         Args:
-            writer: the server start whose ready marker is read (a probe dump's
-                ``M_WRITER``; None: the only one in the dump dir)."""
+            probe: the hook probe, run once the output dir is open (its weights checked: no
+                request before), its dump's metadata returned; None: no probe."""
         check_dump_dir(settings)
         model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
         # before the manifest is written: a server that takes fewer tokens than the run allows
-        info = server_info(settings, wait_s=server_wait_s, writer=writer)
+        info = server_info(settings, wait_s=server_wait_s)
         chat.server_max_tokens = server_max_tokens(settings, info)
         store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,
                             model_path=model_path).open()
-        limits = limits_for_host(settings, fp.hidden_size, writer=writer)
+        probe_meta = probe() if probe is not None else {}
+        limits = limits_for_host(settings, fp.hidden_size, writer=probe_meta.get(c.M_WRITER))
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
                             encode=lambda text: list(chat.tok(text, add_special_tokens=False)
                                                      ["input_ids"]), run_id=store.run_id,
                             server_max_tokens=chat.server_max_tokens)
-        return cls(settings, model_path, chat, fp, store, limits, check, writer)
+        return cls(settings, model_path, chat, fp, store, limits, check, probe_meta)
 
 
 def check_dump_dir(settings: Settings) -> None:

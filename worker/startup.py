@@ -1,11 +1,11 @@
 """A worker's start: every check that can fail runs before it consumes (``worker_init``).
 
-Order: Redis, the dump dir, the hook probe (waits while the server or its hook is off; its
-dump names the server start whose ready marker the worker reads), the run context (its
-longest input against ``FARM_MAX_TOKENS``), the manifest, dead writers' temp files, the served
-weights, layers, config and dtype (``served_identity``), the canary (recorded, or compared:
-waits while it differs). A ConfigError exits 2 with the fix; pool processes inherit
-it. Test: tests/farm/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
+Order: Redis auth and persistence, the run context (waiting for the server; its longest input
+against ``FARM_MAX_TOKENS``; the manifest; the hook probe, whose dump names the server start
+whose ready marker the worker reads), dead writers' temp files, the served weights, layers,
+config and dtype (``served_identity``), the canary (recorded, or compared: waits while it
+differs). A ConfigError exits 2 with the fix; pool processes inherit ``app.context`` at fork.
+Test: tests/farm/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
 
 from __future__ import annotations
 
@@ -23,14 +23,13 @@ import redis
 from celery import current_app
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from engine_dump import contracts as c
 from engine_dump.dumpdir import DumpDirUnsafe
 from engine_dump.probe import ProbeFailed, probe
 from worker.app import FarmApp
 from worker.core import canary, liveness, outdir, run, time_limits
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
-from worker.runtime import RunContext, Runtime, check_dump_dir
+from worker.runtime import RunContext, Runtime
 from worker.server import served_identity
 from worker.server.canary_check import Outcome
 from worker.server.client import ServerClient
@@ -155,17 +154,16 @@ def _on_worker_init(sender: Any, **_: Any) -> None:
     try:
         r = _wait_for_redis(settings)
         broker.check_persistence(r, settings)
-        check_dump_dir(settings)
-        probe_meta = _wait_for_hook(settings)  # its dump names the server start that is ours
+        # the probe's dump names the server start whose ready marker is ours
         ctx = app.context = RunContext.build(settings, server_wait_s=math.inf,
-                                             writer=probe_meta.get(c.M_WRITER))
+                                             probe=lambda: _wait_for_hook(settings))
         per_token = ctx.limits.bytes_per_token
         time_limits.check_visibility(settings, per_token)
         longest = time_limits.for_tokens(settings, settings.max_tokens, per_token)
         ctx.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
         _consume_the_runs_queue(app, r, ctx.store.run_id)
         register_host(r, settings, ctx.store.run_id, ctx.fingerprint.id)
-        _check_served(ctx, probe_meta)
+        _check_served(ctx, ctx.probe_meta)
         _wait_for_canary(ctx, r)
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:

@@ -37,23 +37,17 @@ def max_input_tokens(info: dict[str, Any] | None) -> int | None:
     return min(limits) if limits else None
 
 
-def server_info(settings: Settings, wait_s: float = 0.0,
-                writer: str | None = None) -> dict[str, Any] | None:
+def server_info(settings: Settings, wait_s: float = 0.0) -> dict[str, Any] | None:
     """The server's ``/server_info``, waiting up to ``wait_s`` while it does not answer (or a
-    gateway refuses for now); None when it does not serve one. ``writer``: the server start
-    whose ready marker is read (``ServerClient``).
-
-    Raises:
-        ConfigError: the server's ready marker cannot be told from another's."""
+    gateway refuses for now); None when it does not serve one. Its context only: no ready
+    marker is read (vLLM says its context in ``/v1/models``; admission reads the rest)."""
     async def ask() -> dict[str, Any] | None:
-        client = ServerClient.of(settings, 10.0, writer)
+        client = ServerClient(settings.server_url, 10.0)
         t0, said = time.monotonic(), -math.inf
         try:
             while True:
                 try:
                     return await client.server_info()
-                except ConfigError:
-                    raise
                 except (BadInput, ServerBusy) as e:
                     if not isinstance(e, ServerBusy) or e.status not in BUSY_STATUSES:
                         return None  # it answers, but has no /server_info
