@@ -174,6 +174,9 @@ M_PATCH_VERSION = "patch_version"
 M_SERVER_VERSION = "server_version"
 M_RID = "rid"
 M_WEIGHTS = "weights_identity"  # JSON: ``served_weights`` of the weights the server loaded
+# The process that wrote the dump, in the words of its ready marker (``markers.writer_id``):
+# which server start of a shared dump dir a dump came from
+M_WRITER = "writer"
 
 
 # --- storage dtype ---------------------------------------------------------------------------

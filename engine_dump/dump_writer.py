@@ -143,7 +143,8 @@ class DumpWriter:
             raise ValueError(f"unknown dump dtype {dtype!r}: one of {', '.join(c.STORE_DTYPES)}")
         self.dtype = dtype  # what the collector dumps our requests in
         self.dump_dir = dump_dir
-        self.metadata = dict(metadata)
+        # built in the process that writes the ready marker: every dump names it
+        self.metadata = {**metadata, c.M_WRITER: markers.writer_id()}
         self.min_free_bytes = min_free_bytes
         self.max_queue = max_queue
         self.max_block_s = max_block_s

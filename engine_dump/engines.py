@@ -77,15 +77,20 @@ class Engine:
             body["routed_dp_rank"] = dp_rank
         return "/generate", body, {}
 
-    def server_info(self, dump_dir: Path | None) -> dict[str, Any]:
+    def server_info(self, dump_dir: Path | None, writer: str | None = None) -> dict[str, Any]:
         """vLLM's limits in SGLang's ``/server_info`` names (what admission, the canary and
         the length check read): the context from /v1/models, the batch budget, the most
-        requests and the DP ranks from the newest ready marker of a live hook in
-        ``dump_dir`` (none yet: those keys are absent, and the callers' defaults apply)."""
+        requests and the DP ranks from the newest ready marker of a live hook of this
+        server start in ``dump_dir`` (``vllm_marker``; none yet: those keys are absent, and
+        the callers' defaults apply).
+
+        Raises:
+            markers.SharedDumpDir: no ``writer``, and two vLLM servers write ``dump_dir``.
+        """
         info: dict[str, Any] = {"engine": VLLM, "version": self.version}
         if self.max_model_len:
             info["context_length"] = self.max_model_len  # prompt + 1 generated token
-        said = vllm_marker(dump_dir)
+        said = vllm_marker(dump_dir, writer)
         for ours, theirs in (("chunked_prefill_size", "max_num_batched_tokens"),
                              ("max_running_requests", "max_num_seqs"),
                              ("attn_dp_size", "dp_groups")):
@@ -95,16 +100,22 @@ class Engine:
         return info
 
 
-def vllm_marker(dump_dir: Path | None) -> dict[str, Any]:
-    """The newest ready marker of a live vLLM hook in ``dump_dir``, with its server's DP group
-    count (``markers.dp_groups``); {} when there is none."""
+def vllm_marker(dump_dir: Path | None, writer: str | None = None) -> dict[str, Any]:
+    """The newest ready marker of a live vLLM hook in ``dump_dir``, of the server start whose
+    process ``writer`` is (a dump's ``contracts.M_WRITER``; None: the only one there), with
+    that start's DP group count (``markers.dp_groups``); {} when there is none.
+
+    Raises:
+        markers.SharedDumpDir: no ``writer``, and two vLLM servers write ``dump_dir``.
+    """
     if dump_dir is None:
         return {}
     found = [m for m in mk.markers(dump_dir) if m.info.get("engine") == VLLM]
-    live = mk.live(found)
+    mine = mk.of_server(found, writer)
+    live = mk.live(mine)
     if not live:
         return {}
-    return {**live[-1].info, "dp_groups": mk.dp_groups(live[-1], found)}
+    return {**live[-1].info, "dp_groups": mk.dp_groups(live[-1], mine)}
 
 
 def sglang_engine(model_info: dict[str, Any], version: str = "") -> Engine:

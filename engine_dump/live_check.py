@@ -45,11 +45,15 @@ def add_live_args(p: argparse.ArgumentParser, env: str) -> None:
                    "launcher waits for: one of the server it started)")
 
 
-def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0, *, env: str) -> Check:
+def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0, *, env: str,
+                 writer: str | None = None) -> Check:
     """A ready marker of a live hook process: the newest one whose writer is not dead
-    (``markers``), written at or after ``since`` (unix time). ``env``: the variable that
-    gives this engine's server its dump dir, for the fix."""
+    (``markers``), written at or after ``since`` (unix time), of the server start whose
+    process ``writer`` is (a probe dump's ``contracts.M_WRITER``: the dump dir may be
+    shared). ``env``: the variable that gives this engine's server its dump dir, for the fix."""
     found = [m for m in mk.markers(dump_dir) if m.time >= since]
+    if writer:
+        found = mk.of_server(found, writer)
     if not found:
         when = f" written since {time.strftime('%H:%M:%S', time.localtime(since))}" \
             if since else ""
@@ -132,14 +136,17 @@ def _weights(info: dict[str, object]) -> str:
     return f"{w.get('id')} ({n} shards{why})"
 
 
-def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> Check:
+def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> tuple[Check, str | None]:
+    """The probe's check, and the writer its dump names (None: it failed, or an older hook)."""
+    from engine_dump.contracts import M_WRITER
     from engine_dump.dumpdir import DumpDirUnsafe
-    from engine_dump.probe import ProbeFailed, run_probe
+    from engine_dump.probe import ProbeFailed, probe_groups
 
     try:
-        return Check("probe request", True, run_probe(server_url, dump_dir, timeout_s))
+        done = probe_groups(server_url, dump_dir, timeout_s)
     except (ProbeFailed, DumpDirUnsafe) as e:
-        return Check("probe request", False, str(e))
+        return Check("probe request", False, str(e)), None
+    return Check("probe request", True, done.summary), done.metadata.get(M_WRITER)
 
 
 def live_checks(p: argparse.ArgumentParser, args: argparse.Namespace, env: str) -> list[Check]:
@@ -149,12 +156,14 @@ def live_checks(p: argparse.ArgumentParser, args: argparse.Namespace, env: str) 
         p.error(f"--server needs --dump-dir (the server's {env})")
     if args.live_only and args.dump_dir is None:
         p.error("--live-only needs --dump-dir")
-    results = []
-    if args.dump_dir is not None:
-        results.append(check_marker(args.dump_dir, args.max_age_s, args.since, env=env))
-    if args.server:
-        results.append(check_probe(args.server, args.dump_dir, args.timeout_s))
-    return results
+    if args.dump_dir is None:
+        return []
+    if not args.server:
+        return [check_marker(args.dump_dir, args.max_age_s, args.since, env=env)]
+    # the probe first: its dump names the server start whose markers are checked
+    probed, writer = check_probe(args.server, args.dump_dir, args.timeout_s)
+    return [check_marker(args.dump_dir, args.max_age_s, args.since, env=env, writer=writer),
+            probed]
 
 
 def verify_main(p: argparse.ArgumentParser, argv: list[str] | None, env: str,

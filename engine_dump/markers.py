@@ -1,13 +1,11 @@
 """Ready markers: the hook's proof that it runs in a serving process, and which ones are dead.
 
 A marker ``<dump dir>/.ready.<pid>`` (JSON, atomic) holds what the hook serves and who wrote
-it: pid, start time, boot id, pid namespace. Pids are reused and mean something only in one
-pid namespace of one boot, so a marker is **dead** only when it is of this boot and pid
-namespace and no process with its pid and start time runs; anything else (another container
-or host, a marker without these fields) is **unknown** and left alone: a live server's
-marker is never removed. Test: tests/unit/test_markers.py::test_dead_live_reused_and_legacy_markers.
-
-"""
+it: pid, start time, boot id, pid namespace. A marker is **dead** only when it is of this boot
+and pid namespace and no process with its pid and start time runs; anything else is
+**unknown** and left alone. Servers may share a dump dir: each dump names its writer
+(``contracts.M_WRITER``), and a reader takes that server start's markers (``of_server``).
+Tests: tests/unit/test_markers.py, tests/farm/test_markers.py."""
 
 from __future__ import annotations
 
@@ -35,6 +33,17 @@ def process_identity() -> dict[str, object]:
             "host": socket.gethostname(),
             # SGLang's schedulers are children of its launcher: the server they belong to
             "ppid": os.getppid()}
+
+
+def writer_id() -> str:
+    """This process as a dump names its writer (``contracts.M_WRITER``): the same words as
+    ``Marker.writer`` of the marker it wrote."""
+    return _writer_of(process_identity())
+
+
+def _writer_of(info: dict[str, object]) -> str:
+    return "/".join(str(info.get(k) or "") for k in ("host", "boot_id", "pid_ns", "pid",
+                                                     "start_ticks"))
 
 
 def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
@@ -104,8 +113,24 @@ class Marker:
         start = self.info.get("server_id") or self.info.get("ppid")
         return (*(self.info.get(k) for k in ("host", "boot_id", "pid_ns")), start)
 
+    @property
+    def writer(self) -> str:
+        """The process that wrote it, as its dumps name it (``writer_id``)."""
+        return _writer_of(self.info)
+
+    def describe_server(self) -> str:
+        """Its server start, for people: the id, else the launcher's pid, and the marker."""
+        sid = self.info.get("server_id")
+        who = f"server {sid}" if sid else f"server process {self.info.get('ppid')}"
+        return (f"{who} ({self.path.name}, pid {self.info.get('pid')}, model "
+                f"{self.info.get('model_path')}, {self.info.get('dump_dtype') or 'bfloat16'})")
+
     def line(self) -> str:
         return f"{self.path.name}: {self.state} ({self.why})"
+
+
+class SharedDumpDir(Exception):
+    """Live markers of two server starts, and nothing that says which one is asked about."""
 
 
 def state(info: dict[str, object]) -> tuple[str, str]:
@@ -145,6 +170,23 @@ def markers(dump_dir: Path, prefix: str = c.READY_PREFIX) -> list[Marker]:
     return sorted(found, key=lambda m: m.time)
 
 
+def epoch(dump_dir: Path) -> tuple[tuple[str, int], ...]:
+    """The ready markers in ``dump_dir`` (name and mtime): they change when a server starts."""
+    out = []
+    try:
+        paths = list(dump_dir.glob(f"{c.READY_PREFIX}*"))
+    except OSError:
+        return ()
+    for p in paths:
+        if c.is_temp_name(p.name):
+            continue
+        try:
+            out.append((p.name, p.stat().st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(sorted(out))
+
+
 def live(found: list[Marker]) -> list[Marker]:
     """Of ``found`` (oldest first), those whose process runs, else those not known dead
     (another host's or pid namespace's)."""
@@ -169,10 +211,40 @@ def dp_groups(newest: Marker, found: list[Marker]) -> int:
     return groups
 
 
-def newest_live(dump_dir: Path) -> Marker | None:
-    """The newest of ``live`` markers in ``dump_dir``; None when there is none."""
-    found = live(markers(dump_dir))
-    return found[-1] if found else None
+def of_server(found: list[Marker], writer: str | None) -> list[Marker]:
+    """Of ``found`` (oldest first), the markers of one server start, dead ones too: the one
+    whose process ``writer`` is (a dump's ``contracts.M_WRITER``), else (no writer: an older
+    hook's dump, or none asked yet) the only server start with a live marker. Empty when
+    the writer left no marker, or no marker lives.
+
+    Raises:
+        SharedDumpDir: no writer, and live markers of two or more server starts (named).
+    """
+    if writer:
+        mine = [m for m in found if m.writer == writer]
+        return [m for m in found if m.server == mine[-1].server] if mine else []
+    alive = live(found)
+    starts: dict[tuple[object, ...], Marker] = {m.server: m for m in alive}
+    if len(starts) > 1:
+        raise SharedDumpDir(
+            f"{len(starts)} servers write into this dump dir: "
+            + "; ".join(m.describe_server() for m in starts.values())
+            + ", and nothing says which one is this worker's (its probe's dump does not name "
+            "its writer: a hook older than this hsfarm). Give each server its own dump dir, "
+            "or upgrade hsfarm in the servers' python")
+    return [m for m in found if m.server == alive[-1].server] if alive else []
+
+
+def newest_of_server(dump_dir: Path, writer: str | None) -> tuple[Marker | None, list[Marker]]:
+    """The newest live marker of ``of_server``'s server start in ``dump_dir`` (None when none
+    lives), and all of that start's markers (for ``dp_groups``).
+
+    Raises:
+        SharedDumpDir: as ``of_server``.
+    """
+    mine = of_server(markers(dump_dir), writer)
+    alive = live(mine)
+    return (alive[-1] if alive else None), mine
 
 
 def remove_dead(dump_dir: Path, prefix: str = c.READY_PREFIX) -> list[Marker]:

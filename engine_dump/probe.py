@@ -24,6 +24,7 @@ import numpy as np
 from engine_dump import contracts as c
 from engine_dump import dumpdir, engines, header_codec
 from engine_dump.engines import Engine, dp_groups
+from engine_dump.markers import SharedDumpDir
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
 ANSWER_TIMEOUT_S = 120.0  # for the server's answer (a busy server queues the probe)
@@ -57,12 +58,14 @@ def served_weights(meta: dict[str, str]) -> dict[str, Any] | None:
 
 def run_probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
     """``probe_groups``' one-line summary."""
-    return probe_groups(server_url, dump_dir, timeout_s)
+    return probe_groups(server_url, dump_dir, timeout_s).summary
 
 
-def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> str:
+def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> Probe:
     """One probe (``probe``) per attention-DP group of the server, each pinned to its group;
-    a server without groups gets one unpinned probe. Returns a one-line summary.
+    a server without groups gets one unpinned probe. vLLM's groups are its hook's markers':
+    those of the server start that wrote an unpinned probe's dump (a dump dir may be shared).
+    Returns the first probe, its summary a line for them all.
 
     Raises:
         ProbeFailed: naming every group whose probe failed, and why.
@@ -70,11 +73,19 @@ def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> st
     """
     url = server_url.rstrip("/")
     engine = served_engine(url)
-    info = (engine.server_info(dump_dir) if engine.name == engines.VLLM
-            else _get(url, "/server_info"))
-    groups = dp_groups(info)
+    first = None
+    info: dict[str, Any] | None
+    if engine.name == engines.VLLM:
+        first = probe(server_url, dump_dir, timeout_s, engine=engine)
+        try:
+            info = engine.server_info(dump_dir, first.metadata.get(c.M_WRITER))
+        except SharedDumpDir as e:
+            raise ProbeFailed(str(e)) from e
+    else:
+        info = _get(url, "/server_info")
+    groups = dp_groups(info or {})
     if groups <= 1:
-        return probe(server_url, dump_dir, timeout_s, engine=engine).summary
+        return first or probe(server_url, dump_dir, timeout_s, engine=engine)
     passed, failed = [], []
     for group in range(groups):
         try:
@@ -85,8 +96,8 @@ def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> st
         ok = f" (groups {', '.join(str(p.dp_rank) for p in passed)} passed)" if passed else ""
         raise ProbeFailed("; ".join(failed) + ok)
     pin = engines.VLLM_DP_RANK_HEADER if engine.name == engines.VLLM else "routed_dp_rank"
-    return (f"{groups} DP groups, one request pinned to each ({pin}), each dumped by its own "
-            f"group: {passed[0].summary}")
+    return Probe(f"{groups} DP groups, one request pinned to each ({pin}), each dumped by its "
+                 f"own group: {passed[0].summary}", passed[0].metadata, passed[0].dp_rank)
 
 
 def served_engine(url: str) -> Engine:

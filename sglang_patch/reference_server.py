@@ -310,6 +310,7 @@ class ReferenceServer:
         stager = PooledStager(self.model.pool) if isinstance(self.model, SyntheticModel) else None
         self.collector = DumpCollector(self.writer, stager=stager, ttl_s=args.dump_ttl_s)
         self.scheduler: DPGroups | None = None
+        self.server_id = f"reference-{uuid.uuid4().hex[:12]}"
 
     def ready_info(self) -> dict[str, object]:
         return {
@@ -322,6 +323,8 @@ class ReferenceServer:
             "tp_size": 1,
             "weights": self.weights,
             "dump_dtype": self.args.dump_dtype,
+            # the server is this process, not its parent's child (SGLang's schedulers are)
+            "server_id": self.server_id,
         }
 
     def app(self) -> web.Application:

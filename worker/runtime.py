@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_dump import contracts as c
@@ -45,17 +46,24 @@ class RunContext:
     limits: Limits  # the host's admission limits (in flight, dump budget)
     canary: CanaryCheck  # its state (last passed) is inherited by pool processes
     prover: Prover | None = None  # the LM head, mapped once: pool processes share its pages
+    # what the hook probe's dump said (``engine_dump.probe``); its ``M_WRITER`` names the
+    # server start whose ready marker is read where a dump dir is shared
+    probe_meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def writer(self) -> str | None:
+        return self.probe_meta.get(c.M_WRITER)
 
     @classmethod
-    def build(cls, settings: Settings, server_wait_s: float = 0.0) -> RunContext:
+    def build(cls, settings: Settings, server_wait_s: float = 0.0,
+              probe: Callable[[], dict[str, str]] | None = None) -> RunContext:
         """Raises ConfigError (unreachable server, foreign output dir, bad tokenizer, a server
-        context shorter than FARM_MAX_TOKENS with FARM_OVERLONG=reject)."""
-        # The dump dir is the server's and the workers' alone. Checked first: a server that
-        # refuses it never comes up, and the checks below would wait for it forever.
-        try:
-            dumpdir.ensure(settings.dump_dir)
-        except dumpdir.DumpDirUnsafe as e:
-            raise ConfigError(str(e)) from e
+        context shorter than FARM_MAX_TOKENS with FARM_OVERLONG=reject).
+
+        Args:
+            probe: the hook probe, run once the output dir is open (its weights checked: no
+                request before), its dump's metadata returned; None: no probe."""
+        check_dump_dir(settings)
         model_path, chat, fp = load_run(settings, wait_s=server_wait_s)
         # before the manifest is written: a server that takes fewer tokens than the run allows
         info = server_info(settings, wait_s=server_wait_s)
@@ -64,13 +72,25 @@ class RunContext:
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,
                             model_path=model_path).open()
-        limits = limits_for_host(settings, fp.hidden_size)
+        probe_meta = probe() if probe is not None else {}
+        limits = limits_for_host(settings, fp.hidden_size, writer=probe_meta.get(c.M_WRITER))
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
                             encode=chat_encoder(chat), run_id=store.run_id,
                             server_max_tokens=chat.server_max_tokens)
         prover = Prover.for_run(settings, model_path, fp.hidden_size)
-        return cls(settings, model_path, chat, fp, store, limits, check, prover)
+        return cls(settings, model_path, chat, fp, store, limits, check, prover, probe_meta)
+
+
+def check_dump_dir(settings: Settings) -> None:
+    """Raises ConfigError when the dump dir is not the server's and the workers' alone.
+
+    Checked first: a server that refuses it never comes up, and every check that waits for
+    the server would wait forever."""
+    try:
+        dumpdir.ensure(settings.dump_dir)
+    except dumpdir.DumpDirUnsafe as e:
+        raise ConfigError(str(e)) from e
 
 
 @dataclass
@@ -102,7 +122,7 @@ class Runtime:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         s = ctx.settings
-        return cls(settings=s, loop=loop, client=ServerClient.of(s),
+        return cls(settings=s, loop=loop, client=ServerClient.of(s, writer=ctx.writer),
                    chat=ctx.chat, fingerprint=ctx.fingerprint, store=ctx.store,
                    index=RunIndex(broker.client(s), ctx.store.run_id),
                    hostname=host_id(s),

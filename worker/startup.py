@@ -1,8 +1,8 @@
 """A worker's start: every check that can fail runs before it consumes (``worker_init``).
 
 Order: Redis auth and persistence, the run context (waiting for the server; its longest input
-against ``FARM_MAX_TOKENS``), the output dir's manifest, dead writers' temp files, the hook
-probe (the worker waits while the hook is off or writes elsewhere), the served weights, layers,
+against ``FARM_MAX_TOKENS``; the manifest; the hook probe, whose dump names the server start
+whose ready marker the worker reads), dead writers' temp files, the served weights, layers,
 config and dtype (``served_identity``), the canary (recorded, or compared: waits while it
 differs). A ConfigError exits 2 with the fix; pool processes inherit ``app.context`` at fork.
 Test: tests/farm/test_startup.py::test_misconfigured_worker_stops_before_taking_anything."""
@@ -122,8 +122,8 @@ def _wait_for_hook(settings: Settings) -> dict[str, str]:
         except ProbeFailed as e:
             if time.monotonic() - said > 30:
                 said = time.monotonic()
-                log.warning("waiting, taking no work: the server's dump hook does not answer a "
-                            "probe request: %s", e)
+                log.warning("waiting, taking no work, for the server and its dump hook to "
+                            "answer a probe request: %s", e)
             time.sleep(2.0)
 
 
@@ -183,14 +183,16 @@ def _on_worker_init(sender: Any, **_: Any) -> None:
     try:
         r = _wait_for_redis(settings)
         broker.check_persistence(r, settings)
-        ctx = app.context = RunContext.build(settings, server_wait_s=math.inf)
+        # the probe's dump names the server start whose ready marker is ours
+        ctx = app.context = RunContext.build(settings, server_wait_s=math.inf,
+                                             probe=lambda: _wait_for_hook(settings))
         per_token = ctx.limits.bytes_per_token
         time_limits.check_visibility(settings, per_token)
         longest = time_limits.for_tokens(settings, settings.max_tokens, per_token)
         ctx.store.clean_stale_temp(max_age_s=longest.hard_s * 2)
         _consume_the_runs_queue(app, r, ctx.store.run_id)
         register_host(r, settings, ctx.store.run_id, ctx.fingerprint.id)
-        _check_served(ctx, _wait_for_hook(settings))
+        _check_served(ctx, ctx.probe_meta)
         _wait_for_canary(ctx, r)
         reaper.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:

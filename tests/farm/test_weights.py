@@ -107,3 +107,52 @@ def test_a_server_whose_checkpoint_differs_in_one_embedding_row_is_refused(
         assert f"serves weights {changed_id}" in log and f"holds {base_id}" in log
         assert broker_depth(farm.redis(), farm.queue()) == (2, 0)
         assert not list((farm.output_dir / "samples").rglob("*.safetensors"))
+
+
+def same_states_other_bytes(base: Path, out: Path) -> Path:
+    """``base`` with its lm_head moved: other bytes inside the weights identity's sampled
+    ranges, and the same hidden states (the dump holds no logits): only the identity tells it
+    from the run's checkpoint, the canary cannot."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.05
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_running_worker_writes_no_dump_of_other_weights_and_pauses_saying_why(
+        tmp_path: Path, tiny_model: Path) -> None:
+    from producer.localfarm.farm import wait_until
+    from tests.conftest import assert_farm_invariants, wait_finished
+    from tests.support.faults import enqueue, failed, running_farm
+
+    other = same_states_other_bytes(tiny_model, tmp_path / "other")
+    other_id = weights.weights_identity(other)["id"]
+    assert other_id != weights.weights_identity(tiny_model)["id"]
+    with running_farm(tmp_path) as farm:
+        # Given a run under way: its worker started on the run's checkpoint
+        w = farm.start_worker("w1", concurrency=2)
+        keys = enqueue(farm, tmp_path, 4)
+        wait_finished(farm, 4)
+        out = farm.output_dir / "samples"
+        # When the server restarts on a copy whose bytes differ inside the identity's sample
+        # (its hidden states are the run's: the canary passes), and samples are queued
+        farm.procs["server"].stop()
+        farm.start_server(["--model", str(other)])
+        more = enqueue(farm, tmp_path, 4, start=4)
+        # Then the running worker writes no final file of them, and pauses saying why
+        wait_until(lambda: f"serves weights {other_id}" in w.log.read_text(), 120,
+                   "the worker to refuse the dumps")
+        time.sleep(3)
+        assert len(list(out.rglob("*.safetensors"))) == 4
+        log = w.log.read_text()
+        assert "paused (no attempt spent): ServerMisconfigured" in log, log[-3000:]
+        assert w.alive() and not failed(farm)
+        # And once the run's checkpoint is served again, the run finishes: 8 files, no attempt
+        # spent on the refused dumps
+        farm.procs["server"].stop()
+        farm.start_server()
+        wait_finished(farm, 8)
+        assert_farm_invariants(farm, keys + more)

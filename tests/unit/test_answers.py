@@ -64,6 +64,10 @@ def vllm(message: str, status: int = 400, kind: str = "BadRequestError") -> byte
                "(at least 1) is longer than the maximum model length of 2048. Make sure that "
                "`max_model_len` is no smaller than the number of text tokens (prompt + "
                "requested output tokens)."), ConfigError),
+    # a prompt exactly max_model_len long: no room for the one token the farm asks (vLLM's
+    # get_max_tokens gives 0, SamplingParams refuses it), as a server restarted shorter says
+    (400, vllm("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"),
+     ConfigError),
     (400, vllm("data_parallel_rank 2 is out of range [0, 2)."), ConfigError),
     (404, vllm("The model `kimi` does not exist.", 404, "NotFoundError"), ServerBusy),
     (503, vllm("engine is sleeping", 503, "ServiceUnavailableError"), ServerBusy),
@@ -92,6 +96,8 @@ def test_a_gateways_page_is_named_by_its_title() -> None:
     ("server rejected /generate (413): <html>", True),
     ("server rejected /generate (400): The input (2101 tokens) is longer than the model's "
      "context length (1024 tokens).", True),
+    ("server rejected the sample (400): max_tokens must be at least 1, got 0. "
+     "(parameter=max_tokens, value=0)", True),
     ("sample has 300 tokens; truncated to 153, what the server's context takes (under "
      "FARM_MAX_TOKENS=8192), it has no assistant tokens left", True),
     # the sample's own content

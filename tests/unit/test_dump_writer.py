@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine_dump import contracts as c
+from engine_dump import markers
 from engine_dump.dump_writer import DumpCollector, DumpWriter, remove_stale_files
 from engine_dump.markers import write_ready_marker
 
@@ -291,7 +292,8 @@ def test_a_dump_is_written_as_its_chunks_arrive_with_the_librarys_bytes(
                      c.T_AUX_SCALE: q[4]}
         ref = tmp_path.parent / f"{rid}.ref"
         save_file(named, str(ref), metadata={c.M_LAYERS: "[2, 4, 5]", c.M_RID: rid,
-                                             c.M_DUMP_DTYPE: dtype})
+                                             c.M_DUMP_DTYPE: dtype,
+                                             c.M_WRITER: markers.writer_id()})
         whole[rid] = ref.read_bytes()
     assert tmp[a].stat().st_size == len(whole[a])
     head, data = _split(tmp[a].read_bytes())

@@ -153,6 +153,34 @@ def test_a_dump_of_a_server_with_other_layers_or_config_is_the_servers_fault(
     assert _open_fds() == before
 
 
+def test_a_dump_of_other_weights_than_the_runs_is_the_servers_fault(tmp_path: Path) -> None:
+    # Given dumps whose server says the weights it serves: the run's, another checkpoint's,
+    # and one of an older hook that says nothing
+    n, ids = 8, list(range(8))
+
+    def served(weights_id: str) -> str:
+        return c.served_weights({"scheme": c.WEIGHTS_SCHEME, "id": weights_id,
+                                 "shards": [{"name": "model.safetensors"}]}, "/models/m")
+
+    def dump(name: str, **meta: str) -> Path:
+        return write_dump(tmp_path / f"{name}.safetensors", ids, _rows(n, H, 1),
+                          _rows(n, 3 * H, 2), **meta)
+
+    runs, other, old = (dump("runs", **{c.M_WEIGHTS: served("aaaa")}),
+                        dump("other", **{c.M_WEIGHTS: served("bbbb")}), dump("old"))
+    # Then only the other checkpoint's is refused, as the server's fault (the worker pauses,
+    # no attempt spent), naming both identities and the fix
+    with pytest.raises(ServerMisconfigured) as e:
+        dumps.open_dump(other, ids, _fp(), "aaaa")
+    assert "serves weights bbbb (loaded from /models/m on its host), the run's are aaaa" \
+        in str(e.value) and "restart the server with the run's checkpoint" in str(e.value)
+    for path in (runs, old):
+        with dumps.open_dump(path, ids, _fp(), "aaaa"):
+            pass
+    with dumps.open_dump(other, ids, _fp()):  # no run identity: nothing to compare
+        pass
+
+
 @pytest.mark.parametrize(("message", "error"), [
     (f"{c.ERR_DUMP_DIR_FULL}: 10 bytes free", "NoSpace"),
     (f"{c.ERR_HOOK_INACTIVE}: SGLang never set the ids", "ServerMisconfigured"),

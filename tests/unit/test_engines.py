@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from engine_dump import contracts as c
 from engine_dump import engines
+from engine_dump import markers as mk
 from engine_dump.markers import write_ready_marker
 
 # vLLM 0.32's /v1/models for `--model /models/kimi --served-model-name kimi`
@@ -73,3 +76,46 @@ def test_vllms_limits_come_from_models_and_its_hooks_live_marker(tmp_path: Path)
     assert info["chunked_prefill_size"] == 8192 and info["max_running_requests"] == 256
     assert engines.dp_groups(info) == 2
     assert vllm.server_info(None) == before
+
+
+# A vLLM hook's writer: writes its marker (argv: dump dir, the marker's JSON), prints the
+# words its dumps name it by (``M_WRITER``), then lives until killed
+VLLM_WRITER = ("import json, sys, time; from pathlib import Path; "
+               "from engine_dump import markers as mk; "
+               "mk.write_ready_marker(Path(sys.argv[1]), json.loads(sys.argv[2])); "
+               "print(mk.writer_id(), flush=True); time.sleep(60)")
+
+
+def test_two_vllm_servers_in_one_dump_dir_each_reads_its_own_marker(tmp_path: Path) -> None:
+    # Given two live vLLM server starts writing one dump dir: A with 2 DP ranks and 64
+    # requests, B (started later: the newest marker) with 1 rank and 256
+    def start(info: dict[str, object]) -> tuple[subprocess.Popen[str], str]:
+        p = subprocess.Popen([sys.executable, "-c", VLLM_WRITER, str(tmp_path),
+                              json.dumps({"engine": "vllm", "max_num_batched_tokens": 8192,
+                                          **info})], stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None
+        return p, p.stdout.readline().strip()
+
+    procs = [start({"server_id": "A", "dp_groups": 2, "attn_dp_rank": r, "max_num_seqs": 64})
+             for r in (0, 1)]
+    procs.append(start({"server_id": "B", "dp_groups": 1, "attn_dp_rank": 0,
+                        "max_num_seqs": 256}))
+    try:
+        (_, a0), (_, a1), (_, b) = procs
+        vllm = engines.vllm_engine(VLLM_MODELS, "0.32.0")
+        assert vllm is not None
+        # When each reads the markers of the server its probe's dump names (either rank of A)
+        # Then each gets its own server's DP ranks and limits
+        for writer in (a0, a1):
+            info = vllm.server_info(tmp_path, writer)
+            assert engines.dp_groups(info) == 2 and info["max_running_requests"] == 64
+        info = vllm.server_info(tmp_path, b)
+        assert engines.dp_groups(info) == 1 and info["max_running_requests"] == 256
+        # And with nothing naming the server, the shared dir is refused, naming both
+        with pytest.raises(mk.SharedDumpDir, match=r"2 servers write into this dump dir: "
+                           r"server A .*; server B "):
+            vllm.server_info(tmp_path)
+    finally:
+        for p, _ in procs:
+            p.kill()
+            p.wait()

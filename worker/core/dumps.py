@@ -23,7 +23,7 @@ import numpy as np
 
 from engine_dump import contracts as c
 from engine_dump import dumpdir, engines, markers
-from worker.core import fp8, tensorfile
+from worker.core import fp8, tensorfile, weights
 from worker.core.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.core.finalfile import Part
 
@@ -178,13 +178,14 @@ class Dump:
         self.close()
 
 
-def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Dump:
+def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint,
+              weights_id: str = "") -> Dump:
     """Open a dump and check its layout, ids and metadata (cheap); values are checked as copied.
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
-        ServerMisconfigured: its server stores another dtype, captures other layers or
-            serves another model's config (``identity_problems``): the environment's fault.
+        ServerMisconfigured: its server stores another dtype, captures other layers, or serves
+            another config (``identity_problems``) or weights than ``weights_id``, the run's.
         Transient: the dump could not be read.
         ConfigError: it is a link or another user's file (``open_file``)."""
     try:
@@ -192,20 +193,25 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint) -> Du
     except OSError as e:
         raise Transient(f"cannot open dump {path.name}: {e}") from e
     try:
-        return _check(path, f, sent_ids, fingerprint)
+        return _check(path, f, sent_ids, fingerprint, weights_id)
     except BaseException:
         f.close()
         raise
 
 
-def served_dtype_problem(dump_dir: Path, run_dtype: str) -> str | None:
+def served_dtype_problem(dump_dir: Path, run_dtype: str, writer: str | None = None
+                         ) -> str | None:
     """What is wrong when the server writing ``dump_dir`` stores other hidden states than the
-    run (its newest ready marker of a process not known dead says which; an older hook's says
-    nothing and stores bf16); None when they agree or no marker is there to ask.
+    run (the newest live ready marker of its server start says which: the start of ``writer``,
+    a probe dump's ``contracts.M_WRITER``, in a dump dir servers may share; an older hook's
+    says nothing and stores bf16); None when they agree or no marker is there to ask.
 
     Checked at the worker's start, so a server started without the run's dtype stops the
     worker with the fix before it takes a sample (each dump's own check stays)."""
-    marker = markers.newest_live(dump_dir)
+    try:
+        marker, _ = markers.newest_of_server(dump_dir, writer)
+    except markers.SharedDumpDir as e:
+        return f"{dump_dir}: {e}"
     if marker is None:
         return None
     served = str(marker.info.get("dump_dtype") or c.DTYPE_BF16)
@@ -225,7 +231,8 @@ def _dtype_fix(run_dtype: str, said: Mapping[str, object]) -> str:
             f"{reference}, or use the run's FARM_STORE_DTYPE")
 
 
-def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> Dump:
+def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint,
+           weights_id: str) -> Dump:
     try:
         header = tensorfile.read_header_fd(f.fileno(), path.name)
         t = header.tensors
@@ -234,6 +241,9 @@ def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint) -> 
             raise ServerMisconfigured(f"dump {path.name} holds {dtype} hidden states, "
                                       f"{_dtype_fix(fp.dtype, header.metadata)}")
         served = identity_problems(header.metadata, fp)
+        other = weights.dump_mismatch(header.metadata.get(c.M_WEIGHTS), weights_id)
+        if other:
+            served.append(other)
         if served:  # the server's setup, not the sample: the worker waits (no attempt spent)
             raise ServerMisconfigured(f"dump {path.name}: " + "; ".join(served))
         n, h = len(sent_ids), fp.hidden_size

@@ -10,6 +10,7 @@ hsfarm (``shards-v1``: sampled ranges only) is compared on the fields it recorde
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,24 @@ def served_mismatch(served: dict[str, Any] | None, recorded: dict[str, Any] | No
             f"workers must have one checkpoint (the same revision on both hosts). {refusing} "
             "Change the side that is wrong: serve the checkpoint of "
             f"FARM_MODEL_PATH (restart the server with it), or {fix}.")
+
+
+def dump_mismatch(served_json: str | None, run_weights_id: str) -> str | None:
+    """Why one dump must not reach a final file: the weights its server says it serves (the
+    dump's ``contracts.M_WEIGHTS``) are not the run's (``run_weights_id``), with the fix; None
+    when they are, or when nothing can be compared (an older hook, another scheme, no run id:
+    the canary guards those)."""
+    try:
+        served = json.loads(served_json or "null")
+    except ValueError:
+        served = None
+    if not run_weights_id or not isinstance(served, dict) or not served.get("id") \
+            or served.get("scheme") != SCHEME or not served.get("shards"):
+        return None
+    if served["id"] == run_weights_id:
+        return None
+    return (f"its server serves weights {served['id']} (loaded from {served.get('model_path')} "
+            f"on its host), the run's are {run_weights_id}: no hidden state of another "
+            "checkpoint is written. This worker pauses, spending no attempt; restart the "
+            "server with the run's checkpoint (the same revision as FARM_MODEL_PATH), or start "
+            "a new run (a new FARM_OUTPUT_DIR) for the server's")

@@ -96,10 +96,12 @@ def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, 
                   dump_fs_bytes or 0)
 
 
-def limits_for_host(settings: Settings, hidden_size: int, timeout_s: float = 10.0) -> Limits:
-    """``host_limits`` from synchronous code, with its own short-lived HTTP client."""
+def limits_for_host(settings: Settings, hidden_size: int, timeout_s: float = 10.0,
+                    writer: str | None = None) -> Limits:
+    """``host_limits`` from synchronous code, with its own short-lived HTTP client; ``writer``:
+    the server start whose ready marker is read (``ServerClient``)."""
     async def ask() -> Limits:
-        client = ServerClient.of(settings, timeout_s)
+        client = ServerClient.of(settings, timeout_s, writer)
         try:
             return await host_limits(settings, hidden_size, client)
         finally:

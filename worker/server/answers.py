@@ -19,13 +19,17 @@ from worker.server.chat import SERVER_CONTEXT
 # Answers of the server (or a gateway) that mean "not now": wait and try again.
 BUSY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
 # Messages for an input longer than the server takes: SGLang's (tokenizer manager; scheduler),
-# then vLLM 0.32's (renderers/params.py, v1/engine/input_processor.py, serve/utils/api_utils.py)
+# then vLLM 0.32's (renderers/params.py, v1/engine/input_processor.py, serve/utils/api_utils.py).
+# The last: a prompt exactly max_model_len long leaves vLLM's get_max_tokens no room for the one
+# token the farm asks, and SamplingParams refuses the 0 it gets ("max_tokens must be at least
+# 1, got 0. (parameter=max_tokens, value=0)", sampling_params.py)
 _LENGTH_REFUSALS = ("longer than the model's context length",
                     "exceeds the maximum allowed length",
                     "exceeds the model's maximum context length",
                     "This model's maximum context length is",
                     "longer than the maximum model length",
-                    "exceeds model's maximum context length")
+                    "exceeds model's maximum context length",
+                    "max_tokens must be at least 1")
 _DUPLICATE_RID = "Duplicate request ID"
 # SGLang's tokenizer_manager.py:921 "routed_dp_rank=... out of range [0, N)"; vLLM's
 # input_processor.py:398 "data_parallel_rank N is out of range [0, M)."

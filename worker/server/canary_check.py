@@ -27,6 +27,7 @@ import numpy as np
 import redis
 
 from engine_dump import contracts as c
+from engine_dump import markers
 from worker.core import canary as cn
 from worker.core import liveness, tensorfile
 from worker.core.dumps import identity_problems, open_file, wait_for_dump
@@ -184,15 +185,7 @@ async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]]
 
 def server_epoch(dump_dir: Path) -> tuple[tuple[str, int], ...]:
     """The server's ready markers (name and mtime): they change when the server restarts."""
-    out = []
-    for p in dump_dir.glob(f"{c.READY_PREFIX}*"):
-        if c.is_temp_name(p.name):
-            continue
-        try:
-            out.append((p.name, p.stat().st_mtime_ns))
-        except OSError:
-            continue
-    return tuple(sorted(out))
+    return markers.epoch(dump_dir)
 
 
 @dataclass

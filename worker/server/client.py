@@ -1,11 +1,11 @@
 """The HTTP client for the hooked server (SGLang, vLLM or the reference). One session per process.
 
-The engine is asked of the server once (``engine``). aiohttp's exceptions and the answers are
-translated here (``answers.error_for``). A refused connection, or a failed request while the
-server also fails a health check, is ``ServerUnavailable``; a reset or dropped connection while
-it is healthy is ``ServerBusy`` (the network or a gateway); a timeout while it is healthy is
-``Transient``, a counted attempt, as the request timeout is sized for one sample.
-Test: tests/farm/test_faults.py::test_hung_server_spends_no_attempts."""
+The engine is asked of the server (``engine``), again once the server refused a connection, a
+ready marker is new or it answered 404 (another engine may serve there now). Answers are
+translated by ``answers.error_for``. A refused connection, or a failed request while the server
+fails a health check, is ``ServerUnavailable``; a reset or dropped connection while it is
+healthy is ``ServerBusy``; a timeout while it is healthy is ``Transient``, a counted attempt.
+Tests: tests/farm/test_faults.py::test_hung_server_spends_no_attempts, tests/vllm/farm."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from engine_dump import engines
+from engine_dump import engines, markers
 from engine_dump.engines import Engine
+from engine_dump.markers import SharedDumpDir
 from worker.core.errors import ConfigError, FarmError, ServerBusy, ServerUnavailable, Transient
 from worker.core.settings import Settings
 from worker.server import answers
@@ -25,20 +26,25 @@ from worker.server import answers
 class ServerClient:
     """Async client; create inside the event loop that will use it."""
 
-    def __init__(self, base_url: str, timeout_s: float, dump_dir: Path | None = None) -> None:
-        """``dump_dir``: the server's, where a vLLM hook's marker says its batch budget."""
+    def __init__(self, base_url: str, timeout_s: float, dump_dir: Path | None = None,
+                 writer: str | None = None) -> None:
+        """``dump_dir``: the server's, where a vLLM hook's marker says its batch budget;
+        ``writer``: the server start whose marker that is (a probe dump's ``M_WRITER``)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.dump_dir = dump_dir
+        self.writer = writer
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self._engine: Engine | None = None
+        self._epoch: tuple[tuple[str, int], ...] = ()  # the ready markers when it was asked
 
     @classmethod
-    def of(cls, settings: Settings, timeout_s: float | None = None) -> ServerClient:
+    def of(cls, settings: Settings, timeout_s: float | None = None,
+           writer: str | None = None) -> ServerClient:
         """The client of ``settings``' server (timeout: the request timeout unless given)."""
         return cls(settings.server_url, settings.request_timeout_s if timeout_s is None
-                   else timeout_s, settings.dump_dir)
+                   else timeout_s, settings.dump_dir, writer)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -72,6 +78,8 @@ class ServerClient:
             raise ServerUnavailable(f"{method} {url}: {type(e).__name__}: {e}") from e
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise Transient(f"{method} {url}: {type(e).__name__}: {e}") from e
+        if status == 404:  # not the engine's path: another engine may serve here now
+            self._engine = None
         error = answers.error_for(path, status, data)
         if error is not None:
             raise error
@@ -89,7 +97,9 @@ class ServerClient:
             ServerUnavailable: the server does not answer (down, loading, a gateway's refusal).
             ConfigError: it answers, but as neither engine.
         """
-        if self._engine is None:
+        if self._engine is None or self._restarted():
+            self._engine = None
+            self._epoch = self._markers()  # before asking: a start meanwhile is seen next time
             try:
                 self._engine = await self._detect(timeout_s)
             except (ServerUnavailable, ConfigError):
@@ -98,6 +108,13 @@ class ServerClient:
                 raise ServerUnavailable(f"{self.base_url}: which engine serves cannot be "
                                         f"asked: {e}") from e
         return self._engine
+
+    def _markers(self) -> tuple[tuple[str, int], ...]:
+        return markers.epoch(self.dump_dir) if self.dump_dir is not None else ()
+
+    def _restarted(self) -> bool:
+        """A ready marker came or changed since the engine was asked: a server (re)started."""
+        return self.dump_dir is not None and self._markers() != self._epoch
 
     async def _detect(self, timeout_s: float | None) -> Engine:
         try:
@@ -162,10 +179,16 @@ class ServerClient:
 
     async def server_info(self) -> dict[str, Any]:
         """SGLang's ``/server_info`` (its server args: chunked prefill size, limits, ...); for
-        vLLM its limits under the same names (``Engine.server_info``)."""
+        vLLM its limits under the same names (``Engine.server_info``).
+
+        Raises:
+            ConfigError: two vLLM servers write the dump dir and no ``writer`` says whose."""
         engine = await self.engine()
         if engine.name == engines.VLLM:
-            return engine.server_info(self.dump_dir)
+            try:
+                return engine.server_info(self.dump_dir, self.writer)
+            except SharedDumpDir as e:
+                raise ConfigError(f"{self.dump_dir}: {e}") from e
         info = await self._request("GET", "/server_info")
         if not isinstance(info, dict):
             raise Transient(f"unexpected /server_info answer: {info!r:.200}")
@@ -174,7 +197,7 @@ class ServerClient:
     async def reachable(self, timeout_s: float | None = None) -> bool:
         """A cheap liveness probe (no forward pass, unlike SGLang's /health)."""
         try:
-            if self._engine is None:  # asking which engine is itself a cheap request
+            if self._engine is None or self._restarted():  # asking is itself a cheap request
                 await self.engine(timeout_s)
                 return True
             await self._request("GET", self._engine.liveness_path, timeout_s=timeout_s)

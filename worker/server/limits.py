@@ -39,9 +39,10 @@ def max_input_tokens(info: dict[str, Any] | None) -> int | None:
 
 def server_info(settings: Settings, wait_s: float = 0.0) -> dict[str, Any] | None:
     """The server's ``/server_info``, waiting up to ``wait_s`` while it does not answer (or a
-    gateway refuses for now); None when it does not serve one."""
+    gateway refuses for now); None when it does not serve one. Its context only: no ready
+    marker is read (vLLM says its context in ``/v1/models``; admission reads the rest)."""
     async def ask() -> dict[str, Any] | None:
-        client = ServerClient.of(settings, 10.0)
+        client = ServerClient(settings.server_url, 10.0)
         t0, said = time.monotonic(), -math.inf
         try:
             while True:

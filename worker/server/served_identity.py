@@ -1,10 +1,9 @@
 """Is the server the run's? What one probe dump says about the served model, against the run.
 
-A probe dump's metadata (``engine_dump.probe``) names the loaded weights, the captured layers
-and the model config, its ready marker the stored dtype; each is compared with the run's
-(``weights.served_mismatch``, ``dumps.identity_problems``, ``dumps.served_dtype_problem``).
-A worker checks at its start, ``adopt`` before it reads a source file: one check, so both
-refuse the same servers with the same words. Test: tests/farm/test_weights.py::
+A probe dump's metadata (``engine_dump.probe``) names the loaded weights, the captured layers,
+the model config and its writer, whose ready marker says the stored dtype; each is compared
+with the run's. A worker checks at its start, ``adopt`` before it reads a source file: one
+check, so both refuse the same servers with the same words. Test: tests/farm/test_weights.py::
 test_a_server_serving_other_weights_than_the_run_is_refused_at_first_and_later_starts."""
 
 from __future__ import annotations
@@ -44,7 +43,8 @@ def problems(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[st
                    f"run captures it: {'; '.join(meta)}. {refusing} Restart the server with the "
                    "run's model and --layers-to-capture (the run's FARM_LAYERS_TO_CAPTURE), "
                    "or start a new run (a new FARM_OUTPUT_DIR) for the server's")
-    dtype = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype)
+    dtype = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype,
+                                       probe_meta.get(c.M_WRITER))
     if dtype:
         out.append(dtype)
     return out

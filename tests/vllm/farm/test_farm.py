@@ -214,6 +214,29 @@ def test_another_checkpoint_is_refused_by_the_canary_and_its_identity(
     assert_farm_invariants(farm, enqueued)
 
 
+@pytest.mark.timeout(900)  # two server starts (vLLM's takes minutes on a loaded CPU)
+def test_a_server_restarted_as_another_engine_is_found_again(
+        farm: LocalFarm, server: LiveVllm, model: Path, enqueued: list[str]) -> None:
+    # Given the run's worker, which found vLLM at FARM_SERVER_URL
+    w1 = farm.procs["w1"]
+    assert w1.alive()
+    # When the server restarts as the reference server (SGLang's API: /v1/completions is a
+    # 404 there) on the same port, dump dir and checkpoint, and samples are queued
+    server.stop()
+    farm.start_server(["--layers-to-capture", *map(str, AUX_IDS)])
+    add(farm, enqueued, 5)
+    # Then the worker asks which engine serves, and the samples are done through it
+    wait_finished(farm, len(enqueued), timeout_s=240)
+    # When vLLM serves there again (/generate is a 404 there), and more samples are queued
+    farm.procs["server"].stop()
+    restart(server, model)
+    add(farm, enqueued, 5)
+    # Then they are done through vLLM, by the same worker: nothing failed or left behind
+    wait_finished(farm, len(enqueued), timeout_s=240)
+    assert w1.alive()
+    assert_farm_invariants(farm, enqueued)
+
+
 def test_an_fp8_run_stores_vllms_fp8_dumps(server: LiveVllm, model: Path,
                                            tmp_path: Path) -> None:
     # Given the server dumping fp8, and a run storing fp8
