@@ -157,7 +157,7 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
     fails verification never takes the final path. Raises Corrupt, NoSpace, OutputUnavailable
     or Transient.
     """
-    with open_dump(dump, input_ids, store.fingerprint, store.weights_id) as d:
+    with open_dump(dump, input_ids, store.fingerprint, store.served_weights_id) as d:
         parts = {
             c.T_INPUT_IDS: d.part(c.T_INPUT_IDS),
             c.T_LOSS_MASK: st.Part.from_array("I64", np.asarray(loss_mask, dtype=np.int64)),

@@ -108,8 +108,13 @@ def test_a_run_recorded_under_the_older_scheme_is_compared_on_its_fields(
     (out / outdir.MANIFEST).write_text(json.dumps(manifest))
     # When a worker opens it with the same checkpoint: it runs, files carry the run's id, and
     # the log says what the older identity cannot see
-    assert _store(out, tiny_model).open().weights_id == "00112233aabbccdd"
+    store = _store(out, tiny_model).open()
+    assert store.weights_id == "00112233aabbccdd"
     assert "shards-v1" in caplog.text and "one embedding row" in caplog.text
+    # And its server's dumps are held to the identity this hsfarm computes of the same
+    # checkpoint (a server never publishes the older scheme's id: every dump would pause)
+    now = weights.weights_identity(tiny_model)["id"]
+    assert store.served_weights_id == now != store.weights_id
     # And another checkpoint is still refused by the fields it recorded
     with pytest.raises(ConfigError, match=r"sampled bytes differ \(compared on the run's "
                                           r"identity scheme shards-v1\)"):
@@ -181,14 +186,17 @@ def test_a_host_without_the_weight_files_or_another_scheme_is_not_refused(
     shutil.copytree(tiny_model, light, ignore=shutil.ignore_patterns("*.safetensors"))
     store = _store(out, light).open()
     # Then it is not refused (the canary guards the served model) and tags files as the run
-    assert store.weights_id == recorded
+    assert store.weights_id == recorded == store.served_weights_id  # dumps held to the run's
     assert "no *.safetensors weight files" in caplog.text
     # And an identity of another scheme (another hsfarm version) is not a mismatch either
     manifest = json.loads((out / outdir.MANIFEST).read_text())
     manifest["weights"]["scheme"] = "hsfarm-weights-0"
     (out / outdir.MANIFEST).write_text(json.dumps(manifest))
-    assert _store(out, tiny_model).open().weights_id == recorded
+    other_scheme = _store(out, tiny_model).open()
+    assert other_scheme.weights_id == recorded
     assert "identity scheme" in caplog.text
+    # (its dumps are held to this host's checkpoint, the one identity of this scheme known)
+    assert other_scheme.served_weights_id == weights.weights_identity(tiny_model)["id"]
 
 
 # --- the server's weights against the run's ------------------------------------------------------

@@ -117,6 +117,9 @@ class OutputStore:
         self.versions = versions or {}
         self.debug_write_delay_s = debug_write_delay_s
         self.weights_id = ""  # the checkpoint's identity (weights.py), once opened with a model
+        # what every dump's server must say it serves (this hsfarm's scheme); "" when nothing
+        # can be compared (``served_weights_id``)
+        self.served_weights_id = ""
         self.run_id = ""  # the run this output dir holds (worker/core/run.py), once opened
         self.weights_local: dict[str, object] | None = None  # FARM_MODEL_PATH's identity
         self.weights_recorded: dict[str, object] | None = None  # the manifest's
@@ -167,6 +170,20 @@ class OutputStore:
         self.run_id = run.run_id(manifest)
 
     def _check_weights(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
+        self._check_recorded(manifest, identity)
+        self.served_weights_id = self._served_id()
+
+    def _served_id(self) -> str:
+        """The identity a dump's server must publish: the run's when recorded under this
+        hsfarm's scheme, else FARM_MODEL_PATH's once it matched what the run recorded (a run
+        started by an older hsfarm, whose ``weights_id`` is of its older scheme and so never
+        what a server of this one publishes); "" when neither has shards to compare."""
+        for identity in (self.weights_recorded, self.weights_local):
+            if identity and identity.get("scheme") == weights.SCHEME and identity.get("shards"):
+                return str(identity.get("id"))
+        return ""
+
+    def _check_recorded(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
         recorded = manifest.get("weights")
         self.weights_local = identity
         self.weights_recorded = recorded if isinstance(recorded, dict) else None
