@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from farm import done_count, report, server_info, write_data
+from farm import report, server_info, write_data
 
 from producer.localfarm.farm import LocalFarm
 from worker.state.queue_scan import broker_depth
@@ -66,7 +66,7 @@ def watch(farm: LocalFarm, n: int) -> dict[str, Any]:
         peaks = [max(p, g["dump_bytes_in_dir"]) for p, g in
                  zip(peaks or [0] * len(groups), groups, strict=True)]
         dir_peak = max(dir_peak, sum(g["dump_bytes_in_dir"] for g in groups))
-        done, bad = done_count(farm)
+        done, bad = farm.outcomes()
         if start is None and done >= 1:  # the window opens at the first finished sample
             start = (time.monotonic(), info, done)
         if done + bad >= n and broker_depth(farm.redis(), farm.queue()) == (0, 0):

@@ -27,7 +27,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from producer.localfarm.farm import LocalFarm
-from worker.state import keys
 from worker.state.queue_scan import broker_depth
 
 BYTES_PER_TOKEN = 8 + 2 * 4 * 7168
@@ -107,15 +106,6 @@ def server_info(farm: LocalFarm) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
-def done_count(farm: LocalFarm) -> tuple[int, int]:
-    """(samples done, failed + rejected) over every run in this Redis."""
-    r = farm.redis()
-    runs = [k.decode().rsplit(":", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.META}")]
-    done = sum(int(r.zcard(f"{run}:{keys.DONE}")) for run in runs)
-    bad = sum(int(r.hlen(f"{run}:{n}")) for run in runs for n in (keys.FAILED, keys.REJECTED))
-    return done, bad
-
-
 def run_farm(args: argparse.Namespace, rate: float, procs: int, data: Path,
              n: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hsfarm-bench-farm.", dir=args.shm))
@@ -144,7 +134,7 @@ def _watch(farm: LocalFarm, n: int, limits: dict[str, Any], out: Path) -> dict[s
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline:
         mon.sample()
-        done, bad = done_count(farm)
+        done, bad = farm.outcomes()
         if start is None and done >= 1:  # the window opens at the first finished sample
             start = (time.monotonic(), server_info(farm), _out_bytes(out), done,
                      cpu_s(mon.worker_pids()), cpu_s([farm.procs["server"].pid]))

@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from producer.localfarm.farm import LocalFarm
 from worker.core.settings import Settings
 from worker.server.client import ServerClient
-from worker.state import keys
 
 
 def prompts(n: int, tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -61,21 +60,13 @@ async def _straight(url: str, ids: list[list[int]], concurrency: int) -> float:
         await client.close()
 
 
-def done_count(farm: LocalFarm) -> tuple[int, int]:
-    r = farm.redis()
-    runs = [k.decode().rsplit(":", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.META}")]
-    done = sum(int(r.zcard(f"{run}:{keys.DONE}")) for run in runs)
-    bad = sum(int(r.hlen(f"{run}:{n}")) for run in runs for n in (keys.FAILED, keys.REJECTED))
-    return done, bad
-
-
 def through_farm(farm: LocalFarm, ids: list[list[int]], concurrency: int, tag: str) -> float:
     """Seconds from enqueue to the last verified file of these samples, one worker -c C."""
     data = farm.work_dir / f"prefill-{tag}.jsonl"
     with open(data, "w") as f:
         for i, sample in enumerate(ids):
             f.write(json.dumps({"id": f"p{tag}-{i:04d}", "input_ids": sample}) + "\n")
-    before, _ = done_count(farm)
+    before, _ = farm.outcomes()
     farm.start_worker(f"c{tag}", concurrency=concurrency)
     try:
         t0 = time.perf_counter()
@@ -83,7 +74,7 @@ def through_farm(farm: LocalFarm, ids: list[list[int]], concurrency: int, tag: s
         assert res.returncode == 0, res.stdout + res.stderr
         deadline = time.monotonic() + 3600
         while time.monotonic() < deadline:
-            done, bad = done_count(farm)
+            done, bad = farm.outcomes()
             assert bad == 0, f"{bad} samples failed: see {farm.work_dir / 'logs'}"
             if done - before >= len(ids):
                 return time.perf_counter() - t0

@@ -136,18 +136,13 @@ def farm(farm_factory: FarmFactory) -> LocalFarm:
 
 def wait_finished(farm: LocalFarm, total: int, timeout_s: float = 240) -> None:
     """Until every sample is done/rejected/failed and the broker holds nothing."""
-    from worker.state import keys
     from worker.state.queue_scan import broker_depth
 
     r = farm.redis()
     queue = farm.queue()
 
     def finished() -> bool:
-        runs = [k.decode().rsplit(":", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.META}")]
-        done = sum(int(r.zcard(f"{run}:{keys.DONE}")) for run in runs)
-        outcomes = sum(int(r.hlen(f"{run}:{name}"))
-                       for run in runs for name in (keys.FAILED, keys.REJECTED))
-        return done + outcomes >= total and broker_depth(r, queue) == (0, 0)
+        return sum(farm.outcomes()) >= total and broker_depth(r, queue) == (0, 0)
 
     wait_until(finished, timeout_s, f"{total} samples to finish", poll_s=0.5)
 

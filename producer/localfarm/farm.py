@@ -23,7 +23,7 @@ import redis
 
 from worker.core.run import queue_for, run_id_of
 from worker.core.settings import Settings
-from worker.state import broker
+from worker.state import broker, keys
 
 NOTORCH = str(Path(__file__).resolve().parent / "notorch")
 
@@ -180,6 +180,14 @@ class LocalFarm:
 
     def redis(self) -> redis.Redis:
         return broker.client(self.settings())
+
+    def outcomes(self) -> tuple[int, int]:
+        """(samples done, samples failed or rejected), over every run in this farm's Redis."""
+        r = self.redis()
+        runs = [k.decode().rsplit(":", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.META}")]
+        done = sum(int(r.zcard(f"{run}:{keys.DONE}")) for run in runs)
+        bad = sum(int(r.hlen(f"{run}:{n}")) for run in runs for n in (keys.FAILED, keys.REJECTED))
+        return done, bad
 
     def start_redis(self, appendonly: bool = True, extra_args: list[str] | None = None) -> Proc:
         """A private redis-server with AOF (``appendfsync always``), as ops/redis.conf sets
