@@ -101,8 +101,8 @@ def fake_outputs(farm: LocalFarm, data: Path, n_done: int, tokens: int = 64,
     index, as the workers would have."""
     import numpy as np
 
-    from producer.enqueue import sample_refs
     from worker.core.finalfile import Part
+    from worker.core.samples import sample_refs
     from worker.core.settings import Settings
     from worker.core.store import M_CONTENT, M_SOURCE_FILE, OutputStore
     from worker.server.fingerprint import run_fingerprint

@@ -18,11 +18,10 @@ import redis
 from tqdm import tqdm
 
 from engine_dump import contracts as c
-from producer.enqueue import sample_refs
 from training.roots import sample_files
 from worker.core import outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord
-from worker.core.samples import SampleRef, read_sample
+from worker.core.samples import SampleRef, read_sample, sample_refs
 from worker.core.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
 from worker.core.weights import M_WEIGHTS_ID
 from worker.server.chat import ChatTokenizer, Tokenized

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from engine_dump.contracts import Fingerprint
 from producer.adopt.cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit, enqueue_limits, place_elsewhere
-from producer.enqueue import EnqueueRefused, enqueue, requeue
+from producer.enqueue import enqueue, requeue
 from producer.prove import DEFAULT_SLACK, prove_files
 from producer.status import (
     environmental_rejections,
@@ -41,6 +41,7 @@ from worker.core.store import OutputStore
 from worker.server.chat import ChatTokenizer
 from worker.server.fingerprint import load_run, run_fingerprint
 from worker.state import broker
+from worker.state.enqueue import EnqueueRefused
 from worker.state.hosts import host_id
 from worker.state.index import RunIndex
 

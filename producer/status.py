@@ -18,10 +18,9 @@ from engine_dump import contracts as c
 from producer import stall as stalls
 from worker.core import liveness, outdir
 from worker.core import run as runs
-from worker.core.errors import ConfigError
+from worker.core.errors import ConfigError, environmental_rejection
 from worker.core.settings import Settings
 from worker.server.admission import Admission, limits_for_host
-from worker.server.answers import environmental_rejection
 from worker.server.fingerprint import run_fingerprint
 from worker.state import broker, hosts, keys
 from worker.state.corpus import Corpus

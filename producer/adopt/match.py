@@ -19,11 +19,10 @@ import numpy as np
 
 from engine_dump import contracts as c
 from producer.adopt.formats import SourceSample, open_sample, readable_entry
-from producer.enqueue import sample_refs
 from worker.core import store as st
 from worker.core import tensorfile
 from worker.core.errors import BadInput, Corrupt, SourceFileRefused, StaleRecord
-from worker.core.samples import SampleRef, read_sample
+from worker.core.samples import SampleRef, read_sample, sample_refs
 from worker.server.chat import ChatTokenizer
 
 

@@ -31,7 +31,6 @@ from producer.adopt.canary import canary_outcome, served_check
 from producer.adopt.formats import detect, list_files, open_sample
 from producer.adopt.write import write_adopted
 from producer.audit import M_ADOPTED_FROM
-from producer.enqueue import open_run, run_lock_name
 from worker.core import durable, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
@@ -42,6 +41,7 @@ from worker.server.canary_check import Outcome
 from worker.server.chat import ChatTokenizer
 from worker.state import broker
 from worker.state import lease as leases
+from worker.state.enqueue import open_run, run_lock_name
 from worker.state.index import RunIndex
 
 M_ADOPTED_FORMAT, M_ADOPTED_CHECK = "adopted_format", "adopted_check"

@@ -25,7 +25,6 @@ from engine_dump import contracts as c
 from producer import cli
 from producer.adopt.procedure import Report, Run
 from producer.adopt.procedure import adopt as run_adopt
-from producer.enqueue import sample_refs
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, EXAMPLES, FarmFactory, wait_finished
@@ -33,6 +32,7 @@ from tests.support import adopt_sources as srcs
 from training import index as training_index
 from worker.core import outdir, tensorfile
 from worker.core.run import run_id_of
+from worker.core.samples import sample_refs
 from worker.core.settings import Settings
 from worker.server.chat import ChatTokenizer
 from worker.server.fingerprint import load_run

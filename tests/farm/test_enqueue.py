@@ -200,9 +200,9 @@ def test_index_is_rebuilt_from_disk_after_redis_lost_it(tmp_path: Path, tiny_mod
 def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_model: Path) -> None:
     import numpy as np
 
-    from producer.enqueue import sample_refs
     from worker.core import store as st
     from worker.core import tensorfile
+    from worker.core.samples import sample_refs
 
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
                      extra_env={**FAST_ENV, "FARM_MODEL_PATH": str(tiny_model),

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tests.support.faults import NGINX_413, NGINX_429, NGINX_502
-from worker.core.errors import BadInput, ConfigError, ServerBusy, Transient
-from worker.server.answers import environmental_rejection, error_for
+from worker.core.errors import BadInput, ConfigError, ServerBusy, Transient, environmental_rejection
+from worker.server.answers import error_for
 
 
 def sglang(message: str) -> bytes:

@@ -184,9 +184,8 @@ def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint,
 
     Raises:
         Corrupt: anything does not match; the message lists every problem found.
-        ServerMisconfigured: its server stores another dtype, captures other layers, or serves
-            another config (``identity_problems``) or weights than ``weights_id`` (what the run's
-            server must publish, ``OutputStore.served_weights_id``; "": not compared).
+        ServerMisconfigured: its server stores another dtype or layers, or serves another
+            config (``identity_problems``) or weights than ``weights_id`` (``served_weights_id``).
         Transient: the dump could not be read.
         ConfigError: it is a link or another user's file (``open_file``)."""
     try:

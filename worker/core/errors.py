@@ -127,3 +127,42 @@ class Corrupt(FarmError):
 class NotAsHashed(Corrupt):
     """Bytes copied into a final file are not the ones the writer hashed before (``adopt``: the
     source file changed after its check); the file is abandoned before its rename."""
+
+
+# --- a recorded rejection: the sample's content's, or its environment's ---------------------
+# The server side (worker.server.answers, .chat) writes rejections in this wording; enqueue and
+# status read it back to publish again what only the environment refused.
+
+# In the reason of a rejection that only the server's short context caused: not the sample's
+# content (``environmental_rejection``), so enqueue publishes it again.
+SERVER_CONTEXT = "what the server's context takes"
+
+# Messages for an input longer than the server takes: SGLang's (tokenizer manager; scheduler),
+# then vLLM 0.32's (renderers/params.py, v1/engine/input_processor.py, serve/utils/api_utils.py).
+# The last: a prompt exactly max_model_len long leaves vLLM's get_max_tokens no room for the one
+# token the farm asks, and SamplingParams refuses the 0 it gets ("max_tokens must be at least
+# 1, got 0. (parameter=max_tokens, value=0)", sampling_params.py)
+LENGTH_REFUSALS = ("longer than the model's context length",
+                   "exceeds the maximum allowed length",
+                   "exceeds the model's maximum context length",
+                   "This model's maximum context length is",
+                   "longer than the maximum model length",
+                   "exceeds model's maximum context length",
+                   "max_tokens must be at least 1")
+
+
+# A rejection recorded in this wording (no code writes it; Redis may hold it) stands for any
+# 4xx of the server or of a gateway in front of it: SGLang's own 400s are not told apart.
+OLD_REJECTION = "server rejected /generate ("
+
+
+def environmental_rejection(reason: str) -> bool:
+    """Whether a recorded rejection may be the environment's, not the sample's content's, so that
+    ``status --check`` and ``enqueue`` put it right.
+
+    True for a length refusal of the server, a cut to the server's context that left no
+    assistant tokens, and any rejection in the generic 4xx wording (``OLD_REJECTION``); a
+    sample retried again is rejected only for SGLang's own 400, in another wording.
+    """
+    return (reason.startswith(OLD_REJECTION) or any(m in reason for m in LENGTH_REFUSALS)
+            or SERVER_CONTEXT in reason)

@@ -2,8 +2,8 @@
 
 Records are OpenAI ``messages`` (or ``conversations``), ShareGPT ``{"from", "value"}``
 messages, or pre-tokenized ``input_ids`` with an optional ``loss_mask`` (docs/input.md). The
-task message carries a ``SampleRef`` (file, byte span, content hash), never the sample: the
-worker re-reads the record and notices if the file changed after enqueue.
+task message carries a ``SampleRef`` (file, byte span, content hash; ``sample_refs`` makes
+them), never the sample: the worker re-reads the record and notices a change since enqueue.
 Test: tests/unit/test_samples.py::
 test_read_sample_finds_a_moved_record_and_notices_a_changed_one."""
 
@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import orjson
 
 from engine_dump import contracts as c
-from worker.core.datafile import Span, scan
+from worker.core.datafile import FileProblem, Oversized, Span, scan
 from worker.core.errors import BadInput, DataFileUnavailable, MalformedMessage, StaleRecord
 
 ROLE_ALIASES = {
@@ -241,3 +242,58 @@ class _Locator:
 
 
 _LOCATOR = _Locator()
+
+
+def key_digest(key: str) -> int:
+    """A sample key's 64-bit digest: what enqueue keeps per record of a file."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def sample_refs(path: Path, max_record_bytes: int, rejected: list[tuple[str, str]],
+                problems: list[tuple[str, str]], limit: int | None = None,
+                progress: Callable[[int], None] | None = None,
+                notes: list[tuple[str, str]] | None = None) -> Iterator[SampleRef]:
+    """The valid records of ``path`` as task references, in file order.
+
+    Invalid or oversized records go to ``rejected`` and broken stretches of the file to
+    ``problems``, each as (where, reason); a record whose key repeats an earlier record's is
+    rejected as a duplicate.
+    """
+    seen: set[int] = set()
+    abs_path = str(path.resolve())
+    count = 0
+    for item in scan(path, max_record_bytes):
+        if isinstance(item, FileProblem):
+            problems.append((item.where, item.reason))
+            continue
+        if limit is not None and count >= limit:
+            return
+        count += 1
+        if progress is not None:
+            progress(item.offset + item.length if isinstance(item, Oversized)
+                     else item.offset + len(item.raw))
+        size = item.length if isinstance(item, Oversized) else len(item.raw)
+        if isinstance(item, Oversized) or size > max_record_bytes:
+            rejected.append((item.where, f"record is {size} bytes, over FARM_MAX_RECORD_BYTES "
+                                         f"({max_record_bytes}); split it or raise the limit"))
+            continue
+        sha = content_hash(item.raw)
+        try:
+            sample = parse_record(item.raw)
+        except BadInput as e:
+            rejected.append((item.where, str(e)))
+            continue
+        key = c.sample_key_for(sample.source_id, sha)
+        digest = key_digest(key)
+        if digest in seen:
+            what = (f"id {sample.source_id!r}" if sample.source_id is not None
+                    else "the same content")
+            rejected.append((item.where, f"duplicate: an earlier record has {what} (sample key "
+                                         f"{key})"))
+            continue
+        seen.add(digest)
+        if notes is not None and sample.source_id is not None and key != sample.source_id:
+            notes.append((item.where, f"id {str(sample.source_id)[:60]!r} is not usable as a "
+                                      f"file name; its sample key is {key!r}"))
+        yield SampleRef(key=key, file=abs_path, offset=item.offset, length=len(item.raw),
+                        sha256=sha, index=item.index)

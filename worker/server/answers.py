@@ -13,23 +13,17 @@ import re
 
 import orjson
 
-from worker.core.errors import BadInput, ConfigError, FarmError, ServerBusy, Transient
-from worker.server.chat import SERVER_CONTEXT
+from worker.core.errors import (
+    LENGTH_REFUSALS,
+    BadInput,
+    ConfigError,
+    FarmError,
+    ServerBusy,
+    Transient,
+)
 
 # Answers of the server (or a gateway) that mean "not now": wait and try again.
 BUSY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
-# Messages for an input longer than the server takes: SGLang's (tokenizer manager; scheduler),
-# then vLLM 0.32's (renderers/params.py, v1/engine/input_processor.py, serve/utils/api_utils.py).
-# The last: a prompt exactly max_model_len long leaves vLLM's get_max_tokens no room for the one
-# token the farm asks, and SamplingParams refuses the 0 it gets ("max_tokens must be at least
-# 1, got 0. (parameter=max_tokens, value=0)", sampling_params.py)
-_LENGTH_REFUSALS = ("longer than the model's context length",
-                    "exceeds the maximum allowed length",
-                    "exceeds the model's maximum context length",
-                    "This model's maximum context length is",
-                    "longer than the maximum model length",
-                    "exceeds model's maximum context length",
-                    "max_tokens must be at least 1")
 _DUPLICATE_RID = "Duplicate request ID"
 # SGLang's tokenizer_manager.py:921 "routed_dp_rank=... out of range [0, N)"; vLLM's
 # input_processor.py:398 "data_parallel_rank N is out of range [0, M)."
@@ -59,7 +53,7 @@ def error_for(what: str, status: int, body: bytes) -> FarmError | None:
                           "for now", status)
     if status == 400 and _DUPLICATE_RID in message:
         return Transient(f"{where}: {message}")
-    if status == 400 and any(m in message for m in _LENGTH_REFUSALS):
+    if status == 400 and any(m in message for m in LENGTH_REFUSALS):
         return ConfigError(f"{where}: {message}. The server takes fewer tokens than this "
                            "worker was sized for (it restarted with a shorter context?): the "
                            "worker stops; at its next start it checks the server's context "
@@ -98,21 +92,4 @@ def _excerpt(body: bytes) -> str:
     title = re.search(r"<title>(.*?)</title>", text, re.I | re.S)
     text = title.group(1) if title else text
     return " ".join(text.split())[:120] or "empty"
-
-
-# A rejection recorded in this wording (no code writes it; Redis may hold it) stands for any
-# 4xx of the server or of a gateway in front of it: SGLang's own 400s are not told apart.
-_OLD_REJECTION = "server rejected /generate ("
-
-
-def environmental_rejection(reason: str) -> bool:
-    """Whether a recorded rejection may be the environment's, not the sample's content's, so that
-    ``status --check`` and ``enqueue`` put it right.
-
-    True for a length refusal of the server, a cut to the server's context that left no
-    assistant tokens, and any rejection in the generic 4xx wording (``_OLD_REJECTION``); a
-    sample retried again is rejected only for SGLang's own 400, in another wording.
-    """
-    return (reason.startswith(_OLD_REJECTION) or any(m in reason for m in _LENGTH_REFUSALS)
-            or SERVER_CONTEXT in reason)
 

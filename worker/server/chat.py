@@ -13,12 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from worker.core.errors import BadInput, ConfigError
+from worker.core.errors import SERVER_CONTEXT, BadInput, ConfigError
 from worker.core.samples import Sample
-
-# In the reason of a rejection that only the server's short context caused: not the sample's
-# content (answers.environmental_rejection), so enqueue publishes it again.
-SERVER_CONTEXT = "what the server's context takes"
 
 # Rendered once at start-up: any chat template must accept a plain two-turn conversation.
 PROBE_CONVERSATION = ({"role": "user", "content": "Hello"},

@@ -172,8 +172,7 @@ class Corpus:
         if info is None:
             raise MalformedMessage(f"{sent.key}: registered in data file #{reg.fid}, which the "
                                    "run does not record")
-        return SampleRef(key=sent.key, file=info.path, offset=reg.offset, length=reg.length,
-                         sha256=reg.sha256, index=reg.index, fid=reg.fid)
+        return reg.ref(sent.key, info.path)
 
     # --- parking ------------------------------------------------------------------------------
 

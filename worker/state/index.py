@@ -20,6 +20,7 @@ import orjson
 import redis
 
 from worker.core.errors import Transient
+from worker.core.samples import SampleRef
 from worker.state import keys
 from worker.state.lease import lease_name
 
@@ -97,6 +98,12 @@ class Registered:
     def decode(cls, raw: bytes | str) -> Registered:
         fid, offset, length, sha, index = as_text(raw).split("|")
         return cls(int(fid), int(offset), int(length), sha, int(index))
+
+    def ref(self, key: str, file: str = "") -> SampleRef:
+        """The task reference of sample ``key`` registered here; ``file``: its data file's
+        path ("": the worker resolves it from ``fid``, as for a message)."""
+        return SampleRef(key=key, file=file, offset=self.offset, length=self.length,
+                         sha256=self.sha256, index=self.index, fid=self.fid)
 
 
 @dataclass(frozen=True)

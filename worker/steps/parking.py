@@ -14,7 +14,6 @@ from celery import Celery
 
 from worker.core import run as runs
 from worker.core.errors import Transient
-from worker.core.samples import SampleRef
 from worker.core.settings import Settings
 from worker.state import broker
 from worker.state.corpus import Corpus, readable
@@ -62,8 +61,7 @@ def publish(app: Celery, settings: Settings, index: RunIndex, sample_keys: list[
     """Publish one message per registered sample of ``sample_keys`` on the run's queue."""
     queue = runs.queue_for(settings, index.fp)
     publication = index.next_publication()
-    refs = (SampleRef(key=key, file="", offset=reg.offset, length=reg.length,
-                      sha256=reg.sha256, index=reg.index, fid=reg.fid)
+    refs = (reg.ref(key)
             for key, reg in zip(sample_keys, index.registered(sample_keys), strict=True)
             if reg is not None)
     return send_all(app, queue, index.fp, publication, refs)

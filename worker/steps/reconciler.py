@@ -24,23 +24,24 @@ Test: tests/farm/test_reconciler.py::test_lost_messages_are_published_again_by_t
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 
 from worker.core import run as runs
+from worker.core.datafile import DataFileError
 from worker.core.errors import Corrupt, FarmError
 from worker.core.samples import SampleRef
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
 from worker.state import broker, keys, ledger, publish
 from worker.state import lease as leases
+from worker.state.enqueue import EnqueueRefused, enqueue
 from worker.state.index import Registered, RunIndex, as_text
 from worker.state.queue_scan import broker_sample_keys_at_once
 from worker.steps.base import ThreadStep, farm_of
@@ -118,25 +119,24 @@ class Reconciler:
     def _restore_record(self) -> None:
         """``enqueue`` again each data file whose record Redis lost (``ledger``).
 
-        The farm's own command, run as a person would: it relearns what is done from the
-        final files' headers, registers the file's samples and publishes what is missing.
+        The farm's own enqueue, in this process: it relearns what is done from the final
+        files' headers, registers the file's samples and publishes what is missing.
         """
         lost = ledger.not_in_redis(self.r, self.run_id, self.settings.output_dir)
         if not lost or self.r.exists(self.index.k(keys.ENQUEUE_LOCK)):
             return  # an enqueue running now writes its record when it is done
         for entry in lost:
             path = entry.path
-            limit = [] if entry.limit is None else ["--limit", str(entry.limit)]
             log.warning("Redis no longer holds the run's record of %s%s: enqueueing it again",
-                        path, f" (its first {entry.limit} records)" if limit else "")
-            res = subprocess.run([sys.executable, "-m", "producer", "enqueue", path,
-                                  "--no-progress", *limit],
-                                 capture_output=True, text=True, check=False)
-            out = " | ".join((res.stdout + res.stderr).strip().splitlines()[-8:])
-            if res.returncode == 0:
-                log.warning("re-enqueued %s: %s", path, out)
-            else:
-                log.error("could not re-enqueue %s (exit %d): %s", path, res.returncode, out)
+                        path, "" if entry.limit is None else
+                        f" (its first {entry.limit} records)")
+            try:
+                summary = enqueue(self.settings, self.store.fingerprint, Path(path), self.app,
+                                  limit=entry.limit)
+            except (DataFileError, EnqueueRefused, FarmError, OSError) as e:
+                log.error("could not re-enqueue %s: %s", path, e)
+                continue
+            log.warning("re-enqueued %s: %s", path, " | ".join(summary.lines()[:6]))
 
     def _pass(self, sleep: Sleep) -> Pass:
         first = in_no_state(self.index, self.queue)
@@ -165,9 +165,7 @@ class Reconciler:
             if self._relearn(key, reg):
                 result.relearnt += 1
             elif reg.fid in files:
-                to_send.append(SampleRef(key=key, file="", offset=reg.offset,
-                                         length=reg.length, sha256=reg.sha256,
-                                         index=reg.index, fid=reg.fid))
+                to_send.append(reg.ref(key))
         result.republished = self._publish(to_send)
 
     def _relearn(self, key: str, reg: Registered) -> bool:
