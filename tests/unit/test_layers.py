@@ -7,6 +7,7 @@ are read from every import in the source (ast), those inside functions too."""
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import shutil
 import subprocess
@@ -67,13 +68,34 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": str(root)})
 
 
+# A package may not run these as a process (``[..., "-m", "producer", ...]``) any more than
+# import them: the layers above it
+ABOVE = {"worker": {"producer", "training"}, "training": {"producer"},
+         "engine_dump": {"worker", "producer", "training"}}
+
+
+def _runs_above(node: ast.AST, pkg: str) -> str | None:
+    """``"-m" <module>`` in a list or tuple literal, the module of a layer above ``pkg``."""
+    if not isinstance(node, ast.List | ast.Tuple):
+        return None
+    items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+    for flag, target in itertools.pairwise(items):
+        if flag == "-m" and isinstance(target, str) and \
+                target.split(".")[0] in ABOVE.get(pkg, set()):
+            return target
+    return None
+
+
 def dynamic_imports(root: Path) -> list[str]:
-    """Imports by name at run time that the contracts cannot see: any ``__import__``, and
-    ``importlib.import_module`` of a module of ours."""
+    """Imports by name at run time that the contracts cannot see: any ``__import__``,
+    ``importlib.import_module`` of a module of ours, and ``-m`` of a layer above."""
     bad = []
     for pkg in PACKAGES:
         for path in sorted((root / pkg).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
+                above = _runs_above(node, pkg)
+                if above:
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: runs -m {above}")
                 if not isinstance(node, ast.Call):
                     continue
                 f = node.func
@@ -113,6 +135,9 @@ VIOLATIONS = {
         "worker.core needs no Celery"),
     "a module imports by name": (
         "worker/core/units.py", "_m = __import__('producer.status')", "__import__"),
+    "the worker runs the producer as a process": (
+        "worker/steps/reconciler.py", "_cmd = [sys.executable, '-m', 'producer', 'enqueue']",
+        "runs -m producer"),
 }
 
 
