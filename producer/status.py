@@ -249,8 +249,8 @@ def files_gone(settings: Settings, r: redis.Redis, index: RunIndex) -> list[str]
     out = Path(settings.output_dir)
     gone = sorted(k for k in index.done_keys() if not outdir.final_path(out, k).exists())
     here = hosts.host_id(settings)
-    return [k for k, by in zip(gone, hosts.holders(r, index.fp, gone), strict=True)
-            if by is None or by[0] == here or hosts.same_output(r, index.fp, by[0], here)]
+    return [k for k, by in zip(gone, hosts.holders(r, index.run_id, gone), strict=True)
+            if by is None or by[0] == here or hosts.same_output(r, index.run_id, by[0], here)]
 
 
 def environmental_rejections(settings: Settings) -> list[tuple[str, str]]:

@@ -190,7 +190,7 @@ class Sampler:
         self.status = st
         shown = thinned(list(self.samples), SAMPLES_SHOWN)
         self.snapshot = {
-            "run": self.index.fp, "now": now, "status": st.to_json(),
+            "run": self.index.run_id, "now": now, "status": st.to_json(),
             "history": history(self.done, _outcome_times(self.index, keys.FAILED),
                                _outcome_times(self.index, keys.REJECTED), start, max(end, start)),
             "sampled": {name: [p[name] for p in shown] for name in ("t", *SAMPLED)},

@@ -197,7 +197,7 @@ def test_parked_samples_are_published_again_once_their_file_reads(tmp_path: Path
                   "run, away, back = sys.argv[1:]; n = [resume_parked(s, run, app)]; "
                   "os.rename(away, back); "
                   "n += [resume_parked(s, run, app), resume_parked(s, run, app)]; print(n)")
-        res = subprocess.run([sys.executable, "-c", script, index.fp,
+        res = subprocess.run([sys.executable, "-c", script, index.run_id,
                               str(tmp_path / "away.jsonl"), str(data)],
                              env=farm.env(), capture_output=True, text=True, timeout=60)
         # Then none is published while it is away; after, exactly those samples, once

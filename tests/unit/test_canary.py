@@ -68,7 +68,7 @@ def test_a_small_mismatch_names_a_change_of_numerics_a_large_one_does_not(
     def text(max_rel: float) -> str:
         cmp = cn.Comparison([cn.LayerError(n, max_rel, max_rel / 2) for n in names], [],
                             0.01, 0.0025)
-        return check._mismatch_text(cmp, {"recorded_at": "0", cn.M_WEIGHTS: "ab12"})
+        return check._mismatch_text(cmp, {"recorded_at": "0", cn.M_WEIGHTS_ID: "ab12"})
 
     # Another checkpoint (measured: ~166%): restore the model or start a new output dir
     large = text(1.66)

@@ -21,6 +21,7 @@ import numpy as np
 from engine_dump import contracts as c
 from worker.core import checksums, diskio, durable, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, Transient
+from worker.core.weights import M_WEIGHTS_ID
 
 ROWS_PER_PROMPT = 48  # tokens sampled per prompt (plus the chunk boundary): small files
 LONG_CAP_TOKENS = 16384
@@ -30,7 +31,6 @@ _TEXT = ("Hidden states are the activations of a model. Speculative decoding dra
 SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
 ANSWER = "Hidden states feed the draft model; the target model checks its tokens."
 M_LAYERS_NAMES = "layer_names"
-M_WEIGHTS = "weights_id"
 M_PROMPTS = "prompts_form"  # how the prompts were tokenized; absent: plain text (older hsfarm)
 PROMPTS_CHAT = "chat-template"
 Messages = list[dict[str, str]]
@@ -226,7 +226,7 @@ def compare(recorded: list[Canary], new: list[np.ndarray], names: list[str],
 
 def recording_meta(fingerprint: c.Fingerprint, weights_id: str, server_version: str,
                    chunk_size: int) -> dict[str, str]:
-    return {"fingerprint_id": fingerprint.id, M_WEIGHTS: weights_id, M_PROMPTS: PROMPTS_CHAT,
+    return {"fingerprint_id": fingerprint.id, M_WEIGHTS_ID: weights_id, M_PROMPTS: PROMPTS_CHAT,
             c.M_LAYERS: json.dumps(list(fingerprint.layers_to_capture)),
             M_LAYERS_NAMES: json.dumps(layer_names(fingerprint.layers_to_capture)),
             c.M_SERVER_VERSION: server_version, "chunked_prefill_size": str(chunk_size),

@@ -312,7 +312,7 @@ class CanaryCheck:
     def _mismatch_text(self, cmp: cn.Comparison, meta: dict[str, str]) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC",
                              time.gmtime(float(meta.get("recorded_at", "0"))))
-        rec_weights = meta.get(cn.M_WEIGHTS, "?")
+        rec_weights = meta.get(cn.M_WEIGHTS_ID, "?")
         worst = max((e.max_rel for e in cmp.layers), default=math.inf)
         # Within ten times the tolerance the states are still the same model's, moved by
         # something: a quantisation, or a change of numerics that may be harmless (another TP

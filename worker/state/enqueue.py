@@ -180,7 +180,7 @@ def _check(index: RunIndex, store: st.OutputStore, path: Path, fid: int,
     with ThreadPoolExecutor(max_workers=HEADER_THREADS) as pool:
         for batch in _batches(refs):
             names = [r.key for r in batch]
-            regs, held = index.registered(names), hosts.holders(index.r, index.fp, names)
+            regs, held = index.registered(names), hosts.holders(index.r, index.run_id, names)
             away = [ref.key in done_in_index and by is not None and by[0] != host
                     and by[1] == ref.sha256 for ref, by in zip(batch, held, strict=True)]
             known = [ref.key in done_in_index and reg is not None and reg.fid == fid
@@ -402,7 +402,7 @@ def _publish(settings: Settings, app: Any, queue: str, index: RunIndex,
              delete_removed: bool = False) -> None:
     """Pass 2: register and publish what is not done, queued, running or settled."""
     r = index.r
-    in_broker = broker_sample_keys(r, queue, index.fp)
+    in_broker = broker_sample_keys(r, queue, index.run_id)
     publication = 0 if dry_run else index.next_publication()
     rejected_before = index.outcomes(keys.REJECTED)
     failed_before = index.outcomes(keys.FAILED)
@@ -412,7 +412,7 @@ def _publish(settings: Settings, app: Any, queue: str, index: RunIndex,
     if not dry_run:
         index.unmark_done(sorted(plan.redo))
         index.mark_done_many(plan.relearn, plan.relearn_at)
-        hosts.claim(r, index.fp, hosts.host_id(settings), plan.relearn_sha)
+        hosts.claim(r, index.run_id, hosts.host_id(settings), plan.relearn_sha)
         index.clear_invalid(plan.fid)
     refs = _refs(settings, path, limit, meter, "enqueue", summary)
     with app.producer_or_acquire() as producer, \
@@ -421,7 +421,7 @@ def _publish(settings: Settings, app: Any, queue: str, index: RunIndex,
             if not dry_run:
                 index.register({ref.key: Registered(plan.fid, ref.offset, ref.length,
                                                     ref.sha256, ref.index) for ref in batch})
-            leased = _leased(r, index.fp, [ref.key for ref in batch])
+            leased = _leased(r, index.run_id, [ref.key for ref in batch])
             for ref, busy in zip(batch, leased, strict=True):
                 summary.records += 1
                 if ref.key in plan.superseded:
@@ -439,7 +439,7 @@ def _publish(settings: Settings, app: Any, queue: str, index: RunIndex,
                     if not dry_run:
                         if ref.key in settled or ref.key in plan.redo:
                             index.forget_outcome(ref.key)
-                        publish.send(app, queue, index.fp, publication,
+                        publish.send(app, queue, index.run_id, publication,
                                      replace(ref, fid=plan.fid), producer)
                     summary.published += 1
     summary.records += len(summary.rejected)

@@ -122,18 +122,18 @@ class Counts:
 
 
 class RunIndex:
-    """All Redis bookkeeping for one fingerprint id.
+    """All Redis bookkeeping for one run (``run_id``: ``worker.core.run``).
 
     Every public method translates ``redis.RedisError`` into ``Transient``: an unreachable
     Redis is a condition to wait out, never a reason to lose a sample.
     """
 
-    def __init__(self, r: redis.Redis, fingerprint_id: str) -> None:
+    def __init__(self, r: redis.Redis, run_id: str) -> None:
         self.r = r
-        self.fp = fingerprint_id
+        self.run_id = run_id
 
     def k(self, name: str) -> str:
-        return keys.run_key(self.fp, name)
+        return keys.run_key(self.run_id, name)
 
     # --- attempts and states of one sample ---------------------------------------------------
 
@@ -174,7 +174,7 @@ class RunIndex:
         dropped = 0
         for k, body in raw.items():
             key = as_text(k)
-            lease = lease_name(self.fp, key)
+            lease = lease_name(self.run_id, key)
             holder = self.r.get(lease)
             seen = "" if holder is None else as_text(holder)
             if seen and not gone(seen.split("#", 1)[0]):
@@ -291,7 +291,7 @@ class RunIndex:
         for key in sample_keys:
             p.hexists(self.k(keys.FAILED), key)
             p.hexists(self.k(keys.RETRYING), key)
-            p.exists(lease_name(self.fp, key))
+            p.exists(lease_name(self.run_id, key))
         got = p.execute() if sample_keys else []
         return [any(got[i : i + 3]) for i in range(0, len(got), 3)]
 

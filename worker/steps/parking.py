@@ -59,9 +59,9 @@ def _resume(settings: Settings, run_id: str, app: Celery) -> int:
 
 def publish(app: Celery, settings: Settings, index: RunIndex, sample_keys: list[str]) -> int:
     """Publish one message per registered sample of ``sample_keys`` on the run's queue."""
-    queue = runs.queue_for(settings, index.fp)
+    queue = runs.queue_for(settings, index.run_id)
     publication = index.next_publication()
     refs = (reg.ref(key)
             for key, reg in zip(sample_keys, index.registered(sample_keys), strict=True)
             if reg is not None)
-    return send_all(app, queue, index.fp, publication, refs)
+    return send_all(app, queue, index.run_id, publication, refs)

@@ -74,11 +74,11 @@ def in_no_state(index: RunIndex, queue: str) -> dict[str, Registered]:
     candidates = {k: reg for k, reg in index.iter_registered() if k not in settled}
     if not candidates:
         return {}
-    busy = broker_sample_keys_at_once(r, queue, index.fp)
+    busy = broker_sample_keys_at_once(r, queue, index.run_id)
     names = [k for k in candidates if k not in busy]
     p = r.pipeline(transaction=False)
     for key in names:
-        p.exists(leases.lease_name(index.fp, key))
+        p.exists(leases.lease_name(index.run_id, key))
     free = [k for k, held in zip(names, p.execute(), strict=True) if not held]
     settled = _settled(index)
     return {k: candidates[k] for k in free if k not in settled}
