@@ -26,7 +26,6 @@ from worker.state import broker, hosts, keys
 from worker.state.corpus import Corpus
 from worker.state.index import RunIndex
 from worker.state.queue_scan import broker_depth
-from worker.steps.reconciler import republished
 
 SHOW_KEYS = 20  # sample keys listed by name where only the count would be too little
 BYTES_WINDOW_MAX = 5000  # newest completions whose sizes make bytes/s (one HMGET)
@@ -170,7 +169,7 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
     paused = index.outcomes(keys.PAUSED)
     # while every process with work waits out the environment, no rate predicts the end
     stalled = bool(paused) and counts.running == 0
-    again = republished(index)
+    again = index.republished()
     st = Status(total=counts.total, done=done, queued=waiting, unacked=unacked,
                 running=counts.running, retrying=counts.retrying, failed=counts.failed,
                 rejected=counts.rejected, stale=counts.stale, bytes=counts.bytes,
@@ -219,24 +218,23 @@ def _rates(r: redis.Redis, index: RunIndex, window_s: float,
            now: float) -> tuple[float, float, float]:
     """(samples/s, bytes/s, seconds measured over) up to ``now``, over ``hosts.rate_window``
     (so the first minutes read right, and each host's rate adds up to the run's)."""
-    first = r.zrange(index.k(keys.DONE), 0, 0, withscores=True)
-    if not first:
+    first = index.done_at_edge(newest=False)
+    if first is None:
         return 0.0, 0.0, 0.0
-    since, span_s = hosts.rate_window(float(first[0][1]), now, window_s)
-    recent: list[bytes] = r.zrevrangebyscore(  # type: ignore[assignment]
-        index.k(keys.DONE), now, since, start=0, num=BYTES_WINDOW_MAX)
-    n = int(r.zcount(index.k(keys.DONE), since, now))
+    since, span_s = hosts.rate_window(first, now, window_s)
+    recent = [k for k, _ in index.done_between(since, now, BYTES_WINDOW_MAX, newest_first=True)]
+    n = index.done_count(since, now)
     if not recent:
         return 0.0, 0.0, span_s
-    sizes = [int(x) for x in r.hmget(index.k(keys.BYTES), recent) if x is not None]
+    sizes = [x for x in index.file_sizes(recent) if x is not None]
     mean_bytes = sum(sizes) / max(len(sizes), 1)
     return n / span_s, n * mean_bytes / span_s, span_s
 
 
 def _last_outcome_at(index: RunIndex) -> float | None:
     """When the newest done, failed or rejected outcome was recorded."""
-    last = index.r.zrange(index.k(keys.DONE), -1, -1, withscores=True)
-    ends = [float(last[0][1])] if last else []
+    last = index.done_at_edge(newest=True)
+    ends = [] if last is None else [last]
     for name in (keys.FAILED, keys.REJECTED):
         ends += [float(b.get("at", 0)) for b in index.outcomes(name).values()]
     return max(ends, default=None)

@@ -57,21 +57,19 @@ class DoneHistory:
     size: dict[str, int] = field(default_factory=dict)
 
     def refresh(self, index: RunIndex) -> None:
-        r, done = index.r, index.k(keys.DONE)
         since = max(self.at.values(), default=0.0) - 5.0  # a margin for clock skew of hosts
-        new = r.zrangebyscore(done, since, "+inf", withscores=True)
-        self._merge(index, new)  # type: ignore[arg-type]
-        if int(r.zcard(done)) != len(self.at):  # removed, or added with older times
+        self._merge(index, index.done_between(since))
+        if index.done_count() != len(self.at):  # removed, or added with older times
             self.at.clear()
-            self._merge(index, r.zrange(done, 0, -1, withscores=True))  # type: ignore[arg-type]
+            self._merge(index, index.done_between("-inf"))
 
-    def _merge(self, index: RunIndex, entries: list[tuple[bytes, float]]) -> None:
-        unseen = [k.decode() for k, _ in entries if k.decode() not in self.size]
+    def _merge(self, index: RunIndex, entries: list[tuple[str, float]]) -> None:
+        unseen = [k for k, _ in entries if k not in self.size]
         for i in range(0, len(unseen), 5000):
             part = unseen[i : i + 5000]
-            sizes = index.r.hmget(index.k(keys.BYTES), part)
+            sizes = index.file_sizes(part)
             self.size.update({k: int(v or 0) for k, v in zip(part, sizes, strict=True)})
-        self.at.update({k.decode(): float(t) for k, t in entries})
+        self.at.update(dict(entries))
 
 
 def thinned(points: list[dict[str, Any]], at_most: int) -> list[dict[str, Any]]:

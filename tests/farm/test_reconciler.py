@@ -18,7 +18,6 @@ from tests.conftest import assert_farm_invariants, wait_finished, write_samples
 from tests.support.faults import attempts, busy_child, dashboard_metrics, enqueue, running_farm
 from worker.state import keys
 from worker.state.index import RunIndex
-from worker.steps.reconciler import republished
 
 N_KILL = 20  # samples of the Redis-kill runs
 REDIS_AWAY_S = 8  # how long the test's Redis is unreachable (AOF always)
@@ -46,7 +45,7 @@ def test_lost_messages_are_published_again_by_the_run(tmp_path: Path, tiny_model
         wait_finished(farm, 30, timeout_s=120)
         assert_farm_invariants(farm, sample_keys)
         index = RunIndex(r, farm.run_id())
-        assert republished(index) == dict.fromkeys(removed, 1)
+        assert index.republished() == dict.fromkeys(removed, 1)
         logs = "".join(farm.procs[w].log.read_text() for w in ("w1",))
         assert sorted(re.findall(r" (\S+) republished: ", logs)) == sorted(removed)
         done_lines = re.findall(r" (\S+) a\d+ done n=", logs)
@@ -109,7 +108,7 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
                    "extracted": len(done_lines),
                    "redeliveries": len(re.findall(r" already done \(verified", logs))
                    + sum(a - 1 for a in attempts(farm).values()),
-                   "republished": sum(republished(index).values()),
+                   "republished": sum(index.republished().values()),
                    "re_enqueued": logs.count("re-enqueued "),
                    "duplicated": duplicated, "lost": N_KILL - len(index.done_keys())}
         print("REDIS-KILL", json.dumps(figures))

@@ -86,3 +86,60 @@ def test_in_question_names_samples_whose_header_is_not_enough(redis_url: str) ->
     # Then all but the untried one
     assert got == [True, True, True, False]
     assert index.in_question([]) == []
+
+
+@pytest.mark.timeout(20)
+def test_the_done_history_reads_by_time_with_each_file_s_size(redis_url: str) -> None:
+    # Given three samples done at known times (a relearnt batch keeps its files' mtimes)
+    index = _index(redis_url)
+    assert (index.done_at_edge(newest=False), index.done_count()) == (None, 0)
+    index.mark_done_many({"a": (10, 1), "b": (20, 2), "c": (30, 3)},
+                         at={"a": 100.0, "b": 200.0, "c": 300.0})
+    # Then the history reads by time, both ways, bounded, with the sizes verified
+    assert index.done_between(150) == [("b", 200.0), ("c", 300.0)]
+    assert index.done_between(0, 300, limit=2, newest_first=True) == [("c", 300.0),
+                                                                      ("b", 200.0)]
+    assert (index.done_count(), index.done_count(100, 200)) == (3, 2)
+    assert (index.done_at_edge(newest=False), index.done_at_edge(newest=True)) == (100.0, 300.0)
+    assert index.file_sizes(["c", "a", "nope"]) == [30, 10, None]
+    assert index.file_sizes([]) == []
+
+
+@pytest.mark.timeout(20)
+def test_a_refund_takes_back_only_the_attempt_still_remembered(redis_url: str) -> None:
+    # Given an attempt running, its entry remembered (as the outage watch does)
+    index = _index(redis_url)
+    index.next_attempt("s1")
+    index.mark_running("s1", "host-a:1", 1)
+    [body] = index.running_bodies(["s1"])
+    assert body is not None and index.running_bodies(["none"]) == [None]
+    # When a newer attempt rewrote the entry, Then nothing is refunded
+    index.next_attempt("s1")
+    index.mark_running("s1", "host-a:2", 2)
+    assert not index.refund_running("s1", body)
+    assert int(index.r.hget(index.k(keys.ATTEMPTS), "s1") or 0) == 2
+    # And the entry as remembered is refunded once: the attempt and the entry go
+    [newer] = index.running_bodies(["s1"])
+    assert newer is not None and index.refund_running("s1", newer)
+    assert not index.refund_running("s1", newer)
+    assert int(index.r.hget(index.k(keys.ATTEMPTS), "s1") or 0) == 1
+    assert index.outcomes(keys.RUNNING) == {}
+
+
+@pytest.mark.timeout(20)
+def test_settled_keys_leases_and_republished_counts(redis_url: str) -> None:
+    # Given a failed, a rejected and a leased sample, and one republished twice
+    index = _index(redis_url)
+    index.mark_failed("f", "gave up", 5)
+    index.mark_rejected("r", "bad input", sha="sha")
+    lease = leases.try_acquire(index.r, leases.lease_name(RUN, "l"), 30)
+    assert isinstance(lease, leases.Lease)
+    index.note_republished("x")
+    index.note_republished("x")
+    # Then each reads back from its own hash
+    assert index.settled_keys([keys.FAILED, keys.REJECTED]) == {"f", "r"}
+    assert index.settled_keys([keys.STALE]) == set()
+    assert index.leased(["l", "f"]) == [True, False] and index.leased([]) == []
+    assert index.republished() == {"x": 2}
+    lease.release()
+    assert index.leased(["l"]) == [False]

@@ -19,7 +19,7 @@ from worker.core.store import OutputStore
 from worker.state import keys, ledger
 from worker.state import lease as leases
 from worker.state.index import Registered, RunIndex
-from worker.steps.reconciler import Reconciler, republished
+from worker.steps.reconciler import Reconciler
 
 HEAL_ENV = {"FARM_RECONCILE_INTERVAL_S": "2", "FARM_RECONCILE_CONFIRM_S": "2"}
 
@@ -75,7 +75,7 @@ def test_nothing_queued_running_or_about_to_be_acked_is_republished(
         # reconciler did nothing while the first held the lease
         assert result is not None and result.suspects == 3 and result.republished == 1
         assert seen_rival == [None]
-        assert republished(index) == {"lost": 1}
+        assert index.republished() == {"lost": 1}
         queued = [json.loads(m)["headers"]["id"] for m in r.lrange(queue, 0, -1)]
         assert sorted(q.rsplit(":", 1)[1] for q in queued) == ["lost", "queued"]
         # and a second pass finds nothing left to heal

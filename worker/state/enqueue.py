@@ -421,7 +421,7 @@ def _publish(settings: Settings, app: Any, queue: str, index: RunIndex,
             if not dry_run:
                 index.register({ref.key: Registered(plan.fid, ref.offset, ref.length,
                                                     ref.sha256, ref.index) for ref in batch})
-            leased = _leased(r, index.run_id, [ref.key for ref in batch])
+            leased = index.leased([ref.key for ref in batch])
             for ref, busy in zip(batch, leased, strict=True):
                 summary.records += 1
                 if ref.key in plan.superseded:
@@ -452,15 +452,6 @@ def _publish(settings: Settings, app: Any, queue: str, index: RunIndex,
         index.set_meta(last_enqueue=str(path.resolve()))
         if summary.published:
             index.mark_started()
-
-
-def _leased(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[bool]:
-    p = r.pipeline()
-    for key in sample_keys:
-        p.exists(leases.lease_name(run_id, key))
-    return [bool(x) for x in p.execute()]
-
-
 
 
 def _drop_vanished(index: RunIndex, store: st.OutputStore, plan: _Plan, summary: Summary,
@@ -497,7 +488,7 @@ def requeue(settings: Settings, store: st.OutputStore, refs: list[SampleRef], ap
     with leases.held(r, run_lock_name(run_id), settings.lease_ttl_s,
                      deadline=math.inf, poll_s=1.0), app.producer_or_acquire() as producer, \
             producer.batch(max_size=500):
-        for ref, busy in zip(refs, _leased(r, run_id, [x.key for x in refs]), strict=True):
+        for ref, busy in zip(refs, index.leased([x.key for x in refs]), strict=True):
             if busy or ref.key in in_broker:
                 continue
             index.forget_outcome(ref.key)

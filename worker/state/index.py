@@ -54,6 +54,15 @@ _SET_RUNNING = """
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 return redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 """
+# Refund an attempt Celery cancelled when Redis went away (``worker.steps.outage``), only
+# while its ``running`` entry is the one remembered: an attempt started after the reconnection
+# writes its own entry, so nothing is refunded twice. KEYS: running, attempts; ARGV: key, body.
+_REFUND = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
+return 1
+"""
 # Names whose entry says a sample is done, and where: what taking it out of ``done`` clears.
 _DONE_NAMES = (keys.BYTES, keys.TOKENS, keys.HELD)
 MAX_TEXT_CHARS = 500  # longest reason or record description kept in Redis
@@ -281,6 +290,14 @@ class RunIndex:
         p.execute()
 
     @redis_errors
+    def leased(self, sample_keys: list[str]) -> list[bool]:
+        """Whether an attempt holds each sample's lease now (``worker.state.lease``)."""
+        p = self.r.pipeline(transaction=False)
+        for key in sample_keys:
+            p.exists(lease_name(self.run_id, key))
+        return [bool(x) for x in p.execute()] if sample_keys else []
+
+    @redis_errors
     def in_question(self, sample_keys: list[str]) -> list[bool]:
         """Whether each sample's file, if any, needs more than its header to count as done:
         the index records a failed attempt of it (failed, retrying), or an attempt holds its
@@ -398,6 +415,75 @@ class RunIndex:
     def done_keys(self) -> set[str]:
         members: list[bytes] = self.r.zrange(self.k(keys.DONE), 0, -1)  # type: ignore[assignment]
         return {as_text(k) for k in members}
+
+    @redis_errors
+    def done_between(self, since: float | str, until: float | str = "+inf",
+                     limit: int | None = None, newest_first: bool = False
+                     ) -> list[tuple[str, float]]:
+        """Done samples and when, marked done between the two times (inclusive), oldest first
+        (``newest_first``: newest first); at most ``limit`` of them."""
+        d, start = self.k(keys.DONE), 0 if limit else None
+        got: list[tuple[bytes, float]] = (
+            self.r.zrevrangebyscore(d, until, since, start=start, num=limit, withscores=True)
+            if newest_first else  # type: ignore[assignment]
+            self.r.zrangebyscore(d, since, until, start=start, num=limit, withscores=True))
+        return [(as_text(k), float(t)) for k, t in got]
+
+    @redis_errors
+    def done_count(self, since: float | str = "-inf", until: float | str = "+inf") -> int:
+        """How many samples were marked done between the two times (inclusive)."""
+        if since == "-inf" and until == "+inf":
+            return int(self.r.zcard(self.k(keys.DONE)))
+        return int(self.r.zcount(self.k(keys.DONE), since, until))
+
+    @redis_errors
+    def done_at_edge(self, newest: bool) -> float | None:
+        """When the first (``newest``: the last) sample still done was marked done."""
+        at = -1 if newest else 0
+        got: list[tuple[bytes, float]] = self.r.zrange(  # type: ignore[assignment]
+            self.k(keys.DONE), at, at, withscores=True)
+        return float(got[0][1]) if got else None
+
+    @redis_errors
+    def file_sizes(self, sample_keys: list[str]) -> list[int | None]:
+        """The final file's size each done sample of ``sample_keys`` was verified at."""
+        if not sample_keys:
+            return []
+        raw: list[bytes | None] = self.r.hmget(  # type: ignore[assignment]
+            self.k(keys.BYTES), sample_keys)
+        return [None if v is None else int(v) for v in raw]
+
+    @redis_errors
+    def settled_keys(self, names: Iterable[str]) -> set[str]:
+        """The samples with an entry in any of the hashes ``names`` (outcomes, ``parked``)."""
+        p = self.r.pipeline(transaction=False)
+        for name in names:
+            p.hkeys(self.k(name))
+        return {as_text(k) for got in p.execute() for k in got}
+
+    @redis_errors
+    def note_republished(self, key: str) -> None:
+        """The reconciler published ``key`` again (its message was lost)."""
+        self.r.hincrby(self.k(keys.REPUBLISHED), key, 1)
+
+    @redis_errors
+    def republished(self) -> dict[str, int]:
+        """Sample key -> times the reconciler published it again."""
+        raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.REPUBLISHED))  # type: ignore[assignment]
+        return {as_text(k): int(v) for k, v in raw.items()}
+
+    @redis_errors
+    def running_bodies(self, sample_keys: list[str]) -> list[bytes | None]:
+        """The ``running`` entry of each of ``sample_keys`` as stored (None: none)."""
+        if not sample_keys:
+            return []
+        return list(self.r.hmget(self.k(keys.RUNNING), sample_keys))  # type: ignore[arg-type]
+
+    @redis_errors
+    def refund_running(self, key: str, body: bytes | str) -> bool:
+        """Take back the attempt whose ``running`` entry is still ``body`` (``_REFUND``)."""
+        return bool(self.r.eval(_REFUND, 2, self.k(keys.RUNNING), self.k(keys.ATTEMPTS),
+                                key, body))
 
     @redis_errors
     def add_invalid(self, fid: int, where: str, reason: str) -> None:

@@ -1,10 +1,10 @@
 """A Redis outage costs no attempt.
 
-When Redis stops answering, Celery cancels the tasks this worker runs
-(``worker_cancel_long_running_tasks_on_connection_loss``); their messages come back later
-(``reaper``), but each attempt was counted at its start and cannot refund itself. So a thread
-of each main process PINGs Redis every second and remembers its attempts' ``running`` entries;
-once Redis answers after a failed PING, each not running here any more is refunded (``_REFUND``).
+When Redis stops answering, Celery cancels the tasks this worker runs (``worker_cancel_long_
+running_tasks_on_connection_loss``); their messages come back later (``reaper``), but each
+attempt was counted at its start and cannot refund itself. So a thread of each main process
+PINGs Redis every second and remembers its attempts' ``running`` entries; once Redis answers
+after a failed PING, each not running here any more is refunded (``RunIndex.refund_running``).
 Test: tests/farm/test_reconciler.py::test_redis_killed_mid_run_loses_nothing."""
 
 from __future__ import annotations
@@ -17,21 +17,14 @@ import redis
 from celery.worker import state as worker_state
 
 from worker.core import run as runs
-from worker.state import broker, keys
+from worker.core.errors import Transient
+from worker.state import broker
 from worker.state.index import RunIndex
 from worker.steps.base import ThreadStep, farm_of
 
 log = logging.getLogger("hsfarm.outage")
 
 PING_EVERY_S = 1.0
-# Refunds only while the ``running`` entry is the one remembered: an attempt started after
-# the reconnection writes its own entry, so nothing is refunded twice.
-_REFUND = """
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
-return 1
-"""
 
 
 def running_here(run_id: str) -> set[str]:
@@ -62,8 +55,8 @@ class Watch:
         try:
             self.r.ping()
             mine = running_here(self.run_id)
-            bodies = self.r.hmget(self.index.k(keys.RUNNING), sorted(mine)) if mine else []
-        except redis.RedisError:
+            bodies = self.index.running_bodies(sorted(mine))
+        except (redis.RedisError, Transient):
             if not self.away:
                 log.warning("Redis does not answer: tasks in flight are cancelled and handed "
                             "back when it does; their attempts are refunded")
@@ -79,8 +72,7 @@ class Watch:
         for key, body in self.remembered.items():
             if key in still_running:
                 continue
-            if self.r.eval(_REFUND, 2, self.index.k(keys.RUNNING), self.index.k(keys.ATTEMPTS),
-                           key, body):
+            if self.index.refund_running(key, body):
                 refunded += 1
                 log.warning("%s attempt refunded: cancelled when Redis went away", key)
         return refunded

@@ -42,7 +42,7 @@ from worker.core.store import OutputStore
 from worker.state import broker, keys, ledger, publish
 from worker.state import lease as leases
 from worker.state.enqueue import EnqueueRefused, enqueue
-from worker.state.index import Registered, RunIndex, as_text
+from worker.state.index import Registered, RunIndex
 from worker.state.queue_scan import broker_sample_keys_at_once
 from worker.steps.base import ThreadStep, farm_of
 
@@ -56,10 +56,7 @@ Sleep = Callable[[float], object]
 
 def _settled(index: RunIndex) -> set[str]:
     """Samples with an outcome (done, failed, rejected, stale) or parked on their data file."""
-    out = index.done_keys()
-    for name in _SETTLED:
-        out.update(as_text(k) for k in index.r.hkeys(index.k(name)))
-    return out
+    return index.done_keys() | index.settled_keys(_SETTLED)
 
 
 def in_no_state(index: RunIndex, queue: str) -> dict[str, Registered]:
@@ -69,17 +66,13 @@ def in_no_state(index: RunIndex, queue: str) -> dict[str, Registered]:
     leaves the broker while this reads was marked done before its acknowledgement, so the
     outcomes, read last, show it.
     """
-    r = index.r
     settled = _settled(index)
     candidates = {k: reg for k, reg in index.iter_registered() if k not in settled}
     if not candidates:
         return {}
-    busy = broker_sample_keys_at_once(r, queue, index.run_id)
+    busy = broker_sample_keys_at_once(index.r, queue, index.run_id)
     names = [k for k in candidates if k not in busy]
-    p = r.pipeline(transaction=False)
-    for key in names:
-        p.exists(leases.lease_name(index.run_id, key))
-    free = [k for k, held in zip(names, p.execute(), strict=True) if not held]
+    free = [k for k, held in zip(names, index.leased(names), strict=True) if not held]
     settled = _settled(index)
     return {k: candidates[k] for k in free if k not in settled}
 
@@ -189,15 +182,9 @@ class Reconciler:
         with self.app.producer_or_acquire() as producer:
             for ref in refs:
                 publish.send(self.app, self.queue, self.run_id, publication, ref, producer)
-                self.r.hincrby(self.index.k(keys.REPUBLISHED), ref.key, 1)
+                self.index.note_republished(ref.key)
                 log.warning("%s republished: in no state (its task message was lost)", ref.key)
         return len(refs)
-
-
-def republished(index: RunIndex) -> dict[str, int]:
-    """Sample key -> times the reconciler published it again."""
-    raw: dict[bytes, bytes] = index.r.hgetall(index.k(keys.REPUBLISHED))  # type: ignore[assignment]
-    return {as_text(k): int(v) for k, v in raw.items()}
 
 
 class ReconcilerStep(ThreadStep):
