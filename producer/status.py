@@ -164,7 +164,7 @@ def read_status(settings: Settings, fingerprint: c.Fingerprint,
                 and counts.retrying == 0)
     # a finished run's figures stop at its last outcome, not at the time of asking
     until = _last_outcome_at(index) if finished else None
-    rate, bytes_rate, measured_s = _rates(r, index, window_s, until or time.time())
+    rate, bytes_rate, measured_s = _rates(index, window_s, until or time.time())
     started = index.meta().get("started_at")
     paused = index.outcomes(keys.PAUSED)
     # while every process with work waits out the environment, no rate predicts the end
@@ -214,8 +214,7 @@ def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, 
     return out
 
 
-def _rates(r: redis.Redis, index: RunIndex, window_s: float,
-           now: float) -> tuple[float, float, float]:
+def _rates(index: RunIndex, window_s: float, now: float) -> tuple[float, float, float]:
     """(samples/s, bytes/s, seconds measured over) up to ``now``, over ``hosts.rate_window``
     (so the first minutes read right, and each host's rate adds up to the run's)."""
     first = index.done_at_edge(newest=False)
