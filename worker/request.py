@@ -1,7 +1,7 @@
 """The task's Request class: who holds each message, and each delivery's own time limits.
 
 Built in the worker main process for every delivery: records this process as the message's
-owner (``hsfarm:owners``, which the reaper in worker/steps/reaper.py reads), forgets it once
+owner (``worker.state.owners``, which the reaper reads), forgets it once
 the message is acknowledged or handed back, and sizes the delivery's time limits by its
 record (worker/core/time_limits.py). Settings and the run come from the task's app.
 """
@@ -14,9 +14,8 @@ from typing import Any
 import redis
 from celery.worker.request import Request
 
-from worker.core import liveness, time_limits
-from worker.state import keys
-from worker.steps.reaper import client_for, forget_if_settled
+from worker.core import time_limits
+from worker.state import owners
 
 log = logging.getLogger("hsfarm.reaper")
 
@@ -26,7 +25,7 @@ class OwnedRequest(Request):
 
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(message, *args, **kwargs)
-        self._owner_call(lambda r, tag: r.hset(keys.OWNERS, tag, liveness.identity()))
+        self._owner_call(owners.record)
         self._size_time_limits()
 
     def _size_time_limits(self) -> None:
@@ -45,17 +44,17 @@ class OwnedRequest(Request):
 
     def acknowledge(self) -> None:
         super().acknowledge()
-        self._owner_call(forget_if_settled)
+        self._owner_call(owners.forget_if_settled)
 
     def reject(self, requeue: bool = False) -> None:
         super().reject(requeue=requeue)
-        self._owner_call(forget_if_settled)
+        self._owner_call(owners.forget_if_settled)
 
     def _owner_call(self, fn: Any) -> None:
         tag = getattr(self.message, "delivery_tag", None)
         if tag is None:
             return
         try:
-            fn(client_for(self.task.app.settings), tag)
+            fn(owners.client_for(self.task.app.settings), tag)
         except redis.RedisError as e:  # the visibility timeout still covers this message
             log.warning("cannot record the owner of message %s: %s", tag, e)

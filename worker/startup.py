@@ -33,9 +33,8 @@ from worker.runtime import RunContext, Runtime
 from worker.server import served_identity
 from worker.server.canary_check import Outcome
 from worker.server.client import ServerClient
-from worker.state import broker, queue_scan
+from worker.state import broker, owners, queue_scan
 from worker.state.index import RunIndex
-from worker.steps import reaper
 from worker.steps.host_beat import register_host
 
 log = logging.getLogger("hsfarm.worker")
@@ -194,7 +193,7 @@ def _on_worker_init(sender: Any, **_: Any) -> None:
         register_host(r, settings, ctx.store.run_id, ctx.fingerprint.id)
         _check_served(ctx, ctx.probe_meta)
         _wait_for_canary(ctx, r)
-        reaper.beat(r, settings)  # alive before the first message is ours
+        owners.beat(r, settings)  # alive before the first message is ours
     except ConfigError as e:
         log.critical("cannot start: %s", e)
         print(f"error: {e}", file=sys.stderr, flush=True)

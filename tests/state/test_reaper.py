@@ -13,8 +13,7 @@ from pathlib import Path
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE
 from worker.core import liveness
-from worker.state import keys
-from worker.steps import reaper
+from worker.state import keys, owners
 
 
 def test_a_redelivered_message_is_not_returned_for_its_old_owner(
@@ -25,18 +24,18 @@ def test_a_redelivered_message_is_not_returned_for_its_old_owner(
         # Given a message of a worker that died, delivered a while ago
         r.hset(keys.OWNERS, "T", "host:1:dead")
         r.zadd(keys.KOMBU_UNACKED_INDEX, {"T": time.time() - 10})
-        assert reaper._still_theirs(r, "T", "host:1:dead")
+        assert owners.still_theirs(r, "T", "host:1:dead")
         # When another reaper returned it and a live worker has just received it again: the
         # fresh delivery (its receiver records itself a few ms later) is not the dead one's
         r.zadd(keys.KOMBU_UNACKED_INDEX, {"T": time.time()})
-        assert not reaper._still_theirs(r, "T", "host:1:dead")
+        assert not owners.still_theirs(r, "T", "host:1:dead")
         # And once the receiver has recorded itself, the message is its, whatever its age
         r.hset(keys.OWNERS, "T", "host:2:alive")
         r.zadd(keys.KOMBU_UNACKED_INDEX, {"T": time.time() - 10})
-        assert not reaper._still_theirs(r, "T", "host:1:dead")
+        assert not owners.still_theirs(r, "T", "host:1:dead")
         # And a message acknowledged meanwhile is nobody's to return
         r.zrem(keys.KOMBU_UNACKED_INDEX, "T")
-        assert not reaper._still_theirs(r, "T", "host:2:alive")
+        assert not owners.still_theirs(r, "T", "host:2:alive")
     finally:
         farm.close(kill=True)
 
@@ -55,14 +54,14 @@ def test_an_owner_is_judged_from_proc_only_on_its_own_machine(
         older = f"{liveness.HOST}:{proc.pid}:1"
         # When each still beats its heartbeat
         for owner in (gone_here, elsewhere, older):
-            r.set(reaper.heartbeat_key(owner), "1", ex=60)
+            r.set(owners.heartbeat_key(owner), "1", ex=60)
         # Then only the one of this machine is gone; the others live while they beat
-        assert reaper.is_gone(r, gone_here)
-        assert not reaper.is_gone(r, elsewhere) and not reaper.is_gone(r, older)
+        assert owners.is_gone(r, gone_here)
+        assert not owners.is_gone(r, elsewhere) and not owners.is_gone(r, older)
         # And once their heartbeat expires, they are gone too
-        r.delete(reaper.heartbeat_key(elsewhere), reaper.heartbeat_key(older))
-        assert reaper.is_gone(r, elsewhere) and reaper.is_gone(r, older)
+        r.delete(owners.heartbeat_key(elsewhere), owners.heartbeat_key(older))
+        assert owners.is_gone(r, elsewhere) and owners.is_gone(r, older)
         # And this live process is not, with or without a heartbeat
-        assert not reaper.is_gone(r, liveness.identity())
+        assert not owners.is_gone(r, liveness.identity())
     finally:
         farm.close(kill=True)

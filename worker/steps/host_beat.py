@@ -15,9 +15,8 @@ import redis
 
 from worker.core import outdir
 from worker.core.settings import Settings
-from worker.state import hosts
+from worker.state import hosts, owners
 from worker.steps.base import Farm, ThreadStep, farm_of
-from worker.steps.reaper import client_for
 
 log = logging.getLogger("hsfarm.hosts")
 
@@ -51,7 +50,7 @@ class HostBeat(ThreadStep):
         settings, ctx = app.settings, app.context
         if ctx is None:
             return
-        r, run_id = client_for(settings), ctx.store.run_id
+        r, run_id = owners.client_for(settings), ctx.store.run_id
         try:
             registered = hosts.beat(r, run_id, hosts.host_id(settings), settings.output_dir,
                                     settings)
@@ -68,6 +67,7 @@ class HostBeat(ThreadStep):
         if ctx is None:
             return
         try:  # a clean stop: the host shows as stopped, not lost, once no process of it beats
-            hosts.mark_stopped(client_for(settings), ctx.store.run_id, hosts.host_id(settings))
+            hosts.mark_stopped(owners.client_for(settings), ctx.store.run_id,
+                               hosts.host_id(settings))
         except redis.RedisError as e:
             log.warning("host heartbeat: cannot say this host stopped: %s", e)
