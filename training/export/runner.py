@@ -216,8 +216,7 @@ def _withdraw(job: _Job, key: str) -> None:
     gap is closed after the export)."""
     path = job.dest / str(job.ledger.entries[key]["path"])
     job.ledger.remove(key)
-    path.unlink(missing_ok=True)
-    durable.fsync_dir_of(path)
+    durable.remove(path, missing_ok=True)
 
 
 def _count(summary: ExportSummary, key: str, result: _Outcome | str) -> None:
@@ -418,11 +417,9 @@ def _delete_if_same(path: Path, seen: os.stat_result) -> bool:
     except FileNotFoundError:
         return False
     if _identity(os.stat(aside)) == _identity(seen):
-        aside.unlink()
-        durable.fsync_dir_of(path)
+        durable.remove(aside)
         return True
     with contextlib.suppress(FileExistsError):  # an even newer one is there: this is stale
         os.link(aside, path)
-    aside.unlink()
-    durable.fsync_dir_of(path)
+    durable.remove(aside)
     return False

@@ -158,12 +158,7 @@ class OutputStore:
                     "final_norm": self._write_final_norm()}
             if identity is not None:
                 body["weights"] = identity
-            tmp = outdir.temp_path(path)
-            try:
-                tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
-                durable.commit_new(tmp, path)  # another worker's first: then compare
-            finally:
-                tmp.unlink(missing_ok=True)
+            durable.write_new_json(path, body)  # another worker's first: then compare
         manifest = self._check_manifest(path)
         if identity is not None:
             self._check_weights(manifest, identity)
@@ -294,13 +289,12 @@ class OutputStore:
                 try:
                     v = self._read_back(tmp, key, metadata.get(M_CONTENT), final)
                     _evict(tmp)  # what the read-back cached: RAM stays free
-                    os.replace(tmp, final)
+                    durable.commit_synced(tmp, final)
                 except FileNotFoundError as e:
                     if not final.parent.is_dir():
                         raise  # the directory went: the disk's fault (OutputUnavailable)
                     raise LeaseLost(f"{tmp.name} was removed before its rename: another "
                                     f"attempt of {key} holds its lease now") from e
-                fsync_dir(final.parent)
             finally:
                 with contextlib.suppress(OSError):  # gone, or the disk refuses: a dead
                     tmp.unlink()                    # writer's temp, removed later
