@@ -3,6 +3,7 @@ which directories it syncs. The fsync order of a commit: tests/state/test_durabl
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ def test_a_synced_temp_file_commits_without_a_second_fsync(
     tmp = outdir.temp_path(final)
     tmp.write_bytes(b"data")
     files: list[Path] = []
-    monkeypatch.setattr(durable, "fsync_file", files.append)
+    monkeypatch.setattr(diskio, "fsync_file", files.append)
     # When it is committed as synced
     durable.commit_synced(tmp, final)
     # Then it takes its name, the directory is synced, and the file is not synced again
@@ -106,3 +107,19 @@ def test_a_final_file_set_aside_moves_durably(tmp_path: Path, synced_dirs: list[
     assert not final.exists() and synced_dirs == [dest.parent, final.parent]
     assert setaside.removed_by_key(tmp_path) == {"k1": [dest]}
 
+
+def test_cache_drops_and_advice_take_an_fd_or_a_path(tmp_path: Path) -> None:
+    # Given a synced file
+    path = tmp_path / "f"
+    path.write_bytes(b"y" * 8192)
+    diskio.fsync_file(path)
+    diskio.fsync_dir(tmp_path)
+    fds = len(os.listdir("/proc/self/fd"))
+    # When its pages are dropped by path, by fd, and read-ahead is advised
+    diskio.drop_cache(path)
+    with open(path, "rb") as f:
+        diskio.drop_cache(f.fileno())
+    diskio.advise(path, os.POSIX_FADV_WILLNEED)
+    # Then its bytes are unchanged and no descriptor is left open
+    assert path.read_bytes() == b"y" * 8192
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -4,8 +4,8 @@ farm takes its name.
 A crash leaves the old file or the new one, never a torn one: the bytes are on the device
 before the name points at them, and the name is when the directory's fsync returns. Temp names
 carry the writer's ``liveness.temp_tag`` after the temp mark (``outdir.temp_path``), so
-cleanup can tell a dead writer's temp file from a live one's; a file set aside goes by ``move``.
-Tests: tests/state/test_durable.py, tests/unit/test_durable.py."""
+cleanup can tell a dead writer's temp file from a live one's; a file set aside goes by ``move``;
+the fsyncs are ``diskio``'s. Tests: tests/state/test_durable.py, tests/unit/test_durable.py."""
 
 from __future__ import annotations
 
@@ -17,22 +17,10 @@ from typing import Any
 
 from worker.core import diskio, outdir
 
-fsync_dir = diskio.fsync_dir
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir_of(path: Path) -> None:
-    """fsync the directory that holds (or held) ``path``: makes a rename or unlink durable."""
-    fsync_dir(path.parent)
-
 
 def commit(tmp: Path, final: Path) -> None:
     """fsync ``tmp``, rename it over ``final``, fsync the directory."""
-    fsync_file(tmp)
+    diskio.fsync_file(tmp)
     commit_synced(tmp, final)
 
 
@@ -47,7 +35,7 @@ def commit_new(tmp: Path, final: Path) -> bool:
     """fsync ``tmp``, link it to ``final`` unless that exists (the first writer wins), remove
     ``tmp``, fsync the directory. Returns True when this writer's file is ``final``."""
     try:
-        fsync_file(tmp)
+        diskio.fsync_file(tmp)
         try:
             os.link(tmp, final)
             won = True
@@ -55,7 +43,7 @@ def commit_new(tmp: Path, final: Path) -> bool:
             won = False
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(final.parent)
+    diskio.fsync_dir(final.parent)
     return won
 
 
@@ -125,17 +113,3 @@ class WritebackFile(io.FileIO):
         diskio.start_writeback(self.fileno(), self.written_bytes, done)
         self.written_bytes += done
         return done
-
-
-def advise(path: Path, advice: int) -> None:
-    """``posix_fadvise`` over the whole file (``os.POSIX_FADV_*``)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, advice)
-    finally:
-        os.close(fd)
-
-
-def drop_cache(path: Path) -> None:
-    """Evict a (synced) file's pages, so the next read comes from the disk."""
-    advise(path, os.POSIX_FADV_DONTNEED)

@@ -100,8 +100,6 @@ def check_free(path: Path, reserve_bytes: int, what: str) -> None:
         raise Transient(f"{what} {path} low: {free} bytes free < reserve {reserve_bytes}")
 
 
-fsync_dir = diskio.fsync_dir
-
 
 
 class OutputStore:
@@ -288,7 +286,7 @@ class OutputStore:
                 self._write_tmp(tmp, parts, meta, validate)
                 try:
                     v = self._read_back(tmp, key, metadata.get(M_CONTENT), final)
-                    _evict(tmp)  # what the read-back cached: RAM stays free
+                    diskio.drop_cache(tmp)  # what the read-back cached: RAM stays free
                     durable.commit_synced(tmp, final)
                 except FileNotFoundError as e:
                     if not final.parent.is_dir():
@@ -414,15 +412,6 @@ def header_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
     fid = header.metadata.get(M_FINGERPRINT)
     out = [] if fid == fp.id else [f"fingerprint {fid!r}"]
     return out + shape_problems(fp, header)
-
-
-def _evict(path: Path) -> None:
-    """Drop ``path``'s pages from the page cache."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        diskio.drop_cache(fd)
-    finally:
-        os.close(fd)
 
 
 
