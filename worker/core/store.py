@@ -41,7 +41,6 @@ from worker.core.errors import (
     LeaseLost,
     NoSpace,
     OutputUnavailable,
-    Transient,
 )
 from worker.core.finalfile import Part, read_back, write_parts
 from worker.core.semantics import tensor_semantics
@@ -93,25 +92,17 @@ def is_no_space(e: BaseException) -> bool:
     return any(text in str(e) for text in _NO_SPACE_TEXT)
 
 
-def check_free(path: Path, reserve_bytes: int, what: str) -> None:
-    """Raises Transient when ``path``'s file system has less than ``reserve_bytes`` free."""
-    free = free_bytes(path)
-    if free < reserve_bytes:
-        raise Transient(f"{what} {path} low: {free} bytes free < reserve {reserve_bytes}")
-
-
 
 
 class OutputStore:
     """One run's output directory. ``open`` checks or writes the manifest first."""
 
-    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint, min_free_bytes: int = 0,
+    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint,
                  versions: dict[str, str] | None = None, debug_write_delay_s: float = 0.0,
                  model_path: Path | None = None) -> None:
         self.out_dir = out_dir
         self.model_path = model_path  # where the final-norm weight is read from (new manifests)
         self.fingerprint = fingerprint
-        self.min_free_bytes = min_free_bytes
         self.versions = versions or {}
         self.debug_write_delay_s = debug_write_delay_s
         self.weights_id = ""  # the checkpoint's identity (weights.py), once opened with a model
@@ -252,10 +243,6 @@ class OutputStore:
 
     def final_path(self, key: str) -> Path:
         return outdir.final_path(self.out_dir, key)
-
-    def check_space(self) -> None:
-        """Raises Transient when the output disk is below its free-space reserve."""
-        check_free(self.out_dir, self.min_free_bytes, "output disk")
 
     def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
               validate: Callable[[], None] | None = None) -> Path:
