@@ -34,7 +34,7 @@ from training import index, roots
 from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
 from worker.core import checksums, tensorfile
-from worker.core.durable import drop_cache
+from worker.core.diskio import drop_cache
 from worker.core.final_norm import FinalNorm, write_final_norm
 from worker.core.finalfile import Part
 from worker.core.store import M_CONTENT, OutputStore

@@ -96,12 +96,6 @@ def done_elsewhere(rt: Runtime, ref: SampleRef) -> str | None:
     return held[0] if rt.index.are_done([ref.key])[0] else None
 
 
-def check_space(rt: Runtime) -> None:
-    """Raises Transient when the output disk or the dump dir is below its reserve."""
-    rt.store.check_space()
-    st.check_free(rt.settings.dump_dir, rt.settings.min_free_dump_bytes, "dump dir")
-
-
 def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int) -> Result:
     """Raises BadInput, StaleRecord, Transient or Corrupt.
 

@@ -68,7 +68,7 @@ class RunContext:
         # before the manifest is written: a server that takes fewer tokens than the run allows
         info = server_info(settings, wait_s=server_wait_s)
         chat.server_max_tokens = server_max_tokens(settings, info)
-        store = OutputStore(settings.output_dir, fp, settings.min_free_output_bytes,
+        store = OutputStore(settings.output_dir, fp,
                             versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,
                             model_path=model_path).open()

@@ -71,3 +71,13 @@ def test_remember_hosts_writes_hosts_json_durably(
     # then hosts.json names it, and was synced before and after its rename
     assert hosts.read_known(out) == {"h1": {"output_dir": "/x", "root_id": "r1"}}
     _file_then_dir(synced, out / "hosts.json")
+
+
+def test_the_root_id_is_written_durably(tmp_path: Path, synced: list[Path]) -> None:
+    # Given an output dir without a root id, when a host reads it
+    first = hosts.root_id(tmp_path)
+    # then it was made under a temp name, synced before it took its name, then its directory;
+    # no temp file is left, and it reads the same again
+    _file_then_dir(synced, tmp_path / ".hsfarm-root-id")
+    assert [p.name for p in tmp_path.iterdir()] == [".hsfarm-root-id"]
+    assert hosts.root_id(tmp_path) == first

@@ -89,7 +89,7 @@ def _torch_raw(t: Any) -> np.ndarray:
 
 
 def _read_ahead(path: Path) -> None:
-    durable.advise(path, os.POSIX_FADV_WILLNEED)
+    diskio.advise(path, os.POSIX_FADV_WILLNEED)
 
 
 _crc_lock = threading.Lock()

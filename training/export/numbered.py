@@ -15,7 +15,7 @@ from pathlib import Path
 from engine_dump import contracts as c
 from training.export.formats import Format
 from training.export.ledger import Ledger
-from worker.core.store import fsync_dir
+from worker.core.diskio import fsync_dir
 
 
 def close_gaps(ledger: Ledger, fmt: Format, root: Path) -> int:

@@ -29,7 +29,7 @@ from training.export.lock import dest_lock
 from training.export.numbered import close_gaps
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
-from worker.core import checksums, durable, outdir
+from worker.core import checksums, diskio, durable, outdir
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.setaside import removed_by_key
 from worker.core.store import free_bytes, is_no_space
@@ -216,8 +216,7 @@ def _withdraw(job: _Job, key: str) -> None:
     gap is closed after the export)."""
     path = job.dest / str(job.ledger.entries[key]["path"])
     job.ledger.remove(key)
-    path.unlink(missing_ok=True)
-    durable.fsync_dir_of(path)
+    durable.remove(path, missing_ok=True)
 
 
 def _count(summary: ExportSummary, key: str, result: _Outcome | str) -> None:
@@ -323,7 +322,7 @@ def _dest_problems(job: _Job, entry: dict[str, object], src_sums: checksums.Reco
     exported = entry.get("exported_checksums")  # fp8 runs: what the bf16 outputs hold
     want = checksums.Recorded.from_json(exported) if isinstance(exported, dict) else src_sums
     try:
-        durable.drop_cache(path)
+        diskio.drop_cache(path)
         return job.fmt.check(path, want, derived if isinstance(derived, dict) else None)
     except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
         return [f"{path.name} is unreadable: {e}"]
@@ -347,8 +346,8 @@ def _check_kept(job: _Job, key: str) -> str | None:
 def _verify_from_disk(fmt: Format, tmp: Path, src_sums: checksums.Recorded,
                       derived_sums: dict[str, str]) -> None:
     """Read the synced temp file back from the disk; Corrupt unless every tensor matches."""
-    durable.fsync_file(tmp)
-    durable.drop_cache(tmp)
+    diskio.fsync_file(tmp)
+    diskio.drop_cache(tmp)
     problems = fmt.check(tmp, src_sums, derived_sums)
     if problems:
         raise Corrupt("export did not verify: " + "; ".join(problems))
@@ -418,11 +417,9 @@ def _delete_if_same(path: Path, seen: os.stat_result) -> bool:
     except FileNotFoundError:
         return False
     if _identity(os.stat(aside)) == _identity(seen):
-        aside.unlink()
-        durable.fsync_dir_of(path)
+        durable.remove(aside)
         return True
     with contextlib.suppress(FileExistsError):  # an even newer one is there: this is stale
         os.link(aside, path)
-    aside.unlink()
-    durable.fsync_dir_of(path)
+    durable.remove(aside)
     return False

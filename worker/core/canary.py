@@ -134,8 +134,7 @@ def load(out_dir: Path) -> tuple[list[Canary], dict[str, str]]:
         ConfigError: the recording is damaged (a person decides what to do).
     """
     path = path_in(out_dir)
-    with open(path, "rb") as f:
-        diskio.drop_cache(f.fileno())
+    diskio.drop_cache(path)
     try:
         tf = tensorfile.read(path)
         _, want = checksums.file_checksums(tf.metadata)

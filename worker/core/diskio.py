@@ -1,4 +1,5 @@
-"""Low-level file I/O of the data path: mapped windows, early writeback, reads from the device.
+"""Low-level file I/O, the farm's one place for it: fsync of a file or a directory, fadvise and
+dropping the page cache, mapped windows, early writeback, reads from the device.
 
 ``DiskReader`` reads a file from the device, never the page cache: its pages are dropped first
 (``POSIX_FADV_DONTNEED``), then it is read buffered, or with ``O_DIRECT`` (``direct=True``).
@@ -71,11 +72,37 @@ def mapped_windows(fd: int, offset: int, nbytes: int,
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path``: makes a rename, link or unlink in it durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync the file ``path``: its bytes are on the device when it returns."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def advise(file: int | Path, advice: int) -> None:
+    """``posix_fadvise`` over the whole file (``os.POSIX_FADV_*``): an open fd, or a path
+    opened for the call."""
+    if isinstance(file, int):
+        os.posix_fadvise(file, 0, 0, advice)
+        return
+    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, advice)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(file: int | Path) -> None:
+    """Evict the file's clean pages from the page cache, so the next read comes from the
+    device (dirty ones stay: fsync first). An open fd, or a path."""
+    advise(file, os.POSIX_FADV_DONTNEED)
 
 
 def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
@@ -102,11 +129,6 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 _SYNC_FILE_RANGE_WRITE = 2
 _sync_file_range = _load_sync_file_range()
-
-
-def drop_cache(fd: int) -> None:
-    """Evict the file's clean pages from the page cache (dirty ones stay: fsync first)."""
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class DiskReader:

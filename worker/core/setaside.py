@@ -10,12 +10,10 @@ of one key. A rename on one filesystem, then both directories fsynced.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from engine_dump import contracts as c
-from worker.core import outdir, tensorfile
-from worker.core.diskio import fsync_dir
+from worker.core import durable, outdir, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.store import M_CONTENT
 
@@ -31,8 +29,7 @@ def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:
     if not final.exists():
         return None
     if delete:
-        final.unlink()
-        fsync_dir(final.parent)
+        durable.remove(final)
         return out_dir
     try:
         content = tensorfile.header_metadata(final).get(M_CONTENT, "")
@@ -40,9 +37,7 @@ def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:
         content = ""
     dest = outdir.removed_path(out_dir, key, str(content))
     dest.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(final, dest)
-    fsync_dir(dest.parent)
-    fsync_dir(final.parent)
+    durable.move(final, dest)
     return dest
 
 

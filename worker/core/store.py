@@ -41,7 +41,6 @@ from worker.core.errors import (
     LeaseLost,
     NoSpace,
     OutputUnavailable,
-    Transient,
 )
 from worker.core.finalfile import Part, read_back, write_parts
 from worker.core.semantics import tensor_semantics
@@ -93,27 +92,17 @@ def is_no_space(e: BaseException) -> bool:
     return any(text in str(e) for text in _NO_SPACE_TEXT)
 
 
-def check_free(path: Path, reserve_bytes: int, what: str) -> None:
-    """Raises Transient when ``path``'s file system has less than ``reserve_bytes`` free."""
-    free = free_bytes(path)
-    if free < reserve_bytes:
-        raise Transient(f"{what} {path} low: {free} bytes free < reserve {reserve_bytes}")
-
-
-fsync_dir = diskio.fsync_dir
-
 
 
 class OutputStore:
     """One run's output directory. ``open`` checks or writes the manifest first."""
 
-    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint, min_free_bytes: int = 0,
+    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint,
                  versions: dict[str, str] | None = None, debug_write_delay_s: float = 0.0,
                  model_path: Path | None = None) -> None:
         self.out_dir = out_dir
         self.model_path = model_path  # where the final-norm weight is read from (new manifests)
         self.fingerprint = fingerprint
-        self.min_free_bytes = min_free_bytes
         self.versions = versions or {}
         self.debug_write_delay_s = debug_write_delay_s
         self.weights_id = ""  # the checkpoint's identity (weights.py), once opened with a model
@@ -158,12 +147,7 @@ class OutputStore:
                     "final_norm": self._write_final_norm()}
             if identity is not None:
                 body["weights"] = identity
-            tmp = outdir.temp_path(path)
-            try:
-                tmp.write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
-                durable.commit_new(tmp, path)  # another worker's first: then compare
-            finally:
-                tmp.unlink(missing_ok=True)
+            durable.write_new_json(path, body)  # another worker's first: then compare
         manifest = self._check_manifest(path)
         if identity is not None:
             self._check_weights(manifest, identity)
@@ -260,10 +244,6 @@ class OutputStore:
     def final_path(self, key: str) -> Path:
         return outdir.final_path(self.out_dir, key)
 
-    def check_space(self) -> None:
-        """Raises Transient when the output disk is below its free-space reserve."""
-        check_free(self.out_dir, self.min_free_bytes, "output disk")
-
     def write(self, key: str, parts: dict[str, Part], metadata: dict[str, str],
               validate: Callable[[], None] | None = None) -> Path:
         """``write_verified``'s final path (the file was read back and checked before it)."""
@@ -293,14 +273,13 @@ class OutputStore:
                 self._write_tmp(tmp, parts, meta, validate)
                 try:
                     v = self._read_back(tmp, key, metadata.get(M_CONTENT), final)
-                    _evict(tmp)  # what the read-back cached: RAM stays free
-                    os.replace(tmp, final)
+                    diskio.drop_cache(tmp)  # what the read-back cached: RAM stays free
+                    durable.commit_synced(tmp, final)
                 except FileNotFoundError as e:
                     if not final.parent.is_dir():
                         raise  # the directory went: the disk's fault (OutputUnavailable)
                     raise LeaseLost(f"{tmp.name} was removed before its rename: another "
                                     f"attempt of {key} holds its lease now") from e
-                fsync_dir(final.parent)
             finally:
                 with contextlib.suppress(OSError):  # gone, or the disk refuses: a dead
                     tmp.unlink()                    # writer's temp, removed later
@@ -420,15 +399,6 @@ def header_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
     fid = header.metadata.get(M_FINGERPRINT)
     out = [] if fid == fp.id else [f"fingerprint {fid!r}"]
     return out + shape_problems(fp, header)
-
-
-def _evict(path: Path) -> None:
-    """Drop ``path``'s pages from the page cache."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        diskio.drop_cache(fd)
-    finally:
-        os.close(fd)
 
 
 

@@ -195,9 +195,7 @@ def _set_aside(out_dir: Path, path: Path) -> Path:
     """Move a final file out of ``samples/`` into ``done-elsewhere/`` (same file system)."""
     dest = out_dir / outdir.DONE_ELSEWHERE_DIR / path.name
     dest.parent.mkdir(exist_ok=True)
-    os.replace(path, dest)
-    st.fsync_dir(dest.parent)
-    st.fsync_dir(path.parent)
+    durable.move(path, dest)
     return dest
 
 
@@ -213,14 +211,7 @@ def root_id(out_dir: Path) -> str:
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        tmp = out_dir / f"{outdir.ROOT_ID_FILE}{outdir.TMP_MARK}{os.getpid()}"
-        tmp.write_text(os.urandom(8).hex())
-        try:
-            os.link(tmp, path)  # a concurrent writer's id wins
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+        durable.write_new_bytes(path, os.urandom(8).hex().encode())  # a concurrent writer's wins
         return path.read_text().strip()
 
 
