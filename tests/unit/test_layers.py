@@ -94,7 +94,7 @@ def dynamic_imports(root: Path) -> list[str]:
         for path in sorted((root / pkg).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 above = _runs_above(node, pkg)
-                if above:
+                if above and isinstance(node, ast.List | ast.Tuple):
                     bad.append(f"{path.relative_to(root)}:{node.lineno}: runs -m {above}")
                 if not isinstance(node, ast.Call):
                     continue
