@@ -337,8 +337,7 @@ class RunIndex:
     @redis_errors
     def data_files(self) -> dict[str, int]:
         """Every data file enqueued for this run: path -> id."""
-        raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.FILES))  # type: ignore[assignment]
-        return {as_text(k): int(v) for k, v in raw.items()}
+        return self._ints(keys.FILES)
 
     @redis_errors
     def registered(self, sample_keys: list[str]) -> list[Registered | None]:
@@ -469,7 +468,11 @@ class RunIndex:
     @redis_errors
     def republished(self) -> dict[str, int]:
         """Sample key -> times the reconciler published it again."""
-        raw: dict[bytes, bytes] = self.r.hgetall(self.k(keys.REPUBLISHED))  # type: ignore[assignment]
+        return self._ints(keys.REPUBLISHED)
+
+    def _ints(self, name: str) -> dict[str, int]:
+        """A hash of counts or ids, read whole."""
+        raw: dict[bytes, bytes] = self.r.hgetall(self.k(name))  # type: ignore[assignment]
         return {as_text(k): int(v) for k, v in raw.items()}
 
     @redis_errors
