@@ -92,8 +92,6 @@ def is_no_space(e: BaseException) -> bool:
     return any(text in str(e) for text in _NO_SPACE_TEXT)
 
 
-
-
 class OutputStore:
     """One run's output directory. ``open`` checks or writes the manifest first."""
 
@@ -399,7 +397,6 @@ def header_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
     fid = header.metadata.get(M_FINGERPRINT)
     out = [] if fid == fp.id else [f"fingerprint {fid!r}"]
     return out + shape_problems(fp, header)
-
 
 
 @contextmanager
