@@ -31,6 +31,7 @@ LAUNCH_SCRIPT = ROOT / "ops" / "launch-sglang.sh"
 CPU_KERNEL = ROOT / "tests" / "sglang" / "cpu_kernel"
 ENV_PYTHON = "HSFARM_SGLANG_PYTHON"
 START_TIMEOUT_S = 300.0  # 20-26 s on a quiet machine, 43-54 s under load; TP=2 more
+PORT_TRIES = 3  # start-ups that lost a port SGLang derives from --port to another process
 
 # The hook's own flags (README), then what a CPU run needs.
 HOOK_FLAGS = ["--disable-radix-cache", "--disable-prefill-cuda-graph",
@@ -121,15 +122,26 @@ class LiveServer:
         return self.proc
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LiveServer:
-        """Launch and wait until it serves, and (with the plugin) the hook is ready."""
-        t0 = time.monotonic()
-        proc = self.launch()
-        try:
-            wait_until(self.ready, timeout_s, f"SGLang on port {self.port} (log {self.log})",
-                       poll_s=0.5)
-        except BaseException:  # a server that did not start never outlives its test
-            proc.kill_group()
-            raise
+        """Launch and wait until it serves, and (with the plugin) the hook is ready.
+
+        SGLang derives its other ports from ``--port`` (``dist_init_port`` = port + 233, ...):
+        one taken meanwhile by another process of this machine stops its start-up; a port this
+        call chose is then chosen again (a fixed one, a restart's, is kept: its test needs it)."""
+        t0, chosen = time.monotonic(), not self.port
+        for attempt in range(1, PORT_TRIES + 1):
+            proc = self.launch()
+            try:
+                wait_until(self.ready, timeout_s, f"SGLang on port {self.port} (log {self.log})",
+                           poll_s=0.5)
+                break
+            except RuntimeError as e:
+                proc.kill_group()
+                if not (chosen and attempt < PORT_TRIES and _port_taken(str(e))):
+                    raise
+                self.port = 0  # launch chooses a free one again
+            except BaseException:  # a server that did not start never outlives its test
+                proc.kill_group()
+                raise
         self.started_s = time.monotonic() - t0
         return self
 
@@ -224,3 +236,12 @@ def post_json(url: str, path: str, body: Any, timeout_s: float) -> Any:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
+
+
+# SGLang's words when a port it derives from ``--port`` is taken (server_args.py, network.py)
+_PORT_TAKEN = ("is not available in", "Port is already in use", "Address already in use")
+
+
+def _port_taken(log_tail: str) -> bool:
+    """The start-up failed on a port another process held: the machine's, not the test's."""
+    return any(m in log_tail for m in _PORT_TAKEN)
