@@ -29,6 +29,7 @@ from typing import Any
 
 from engine_dump import contracts as c
 from worker.core import time_limits
+from worker.core.errors import SERVER_SILENT
 from worker.core.settings import Settings
 
 NO_WORKER = "no_worker"
@@ -58,8 +59,8 @@ FIXES = {
 _WAITS_ON = {SERVER_DOWN: "the inference server does not answer",
              DUMP_DIR: "the dump dir cannot take dumps",
              PAUSED: "the workers wait out a fault"}
-# worker/waits.py's server_problem; a canary check that could not reach the server
-_SERVER_PAUSE = re.compile(r"^server \S+ does not answer|\bServerUnavailable\b")
+# a wait on the server (worker/waits.py, the canary's check); a canary check it failed midway
+_SERVER_PAUSE = re.compile(SERVER_SILENT + r"|\bServerUnavailable\b")
 _DUMP_DIR_PAUSE = re.compile(r"^dump dir ")  # worker/core/dumps.py, worker/waits.py
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from engine_dump import dumpdir
 from worker.core import dumps, liveness
 from worker.core import store as st
-from worker.core.errors import Transient
+from worker.core.errors import Transient, server_silent
 from worker.runtime import Runtime
 
 log = logging.getLogger("hsfarm.wait")
@@ -56,8 +56,7 @@ def server_problem(rt: Runtime) -> str | None:
     timeout_s = min(10.0, rt.settings.request_timeout_s)
     if rt.loop.run_until_complete(rt.client.reachable(timeout_s=timeout_s)):
         return None
-    return (f"server {rt.settings.server_url} does not answer (restarting, loading the model, "
-            "or hung)")
+    return server_silent(rt.settings.server_url)
 
 
 def dump_dir_problem(rt: Runtime) -> str | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.server
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -58,11 +60,14 @@ def _paused(farm: LocalFarm) -> list[str]:
 
 def test_processes_of_a_host_share_the_verdict(tmp_path: Path, tiny_model: Path) -> None:
     """Through Redis: a pass holds for an interval, a mismatch makes every process check, and
-    one process checks at a time. No server runs here: a check that is made fails."""
+    one process checks at a time. The server here answers its liveness probe and fails every
+    other request (a check that is made fails); with no server, the server is the reason."""
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+    server = _LivenessOnly()
     try:
         farm.start_redis()
-        settings = dataclasses.replace(farm.settings(), canary_interval_s=0.5)
+        settings = dataclasses.replace(farm.settings(), canary_interval_s=0.5,
+                                       server_url=server.url)
         settings.dump_dir.mkdir(parents=True)
         check = CanaryCheck(settings, settings.output_dir, tiny_model,
                             compute_fingerprint(settings, tiny_model), "w", encode=lambda t: [])
@@ -99,10 +104,54 @@ def test_processes_of_a_host_share_the_verdict(tmp_path: Path, tiny_model: Path)
         # ...but a pass shared after that moment holds
         r.set(verdict, f"ok:{time.time()}")
         assert check.problem(client, loop, r) is None
+        # Given the server gone while a check is due: its silence is the reason (the words of a
+        # wait on the server, which status reads), and no process holds the lock to find out
+        server.close()
+        check.force()
+        assert check.problem(client, loop, r) == (f"server {server.url} does not answer "
+                                                  "(restarting, loading the model, or hung)")
+        assert r.get(lock) is None
         loop.run_until_complete(client.close())
         loop.close()
     finally:
+        server.close()
         farm.close(kill=True)
+
+
+class _LivenessOnly:
+    """An HTTP server that answers SGLang's liveness probe (``/model_info``) and fails every
+    other request with a 503: a server up whose canary cannot be checked."""
+
+    def __init__(self) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/model_info":
+                    self._send(200, b'{"model_path": "tiny"}')
+                else:
+                    self._send(503, b'{"error": "down for the test"}')
+
+            do_POST = do_GET
+
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join()
+        self._httpd.server_close()
 
 
 class _Mismatching(CanaryCheck):
@@ -127,11 +176,13 @@ def _gone_identity() -> str:
 
 def test_a_mismatch_shows_as_the_mismatch_and_a_dead_checkers_lock_is_taken_over(
         tmp_path: Path, tiny_model: Path) -> None:
-    """Real Redis, no server: the check's outcome is the seam."""
+    """Real Redis, a server that answers only its liveness probe: the check's outcome is the
+    seam."""
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE)
+    server = _LivenessOnly()
     try:
         farm.start_redis()
-        settings = farm.settings()
+        settings = dataclasses.replace(farm.settings(), server_url=server.url)
         settings.dump_dir.mkdir(parents=True)
         fp = compute_fingerprint(settings, tiny_model)
         first = _Mismatching(settings, settings.output_dir, tiny_model, fp, "w", lambda t: [])
@@ -148,7 +199,7 @@ def test_a_mismatch_shows_as_the_mismatch_and_a_dead_checkers_lock_is_taken_over
         assert "canary mismatch" in why and "restore the server's model" in why, why
         # Given the process checking the canary died holding the lock
         r.set(lock, f"{_gone_identity()}#checking")
-        # Then the next process takes the lock over at once and checks (here: no server)
+        # Then the next process takes the lock over at once and checks (here: in vain)
         assert "could not be checked" in str(other.problem(client, loop, r))
         assert r.get(lock) is None
         # And a lock whose holder cannot be judged from here (of another machine with our
@@ -162,6 +213,7 @@ def test_a_mismatch_shows_as_the_mismatch_and_a_dead_checkers_lock_is_taken_over
         loop.run_until_complete(client.close())
         loop.close()
     finally:
+        server.close()
         farm.close(kill=True)
 
 

@@ -129,6 +129,18 @@ class NotAsHashed(Corrupt):
     source file changed after its check); the file is abandoned before its rename."""
 
 
+# --- a process's pause while its server does not answer ---------------------------------------
+# The reason a paused process records (worker/waits.py, the canary's check); status and the
+# dashboard read it back (producer/stall.py) to name the server as what a stalled run waits on.
+
+def server_silent(url: str) -> str:
+    """The pause reason of a process whose server does not answer (``SERVER_SILENT`` reads it)."""
+    return f"server {url} does not answer (restarting, loading the model, or hung)"
+
+
+SERVER_SILENT = r"^server \S+ does not answer"
+
+
 # --- a recorded rejection: the sample's content's, or its environment's ---------------------
 # The server side (worker.server.answers, .chat) writes rejections in this wording; enqueue and
 # status read it back to publish again what only the environment refused.

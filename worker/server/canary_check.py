@@ -31,7 +31,14 @@ from engine_dump import markers
 from worker.core import canary as cn
 from worker.core import liveness, tensorfile
 from worker.core.dumps import identity_problems, open_file, wait_for_dump
-from worker.core.errors import BadInput, ConfigError, Corrupt, ServerUnavailable, Transient
+from worker.core.errors import (
+    BadInput,
+    ConfigError,
+    Corrupt,
+    ServerUnavailable,
+    Transient,
+    server_silent,
+)
 from worker.core.settings import Settings
 from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
@@ -361,6 +368,16 @@ class CanaryCheck:
             if kind == VERDICT_OK and at >= self.forced_at:
                 self.last_ok, self.epoch = time.monotonic(), epoch
                 return None
+        except redis.RedisError as e:
+            return f"the canary could not be checked: Redis: {e}"
+        # A check is due. A server that does not answer is the reason, in the words of a wait on
+        # the server (status names the server as what a stalled run waits on), and no process
+        # takes the lock to find that out the slow way while the others wait on it.
+        probe_s = max(1.0, min(10.0, self.settings.request_timeout_s,
+                               deadline - time.monotonic() - 1.0))
+        if not loop.run_until_complete(client.reachable(timeout_s=probe_s)):
+            return server_silent(self.settings.server_url)
+        try:
             lock = leases.try_acquire(r, lock_key, self.settings.canary_lock_ttl_s)
         except redis.RedisError as e:
             return f"the canary could not be checked: Redis: {e}"
