@@ -91,7 +91,11 @@ def test_sigkill_worker_main_process(tmp_path: Path, tiny_model: Path) -> None:
         wait_until(again, 60, f"{key} to run again", poll_s=0.2)
         recovery_s = time.monotonic() - t_kill
         assert recovery_s < 30, f"ran again {recovery_s:.0f}s after the kill"
-        assert "of gone worker" in farm.procs["w1"].log.read_text()
+        # (its pool process may have finished that sample before it exited: w2's other
+        # messages come back all the same, when w2's heartbeat has lapsed)
+        wait_until(lambda: "of gone worker" in farm.procs["w1"].log.read_text(),
+                   max(1.0, t_kill + 30 - time.monotonic()), "w1 to return w2's messages")
         wait_finished(farm, 24, timeout_s=180)
         assert_farm_invariants(farm, keys)
-        assert attempts(farm)[key] >= 2
+        assert (attempts(farm)[key] >= 2
+                or f" {key} already done (verified from disk)" in farm.procs["w1"].log.read_text())
