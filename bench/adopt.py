@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import AUX_LAYERS
+from engine_dump.fingerprint import Fingerprint
 from producer.adopt import rows as adopt_rows
 from producer.adopt.formats import open_sample
 from producer.adopt.write import write_adopted
@@ -35,11 +36,11 @@ HIDDEN = 7168
 LAYERS = (2, 30, 58)
 
 
-def fingerprint() -> c.Fingerprint:
-    return c.Fingerprint(config_sha256="bench", tokenizer_sha256="bench",
-                         chat_template_sha256="bench", layers_to_capture=LAYERS,
-                         layer_convention="input_of_layer", hidden_size=HIDDEN, dtype="bfloat16",
-                         max_tokens=8192, overlong="reject")
+def fingerprint() -> Fingerprint:
+    return Fingerprint(config_sha256="bench", tokenizer_sha256="bench",
+                       chat_template_sha256="bench", layers_to_capture=LAYERS,
+                       layer_convention="input_of_layer", hidden_size=HIDDEN, dtype="bfloat16",
+                       max_tokens=8192, overlong="reject")
 
 
 def make_files(src: Path, count: int, tokens: int) -> list[Path]:
@@ -49,7 +50,7 @@ def make_files(src: Path, count: int, tokens: int) -> list[Path]:
     src.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     base_h = torch.randn(1, tokens, HIDDEN, generator=g).to(torch.bfloat16)
-    base_a = torch.randn(1, tokens, c.AUX_LAYERS * HIDDEN, generator=g).to(torch.bfloat16)
+    base_a = torch.randn(1, tokens, AUX_LAYERS * HIDDEN, generator=g).to(torch.bfloat16)
     paths = []
     for i in range(count):
         p = src / f"data_{i}.ckpt"

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.rids import NO_RUN
 from producer.adopt import rows as ar
 from producer.adopt.formats import open_sample
 from producer.adopt.procedure import Run, adopt
@@ -81,7 +81,7 @@ def one(run: Run, src: Path, data: Path, n_foreign: int, foreign: set[int],
     rows_caught = len(names & report.rows.refused_names()) if report.rows else 0
     k_caught = not report.check.passed
     files = _files(src, sorted(foreign))
-    alone = ar.check_files(run.settings, c.NO_RUN, run.fingerprint, files,
+    alone = ar.check_files(run.settings, NO_RUN, run.fingerprint, files,
                            lambda p: open_sample(p, "specforge"))
     return {"foreign": n_foreign, "rows_alone_refused_foreign": len(alone.refused),
             "seed": seed, "k": len(report.check.files),
@@ -139,7 +139,7 @@ def main() -> int:
                 print(json.dumps(results[-1]), flush=True)
         clean = work / "src-clean"
         write_source(clean, a, b, set())
-        rate = rows_rate(run, clean, args.files, c.NO_RUN)
+        rate = rows_rate(run, clean, args.files, NO_RUN)
         t0 = time.monotonic()
         report = adopt(run, clean, data, dry_run=True, progress=False, seed=0)
         whole = args.files / (time.monotonic() - t0)

@@ -31,9 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    M_CONFIG_SHA,
+    M_LAYERS,
+    M_PATCH_VERSION,
+    M_SERVER_VERSION,
+    PATCH_VERSION,
+    T_AUX,
+    T_HIDDEN,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+)
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
+from engine_dump.rids import make_rid
 
-BYTES_PER_TOKEN = 8 + 2 * (1 + c.AUX_LAYERS) * 7168  # ids + final + 3 aux, bf16
+BYTES_PER_TOKEN = 8 + 2 * (1 + AUX_LAYERS) * 7168  # ids + final + 3 aux, bf16
 LAYERS = (2, 30, 58)
 VOCAB = 642  # the synthetic model dir's tokenizer (the tiny model's)
 
@@ -47,8 +60,8 @@ def make_dumps(dump_dir: Path, cache_dir: Path, tokens: list[int], count: int,
     from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 
     model = SyntheticModel(ensure_synthetic_model(cache_dir, hidden), LAYERS)
-    meta = {c.M_LAYERS: json.dumps(list(LAYERS)), c.M_CONFIG_SHA: model.config_sha256,
-            c.M_PATCH_VERSION: c.PATCH_VERSION, c.M_SERVER_VERSION: "bench"}
+    meta = {M_LAYERS: json.dumps(list(LAYERS)), M_CONFIG_SHA: model.config_sha256,
+            M_PATCH_VERSION: PATCH_VERSION, M_SERVER_VERSION: "bench"}
     writer = DumpWriter(dump_dir, meta, min_free_bytes=0)
     collector = DumpCollector(writer)
     for t in tokens:
@@ -66,7 +79,7 @@ def sample_ids(tokens: int, i: int) -> list[int]:
 
 
 def rid_of(tokens: int, i: int) -> str:
-    return c.make_rid(f"bench-t{tokens}-{i}", 1, tokens)
+    return make_rid(f"bench-t{tokens}-{i}", 1, tokens)
 
 
 # --- the paths --------------------------------------------------------------------------------
@@ -74,7 +87,7 @@ def rid_of(tokens: int, i: int) -> str:
 class Paths:
     """The four ways of moving one dump to ``out_dir``; each leaves nothing behind."""
 
-    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint) -> None:
+    def __init__(self, out_dir: Path, fingerprint: Fingerprint) -> None:
         from worker.core.store import OutputStore
         from worker.extract import store_dump
 
@@ -125,10 +138,10 @@ def legacy_path(dump: Path, ids: list[int], out: Path) -> None:
                 .reshape(t["shape"]) for n, t in deserialize(raw)}
 
     t = load(dump, drop=False)
-    assert np.array_equal(t[c.T_INPUT_IDS], np.asarray(ids, dtype=np.int64))
-    for name in (c.T_HIDDEN, c.T_AUX):
+    assert np.array_equal(t[T_INPUT_IDS], np.asarray(ids, dtype=np.int64))
+    for name in (T_HIDDEN, T_AUX):
         assert not np.count_nonzero((t[name] & 0x7F80) == 0x7F80)
-    t[c.T_LOSS_MASK] = np.ones(len(ids), dtype=np.int64)
+    t[T_LOSS_MASK] = np.ones(len(ids), dtype=np.int64)
     sums = {k: hashlib.sha256(np.ascontiguousarray(a).data).hexdigest() for k, a in t.items()}
     specs = {k: TensorSpec(dtype="int64" if a.dtype == np.int64 else "bfloat16",
                            shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes)
@@ -175,8 +188,8 @@ def measure(fn: Callable[[], None]) -> dict[str, float]:
 
 def run(args: argparse.Namespace, dump_dir: Path, out_dir: Path) -> dict[str, object]:
     config_sha256 = json.loads((dump_dir / "bench.json").read_text())["config_sha256"]
-    fp = c.Fingerprint(config_sha256, "t", "c", LAYERS,
-                       c.LAYER_CONVENTION, args.hidden, "bfloat16", 8192, "reject")
+    fp = Fingerprint(config_sha256, "t", "c", LAYERS,
+                     LAYER_CONVENTION, args.hidden, "bfloat16", 8192, "reject")
     paths = Paths(out_dir, fp)
     names = ["farm", "copy", "copy_readback"] + (["legacy"] if args.legacy else [])
     results: dict[str, object] = {"rss_at_start_mb": _rss_mb("VmRSS")}

@@ -27,10 +27,24 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_dump import contracts as c
 from engine_dump import fp8
 from engine_dump.cuda_stager import stager_for
 from engine_dump.dump_writer import DumpCollector, DumpWriter
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    DTYPE_BF16,
+    DTYPE_FP8,
+    M_LAYERS,
+    STORE_DTYPES,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    bytes_per_token,
+    dump_path,
+)
+from engine_dump.rids import make_rid
 
 AUX_AT = (2, 30, 58)
 
@@ -111,7 +125,7 @@ def calibrate_layers(hidden: int, tokens: int, device: str, target_tps: float,
 
 def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
              target_tps: float, max_layers: int,
-             dump_dtype: str = c.DTYPE_BF16) -> dict[str, object]:
+             dump_dtype: str = DTYPE_BF16) -> dict[str, object]:
     layers = calibrate_layers(hidden, tokens, device, target_tps, max_layers)
     model = StandIn(layers, hidden, device)
     xs = [torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16) for _ in range(2)]
@@ -127,14 +141,14 @@ def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
 
     def forward_sync_dump(i: int) -> None:
         hid, aux = model.forward(xs[i % 2])
-        tensors = {c.T_INPUT_IDS: ids.cpu(), c.T_HIDDEN: hid.cpu(), c.T_AUX: aux.cpu()}
+        tensors = {T_INPUT_IDS: ids.cpu(), T_HIDDEN: hid.cpu(), T_AUX: aux.cpu()}
         save_file(tensors, str(sync_dir / f"{i}.safetensors"))
     consumers[0].start()
     sync_s = loop_time(device, forward_sync_dump, iters)
     consumers[0].stop.set()
 
     hook_dir = dump_root / f"hook-{tokens}"
-    writer = DumpWriter(hook_dir, {c.M_LAYERS: json.dumps(list(model.aux_at))}, max_queue=4,
+    writer = DumpWriter(hook_dir, {M_LAYERS: json.dumps(list(model.aux_at))}, max_queue=4,
                         min_free_bytes=0, dtype=dump_dtype)
     stager = stager_for(xs[0])
     collector = DumpCollector(writer, stager=stager)
@@ -142,7 +156,7 @@ def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
 
     def forward_hook(i: int) -> None:
         hid, aux = model.forward(xs[i % 2])
-        collector.on_forward([c.make_rid(f"b{i}", 1, tokens)], [0], [tokens], ids, hid, aux)
+        collector.on_forward([make_rid(f"b{i}", 1, tokens)], [0], [tokens], ids, hid, aux)
         last.update(hidden=hid, aux=aux)
     forward_hook(0)  # warm: side stream, pinned pool, writer thread
     writer.flush(timeout_s=600)
@@ -158,16 +172,16 @@ def run_size(tokens: int, hidden: int, device: str, iters: int, dump_root: Path,
     writer.flush(timeout_s=600)
     writer.close()
 
-    got = load_file(str(c.dump_path(hook_dir, c.make_rid(f"b{iters - 1}", 1, tokens))))
-    want = {c.T_HIDDEN: last["hidden"], c.T_AUX: last["aux"]}
-    if dump_dtype == c.DTYPE_FP8:  # the hook's quantization, done here on the device
+    got = load_file(str(dump_path(hook_dir, make_rid(f"b{iters - 1}", 1, tokens))))
+    want = {T_HIDDEN: last["hidden"], T_AUX: last["aux"]}
+    if dump_dtype == DTYPE_FP8:  # the hook's quantization, done here on the device
         hq, hs = fp8.quantize(last["hidden"], 1)
-        aq, as_ = fp8.quantize(last["aux"], c.AUX_LAYERS)
-        want = {c.T_HIDDEN: hq.view(fp8.FP8), c.T_HIDDEN_SCALE: hs, c.T_AUX: aq.view(fp8.FP8),
-                c.T_AUX_SCALE: as_}
+        aq, as_ = fp8.quantize(last["aux"], AUX_LAYERS)
+        want = {T_HIDDEN: hq.view(fp8.FP8), T_HIDDEN_SCALE: hs, T_AUX: aq.view(fp8.FP8),
+                T_AUX_SCALE: as_}
     exact = (all(torch.equal(_raw(got[k]), _raw(v)) for k, v in want.items())
-             and torch.equal(got[c.T_INPUT_IDS], ids.cpu()))
-    bytes_per_dump = tokens * c.bytes_per_token(dump_dtype, hidden)
+             and torch.equal(got[T_INPUT_IDS], ids.cpu()))
+    bytes_per_dump = tokens * bytes_per_token(dump_dtype, hidden)
     return {
         "dump_dtype": dump_dtype, "tokens": tokens, "hidden": hidden, "layers": layers,
         "iters": iters,
@@ -195,7 +209,7 @@ def chunked_exactness(device: str, root: Path, hidden: int = 256) -> bool:
     aux = torch.randn(300, 3 * hidden, device=device, dtype=torch.bfloat16)
     ids = torch.arange(300, device=device)
     col = DumpCollector(writer, stager=stager_for(x))
-    one, many = c.make_rid("one", 1, 300), c.make_rid("many", 1, 300)
+    one, many = make_rid("one", 1, 300), make_rid("many", 1, 300)
     col.on_forward([one], [0], [300], ids, x, aux)
     for start, n in ((0, 100), (100, 150), (250, 50)):
         # other rows first, then ours: a mixed batch; overwrite the source right after the
@@ -209,9 +223,9 @@ def chunked_exactness(device: str, root: Path, hidden: int = 256) -> bool:
         auxs.fill_(float("nan"))
     writer.flush()
     writer.close()
-    a = load_file(str(c.dump_path(d, one)))
-    b = load_file(str(c.dump_path(d, many)))
-    return all(torch.equal(a[k], b[k]) for k in a) and torch.equal(a[c.T_HIDDEN], x.cpu())
+    a = load_file(str(dump_path(d, one)))
+    b = load_file(str(dump_path(d, many)))
+    return all(torch.equal(a[k], b[k]) for k in a) and torch.equal(a[T_HIDDEN], x.cpu())
 
 
 def pinned_copy_gbps(device: str, nbytes: int = 1 << 30) -> dict[str, float]:
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-tokens-per-s", type=float, default=10000.0)
     p.add_argument("--max-layers", type=int, default=400)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--dump-dtype", choices=c.STORE_DTYPES, default=c.DTYPE_BF16,
+    p.add_argument("--dump-dtype", choices=STORE_DTYPES, default=DTYPE_BF16,
                    help="the hook's storage dtype (fp8_e4m3: quantized on the copy's stream)")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="hsfarm-bench-", dir=args.dump_dir))

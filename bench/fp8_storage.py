@@ -26,9 +26,28 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_dump import contracts as c
 from engine_dump import fp8 as codec
 from engine_dump.dump_writer import DumpCollector, DumpWriter
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    DTYPE_BF16,
+    DTYPE_FP8,
+    ENV_DUMP_DTYPE,
+    FP8_BLOCK,
+    M_CONFIG_SHA,
+    M_LAYERS,
+    STORE_DTYPES,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    bytes_per_token,
+    dump_path,
+    fp8_blocks,
+)
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
+from engine_dump.rids import INTERNAL_KEY_PREFIX, make_rid
 from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 from sglang_patch.tiny_model import ensure_tiny_model
 from worker.core.store import OutputStore
@@ -41,10 +60,10 @@ LAYER_NAMES = ["aux 0", "aux 1", "aux 2", "final"]
 def layer_errors(bf16: dict[str, torch.Tensor],
                  fp8: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     """Per layer (three aux, then final): max and mean over tokens of the relative L2 error."""
-    want = torch.cat([bf16[c.T_AUX], bf16[c.T_HIDDEN]], dim=1).float()
-    got = torch.cat([codec.dequantize(fp8[c.T_AUX].view(torch.uint8), fp8[c.T_AUX_SCALE],
-                                      torch.float32, layers=c.AUX_LAYERS),
-                     codec.dequantize(fp8[c.T_HIDDEN].view(torch.uint8), fp8[c.T_HIDDEN_SCALE],
+    want = torch.cat([bf16[T_AUX], bf16[T_HIDDEN]], dim=1).float()
+    got = torch.cat([codec.dequantize(fp8[T_AUX].view(torch.uint8), fp8[T_AUX_SCALE],
+                                      torch.float32, layers=AUX_LAYERS),
+                     codec.dequantize(fp8[T_HIDDEN].view(torch.uint8), fp8[T_HIDDEN_SCALE],
                                       torch.float32, layers=1)], dim=1)
     t = want.shape[0]
     a, b = want.view(t, 4, -1), got.view(t, 4, -1)
@@ -53,7 +72,7 @@ def layer_errors(bf16: dict[str, torch.Tensor],
              "mean": float(err[:, i].mean())} for i in range(4)]
 
 
-SCHEMES = (("per row (before)", 0), ("blocks of 128 (now)", c.FP8_BLOCK), ("blocks of 32", 32))
+SCHEMES = (("per row (before)", 0), ("blocks of 128 (now)", FP8_BLOCK), ("blocks of 32", 32))
 
 
 def _blockwise(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -76,7 +95,7 @@ def per_value_errors(x: torch.Tensor, block: int) -> dict[str, float]:
             "flushed_per_row": float(((back == 0) & nz).sum(1).float().mean()),
             "flushed_max_row": int(((back == 0) & nz).sum(1).max()),
             "row_l2_max": float(row.max()), "row_l2_mean": float(row.mean()),
-            "bytes_per_value": 1 + 4 * c.fp8_blocks(h, block or h) / h}
+            "bytes_per_value": 1 + 4 * fp8_blocks(h, block or h) / h}
 
 
 def outliers(hidden_size: int, rows: int = 64) -> list[dict[str, Any]]:
@@ -107,18 +126,18 @@ def print_outliers(table: list[dict[str, Any]]) -> None:
 def _dump(dump_dir: Path, dtype: str, key: str, ids: list[int], hidden: torch.Tensor,
           aux: torch.Tensor) -> Path:
     """One sample through the hook's writer (one forward pass); the dump's path."""
-    writer = DumpWriter(dump_dir, {c.M_LAYERS: "[]", c.M_CONFIG_SHA: "bench"}, dtype=dtype,
+    writer = DumpWriter(dump_dir, {M_LAYERS: "[]", M_CONFIG_SHA: "bench"}, dtype=dtype,
                         min_free_bytes=0)
-    rid = c.make_rid(key, 1, len(ids), run=RUN)
+    rid = make_rid(key, 1, len(ids), run=RUN)
     DumpCollector(writer).on_forward([rid], [0], [len(ids)], torch.tensor(ids), hidden, aux)
     writer.flush(timeout_s=600)
     writer.close()
-    return c.dump_path(dump_dir, rid)
+    return dump_path(dump_dir, rid)
 
 
-def _fingerprint(dtype: str, h: int) -> c.Fingerprint:
-    return c.Fingerprint("bench", "tok", "tpl", (), c.LAYER_CONVENTION, h, dtype, 1 << 20,
-                         "reject")
+def _fingerprint(dtype: str, h: int) -> Fingerprint:
+    return Fingerprint("bench", "tok", "tpl", (), LAYER_CONVENTION, h, dtype, 1 << 20,
+                       "reject")
 
 
 def _store(out_dir: Path, dump: Path, ids: list[int], dtype: str, h: int,
@@ -126,7 +145,7 @@ def _store(out_dir: Path, dump: Path, ids: list[int], dtype: str, h: int,
     """The worker's data path for one dump, ``repeats`` times (a new final file each): CPU
     and wall seconds of each, and the file's bytes."""
     store = OutputStore(out_dir / dtype, _fingerprint(dtype, h)).open()
-    meta = {c.M_LAYERS: "[]"}
+    meta = {M_LAYERS: "[]"}
     cpu, wall = [], []
     for i in range(repeats):
         c0, w0 = time.process_time(), time.perf_counter()
@@ -151,13 +170,13 @@ def synthetic(cache: Path, tokens: int, hidden_size: int, out_dir: Path,
                            "quantize_cpu_s_1thread": quantize_s}
     # (the hook of a bf16 run never dumps the farm's own key differently: "s" is a sample)
     dumps = {}
-    for dtype in c.STORE_DTYPES:
+    for dtype in STORE_DTYPES:
         dump_dir = dump_root / dtype
         dumps[dtype] = _dump(dump_dir, dtype, "s0", ids, out.hidden, out.aux)
         res[dtype] = {"dump_bytes": dumps[dtype].stat().st_size}
-    res["errors"] = layer_errors(load_file(str(dumps[c.DTYPE_BF16])),
-                                 load_file(str(dumps[c.DTYPE_FP8])))
-    for dtype in c.STORE_DTYPES:
+    res["errors"] = layer_errors(load_file(str(dumps[DTYPE_BF16])),
+                                 load_file(str(dumps[DTYPE_FP8])))
+    for dtype in STORE_DTYPES:
         res[dtype].update(_store(out_dir, dumps[dtype], ids, dtype, hidden_size))
         dumps[dtype].unlink(missing_ok=True)
     return res
@@ -177,8 +196,8 @@ def tiny(cache: Path, lengths: list[int]) -> dict[str, Any]:
     h, a = torch.cat(hidden), torch.cat(aux)
     hq, hs = codec.quantize(h, 1)
     aq, as_ = codec.quantize(a, 3)
-    bf16 = {c.T_HIDDEN: h.to(torch.bfloat16), c.T_AUX: a.to(torch.bfloat16)}
-    fp8 = {c.T_HIDDEN: hq, c.T_HIDDEN_SCALE: hs, c.T_AUX: aq, c.T_AUX_SCALE: as_}
+    bf16 = {T_HIDDEN: h.to(torch.bfloat16), T_AUX: a.to(torch.bfloat16)}
+    fp8 = {T_HIDDEN: hq, T_HIDDEN_SCALE: hs, T_AUX: aq, T_AUX_SCALE: as_}
     return {"prompts": lengths, "hidden_size": model.hidden_size,
             "errors": layer_errors(bf16, fp8)}
 
@@ -191,15 +210,15 @@ def sglang(cache: Path, work: Path, lengths: list[int]) -> dict[str, Any]:
 
     model = ensure_tiny_model(cache)
     server = LiveServer(model, work, work / "dumps", extra=["--chunked-prefill-size", "64"],
-                        extra_env={c.ENV_DUMP_DTYPE: c.DTYPE_FP8})
+                        extra_env={ENV_DUMP_DTYPE: DTYPE_FP8})
     server.start()
     try:
         vocab = vocab_size(model)
         reqs = []
         for i, n in enumerate(lengths):
             ids = prompt(n, i, vocab)
-            reqs += [Req(c.make_rid(f"p{i}", 1, n), ids, 0),
-                     Req(c.make_rid(f"{c.INTERNAL_KEY_PREFIX}p{i}", 1, n), ids, 0)]
+            reqs += [Req(make_rid(f"p{i}", 1, n), ids, 0),
+                     Req(make_rid(f"{INTERNAL_KEY_PREFIX}p{i}", 1, n), ids, 0)]
         with ThreadPoolExecutor(max_workers=8) as pool:
             for answer in send(server, reqs, pool):
                 answer.result()
@@ -207,11 +226,11 @@ def sglang(cache: Path, work: Path, lengths: list[int]) -> dict[str, Any]:
         bf16s: list[dict[str, torch.Tensor]] = []
         for r in reqs:
             d = load_file(str(wait_dump(server.dumps, r.rid)))
-            (bf16s if c.INTERNAL_KEY_PREFIX in r.rid else fp8s).append(d)
+            (bf16s if INTERNAL_KEY_PREFIX in r.rid else fp8s).append(d)
     finally:
         server.stop()
-    cat = {k: torch.cat([d[k] for d in fp8s]) for k in fp8s[0] if k != c.T_INPUT_IDS}
-    ref = {k: torch.cat([d[k] for d in bf16s]) for k in (c.T_HIDDEN, c.T_AUX)}
+    cat = {k: torch.cat([d[k] for d in fp8s]) for k in fp8s[0] if k != T_INPUT_IDS}
+    ref = {k: torch.cat([d[k] for d in bf16s]) for k in (T_HIDDEN, T_AUX)}
     return {"prompts": lengths, "chunked_prefill_size": 64, "errors": layer_errors(ref, cat)}
 
 
@@ -233,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"outliers": table}, indent=1) + "\n")
         return 0
     shm = Path("/dev/shm")
-    need = 3 * args.tokens * c.bytes_per_token(c.DTYPE_BF16, args.hidden)
+    need = 3 * args.tokens * bytes_per_token(DTYPE_BF16, args.hidden)
     dump_root = Path(tempfile.mkdtemp(prefix="hsfarm-fp8-",
                                       dir=shm if shutil.disk_usage(shm).free > need else None))
     out_dir = Path(tempfile.mkdtemp(prefix="hsfarm-fp8-out-", dir=args.out_dir))

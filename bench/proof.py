@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from engine_dump import contracts as c
 from engine_dump import header_codec
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from worker.core import proof
 from worker.core.finalfile import Part
 
@@ -70,15 +71,15 @@ def time_sample(out_dir: Path, tokens: int, hidden: int) -> float:
     fsynced, read back from the device and renamed (``OutputStore.write_verified``)."""
     from worker.core.store import OutputStore
 
-    fp = c.Fingerprint("c" * 64, "t", "c", LAYERS, c.LAYER_CONVENTION, hidden, "bfloat16",
-                       8192, "reject")
+    fp = Fingerprint("c" * 64, "t", "c", LAYERS, LAYER_CONVENTION, hidden, "bfloat16",
+                     8192, "reject")
     store = OutputStore(out_dir, fp).open()
     rng = np.random.default_rng(1)
     bits = rng.integers(0, 0x3F80, (tokens, 4 * hidden), dtype=np.uint16)
-    parts = {c.T_INPUT_IDS: Part.from_array("I64", np.arange(tokens, dtype=np.int64)),
-             c.T_LOSS_MASK: Part.from_array("I64", np.ones(tokens, dtype=np.int64)),
-             c.T_HIDDEN: Part.from_array("BF16", bits[:, :hidden]),
-             c.T_AUX: Part.from_array("BF16", bits[:, hidden:])}
+    parts = {T_INPUT_IDS: Part.from_array("I64", np.arange(tokens, dtype=np.int64)),
+             T_LOSS_MASK: Part.from_array("I64", np.ones(tokens, dtype=np.int64)),
+             T_HIDDEN: Part.from_array("BF16", bits[:, :hidden]),
+             T_AUX: Part.from_array("BF16", bits[:, hidden:])}
     best = float("inf")
     for i in range(3):
         t0 = time.perf_counter()

@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from training import index, roots
 from training.export.runner import DEFAULT_JOBS, export
 from training.loader import HiddenStates
@@ -42,19 +43,19 @@ from worker.core.store import M_CONTENT, OutputStore
 
 def make_output(out: Path, samples: int, tokens: int, hidden: int) -> int:
     """Write ``samples`` final files; returns their total bytes."""
-    fp = c.Fingerprint(config_sha256="bench", tokenizer_sha256="bench",
-                       chat_template_sha256="bench", layers_to_capture=(2, 30, 58),
-                       layer_convention=c.LAYER_CONVENTION, hidden_size=hidden,
-                       dtype="bfloat16", max_tokens=8192, overlong="reject")
+    fp = Fingerprint(config_sha256="bench", tokenizer_sha256="bench",
+                     chat_template_sha256="bench", layers_to_capture=(2, 30, 58),
+                     layer_convention=LAYER_CONVENTION, hidden_size=hidden,
+                     dtype="bfloat16", max_tokens=8192, overlong="reject")
     store = OutputStore(out, fp).open()
     rng = np.random.default_rng(0)
     for i in range(samples):
-        t = {c.T_INPUT_IDS: Part.from_array("I64", rng.integers(0, 160000, tokens)),
-             c.T_LOSS_MASK: Part.from_array("I64", np.ones(tokens, np.int64)),
-             c.T_HIDDEN: Part.from_array("BF16", rng.integers(0, 0x3F00, (tokens, hidden),
-                                                              dtype=np.uint16)),
-             c.T_AUX: Part.from_array("BF16", rng.integers(0, 0x3F00, (tokens, 3 * hidden),
-                                                           dtype=np.uint16))}
+        t = {T_INPUT_IDS: Part.from_array("I64", rng.integers(0, 160000, tokens)),
+             T_LOSS_MASK: Part.from_array("I64", np.ones(tokens, np.int64)),
+             T_HIDDEN: Part.from_array("BF16", rng.integers(0, 0x3F00, (tokens, hidden),
+                                                            dtype=np.uint16)),
+             T_AUX: Part.from_array("BF16", rng.integers(0, 0x3F00, (tokens, 3 * hidden),
+                                                         dtype=np.uint16))}
         store.write(f"s{i:04d}", t, {M_CONTENT: "bench"})
     return sum(p.stat().st_size for p in roots.sample_files(out))
 

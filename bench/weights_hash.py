@@ -20,8 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine_dump import contracts as c
 from engine_dump import weights_hash
+from engine_dump.checkpoint import weights_identity
 
 GB = 1e9
 
@@ -65,10 +65,10 @@ def identity_s(model: Path) -> tuple[float, float]:
     for p in model.glob(f"{weights_hash.CACHE_NAME}*"):
         p.unlink()
     began = time.perf_counter()
-    c.weights_identity(model)
+    weights_identity(model)
     first = time.perf_counter() - began
     began = time.perf_counter()
-    c.weights_identity(model)
+    weights_identity(model)
     return first, time.perf_counter() - began
 
 

@@ -2,7 +2,7 @@
 
 Used unchanged by the SGLang plugin and the reference server. The caller hands over one
 forward pass at a time as SGLang's ForwardBatch carries it (flattened rows, rids, prefix and
-extend lengths); rids that are not ours (``contracts.parse_rid``) are ignored without a copy.
+extend lengths); rids that are not ours (``rids.parse_rid``) are ignored without a copy.
 A ``Stager`` starts the device-to-host copy (and the fp8 ``encode``) and returns at once, so
 on a GPU the copy stays off the forward's path; on CPU it is a plain clone.
 Test: tests/unit/test_dump_writer.py::test_mixed_batches_with_chunks_spread_over_batches.
@@ -24,8 +24,31 @@ from typing import Protocol
 
 import torch
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir, fp8, header_codec, markers
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    DTYPE_BF16,
+    DTYPE_FP8,
+    ERR_DUMP_DIR_FULL,
+    ERR_WRITER_UNHEALTHY,
+    M_DUMP_DTYPE,
+    M_RID,
+    M_WRITER,
+    READY_PREFIX,
+    STORE_DTYPES,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    TMP_MARK,
+    WRITER_UNHEALTHY_PREFIX,
+    dump_dtype_for,
+    dump_path,
+    err_path,
+    is_temp_name,
+)
+from engine_dump.rids import Rid, parse_rid
 
 log = logging.getLogger("hsfarm.dump")
 
@@ -50,7 +73,7 @@ def encode_fp8(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """[ids, hidden, aux] -> [ids, hidden fp8, hidden scales, aux fp8, aux scales]."""
     ids, hidden, aux = tensors
     hq, hs = fp8.quantize(hidden, 1)
-    aq, as_ = fp8.quantize(aux, c.AUX_LAYERS)
+    aq, as_ = fp8.quantize(aux, AUX_LAYERS)
     return [ids, hq, hs, aq, as_]
 
 
@@ -80,7 +103,7 @@ class Rows:
     prefix: int
     token_count: int
     staged: Staged
-    dtype: str = c.DTYPE_BF16
+    dtype: str = DTYPE_BF16
 
 
 @dataclass
@@ -136,15 +159,15 @@ class DumpWriter:
         metadata: dict[str, str],
         max_queue: int = 8,
         min_free_bytes: int = 64 << 20,
-        dtype: str = c.DTYPE_BF16,
+        dtype: str = DTYPE_BF16,
         max_block_s: float = 30.0,
     ) -> None:
-        if dtype not in c.STORE_DTYPES:
-            raise ValueError(f"unknown dump dtype {dtype!r}: one of {', '.join(c.STORE_DTYPES)}")
+        if dtype not in STORE_DTYPES:
+            raise ValueError(f"unknown dump dtype {dtype!r}: one of {', '.join(STORE_DTYPES)}")
         self.dtype = dtype  # what the collector dumps our requests in
         self.dump_dir = dump_dir
         # built in the process that writes the ready marker: every dump names it
-        self.metadata = {**metadata, c.M_WRITER: markers.writer_id()}
+        self.metadata = {**metadata, M_WRITER: markers.writer_id()}
         self.min_free_bytes = min_free_bytes
         self.max_queue = max_queue
         self.max_block_s = max_block_s
@@ -209,13 +232,13 @@ class DumpWriter:
         hole; a dead one cannot, so it is written here."""
         if not self._thread.is_alive():
             self._set_unhealthy(self._not_running())
-        why = f"{c.ERR_WRITER_UNHEALTHY}: {self._unhealthy}"
+        why = f"{ERR_WRITER_UNHEALTHY}: {self._unhealthy}"
         failures = [job] if isinstance(job, Failed) else \
             [Failed(rid, why) for rid in dict.fromkeys(r.rid for r in job)]
         for failed in failures:
             if self._thread.is_alive():
                 self._q.put(failed)
-            elif not c.err_path(self.dump_dir, failed.rid).exists():  # once per request
+            elif not err_path(self.dump_dir, failed.rid).exists():  # once per request
                 self._write_err(failed.rid, failed.error)
 
     def _not_running(self) -> str:
@@ -290,7 +313,7 @@ class DumpWriter:
             except BaseException as e:  # report and go on (an engine's KeyboardInterrupt too)
                 self._drop(rows.rid)
                 if _no_space(e):
-                    self._write_err(rows.rid, f"{c.ERR_DUMP_DIR_FULL}: "
+                    self._write_err(rows.rid, f"{ERR_DUMP_DIR_FULL}: "
                                     f"{type(e).__name__}: {e}")
                 else:
                     log.exception("dump writer failed for %s", rows.rid)
@@ -305,7 +328,7 @@ class DumpWriter:
         dump = self._open.get(rows.rid)
         if dump is None:
             return  # its start failed (its .err is written): the rest of its rows are dropped
-        ext = int(tensors[c.T_INPUT_IDS].shape[0])
+        ext = int(tensors[T_INPUT_IDS].shape[0])
         for name, t in tensors.items():
             begin, end = dump.ranges[name]
             row = (end - begin) // dump.n
@@ -321,17 +344,17 @@ class DumpWriter:
         """Open the temp file of ``rows``' request; False (and its .err) if it cannot fit."""
         n = rows.token_count
         spec = {k: (_TAGS[t.dtype], (n, *t.shape[1:])) for k, t in tensors.items()}
-        meta = {**self.metadata, c.M_RID: rows.rid, c.M_DUMP_DTYPE: rows.dtype}
+        meta = {**self.metadata, M_RID: rows.rid, M_DUMP_DTYPE: rows.dtype}
         head, ranges = header_codec.encode(spec, meta)
         need = len(head) + max(end for _, end in ranges.values())
         promised = sum(d.left for d in self._open.values())  # other dumps' rows still to come
         free = free_bytes(self.dump_dir)
         if free - promised - need < self.min_free_bytes:
-            self._write_err(rows.rid, f"{c.ERR_DUMP_DIR_FULL}: {free} bytes free, need {need} "
+            self._write_err(rows.rid, f"{ERR_DUMP_DIR_FULL}: {free} bytes free, need {need} "
                             f"+ {promised} promised to dumps being written + reserve "
                             f"{self.min_free_bytes}")
             return False
-        tmp = self.dump_dir / f".{rows.rid}{c.TMP_MARK}{os.getpid()}"
+        tmp = self.dump_dir / f".{rows.rid}{TMP_MARK}{os.getpid()}"
         fd = dumpdir.create_private(tmp)
         try:
             _pwrite_all(fd, memoryview(head), 0)
@@ -350,7 +373,7 @@ class DumpWriter:
         try:
             os.close(dump.fd)
             self._sealing(rid, dump.tmp, dump.meta)
-            os.replace(dump.tmp, c.dump_path(self.dump_dir, rid))
+            os.replace(dump.tmp, dump_path(self.dump_dir, rid))
         finally:
             dump.tmp.unlink(missing_ok=True)
         self.written += 1
@@ -425,7 +448,7 @@ class DumpCollector:
         for i in range(n_req):
             ext, prefix = int(extend_lens[i]), int(prefix_lens[i])
             start, offset = offset, offset + ext
-            rid = c.parse_rid(rids[i])
+            rid = parse_rid(rids[i])
             if rid is None or ext == 0:
                 continue
             rows_of = self._take_chunk(rids[i], rid, prefix, ext, now, input_ids, hidden, aux,
@@ -449,7 +472,7 @@ class DumpCollector:
         other than the rid declares is its ``.err`` at once. True if rows went to the writer.
         Test: tests/unit/test_dump_writer.py::test_a_whole_request_at_once_equals_its_chunks.
         """
-        rid = c.parse_rid(rid_s)
+        rid = parse_rid(rid_s)
         if rid is None:
             return False
         n = int(input_ids.shape[0])
@@ -467,7 +490,7 @@ class DumpCollector:
     def _take_chunk(
         self,
         rid_s: str,
-        rid: c.Rid,
+        rid: Rid,
         prefix: int,
         ext: int,
         now: float,
@@ -493,8 +516,8 @@ class DumpCollector:
             self._fail(rid_s, f"overrun: {end} tokens seen, rid declares {state.n}")
             return None
         sl = slice(start, start + ext)
-        dtype = c.dump_dtype_for(rid, self.writer.dtype)
-        encode = encode_fp8 if dtype == c.DTYPE_FP8 else None
+        dtype = dump_dtype_for(rid, self.writer.dtype)
+        encode = encode_fp8 if dtype == DTYPE_FP8 else None
         staged = self.stager.stage([ids[sl], hidden[sl], aux[sl]], encode)
         state.next_pos, state.updated_s = end, now
         if end == state.n:
@@ -525,15 +548,15 @@ _TAGS = {torch.int64: "I64", torch.bfloat16: "BF16", torch.float32: "F32",
 
 def _named(tensors: list[torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
     """One chunk's staged tensors, by name, in the dump's dtypes, contiguous."""
-    if dtype == c.DTYPE_FP8:
+    if dtype == DTYPE_FP8:
         ids, hq, hs, aq, as_ = tensors
-        return {c.T_INPUT_IDS: ids.to(torch.int64).contiguous(),
-                c.T_HIDDEN: hq.contiguous().view(fp8.FP8), c.T_HIDDEN_SCALE: hs.contiguous(),
-                c.T_AUX: aq.contiguous().view(fp8.FP8), c.T_AUX_SCALE: as_.contiguous()}
+        return {T_INPUT_IDS: ids.to(torch.int64).contiguous(),
+                T_HIDDEN: hq.contiguous().view(fp8.FP8), T_HIDDEN_SCALE: hs.contiguous(),
+                T_AUX: aq.contiguous().view(fp8.FP8), T_AUX_SCALE: as_.contiguous()}
     ids, hidden, aux = tensors
-    return {c.T_INPUT_IDS: ids.to(torch.int64).contiguous(),
-            c.T_HIDDEN: hidden.to(torch.bfloat16).contiguous(),
-            c.T_AUX: aux.to(torch.bfloat16).contiguous()}
+    return {T_INPUT_IDS: ids.to(torch.int64).contiguous(),
+            T_HIDDEN: hidden.to(torch.bfloat16).contiguous(),
+            T_AUX: aux.to(torch.bfloat16).contiguous()}
 
 
 def _rids(job: Job | None) -> list[str]:
@@ -565,10 +588,10 @@ def write_err(dump_dir: Path, rid: str, message: str) -> bool:
     False (logged) when it cannot be written; never raises: the engine's step and the
     writer's thread call it."""
     log.warning("dump error %s: %s", rid, message)
-    tmp = dump_dir / f".{rid}{c.TMP_MARK}{os.getpid()}.err"
+    tmp = dump_dir / f".{rid}{TMP_MARK}{os.getpid()}.err"
     try:
         dumpdir.write_private(tmp, (message + "\n").encode())
-        os.replace(tmp, c.err_path(dump_dir, rid))
+        os.replace(tmp, err_path(dump_dir, rid))
         return True
     except dumpdir.DumpDirUnsafe as e:  # not into a dir another user can write: the writer
         log.error("no .err file for %s: %s", rid, e)  # goes on, for when the dir is fixed
@@ -590,9 +613,9 @@ def remove_stale_files(dump_dir: Path) -> int:
     removed.
     """
     removed = len(markers.remove_dead(dump_dir))
-    removed += len(markers.remove_dead(dump_dir, c.WRITER_UNHEALTHY_PREFIX))
+    removed += len(markers.remove_dead(dump_dir, WRITER_UNHEALTHY_PREFIX))
     for path in dump_dir.iterdir():
-        pid = _writer_pid(path.name) if c.is_temp_name(path.name) else None
+        pid = _writer_pid(path.name) if is_temp_name(path.name) else None
         if pid is not None and not _process_exists(pid):
             path.unlink(missing_ok=True)
             removed += 1
@@ -601,12 +624,12 @@ def remove_stale_files(dump_dir: Path) -> int:
 
 def _writer_pid(name: str) -> int | None:
     """The pid in a ready marker's or a hook temp file's name; None for any other file."""
-    prefix = next((p for p in (c.READY_PREFIX, c.WRITER_UNHEALTHY_PREFIX)
+    prefix = next((p for p in (READY_PREFIX, WRITER_UNHEALTHY_PREFIX)
                    if name.startswith(p)), None)
     if prefix is not None:
         field = name[len(prefix):]
-    elif c.is_temp_name(name):
-        field = name.rsplit(c.TMP_MARK, 1)[1]
+    elif is_temp_name(name):
+        field = name.rsplit(TMP_MARK, 1)[1]
     else:
         return None
     digits = field.split(".", 1)[0]

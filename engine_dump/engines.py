@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
 from engine_dump import markers as mk
+from engine_dump.dumpfile import ENV_DUMP_DTYPE
 
 SGLANG, VLLM = "sglang", "vllm"
 # What each engine's hook is told by its server's environment (named in every fix)
 DUMP_DIR_VARIABLE = {SGLANG: "SGLANG_HS_DUMP_DIR", VLLM: "HSFARM_VLLM_DUMP_DIR"}
-DUMP_DTYPE_VARIABLE = {SGLANG: c.ENV_DUMP_DTYPE, VLLM: "HSFARM_VLLM_DUMP_DTYPE"}
+DUMP_DTYPE_VARIABLE = {SGLANG: ENV_DUMP_DTYPE, VLLM: "HSFARM_VLLM_DUMP_DTYPE"}
 VLLM_KV_PARAMS = "kv_transfer_params"  # the body key vLLM hands to the KV connector
 VLLM_RID_PARAM = "hsfarm_rid"  # the key in it the vLLM hook names a request's dump by
 VLLM_DP_RANK_HEADER = "X-data-parallel-rank"  # pins a request to one DP rank's engine
@@ -102,7 +102,7 @@ class Engine:
 
 def vllm_marker(dump_dir: Path | None, writer: str | None = None) -> dict[str, Any]:
     """The newest ready marker of a live vLLM hook in ``dump_dir``, of the server start whose
-    process ``writer`` is (a dump's ``contracts.M_WRITER``; None: the only one there), with
+    process ``writer`` is (a dump's ``dumpfile.M_WRITER``; None: the only one there), with
     that start's DP group count (``markers.dp_groups``); {} when there is none.
 
     Raises:

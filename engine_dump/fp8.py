@@ -2,7 +2,7 @@
 
 ``quantize`` runs on the copy's side stream on a GPU, so the compute stream waits only for its
 own work (costs: docs/fp8.md). Each layer's row of a token is cut into blocks of
-``contracts.FP8_BLOCK`` values, ``scale = max|block| / 448`` (e4m3fn's largest finite value):
+``dumpfile.FP8_BLOCK`` values, ``scale = max|block| / 448`` (e4m3fn's largest finite value):
 nothing saturates and a massive channel coarsens only its own block; a zero block gets the
 smallest positive scale, a NaN or Inf a non-finite one, which the worker refuses.
 Test: tests/unit/test_fp8.py::test_round_trip_error_is_within_e4m3s_bounds_and_the_codecs_agree
@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine_dump import contracts as c
+from engine_dump import dumpfile
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = c.FP8_MAX
+FP8_MAX = dumpfile.FP8_MAX
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def quantize(x: torch.Tensor, layers: int, block: int = c.FP8_BLOCK
+def quantize(x: torch.Tensor, layers: int, block: int = dumpfile.FP8_BLOCK
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x`` [T, layers*H] (any float dtype) -> (uint8 [T, layers*H], float32
     [T, layers*ceil(H/block)]).
@@ -32,7 +32,7 @@ def quantize(x: torch.Tensor, layers: int, block: int = c.FP8_BLOCK
     """
     t, width = x.shape
     h = width // layers
-    nb = c.fp8_blocks(h, block)
+    nb = dumpfile.fp8_blocks(h, block)
     q = torch.empty((t, width), dtype=torch.uint8, device=x.device)
     scale = torch.empty((t, layers * nb), dtype=torch.float32, device=x.device)
     for i in range(layers):
@@ -49,14 +49,14 @@ def quantize(x: torch.Tensor, layers: int, block: int = c.FP8_BLOCK
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
                layers: int) -> torch.Tensor:
     """uint8 (e4m3fn bits) [T, layers*H] and float32 scales [T, layers*blocks] -> ``dtype``
-    [T, layers*H]; blocks of ``contracts.FP8_BLOCK`` values, or one scale per row (the
+    [T, layers*H]; blocks of ``dumpfile.FP8_BLOCK`` values, or one scale per row (the
     per-row layout, still read). Raises ValueError for any other scale shape."""
     t, width = q.shape
     h = width // layers
     nb = scale.shape[1] // layers
     if scale.shape[1] != layers * nb:
         raise ValueError(f"{scale.shape[1]} scales per token for {layers} layers")
-    block = c.fp8_block_of(h, nb)
+    block = dumpfile.fp8_block_of(h, nb)
     v = q.view(FP8).float().view(t, layers, h)
     if nb * block != h:
         v = F.pad(v, (0, nb * block - h))

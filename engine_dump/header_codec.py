@@ -4,7 +4,7 @@ The one codec of the hook and the farm (the hook's dumps, weights identity and p
 worker's ``tensorfile``; model shards' final norm; training's sample files). It splits and
 builds the bytes only; each reader keeps its own checks and error (a dump, a final file, a
 model shard and a training file are refused for different reasons). Here because the hook
-needs it and imports nothing of the farm. Tests: tests/unit/test_tensorfile.py, test_contracts.py.
+needs it and imports nothing of the farm. Tests: tests/unit/test_tensorfile.py, test_rids.py.
 """
 
 from __future__ import annotations

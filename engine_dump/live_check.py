@@ -49,7 +49,7 @@ def check_marker(dump_dir: Path, max_age_s: float, since: float = 0.0, *, env: s
                  writer: str | None = None) -> Check:
     """A ready marker of a live hook process: the newest one whose writer is not dead
     (``markers``), written at or after ``since`` (unix time), of the server start whose
-    process ``writer`` is (a probe dump's ``contracts.M_WRITER``: the dump dir may be
+    process ``writer`` is (a probe dump's ``dumpfile.M_WRITER``: the dump dir may be
     shared). ``env``: the variable that gives this engine's server its dump dir, for the fix."""
     found = [m for m in mk.markers(dump_dir) if m.time >= since]
     if writer:
@@ -138,8 +138,8 @@ def _weights(info: dict[str, object]) -> str:
 
 def check_probe(server_url: str, dump_dir: Path, timeout_s: float) -> tuple[Check, str | None]:
     """The probe's check, and the writer its dump names (None: it failed, or an older hook)."""
-    from engine_dump.contracts import M_WRITER
     from engine_dump.dumpdir import DumpDirUnsafe
+    from engine_dump.dumpfile import M_WRITER
     from engine_dump.probe import ProbeFailed, probe_groups
 
     try:

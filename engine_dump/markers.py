@@ -4,7 +4,7 @@ A marker ``<dump dir>/.ready.<pid>`` (JSON, atomic) holds what the hook serves a
 it: pid, start time, boot id, pid namespace. A marker is **dead** only when it is of this boot
 and pid namespace and no process with its pid and start time runs; anything else is
 **unknown** and left alone. Servers may share a dump dir: each dump names its writer
-(``contracts.M_WRITER``), and a reader takes that server start's markers (``of_server``).
+(``dumpfile.M_WRITER``), and a reader takes that server start's markers (``of_server``).
 Tests: tests/unit/test_markers.py, tests/farm/test_markers.py."""
 
 from __future__ import annotations
@@ -18,8 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
+from engine_dump.dumpfile import (
+    PATCH_VERSION,
+    READY_PREFIX,
+    TMP_MARK,
+    WRITER_UNHEALTHY_PREFIX,
+    is_temp_name,
+)
 from engine_dump.process_identity import boot_id, pid_namespace, start_ticks
 
 DEAD, ALIVE, UNKNOWN = "dead", "alive", "unknown"
@@ -36,7 +42,7 @@ def process_identity() -> dict[str, object]:
 
 
 def writer_id() -> str:
-    """This process as a dump names its writer (``contracts.M_WRITER``): the same words as
+    """This process as a dump names its writer (``dumpfile.M_WRITER``): the same words as
     ``Marker.writer`` of the marker it wrote."""
     return _writer_of(process_identity())
 
@@ -55,9 +61,9 @@ def write_ready_marker(dump_dir: Path, info: dict[str, object]) -> Path:
     """
     dumpdir.ensure(dump_dir)
     body = {**info, **process_identity(), "time": time.time(),
-            "patch_version": c.PATCH_VERSION}
-    path = dump_dir / f"{c.READY_PREFIX}{os.getpid()}"
-    tmp = dump_dir / f"{c.READY_PREFIX}{os.getpid()}{c.TMP_MARK}"
+            "patch_version": PATCH_VERSION}
+    path = dump_dir / f"{READY_PREFIX}{os.getpid()}"
+    tmp = dump_dir / f"{READY_PREFIX}{os.getpid()}{TMP_MARK}"
     dumpdir.write_private(tmp, json.dumps(body, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
     return path
@@ -74,8 +80,8 @@ def write_unhealthy(dump_dir: Path, why: str) -> Path:
         OSError, dumpdir.DumpDirUnsafe: it cannot be written.
     """
     body = {**process_identity(), "time": time.time(), "why": why}
-    path = dump_dir / f"{c.WRITER_UNHEALTHY_PREFIX}{os.getpid()}"
-    tmp = path.with_name(f"{path.name}{c.TMP_MARK}")
+    path = dump_dir / f"{WRITER_UNHEALTHY_PREFIX}{os.getpid()}"
+    tmp = path.with_name(f"{path.name}{TMP_MARK}")
     dumpdir.write_private(tmp, json.dumps(body, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
     return path
@@ -83,12 +89,12 @@ def write_unhealthy(dump_dir: Path, why: str) -> Path:
 
 def clear_unhealthy(dump_dir: Path) -> None:
     """Remove this process's unhealthy-writer note, if there is one."""
-    (dump_dir / f"{c.WRITER_UNHEALTHY_PREFIX}{os.getpid()}").unlink(missing_ok=True)
+    (dump_dir / f"{WRITER_UNHEALTHY_PREFIX}{os.getpid()}").unlink(missing_ok=True)
 
 
 def unhealthy_writers(dump_dir: Path) -> list[Marker]:
     """The unhealthy-writer notes in ``dump_dir`` of processes not known dead, oldest first."""
-    return [m for m in markers(dump_dir, c.WRITER_UNHEALTHY_PREFIX) if m.state != DEAD]
+    return [m for m in markers(dump_dir, WRITER_UNHEALTHY_PREFIX) if m.state != DEAD]
 
 
 @dataclass(frozen=True)
@@ -152,12 +158,12 @@ def state(info: dict[str, object]) -> tuple[str, str]:
     return ALIVE, f"process {pid} runs"
 
 
-def markers(dump_dir: Path, prefix: str = c.READY_PREFIX) -> list[Marker]:
+def markers(dump_dir: Path, prefix: str = READY_PREFIX) -> list[Marker]:
     """The ready markers in ``dump_dir`` (or the notes named ``prefix``: the
     ``WRITER_UNHEALTHY_PREFIX`` ones), oldest first (none when it does not exist)."""
     found = []
     try:
-        paths = [p for p in dump_dir.glob(f"{prefix}*") if not c.is_temp_name(p.name)]
+        paths = [p for p in dump_dir.glob(f"{prefix}*") if not is_temp_name(p.name)]
     except OSError:
         return []
     for path in paths:
@@ -174,11 +180,11 @@ def epoch(dump_dir: Path) -> tuple[tuple[str, int], ...]:
     """The ready markers in ``dump_dir`` (name and mtime): they change when a server starts."""
     out = []
     try:
-        paths = list(dump_dir.glob(f"{c.READY_PREFIX}*"))
+        paths = list(dump_dir.glob(f"{READY_PREFIX}*"))
     except OSError:
         return ()
     for p in paths:
-        if c.is_temp_name(p.name):
+        if is_temp_name(p.name):
             continue
         try:
             out.append((p.name, p.stat().st_mtime_ns))
@@ -213,7 +219,7 @@ def dp_groups(newest: Marker, found: list[Marker]) -> int:
 
 def of_server(found: list[Marker], writer: str | None) -> list[Marker]:
     """Of ``found`` (oldest first), the markers of one server start, dead ones too: the one
-    whose process ``writer`` is (a dump's ``contracts.M_WRITER``), else (no writer: an older
+    whose process ``writer`` is (a dump's ``dumpfile.M_WRITER``), else (no writer: an older
     hook's dump, or none asked yet) the only server start with a live marker. Empty when
     the writer left no marker, or no marker lives.
 
@@ -247,7 +253,7 @@ def newest_of_server(dump_dir: Path, writer: str | None) -> tuple[Marker | None,
     return (alive[-1] if alive else None), mine
 
 
-def remove_dead(dump_dir: Path, prefix: str = c.READY_PREFIX) -> list[Marker]:
+def remove_dead(dump_dir: Path, prefix: str = READY_PREFIX) -> list[Marker]:
     """Remove the markers (or ``prefix``'s notes) of dead processes (never an alive or unknown
     one); what went."""
     gone = []
@@ -265,7 +271,7 @@ def _take_if_unchanged(m: Marker) -> bool:
     instant), then judged; a live marker moved by mistake goes back with ``link``, which
     fails, harmlessly, when its writer has meanwhile written it again.
     """
-    aside = m.path.with_name(f"{m.path.name}{c.TMP_MARK}dead.{os.getpid()}")
+    aside = m.path.with_name(f"{m.path.name}{TMP_MARK}dead.{os.getpid()}")
     try:
         os.rename(m.path, aside)
     except FileNotFoundError:
@@ -308,7 +314,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sglang_patch mark
     removed = {m.path for m in remove_dead(args.dump_dir)} if args.remove_dead else set()
     for m in found:
         print(m.line() + (": removed" if m.path in removed else ""))
-    for m in markers(args.dump_dir, c.WRITER_UNHEALTHY_PREFIX):
+    for m in markers(args.dump_dir, WRITER_UNHEALTHY_PREFIX):
         print(f"{m.line()}: its dump writer is unhealthy: {m.info.get('why')}")
     dead = sum(m.state == DEAD for m in found)
     print(f"ready markers in {args.dump_dir}: {len(found)}, of dead processes: {dead}"

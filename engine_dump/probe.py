@@ -21,10 +21,21 @@ from typing import Any
 
 import numpy as np
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir, engines, header_codec
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    M_LAYERS,
+    M_WEIGHTS,
+    M_WRITER,
+    T_AUX,
+    T_HIDDEN,
+    T_INPUT_IDS,
+    dump_path,
+    err_path,
+)
 from engine_dump.engines import Engine, dp_groups
 from engine_dump.markers import SharedDumpDir
+from engine_dump.rids import make_rid
 
 PROBE_IDS = list(range(10, 26))  # 16 ordinary token ids, valid in any real vocabulary
 ANSWER_TIMEOUT_S = 120.0  # for the server's answer (a busy server queues the probe)
@@ -48,9 +59,9 @@ class Probe:
 
 
 def served_weights(meta: dict[str, str]) -> dict[str, Any] | None:
-    """A dump's ``contracts.M_WEIGHTS`` (``contracts.served_weights``); None when absent."""
+    """A dump's ``dumpfile.M_WEIGHTS`` (``checkpoint.served_weights``); None when absent."""
     try:
-        served = json.loads(meta.get(c.M_WEIGHTS, "null"))
+        served = json.loads(meta.get(M_WEIGHTS, "null"))
     except ValueError:
         return None
     return served if isinstance(served, dict) else None
@@ -78,7 +89,7 @@ def probe_groups(server_url: str, dump_dir: Path, timeout_s: float = 60.0) -> Pr
     if engine.name == engines.VLLM:
         first = probe(server_url, dump_dir, timeout_s, engine=engine)
         try:
-            info = engine.server_info(dump_dir, first.metadata.get(c.M_WRITER))
+            info = engine.server_info(dump_dir, first.metadata.get(M_WRITER))
         except SharedDumpDir as e:
             raise ProbeFailed(str(e)) from e
     else:
@@ -132,8 +143,8 @@ def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0,
     engine = engine or served_engine(url)
     hidden = expected_hidden_size({"model_path": engine.model_path})
     group = "" if dp_rank is None else f"g{dp_rank}_"
-    rid = c.make_rid(f"_hsfarm_verify_{group}{os.getpid()}_{int(time.time() * 1000)}", 1,
-                     len(PROBE_IDS))
+    rid = make_rid(f"_hsfarm_verify_{group}{os.getpid()}_{int(time.time() * 1000)}", 1,
+                   len(PROBE_IDS))
     path_, body, headers = engine.generate(rid, PROBE_IDS, dp_rank)
     t0 = time.monotonic()
     try:
@@ -144,7 +155,7 @@ def probe(server_url: str, dump_dir: Path, timeout_s: float = 60.0,
         tensors, meta = read_safetensors(path)
         layers, shapes = check_dump(tensors, meta, hidden)
     finally:
-        for p in (c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)):
+        for p in (dump_path(dump_dir, rid), err_path(dump_dir, rid)):
             p.unlink(missing_ok=True)
     served = served_weights(meta) or {}
     weights = (f", weights {served.get('id')} ({served.get('shards')} shards)" if served
@@ -178,7 +189,7 @@ def expected_hidden_size(model_info: dict[str, Any]) -> int | None:
 
 
 def _wait_for_dump(dump_dir: Path, rid: str, deadline: float, variable: str) -> Path:
-    dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
+    dump, err = dump_path(dump_dir, rid), err_path(dump_dir, rid)
     while time.monotonic() < deadline:
         if dump.exists():
             return dump
@@ -201,11 +212,11 @@ def check_dump(tensors: dict[str, tuple[str, np.ndarray]], meta: dict[str, str],
     """
     n = len(PROBE_IDS)
     problems = []
-    ids = tensors.get(c.T_INPUT_IDS)
+    ids = tensors.get(T_INPUT_IDS)
     if ids is None or ids[0] != "I64" or ids[1].tolist() != PROBE_IDS:
         problems.append("input_ids are not the ids sent")
-    h = hidden or (tensors[c.T_HIDDEN][1].shape[-1] if c.T_HIDDEN in tensors else 0)
-    for name, width in ((c.T_HIDDEN, h), (c.T_AUX, c.AUX_LAYERS * h)):
+    h = hidden or (tensors[T_HIDDEN][1].shape[-1] if T_HIDDEN in tensors else 0)
+    for name, width in ((T_HIDDEN, h), (T_AUX, AUX_LAYERS * h)):
         got = tensors.get(name)
         if got is None or got[0] != "BF16" or got[1].shape != (n, width):
             shape = f"{got[0]}{list(got[1].shape)}" if got else "missing"
@@ -213,11 +224,11 @@ def check_dump(tensors: dict[str, tuple[str, np.ndarray]], meta: dict[str, str],
         elif int(np.count_nonzero((got[1] & _BF16_EXPONENT) == _BF16_EXPONENT)):
             problems.append(f"{name} has NaN/Inf values")
     try:
-        layers = [int(i) for i in json.loads(meta.get(c.M_LAYERS, "[]"))]
+        layers = [int(i) for i in json.loads(meta.get(M_LAYERS, "[]"))]
     except (TypeError, ValueError):
         layers = []
-    if len(layers) != c.AUX_LAYERS:
-        problems.append(f"the dump records layers {layers}, expected {c.AUX_LAYERS} ids")
+    if len(layers) != AUX_LAYERS:
+        problems.append(f"the dump records layers {layers}, expected {AUX_LAYERS} ids")
     if problems:
         raise ProbeFailed(f"the probe's dump is wrong: {'; '.join(problems)}; this hook or "
                           "engine version does not capture what the farm needs")

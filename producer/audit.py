@@ -17,7 +17,7 @@ import numpy as np
 import redis
 from tqdm import tqdm
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, T_LOSS_MASK
 from training.roots import sample_files
 from worker.core import outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord
@@ -70,7 +70,7 @@ class AuditReport:
         files kept aside (call once every data file of the run is checked)."""
         self.not_in_corpus = sorted(
             key for p in sample_files(out_dir)
-            if (key := p.name[: -len(c.DUMP_SUFFIX)]) not in self.keys)
+            if (key := p.name[: -len(DUMP_SUFFIX)]) not in self.keys)
         self.kept_aside = len(setaside.kept_aside(out_dir))
 
     def _why_incompatible(self) -> list[str]:
@@ -133,7 +133,7 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
         v = store.verify(ref.key, ref.sha256)
     except (Corrupt, OSError) as e:
         return "corrupt", str(e), 0, 0
-    ids, mask = v.file.tensors[c.T_INPUT_IDS].array, v.file.tensors[c.T_LOSS_MASK].array
+    ids, mask = v.file.tensors[T_INPUT_IDS].array, v.file.tensors[T_LOSS_MASK].array
     n = _cut_to_server(v.file.metadata, tok, len(ids))
     if not np.array_equal(ids, np.asarray(tok.input_ids[:n])):
         return "corrupt", "input_ids differ from a fresh tokenization of the record", 0, 0

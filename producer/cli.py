@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from engine_dump.contracts import Fingerprint
+from engine_dump.fingerprint import Fingerprint
 from producer.adopt.cli import add_adopt_parser, main_adopt
 from producer.audit import AuditReport, audit, enqueue_limits, place_elsewhere
 from producer.enqueue import enqueue, requeue

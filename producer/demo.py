@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
-from engine_dump.contracts import Fingerprint
+from engine_dump.fingerprint import Fingerprint
 from producer.localfarm.farm import LocalFarm, wait_until
 from producer.status import Status, read_status
 from worker.core import outdir

@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine_dump.contracts import Fingerprint
+from engine_dump.fingerprint import Fingerprint
 from worker.app import create_app
 from worker.core.samples import SampleRef
 from worker.core.settings import Settings

@@ -23,11 +23,13 @@ from urllib.parse import urlsplit
 
 import redis
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir, engines, nccl
 from engine_dump import markers as mk
+from engine_dump.dumpfile import bytes_per_token
 from engine_dump.engines import Engine
+from engine_dump.fingerprint import Fingerprint
 from engine_dump.live_check import check_marker
+from engine_dump.rids import NO_RUN
 from sglang_patch.verify import sglang_missing
 from worker.core import canary, dumps, outdir, weights
 from worker.core import run as runs
@@ -100,13 +102,13 @@ def fs_type(path: Path) -> str:
 
 @dataclass(frozen=True)
 class Run:
-    fingerprint: c.Fingerprint
+    fingerprint: Fingerprint
     source: str  # where the fingerprint came from
     total: int = 0
     done: int = 0
     remaining: int = 0
     done_bytes: int = 0
-    run_id: str = c.NO_RUN  # from the output dir's manifest (worker/core/run.py)
+    run_id: str = NO_RUN  # from the output dir's manifest (worker/core/run.py)
 
 
 def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
@@ -121,7 +123,7 @@ def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
             return None, str(e)
     manifest = settings.output_dir / outdir.MANIFEST
     try:
-        fp = c.Fingerprint.from_json(json.loads(manifest.read_text())["fingerprint"])
+        fp = Fingerprint.from_json(json.loads(manifest.read_text())["fingerprint"])
         return Run(fp, f"the manifest {manifest}", run_id=runs.run_id_of(settings.output_dir)), ""
     except FileNotFoundError:
         return None, ("FARM_MODEL_PATH is not set, the server does not answer and "
@@ -155,7 +157,7 @@ def check_output_disk(settings: Settings, run: Run | None) -> Line:
     on = "" if where == out.absolute() else f" (not created yet; free space of {where})"
     reserve = settings.min_free_output_bytes
     if run is None or run.done == 0:
-        per_token = (c.bytes_per_token(run.fingerprint.dtype, run.fingerprint.hidden_size) + 8
+        per_token = (bytes_per_token(run.fingerprint.dtype, run.fingerprint.hidden_size) + 8
                      if run is not None else 0)  # + the loss mask
         size = (f"; each token takes {per_token:,} bytes ({per_token * 2000 / 1e6:,.0f} MB "
                 "for a 2,000-token sample)") if per_token else ""

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
 from engine_dump import engines
+from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS
 from worker.core import proof, tensorfile
 from worker.core.errors import FarmError
 from worker.core.settings import Settings
@@ -45,7 +45,7 @@ async def _prove_one(client: ServerClient, head: proof.LmHead, path: Path, rows_
                      dtype: str, slack: float) -> proof.Verdict:
     with open(path, "rb") as f:
         header = tensorfile.read_header_fd(f.fileno(), path.name)
-        e = header.tensors[c.T_INPUT_IDS]
+        e = header.tensors[T_INPUT_IDS]
         ids = np.frombuffer(proof.pread(f.fileno(), e.nbytes, header.data_start + e.begin),
                             dtype="<i8")
         rid = f"hsfarm-prove-{uuid.uuid4().hex}"  # not a farm rid: the hook dumps nothing
@@ -72,7 +72,7 @@ def prove_files(settings: Settings, model_path: Path, hidden_size: int, dtype: s
         client = ServerClient.of(settings)
         try:
             for path in files:
-                key = path.name[: -len(c.DUMP_SUFFIX)]
+                key = path.name[: -len(DUMP_SUFFIX)]
                 try:
                     v = await _prove_one(client, head, path, rows_per, dtype, slack)
                 except (FarmError, ValueError, OSError, KeyError) as e:

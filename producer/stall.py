@@ -27,7 +27,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import bytes_per_token
+from engine_dump.fingerprint import Fingerprint
 from worker.core import time_limits
 from worker.core.errors import SERVER_SILENT
 from worker.core.settings import Settings
@@ -92,10 +93,10 @@ class Signals:
     retry_reasons: list[str] = field(default_factory=list)
 
 
-def stall_after_s(settings: Settings, fingerprint: c.Fingerprint) -> float:
+def stall_after_s(settings: Settings, fingerprint: Fingerprint) -> float:
     """How long a working farm may go without an outcome: the time limit of the run's
     longest sample (``FARM_MAX_TOKENS``) plus the longest retry backoff."""
-    per_token = c.bytes_per_token(fingerprint.dtype, fingerprint.hidden_size)
+    per_token = bytes_per_token(fingerprint.dtype, fingerprint.hidden_size)
     longest = time_limits.for_tokens(settings, fingerprint.max_tokens, per_token)
     return longest.hard_s + settings.retry_backoff_max_s
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import Fingerprint
 from producer import stall as stalls
 from worker.core import liveness, outdir
 from worker.core import run as runs
@@ -95,7 +95,7 @@ class Status:
                 "state": self.state}
 
 
-def status_fingerprint(settings: Settings) -> tuple[c.Fingerprint, str]:
+def status_fingerprint(settings: Settings) -> tuple[Fingerprint, str]:
     """The run's fingerprint and where it came from: the output dir's manifest when there is
     one (no server, no model files needed), else the model's files, as ``enqueue`` does.
 
@@ -121,7 +121,7 @@ def no_run(settings: Settings) -> str:
             "enqueue'). Set FARM_OUTPUT_DIR to the run's output dir (the demo's: demo-out/out)")
 
 
-def manifest_fingerprint(settings: Settings) -> c.Fingerprint:
+def manifest_fingerprint(settings: Settings) -> Fingerprint:
     """The run's fingerprint from its output dir's manifest.
 
     Raises:
@@ -132,12 +132,12 @@ def manifest_fingerprint(settings: Settings) -> c.Fingerprint:
     if not path.is_file():
         raise ConfigError(no_run(settings))
     try:
-        return c.Fingerprint.from_json(json.loads(path.read_text())["fingerprint"])
+        return Fingerprint.from_json(json.loads(path.read_text())["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: unreadable manifest ({e})") from e
 
 
-def run_settings(settings: Settings, fingerprint: c.Fingerprint) -> Settings:
+def run_settings(settings: Settings, fingerprint: Fingerprint) -> Settings:
     """``settings`` with the run's own storage choices from its fingerprint (dtype, layers,
     max tokens, overlong): what its files are checked against, whatever the environment says."""
     return replace(settings, store_dtype=fingerprint.dtype, max_tokens=fingerprint.max_tokens,
@@ -145,7 +145,7 @@ def run_settings(settings: Settings, fingerprint: c.Fingerprint) -> Settings:
                    layers_to_capture=tuple(fingerprint.layers_to_capture))
 
 
-def read_status(settings: Settings, fingerprint: c.Fingerprint,
+def read_status(settings: Settings, fingerprint: Fingerprint,
                 window_s: float | None = None) -> Status:
     """Where the run stands now. ``window_s``: what the rate is measured over (default: the
     run's stall time, ``stall.stall_after_s``, so a rate of 0 while work waits is a stall)."""
@@ -201,7 +201,7 @@ def unreadable_files(index: RunIndex) -> dict[str, dict[str, Any]]:
             for fid, body in sorted(corpus.unreadable().items())}
 
 
-def host_admission(settings: Settings, fingerprint: c.Fingerprint) -> dict[str, object]:
+def host_admission(settings: Settings, fingerprint: Fingerprint) -> dict[str, object]:
     """This host's in-flight limit and dump budget (as its workers compute them), and what
     its workers hold now when the dump dir is on this host."""
     limits = limits_for_host(settings, fingerprint.hidden_size, timeout_s=1.0)
@@ -286,7 +286,7 @@ def worker_heartbeats(r: redis.Redis) -> list[str]:
 
 
 def run_stall(index: RunIndex, st: Status, settings: Settings,
-              fingerprint: c.Fingerprint) -> stalls.Stall | None:
+              fingerprint: Fingerprint) -> stalls.Stall | None:
     """The run's stall from ``st`` and the index: when it last moved, what waits."""
     meta = index.meta()
     moved = [_last_outcome_at(index), *(float(meta[k]) for k in ("published_at", "started_at")

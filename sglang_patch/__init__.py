@@ -4,6 +4,6 @@ The dump it writes, and everything about it the farm reads, is ``engine_dump``'s
 the vLLM hook. Importing this package is cheap: no torch, nothing of the farm.
 """
 
-from engine_dump.contracts import PATCH_VERSION as __version__
+from engine_dump.dumpfile import PATCH_VERSION as __version__
 
 __all__ = ["__version__"]

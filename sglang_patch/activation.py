@@ -17,12 +17,24 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
+from engine_dump.checkpoint import loaded_weights, model_config_sha256, served_weights
 from engine_dump.dump_writer import remove_stale_files, write_err
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    DTYPE_BF16,
+    ENV_DUMP_DTYPE,
+    ERR_HOOK_INACTIVE,
+    M_CONFIG_SHA,
+    M_LAYERS,
+    M_PATCH_VERSION,
+    M_SERVER_VERSION,
+    M_WEIGHTS,
+    PATCH_VERSION,
+)
 from engine_dump.engines import dp_groups
 from engine_dump.markers import write_ready_marker
-from engine_dump.weights import loaded_weights, model_config_sha256
+from engine_dump.rids import parse_rid
 from sglang_patch.layout import LayoutError, sglang_version
 from sglang_patch.sglang_hook import DumpHook
 
@@ -31,7 +43,7 @@ log = logging.getLogger("hsfarm.sglang_plugin")
 ENV_QUEUE = "SGLANG_HS_DUMP_QUEUE"  # finished requests buffered for the writer (backpressure)
 ENV_RESERVE = "SGLANG_HS_DUMP_RESERVE_BYTES"  # free tmpfs kept; a dump that would not fit → .err
 
-NO_IDS_FIX = (f"{c.ERR_HOOK_INACTIVE}: SGLang never set the model's aux-capture "
+NO_IDS_FIX = (f"{ERR_HOOK_INACTIVE}: SGLang never set the model's aux-capture "
               "layer ids (layers_to_capture is empty after load_model, after "
               "init_attention_backends and at this request), so no hidden states can be "
               "dumped; launch with --enable-return-aux-hidden-states --speculative-algorithm "
@@ -74,26 +86,26 @@ class Activation:
         return self.hook
 
     def _build(self, layers: list[int], where: str) -> DumpHook:
-        if len(layers) != c.AUX_LAYERS:
+        if len(layers) != AUX_LAYERS:
             raise LayoutError(f"the model captures layers {layers}, the farm needs exactly "
-                              f"{c.AUX_LAYERS} (EAGLE-3's low/middle/high); pass three ids to "
+                              f"{AUX_LAYERS} (EAGLE-3's low/middle/high); pass three ids to "
                               "--return-aux-hidden-state-layer-ids or none")
         info = marker_info(self.runner, layers, where)
         meta = {
-            c.M_LAYERS: json.dumps(layers),
-            c.M_CONFIG_SHA: str(info["model_config_sha256"]),
-            c.M_PATCH_VERSION: c.PATCH_VERSION,
-            c.M_SERVER_VERSION: str(info["server_version"]),
-            c.M_WEIGHTS: c.served_weights(self.weights, str(info["model_path"])),
+            M_LAYERS: json.dumps(layers),
+            M_CONFIG_SHA: str(info["model_config_sha256"]),
+            M_PATCH_VERSION: PATCH_VERSION,
+            M_SERVER_VERSION: str(info["server_version"]),
+            M_WEIGHTS: served_weights(self.weights, str(info["model_path"])),
         }
         info["weights"] = self.weights
-        info["dump_dtype"] = os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16
+        info["dump_dtype"] = os.environ.get(ENV_DUMP_DTYPE) or DTYPE_BF16
         dumpdir.ensure(self.dump_dir)
         stale = remove_stale_files(self.dump_dir)
         hook = DumpHook(self.dump_dir, meta,
                         max_queue=int(os.environ.get(ENV_QUEUE, "4")),
                         reserve_bytes=int(os.environ.get(ENV_RESERVE, str(1 << 30))),
-                        dtype=os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16)
+                        dtype=os.environ.get(ENV_DUMP_DTYPE) or DTYPE_BF16)
         write_ready_marker(self.dump_dir, info)
         log.info("hsfarm dump hook active (ids known %s): layers %s, dump dir %s, %d stale "
                  "files of dead processes removed", where, layers, self.dump_dir, stale)
@@ -105,7 +117,7 @@ class Activation:
         prefixes = forward_batch.extend_prefix_lens_cpu
         extends = forward_batch.extend_seq_lens_cpu
         for i, rid_s in enumerate(rids):
-            rid = c.parse_rid(rid_s)
+            rid = parse_rid(rid_s)
             if rid is None:
                 continue
             if prefixes is not None and extends is not None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import dump_path
+from engine_dump.rids import parse_rid
 
 log = logging.getLogger("hsfarm.reference_server")
 HEALTH_RID_PREFIX = "HEALTH_CHECK_"
@@ -148,7 +149,7 @@ class DPGroups:
             for g, b, load in zip(self.groups, batches, self._load, strict=True):
                 for req in g.finish_done(b):
                     load.requests_done += 1
-                    if c.parse_rid(req.rid) is not None:
+                    if parse_rid(req.rid) is not None:
                         load.dumps[req.rid] = (now, False)
 
     def _step(self, batches: list[Any]) -> None:
@@ -192,7 +193,7 @@ class DPGroups:
         total, now = 0, time.monotonic()
         for rid, (t, seen) in list(load.dumps.items()):
             try:
-                total += c.dump_path(self.dump_dir, rid).stat().st_size
+                total += dump_path(self.dump_dir, rid).stat().st_size
                 load.dumps[rid] = (t, True)
             except FileNotFoundError:
                 if seen or now - t > _UNSEEN_DUMP_TTL_S:

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
 from engine_dump.dump_writer import DumpWriter
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_HIDDEN_SCALE, T_INPUT_IDS
+from engine_dump.rids import parse_rid
 
 # nan: one value (the e4m3 NaN byte in fp8); scale: one final-layer fp8 scale 0; ids: the first
 # id off by one; shape: aux loses a column; truncate: cut in half; shift: row i holds row
@@ -41,7 +42,7 @@ class Fault:
         return cls(parts[0], parts[1], int(parts[2]) if len(parts) == 3 else None)
 
     def applies(self, rid: str) -> bool:
-        r = c.parse_rid(rid)
+        r = parse_rid(rid)
         return (r is not None and r.sample_key.startswith(self.key_prefix)
                 and (self.max_attempt is None or r.attempt <= self.max_attempt))
 
@@ -61,22 +62,22 @@ class FaultyWriter(DumpWriter):
         fault = next((f for f in self.faults if f.applies(rid)), None)
         if fault is None:
             if any(f.kind == "other" for f in self.faults):
-                self._last_hidden = load_file(str(path))[c.T_HIDDEN]
+                self._last_hidden = load_file(str(path))[T_HIDDEN]
             return
         t = load_file(str(path))  # test-sized dumps: rewritten whole
         if fault.kind in PROOF_KINDS:
-            t[c.T_HIDDEN] = self._wrong_final(fault.kind, t)
+            t[T_HIDDEN] = self._wrong_final(fault.kind, t)
         if fault.kind == "nan":
-            if t[c.T_HIDDEN].element_size() == 1:  # float8 e4m3fn: 0x7F is NaN
-                t[c.T_HIDDEN].view(torch.uint8)[0, 0] = 0x7F
+            if t[T_HIDDEN].element_size() == 1:  # float8 e4m3fn: 0x7F is NaN
+                t[T_HIDDEN].view(torch.uint8)[0, 0] = 0x7F
             else:
-                t[c.T_HIDDEN][0, 0] = float("nan")
-        elif fault.kind == "scale" and c.T_HIDDEN_SCALE in t:
-            t[c.T_HIDDEN_SCALE][0, 0] = 0.0
+                t[T_HIDDEN][0, 0] = float("nan")
+        elif fault.kind == "scale" and T_HIDDEN_SCALE in t:
+            t[T_HIDDEN_SCALE][0, 0] = 0.0
         elif fault.kind == "ids":
-            t[c.T_INPUT_IDS][0] += 1
+            t[T_INPUT_IDS][0] += 1
         elif fault.kind == "shape":
-            t[c.T_AUX] = t[c.T_AUX][:, :-1].contiguous()
+            t[T_AUX] = t[T_AUX][:, :-1].contiguous()
         save_file(t, str(path), metadata=metadata)
         dumpdir.seal(path)  # the dump dir's file mode again, whatever the umask
         if fault.kind == "truncate":
@@ -84,7 +85,7 @@ class FaultyWriter(DumpWriter):
 
     def _wrong_final(self, kind: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """A final state of the right shape and dtype, of the wrong rows or layer."""
-        h = t[c.T_HIDDEN]
+        h = t[T_HIDDEN]
         if kind == "shift":  # an off-by-one: row i holds position i+1's state
             return torch.cat([h[1:], h[-1:]]).contiguous()
         if kind == "other":  # another sample's rows (this one's, reversed, when none yet)
@@ -94,6 +95,6 @@ class FaultyWriter(DumpWriter):
         # prenorm: RMSNorm is h = x / rms(x) * w, so x = h / w * rms(x); the last aux layer's
         # rms stands in for the residual stream's at the top of the model
         assert self.final_norm is not None, "prenorm needs the model's final-norm weight"
-        last_aux = t[c.T_AUX].float()[:, -h.shape[1]:]
+        last_aux = t[T_AUX].float()[:, -h.shape[1]:]
         rms = last_aux.pow(2).mean(dim=1, keepdim=True).sqrt()
         return (h.float() / self.final_norm * rms).to(h.dtype).contiguous()

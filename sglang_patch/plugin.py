@@ -53,16 +53,16 @@ def load() -> None:
 def around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
     """Check the layout and the dump dir before loading weights; remember the writing rank's
     runner after."""
-    from engine_dump import contracts as c
     from engine_dump import dumpdir
+    from engine_dump.dumpfile import DTYPE_BF16, ENV_DUMP_DTYPE, STORE_DTYPES
     from sglang_patch.layout import layout_problems, sglang_version, version_problem
 
     too_old = version_problem(sglang_version())
     problems = [too_old] if too_old else layout_problems(runner.server_args)
-    dtype = os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16
-    if dtype not in c.STORE_DTYPES:
-        problems.append(f"{c.ENV_DUMP_DTYPE}={dtype!r}: set it to one of "
-                        f"{', '.join(c.STORE_DTYPES)} (or unset: bfloat16)")
+    dtype = os.environ.get(ENV_DUMP_DTYPE) or DTYPE_BF16
+    if dtype not in STORE_DTYPES:
+        problems.append(f"{ENV_DUMP_DTYPE}={dtype!r}: set it to one of "
+                        f"{', '.join(STORE_DTYPES)} (or unset: bfloat16)")
     if problems:
         raise LayoutError("hsfarm dump hook cannot run with this launch: " + "; ".join(problems))
     dumpdir.ensure(Path(os.environ[ENV_DUMP_DIR]))  # DumpDirUnsafe stops the server, with the fix

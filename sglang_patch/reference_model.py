@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import AUX_LAYERS
+from engine_dump.fingerprint import default_layers_to_capture
 
 
 @dataclass
@@ -46,10 +47,10 @@ class ReferenceModel:
         self.hidden_size = int(self.config.hidden_size)
         self.context_len = int(getattr(self.config, "max_position_embeddings", 1 << 20))
         self.vocab_size = int(self.config.vocab_size)
-        layers = layers_to_capture or c.default_layers_to_capture(self.num_layers)
-        if len(layers) != c.AUX_LAYERS or not all(0 < i < self.num_layers for i in layers):
+        layers = layers_to_capture or default_layers_to_capture(self.num_layers)
+        if len(layers) != AUX_LAYERS or not all(0 < i < self.num_layers for i in layers):
             raise ValueError(
-                f"layers_to_capture must be {c.AUX_LAYERS} ids in 1..{self.num_layers - 1}, "
+                f"layers_to_capture must be {AUX_LAYERS} ids in 1..{self.num_layers - 1}, "
                 f"got {list(layers)}"
             )
         self.layers_to_capture = tuple(layers)

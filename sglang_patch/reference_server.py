@@ -25,9 +25,20 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
+from engine_dump.checkpoint import served_weights, weights_identity
 from engine_dump.dump_writer import DumpCollector, DumpWriter, remove_stale_files
+from engine_dump.dumpfile import (
+    DTYPE_BF16,
+    ENV_DUMP_DTYPE,
+    M_CONFIG_SHA,
+    M_LAYERS,
+    M_PATCH_VERSION,
+    M_SERVER_VERSION,
+    M_WEIGHTS,
+    PATCH_VERSION,
+    STORE_DTYPES,
+)
 from engine_dump.markers import write_ready_marker
 from sglang_patch.dp_groups import DPGroups, routed_rank_error
 from sglang_patch.faults import Fault, FaultyWriter
@@ -42,7 +53,7 @@ from sglang_patch.synthetic import (
 from sglang_patch.tiny_model import ensure_tiny_model
 
 log = logging.getLogger("hsfarm.reference_server")
-SERVER_VERSION = f"reference-{c.PATCH_VERSION}"
+SERVER_VERSION = f"reference-{PATCH_VERSION}"
 
 
 class BadRequest(Exception):
@@ -287,14 +298,14 @@ class ReferenceServer:
             self.model = ReferenceModel(self.model_path, layers_to_capture=layers,
                                         dtype=getattr(torch, args.dtype), threads=args.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.weights = c.weights_identity(self.model_path)  # what a worker checks its run by
+        self.weights = weights_identity(self.model_path)  # what a worker checks its run by
         self.context_len = args.context_length or self.model.context_len
         meta = {
-            c.M_LAYERS: json.dumps(list(self.model.layers_to_capture)),
-            c.M_CONFIG_SHA: self.model.config_sha256,
-            c.M_PATCH_VERSION: c.PATCH_VERSION,
-            c.M_SERVER_VERSION: SERVER_VERSION,
-            c.M_WEIGHTS: c.served_weights(self.weights, str(self.model_path)),
+            M_LAYERS: json.dumps(list(self.model.layers_to_capture)),
+            M_CONFIG_SHA: self.model.config_sha256,
+            M_PATCH_VERSION: PATCH_VERSION,
+            M_SERVER_VERSION: SERVER_VERSION,
+            M_WEIGHTS: served_weights(self.weights, str(self.model_path)),
         }
         faults = [Fault.parse(spec) for spec in args.inject_fault]
         if faults:
@@ -486,9 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the longest sequence served, as SGLang's flag (default: the model's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--dump-dtype", choices=c.STORE_DTYPES,
-                   default=os.environ.get(c.ENV_DUMP_DTYPE) or c.DTYPE_BF16,
-                   help=f"hidden states in dumps (default ${c.ENV_DUMP_DTYPE}, else bfloat16)")
+    p.add_argument("--dump-dtype", choices=STORE_DTYPES,
+                   default=os.environ.get(ENV_DUMP_DTYPE) or DTYPE_BF16,
+                   help=f"hidden states in dumps (default ${ENV_DUMP_DTYPE}, else bfloat16)")
     p.add_argument("--dump-ttl-s", type=float, default=600.0)
     p.add_argument("--dump-reserve-bytes", type=int, default=16 << 20,
                    help="keep this much free in the dump dir; a dump that would not fit → .err")

@@ -10,8 +10,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
 from engine_dump.dump_writer import DumpCollector, DumpWriter, Failed
+from engine_dump.dumpfile import DTYPE_BF16
+from engine_dump.rids import parse_rid
 
 log = logging.getLogger("hsfarm.sglang_hook")
 
@@ -21,7 +22,7 @@ class DumpHook:
 
     def __init__(self, dump_dir: Path, metadata: dict[str, str], max_queue: int = 4,
                  reserve_bytes: int = 1 << 30, ttl_s: float = 600.0,
-                 dtype: str = c.DTYPE_BF16) -> None:
+                 dtype: str = DTYPE_BF16) -> None:
         self.writer = DumpWriter(dump_dir, metadata, max_queue=max_queue,
                                  min_free_bytes=reserve_bytes, dtype=dtype)
         self.ttl_s = ttl_s
@@ -33,7 +34,7 @@ class DumpHook:
             return
         if aux_hidden_states is None:
             for rid in rids:
-                if c.parse_rid(rid) is not None:
+                if parse_rid(rid) is not None:
                     self.writer.submit(Failed(rid, "no aux hidden states: launch with "
                                               "--enable-return-aux-hidden-states"))
             return
@@ -65,7 +66,7 @@ def our_rids(fb: Any) -> list[str]:
     if mode is None or not mode.is_extend() or mode.is_target_verify():
         return []
     rids = fb.rids or []
-    if not any(c.parse_rid(r) is not None for r in rids):
+    if not any(parse_rid(r) is not None for r in rids):
         return []
     from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
 

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from engine_dump import contracts as c
 from engine_dump.dump_writer import Encode, Staged
+from engine_dump.dumpfile import AUX_LAYERS
+from engine_dump.fingerprint import default_layers_to_capture
 from sglang_patch.reference_model import ChunkOutput
 from sglang_patch.tiny_model import ensure_tiny_model
 
@@ -99,9 +100,9 @@ class SyntheticModel:
         self.num_layers = int(cfg["num_hidden_layers"])
         self.vocab_size = int(cfg["vocab_size"])
         self.context_len = int(cfg["max_position_embeddings"])
-        layers = layers_to_capture or c.default_layers_to_capture(self.num_layers)
-        if len(layers) != c.AUX_LAYERS or not all(0 < i < self.num_layers for i in layers):
-            raise ValueError(f"layers_to_capture must be {c.AUX_LAYERS} ids in "
+        layers = layers_to_capture or default_layers_to_capture(self.num_layers)
+        if len(layers) != AUX_LAYERS or not all(0 < i < self.num_layers for i in layers):
+            raise ValueError(f"layers_to_capture must be {AUX_LAYERS} ids in "
                              f"1..{self.num_layers - 1}, got {list(layers)}")
         self.layers_to_capture = tuple(layers)
         self.config_sha256 = hashlib.sha256(raw).hexdigest()
@@ -151,7 +152,7 @@ def _make_tapes(hidden_size: int, seed: int) -> _Tapes:
         tape = torch.randn(_TAPE_PERIOD + width, generator=g).to(torch.bfloat16)
         return tape.unfold(0, width, 1)[:_TAPE_PERIOD].contiguous()
 
-    return _Tapes(hidden=windows(hidden_size), aux=windows(c.AUX_LAYERS * hidden_size))
+    return _Tapes(hidden=windows(hidden_size), aux=windows(AUX_LAYERS * hidden_size))
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, READY_PREFIX, is_temp_name
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch.tiny_model import ensure_tiny_model
 
@@ -163,9 +163,9 @@ def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str],
     out = farm.output_dir
     finals = sorted(p for p in (out / "samples").rglob("*") if p.is_file())
     names = [p.name for p in finals]
-    temps = [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+    temps = [p for p in out.rglob("*") if is_temp_name(p.name)]
     assert not temps, f"temp files left: {temps}"
-    assert sorted(names) == sorted(f"{k}{c.DUMP_SUFFIX}" for k in keys_expected), (
+    assert sorted(names) == sorted(f"{k}{DUMP_SUFFIX}" for k in keys_expected), (
         "not exactly one final file per sample"
     )
     assert broker_depth(farm.redis(), farm.queue()) == (0, 0)
@@ -176,7 +176,7 @@ def assert_farm_invariants(farm: LocalFarm, keys_expected: list[str],
     # a late dump of an abandoned attempt may land after the run: the janitor removes it
     def dumps() -> list[Path]:
         return [p for p in farm.dump_dir.iterdir()  # files: the admission's slot dir stays
-                if p.is_file() and not p.name.startswith(c.READY_PREFIX)]
+                if p.is_file() and not p.name.startswith(READY_PREFIX)]
 
     try:
         wait_until(lambda: not dumps(), 10, "the dump dir to be empty", poll_s=0.2)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import AUX_LAYERS, T_AUX, T_AUX_SCALE, T_HIDDEN, T_HIDDEN_SCALE
 from training.manifest import RunInfo
 from training.sample_file import SampleFile
 from worker.core import checksums
 from worker.core.errors import Corrupt
 
-_PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1), (c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS))
-STORED = (c.T_HIDDEN, c.T_HIDDEN_SCALE, c.T_AUX, c.T_AUX_SCALE)
+_PAIRS = ((T_HIDDEN, T_HIDDEN_SCALE, 1), (T_AUX, T_AUX_SCALE, AUX_LAYERS))
+STORED = (T_HIDDEN, T_HIDDEN_SCALE, T_AUX, T_AUX_SCALE)
 
 
 def to_bf16(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -33,7 +33,7 @@ def to_bf16(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
     from engine_dump import fp8 as codec
 
-    out = {k: v for k, v in arrays.items() if k not in (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)}
+    out = {k: v for k, v in arrays.items() if k not in (T_HIDDEN_SCALE, T_AUX_SCALE)}
     for name, scale, layers in _PAIRS:
         q = torch.from_numpy(np.ascontiguousarray(arrays[name]))
         s = torch.from_numpy(np.ascontiguousarray(arrays[scale]))
@@ -73,5 +73,5 @@ def exported_bytes(info: RunInfo, path: Path) -> int:
     except (Corrupt, OSError):
         return size
     stored = sum(entries[k].end - entries[k].start for k in STORED if k in entries)
-    values = sum(math.prod(entries[k].shape) for k in (c.T_HIDDEN, c.T_AUX) if k in entries)
+    values = sum(math.prod(entries[k].shape) for k in (T_HIDDEN, T_AUX) if k in entries)
     return size - stored + 2 * values

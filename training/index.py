@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_INPUT_IDS, T_LOSS_MASK
 from training import roots, vocab
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
@@ -119,7 +119,7 @@ def _index_new(info: RunInfo, path: Path, key: str, st: os.stat_result, verify: 
     try:
         sf = SampleFile.open(path)
         info.check_sample(sf, key)
-        names = list(sf.entries) if verify else [c.T_INPUT_IDS, c.T_LOSS_MASK]
+        names = list(sf.entries) if verify else [T_INPUT_IDS, T_LOSS_MASK]
         arrays = {n: sf.read(n) for n in names}
         report.tensor_bytes_read += sum(a.nbytes for a in arrays.values())
         bad = checksums.mismatches(checksums.recorded(sf.metadata), arrays)
@@ -128,7 +128,7 @@ def _index_new(info: RunInfo, path: Path, key: str, st: os.stat_result, verify: 
     except (Corrupt, OSError) as e:
         report.rejected.append((os.path.relpath(path, info.out_dir), str(e)))
         return
-    ids, mask = arrays[c.T_INPUT_IDS], arrays[c.T_LOSS_MASK]
+    ids, mask = arrays[T_INPUT_IDS], arrays[T_LOSS_MASK]
     rows[key] = {
         "key": key, "path": os.path.relpath(path, info.out_dir), "tokens": len(ids),
         "loss_tokens": int(np.count_nonzero(mask)), "bytes": st.st_size,
@@ -147,7 +147,7 @@ def _recount(out_dir: Path, rows: dict[str, dict[str, Any]], report: RefreshRepo
             more = r["_counts"]
         else:
             sf = SampleFile.open(out_dir / r["path"])
-            ids, mask = sf.read(c.T_INPUT_IDS), sf.read(c.T_LOSS_MASK)
+            ids, mask = sf.read(T_INPUT_IDS), sf.read(T_LOSS_MASK)
             report.tensor_bytes_read += ids.nbytes + mask.nbytes
             more = vocab.count_masked(ids, mask)
         counts = vocab.add_counts(counts, more)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS
 from training import fp8, index, roots, views
 from training.manifest import load_run_info
 from training.sample_file import SampleFile
@@ -47,8 +47,8 @@ class HiddenStates(Dataset[dict[str, Any]]):
             self.lengths = [int(rows[k]["tokens"]) for k in self.keys]
         else:
             self.paths = list(roots.sample_files(self.info.out_dir))
-            self.keys = [p.name[: -len(c.DUMP_SUFFIX)] for p in self.paths]
-            self.lengths = [SampleFile.open(p).entries[c.T_INPUT_IDS].shape[0]
+            self.keys = [p.name[: -len(DUMP_SUFFIX)] for p in self.paths]
+            self.lengths = [SampleFile.open(p).entries[T_INPUT_IDS].shape[0]
                             for p in self.paths]
 
     def __len__(self) -> int:

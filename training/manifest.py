@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_FP8, T_INPUT_IDS
+from engine_dump.fingerprint import Fingerprint
 from training.sample_file import SampleFile
 from worker.core import checksums, final_norm, outdir
 from worker.core.errors import ConfigError, Corrupt
@@ -23,7 +24,7 @@ class RunInfo:
     """One output directory's manifest, read and checked."""
 
     out_dir: Path
-    fingerprint: c.Fingerprint
+    fingerprint: Fingerprint
     manifest: dict[str, Any]
 
     @property
@@ -33,7 +34,7 @@ class RunInfo:
     @property
     def fp8(self) -> bool:
         """The run stores its hidden states as float8 e4m3 with scales (``training.fp8``)."""
-        return self.fingerprint.dtype == c.DTYPE_FP8
+        return self.fingerprint.dtype == DTYPE_FP8
 
     def check_sample(self, sf: SampleFile, key: str | None = None) -> None:
         """Raises Corrupt when a file is not a whole sample of this run (header only)."""
@@ -43,7 +44,7 @@ class RunInfo:
                             f"run's {self.fingerprint.id}")
         if key is not None and sf.metadata.get(M_KEY) != key:
             problems.append(f"sample_key {sf.metadata.get(M_KEY)!r} != {key!r}")
-        ids = sf.entries.get(c.T_INPUT_IDS)
+        ids = sf.entries.get(T_INPUT_IDS)
         t = ids.shape[0] if ids is not None and ids.shape else 0
         want = final_layout(self.fingerprint, t, {k: e.shape for k, e in sf.entries.items()})
         missing = set(want) - set(sf.entries)
@@ -84,7 +85,7 @@ def load_run_info(out_dir: Path) -> RunInfo:
     path = out_dir / outdir.MANIFEST
     try:
         manifest = json.loads(path.read_text())
-        fp = c.Fingerprint.from_json(manifest["fingerprint"])
+        fp = Fingerprint.from_json(manifest["fingerprint"])
     except FileNotFoundError:
         raise ConfigError(f"{out_dir} is not an hsfarm output dir: no {outdir.MANIFEST}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import AUX_LAYERS, T_AUX, T_HIDDEN
 
 
 def prenorm_bf16(hidden_bf16: np.ndarray, weight_f32: np.ndarray) -> np.ndarray:
@@ -59,21 +59,21 @@ def speculators_chunks(a: Mapping[str, np.ndarray], norm_w: np.ndarray,
     """speculators' [T, 4, H] stack (bf16 bits), ``rows`` tokens at a time, in order: the
     three aux states, then the pre-norm state. Each chunk is one reused buffer, valid until
     the next is taken."""
-    hidden, aux = a[c.T_HIDDEN], a[c.T_AUX]
+    hidden, aux = a[T_HIDDEN], a[T_AUX]
     t, h = hidden.shape
-    buf = np.empty((max(1, min(rows, t)), c.AUX_LAYERS + 1, h), dtype=np.uint16)
+    buf = np.empty((max(1, min(rows, t)), AUX_LAYERS + 1, h), dtype=np.uint16)
     for lo in range(0, t, rows):
         hi = min(lo + rows, t)
         out = buf[: hi - lo]
-        out[:, : c.AUX_LAYERS] = aux[lo:hi].reshape(hi - lo, c.AUX_LAYERS, h)
-        out[:, c.AUX_LAYERS] = prenorm_bf16(hidden[lo:hi], norm_w)
+        out[:, : AUX_LAYERS] = aux[lo:hi].reshape(hi - lo, AUX_LAYERS, h)
+        out[:, AUX_LAYERS] = prenorm_bf16(hidden[lo:hi], norm_w)
         yield out
 
 
 def speculators_stack(a: Mapping[str, np.ndarray], norm_w: np.ndarray) -> np.ndarray:
     """speculators' [T, 4, H] (bf16 bits): the three aux states, then the pre-norm state."""
-    t, h = a[c.T_HIDDEN].shape
-    out = np.empty((t, c.AUX_LAYERS + 1, h), dtype=np.uint16)
+    t, h = a[T_HIDDEN].shape
+    out = np.empty((t, AUX_LAYERS + 1, h), dtype=np.uint16)
     lo = 0
     for chunk in speculators_chunks(a, norm_w):
         out[lo : lo + len(chunk)] = chunk

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, is_temp_name
 from worker.core.errors import ConfigError
 from worker.core.run import read_run_id
 
@@ -53,8 +53,8 @@ def sample_files(out_dir: Path) -> Iterator[Path]:
         return
     for shard in sorted((out_dir / "samples").iterdir()):
         if shard.is_dir():
-            yield from sorted(p for p in shard.glob(f"*{c.DUMP_SUFFIX}")
-                              if not c.is_temp_name(p.name))
+            yield from sorted(p for p in shard.glob(f"*{DUMP_SUFFIX}")
+                              if not is_temp_name(p.name))
 
 
 def gather(roots: Sequence[Path]) -> Gathered:
@@ -62,7 +62,7 @@ def gather(roots: Sequence[Path]) -> Gathered:
     got = Gathered()
     for root in roots:
         for path in sample_files(root):
-            key = path.name[: -len(c.DUMP_SUFFIX)]
+            key = path.name[: -len(DUMP_SUFFIX)]
             kept = got.files.get(key)
             if kept is None:
                 got.files[key] = path

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from training.prenorm import speculators_stack
 
 VIEWS = ("hsfarm", "specforge", "modelopt", "speculators")
@@ -29,22 +29,22 @@ def tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def hsfarm(key: str, a: Mapping[str, np.ndarray], norm_w: np.ndarray | None) -> dict[str, Any]:
-    return {c.T_INPUT_IDS: tensor(a[c.T_INPUT_IDS], "I64"),
-            c.T_LOSS_MASK: tensor(a[c.T_LOSS_MASK], "I64"),
-            c.T_HIDDEN: tensor(a[c.T_HIDDEN], "BF16"), c.T_AUX: tensor(a[c.T_AUX], "BF16")}
+    return {T_INPUT_IDS: tensor(a[T_INPUT_IDS], "I64"),
+            T_LOSS_MASK: tensor(a[T_LOSS_MASK], "I64"),
+            T_HIDDEN: tensor(a[T_HIDDEN], "BF16"), T_AUX: tensor(a[T_AUX], "BF16")}
 
 
 def specforge(key: str, a: Mapping[str, np.ndarray], norm_w: np.ndarray | None) -> dict[str, Any]:
     """Hidden tensors with a leading 1 as SpecForge's writer saves them; ids and mask [T]."""
     ours = hsfarm(key, a, norm_w)
-    return {**ours, c.T_HIDDEN: ours[c.T_HIDDEN][None], c.T_AUX: ours[c.T_AUX][None]}
+    return {**ours, T_HIDDEN: ours[T_HIDDEN][None], T_AUX: ours[T_AUX][None]}
 
 
 def modelopt(key: str, a: Mapping[str, np.ndarray], norm_w: np.ndarray | None) -> dict[str, Any]:
     """Model-Optimizer's plural key names; post-norm, as its default expects."""
     ours = hsfarm(key, a, norm_w)
-    return {"input_ids": ours[c.T_INPUT_IDS], "hidden_states": ours[c.T_HIDDEN],
-            "aux_hidden_states": ours[c.T_AUX], "loss_mask": ours[c.T_LOSS_MASK],
+    return {"input_ids": ours[T_INPUT_IDS], "hidden_states": ours[T_HIDDEN],
+            "aux_hidden_states": ours[T_AUX], "loss_mask": ours[T_LOSS_MASK],
             "conversation_id": key, "hidden_states_prenorm": False}
 
 
@@ -52,9 +52,9 @@ def speculators(key: str, a: Mapping[str, np.ndarray],
                 norm_w: np.ndarray | None) -> dict[str, Any]:
     if norm_w is None:
         raise ValueError("the speculators view needs the final-norm weight")
-    return {"token_ids": tensor(a[c.T_INPUT_IDS], "I64"),
+    return {"token_ids": tensor(a[T_INPUT_IDS], "I64"),
             "hidden_states": tensor(speculators_stack(a, norm_w), "BF16"),
-            "loss_mask": tensor(a[c.T_LOSS_MASK], "I64")}
+            "loss_mask": tensor(a[T_LOSS_MASK], "I64")}
 
 
 VIEW_FUNCS: dict[str, Callable[[str, Mapping[str, np.ndarray], np.ndarray | None],

@@ -29,8 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
+from engine_dump.checkpoint import loaded_weights, model_config_sha256, served_weights
 from engine_dump.cuda_stager import stager_for
 from engine_dump.dump_writer import (
     DumpCollector,
@@ -39,8 +39,18 @@ from engine_dump.dump_writer import (
     remove_stale_files,
     write_err,
 )
+from engine_dump.dumpfile import (
+    DTYPE_BF16,
+    ERR_HOOK_INACTIVE,
+    M_CONFIG_SHA,
+    M_LAYERS,
+    M_PATCH_VERSION,
+    M_SERVER_VERSION,
+    M_WEIGHTS,
+    PATCH_VERSION,
+)
 from engine_dump.markers import write_ready_marker
-from engine_dump.weights import loaded_weights, model_config_sha256
+from engine_dump.rids import parse_rid
 from vllm_hook.layout import (
     ENV_DUMP_DIR,
     ENV_DUMP_DTYPE,
@@ -80,11 +90,11 @@ def rid_of(kv_transfer_params: object) -> str | None:
     if not isinstance(kv_transfer_params, dict):
         return None
     rid = kv_transfer_params.get(RID_PARAM)
-    return rid if c.parse_rid(rid) is not None else None
+    return rid if parse_rid(rid) is not None else None
 
 
 def dump_dtype() -> str:
-    return os.environ.get(ENV_DUMP_DTYPE) or c.DTYPE_BF16
+    return os.environ.get(ENV_DUMP_DTYPE) or DTYPE_BF16
 
 
 def launch_ids(vllm_config: Any) -> tuple[str | None, list[int], int]:
@@ -183,11 +193,11 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
         info = marker_info(cfg, self.aux_ids, self.last_id)
         weights = loaded_weights(str(cfg.model_config.model), cfg.model_config.revision,
                                  cfg.load_config.download_dir)
-        meta = {c.M_LAYERS: json.dumps(self.aux_ids),
-                c.M_CONFIG_SHA: str(info["model_config_sha256"]),
-                c.M_PATCH_VERSION: c.PATCH_VERSION,
-                c.M_SERVER_VERSION: str(info["server_version"]),
-                c.M_WEIGHTS: c.served_weights(weights, str(info["model_path"]))}
+        meta = {M_LAYERS: json.dumps(self.aux_ids),
+                M_CONFIG_SHA: str(info["model_config_sha256"]),
+                M_PATCH_VERSION: PATCH_VERSION,
+                M_SERVER_VERSION: str(info["server_version"]),
+                M_WEIGHTS: served_weights(weights, str(info["model_path"]))}
         stale = remove_stale_files(self.dump_dir)
         writer = DumpWriter(self.dump_dir, meta, max_queue=int(os.environ.get(ENV_QUEUE, "4")),
                             min_free_bytes=int(os.environ.get(ENV_RESERVE, str(1 << 30))),
@@ -214,7 +224,7 @@ class HsfarmConnector(ExampleHiddenStatesConnector):
     def _dump(self, save: Save) -> None:
         writer = self.writer
         if writer is None:
-            write_err(self.dump_dir, save.rid, f"{c.ERR_HOOK_INACTIVE}: the request finished "
+            write_err(self.dump_dir, save.rid, f"{ERR_HOOK_INACTIVE}: the request finished "
                       "before the writer started")
             return
         if save.error:

@@ -14,8 +14,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from engine_dump import contracts as c
 from engine_dump import engines
+from engine_dump.dumpfile import AUX_LAYERS, STORE_DTYPES
+from engine_dump.fingerprint import default_layers_to_capture
 
 # The vLLM releases the hook is tested with (the KV connector API is experimental): a minor
 # series, by its leading "major.minor"
@@ -35,7 +36,7 @@ def split_ids(ids: Sequence[int], num_layers: int) -> tuple[list[int], int] | No
     """(the three aux ids the dump stores, the id of ``hidden_state``), as vLLM orders them;
     None when the ids are not three distinct ones below L and L itself."""
     found = sorted(set(int(i) for i in ids))
-    if len(found) != c.AUX_LAYERS + 1 or found[-1] != num_layers or found[0] < 0:
+    if len(found) != AUX_LAYERS + 1 or found[-1] != num_layers or found[0] < 0:
         return None
     return found[:-1], found[-1]
 
@@ -43,7 +44,7 @@ def split_ids(ids: Sequence[int], num_layers: int) -> tuple[list[int], int] | No
 def launch_ids(num_layers: int, aux: Sequence[int] | None = None) -> list[int]:
     """The ``eagle_aux_hidden_state_layer_ids`` to launch with: ``aux`` (default: the farm's
     default capture ids) and L."""
-    chosen = list(aux) if aux is not None else list(c.default_layers_to_capture(num_layers))
+    chosen = list(aux) if aux is not None else list(default_layers_to_capture(num_layers))
     return [*chosen, num_layers]
 
 
@@ -96,9 +97,9 @@ def layout_problems(method: str | None, ids: Sequence[int], num_layers: int,
                         "pipeline parallelism (its drafter is not SupportsPP) and this hook "
                         "writes from one stage's blocks, untested across stages; launch with "
                         "--pipeline-parallel-size 1 (TP and DP instead)")
-    if dtype not in c.STORE_DTYPES:
+    if dtype not in STORE_DTYPES:
         problems.append(f"{ENV_DUMP_DTYPE}={dtype!r}: set it to one of "
-                        f"{', '.join(c.STORE_DTYPES)} (or unset: bfloat16)")
+                        f"{', '.join(STORE_DTYPES)} (or unset: bfloat16)")
     return problems
 
 

@@ -17,7 +17,15 @@ from typing import Any
 import numpy as np
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    M_LAYERS,
+    M_PATCH_VERSION,
+    M_SERVER_VERSION,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    hidden_layout,
+)
+from engine_dump.rids import make_rid
 from worker.core import store as st
 from worker.core import tensorfile, time_limits
 from worker.core.dumps import Dump, discard_dumps, open_dump, wait_for_dump
@@ -107,7 +115,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
     sample, ref = read_sample(ref)
     tok = rt.chat.encode(sample)
     n = len(tok.input_ids)
-    rid = c.make_rid(ref.key, try_no, n, run=rt.run_id)
+    rid = make_rid(ref.key, try_no, n, run=rt.run_id)
     discard_dumps(rt.settings.dump_dir, rt.run_id, ref.key)
     log.info("%s a%d tokenized n=%d%s", ref.key, attempt, n,
              f" (truncated from {tok.truncated_from})" if tok.truncated_from else "")
@@ -124,7 +132,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
                 st.M_SOURCE_ID: json.dumps(sample.source_id),
                 st.M_SOURCE_FILE: ref.file,
                 st.M_TRUNCATED: str(tok.truncated_from),
-                c.M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
+                M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
                 M_WEIGHTS_ID: rt.store.weights_id,
             }
             v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
@@ -153,13 +161,13 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
     """
     with open_dump(dump, input_ids, store.fingerprint, store.served_weights_id) as d:
         parts = {
-            c.T_INPUT_IDS: d.part(c.T_INPUT_IDS),
-            c.T_LOSS_MASK: st.Part.from_array("I64", np.asarray(loss_mask, dtype=np.int64)),
-            **{name: d.part(name) for name in c.hidden_layout(store.fingerprint.dtype, 0, 0)},
+            T_INPUT_IDS: d.part(T_INPUT_IDS),
+            T_LOSS_MASK: st.Part.from_array("I64", np.asarray(loss_mask, dtype=np.int64)),
+            **{name: d.part(name) for name in hidden_layout(store.fingerprint.dtype, 0, 0)},
         }
         meta = {**meta, st.M_CONTENT: content_sha256,
-                c.M_PATCH_VERSION: d.metadata.get(c.M_PATCH_VERSION, ""),
-                c.M_SERVER_VERSION: d.metadata.get(c.M_SERVER_VERSION, "")}
+                M_PATCH_VERSION: d.metadata.get(M_PATCH_VERSION, ""),
+                M_SERVER_VERSION: d.metadata.get(M_SERVER_VERSION, "")}
         if prove is not None:
             prove(d)
         if before_write is not None:

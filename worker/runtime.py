@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
+from engine_dump.dumpfile import M_WRITER, PATCH_VERSION
+from engine_dump.fingerprint import Fingerprint
 from worker.core.errors import ConfigError
 from worker.core.run import queue_for as run_queue
 from worker.core.settings import Settings
@@ -41,7 +42,7 @@ class RunContext:
     settings: Settings
     model_path: Path
     chat: ChatTokenizer
-    fingerprint: c.Fingerprint
+    fingerprint: Fingerprint
     store: OutputStore
     limits: Limits  # the host's admission limits (in flight, dump budget)
     canary: CanaryCheck  # its state (last passed) is inherited by pool processes
@@ -52,7 +53,7 @@ class RunContext:
 
     @property
     def writer(self) -> str | None:
-        return self.probe_meta.get(c.M_WRITER)
+        return self.probe_meta.get(M_WRITER)
 
     @classmethod
     def build(cls, settings: Settings, server_wait_s: float = 0.0,
@@ -69,11 +70,11 @@ class RunContext:
         info = server_info(settings, wait_s=server_wait_s)
         chat.server_max_tokens = server_max_tokens(settings, info)
         store = OutputStore(settings.output_dir, fp,
-                            versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
+                            versions={"hsfarm": PATCH_VERSION, "model_path": str(model_path)},
                             debug_write_delay_s=settings.debug_write_delay_s,
                             model_path=model_path).open()
         probe_meta = probe() if probe is not None else {}
-        limits = limits_for_host(settings, fp.hidden_size, writer=probe_meta.get(c.M_WRITER))
+        limits = limits_for_host(settings, fp.hidden_size, writer=probe_meta.get(M_WRITER))
         log.info("admission: %s", limits.describe())
         check = CanaryCheck(settings, settings.output_dir, model_path, fp, store.weights_id,
                             encode=chat_encoder(chat), run_id=store.run_id,
@@ -99,7 +100,7 @@ class Runtime:
     loop: asyncio.AbstractEventLoop
     client: ServerClient
     chat: ChatTokenizer
-    fingerprint: c.Fingerprint
+    fingerprint: Fingerprint
     store: OutputStore
     index: RunIndex
     hostname: str

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import Fingerprint
 from worker.core import canary as cn
 from worker.core import outdir, weights
 from worker.core.errors import ConfigError
@@ -31,7 +31,7 @@ PROBE_TIMEOUT_S = 60.0
 PROBE_TRIES = 3  # a busy server may miss one probe's dump deadline
 
 
-def served_check(settings: Settings, fingerprint: c.Fingerprint, model_path: Path) -> str:
+def served_check(settings: Settings, fingerprint: Fingerprint, model_path: Path) -> str:
     """The server is the run's (``worker.server.served_identity``), asked with one probe request;
     what the probe found (one line).
 

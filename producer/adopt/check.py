@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import AUX_LAYERS, T_AUX, T_AUX_SCALE, T_HIDDEN, T_HIDDEN_SCALE
+from engine_dump.fingerprint import Fingerprint
 from producer.adopt.formats import SourceSample
 from worker.core import canary as cn
 from worker.core import final_norm
@@ -99,19 +100,19 @@ def rows_of(n_tokens: int) -> np.ndarray:
 
 def picked(name: str, s: SourceSample, rows: np.ndarray) -> Picked:
     """``s``'s ids up to its last row and its states at ``rows`` (read from its mapping)."""
-    at = {c.T_HIDDEN: s.hidden[rows], c.T_AUX: s.aux[rows]}
+    at = {T_HIDDEN: s.hidden[rows], T_AUX: s.aux[rows]}
     if s.hidden_scale is not None and s.aux_scale is not None:
-        at |= {c.T_HIDDEN_SCALE: s.hidden_scale[rows], c.T_AUX_SCALE: s.aux_scale[rows]}
+        at |= {T_HIDDEN_SCALE: s.hidden_scale[rows], T_AUX_SCALE: s.aux_scale[rows]}
     return picked_of_rows(name, s.input_ids[:int(rows[-1]) + 1].tolist(), rows, at)
 
 
 def picked_of_rows(name: str, ids: list[int], rows: np.ndarray,
                    at: Mapping[str, np.ndarray]) -> Picked:
     """A ``Picked`` from a file's tensors at ``rows`` (by tensor name; fp8: with scales)."""
-    if c.T_HIDDEN_SCALE not in at:
-        return Picked(name, ids, rows, states_at(at[c.T_HIDDEN], at[c.T_AUX],
+    if T_HIDDEN_SCALE not in at:
+        return Picked(name, ids, rows, states_at(at[T_HIDDEN], at[T_AUX],
                                                  np.arange(len(rows))))
-    pairs = ((c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS), (c.T_HIDDEN, c.T_HIDDEN_SCALE, 1))
+    pairs = ((T_AUX, T_AUX_SCALE, AUX_LAYERS), (T_HIDDEN, T_HIDDEN_SCALE, 1))
     values = [f8.dequantize(at[q], at[sc], layers=n) for q, sc, n in pairs]
     widths = [f8.rounding_half_widths(at[q], at[sc], layers=n) * WIDTH_MARGIN
               for q, sc, n in pairs]
@@ -126,11 +127,11 @@ def states_at(hidden: np.ndarray, aux: np.ndarray, rows: np.ndarray) -> np.ndarr
 def _layout(aux: np.ndarray, fin: np.ndarray) -> np.ndarray:
     """float32 [R, 3H] and [R, H] → [4, R, H]: aux layers, then final."""
     r, h = fin.shape
-    return np.concatenate([aux.reshape(r, c.AUX_LAYERS, h).transpose(1, 0, 2), fin[None]],
+    return np.concatenate([aux.reshape(r, AUX_LAYERS, h).transpose(1, 0, 2), fin[None]],
                           axis=0)
 
 
-def run_check(settings: Settings, run_id: str, fingerprint: c.Fingerprint, out_dir: Path,
+def run_check(settings: Settings, run_id: str, fingerprint: Fingerprint, out_dir: Path,
               picked: list[Picked]) -> CheckResult:
     """Extract ``picked`` again through the server and compare.
 
@@ -195,7 +196,7 @@ def _err(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, float]:
 
 
 def diagnose(cmp: cn.Comparison, recorded: list[cn.Canary], new: list[np.ndarray],
-             fingerprint: c.Fingerprint, norm: Callable[[np.ndarray], np.ndarray] | None
+             fingerprint: Fingerprint, norm: Callable[[np.ndarray], np.ndarray] | None
              ) -> str:
     """What the failed comparison most likely means (see the module's docstring)."""
     def ok(e: tuple[float, float]) -> bool:
@@ -225,7 +226,7 @@ def diagnose(cmp: cn.Comparison, recorded: list[cn.Canary], new: list[np.ndarray
 
 
 def _other_layers(bad: list[int], mine: list[np.ndarray], new: list[np.ndarray],
-                  fp: c.Fingerprint, ok: Callable[[tuple[float, float]], bool],
+                  fp: Fingerprint, ok: Callable[[tuple[float, float]], bool],
                   layer: Callable[[list[np.ndarray], int], list[np.ndarray]]
                   ) -> tuple[bool, str]:
     """(proven, text): proven when a file's layer equals the server's capture of a layer

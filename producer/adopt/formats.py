@@ -24,7 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    DTYPE_BF16,
+    DTYPE_FP8,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    is_temp_name,
+)
 from worker.core import checksums, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, SourceFileRefused
 
@@ -69,7 +80,7 @@ class SourceSample:
 
     @property
     def fp8(self) -> bool:
-        return self.dtype == c.DTYPE_FP8
+        return self.dtype == DTYPE_FP8
 
 
 def detect(source: Path) -> str:
@@ -93,7 +104,7 @@ def list_files(source: Path, fmt: str) -> list[Path]:
     """The files of ``source`` to consider, sorted (names carry no meaning)."""
     if fmt == "hsfarm":
         return sorted(p for p in (source / outdir.SAMPLES_DIR).rglob("*.safetensors")
-                      if not c.is_temp_name(p.name))
+                      if not is_temp_name(p.name))
     if fmt == "specforge":
         return sorted(source.rglob(SPECFORGE_GLOB))
     return sorted(p for p in source.rglob("*") if p.suffix in (".pt", ".pth", ".ckpt"))
@@ -165,8 +176,8 @@ def parse_keys(specs: list[str]) -> dict[str, tuple[str, ...]]:
             raise ConfigError(f"--key {spec!r}: expected ROLE=NAME[,NAME,NAME] with ROLE one "
                               f"of {', '.join(ROLES)}")
         parts = tuple(n for n in names.split(",") if n)
-        if len(parts) not in ((1, c.AUX_LAYERS) if role == "aux_hidden_state" else (1,)):
-            raise ConfigError(f"--key {spec!r}: one name, or {c.AUX_LAYERS} for aux layers")
+        if len(parts) not in ((1, AUX_LAYERS) if role == "aux_hidden_state" else (1,)):
+            raise ConfigError(f"--key {spec!r}: one name, or {AUX_LAYERS} for aux layers")
         out[role] = parts
     return out
 
@@ -181,7 +192,7 @@ def open_sample(path: Path, fmt: str, keys: dict[str, tuple[str, ...]] | None = 
 
 # --- hsfarm: safetensors final files ---------------------------------------------------------
 
-_FP8_SCALES = {c.T_HIDDEN: c.T_HIDDEN_SCALE, c.T_AUX: c.T_AUX_SCALE}
+_FP8_SCALES = {T_HIDDEN: T_HIDDEN_SCALE, T_AUX: T_AUX_SCALE}
 
 
 def _open_safetensors(path: Path) -> SourceSample:
@@ -192,7 +203,7 @@ def _open_safetensors(path: Path) -> SourceSample:
         except (Corrupt, OSError) as e:
             raise SourceFileRefused(f"unreadable: {e}") from e
         t = header.tensors
-        missing = [n for n in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX) if n not in t]
+        missing = [n for n in (T_INPUT_IDS, T_HIDDEN, T_AUX) if n not in t]
         if missing:
             raise SourceFileRefused(f"no tensor(s) {missing} (has {sorted(t)})")
         fp8 = _states_dtype(t) == "F8_E4M3"
@@ -214,12 +225,12 @@ def _open_safetensors(path: Path) -> SourceSample:
                     want[name]:
                 raise SourceFileRefused(f"checksum of {name} differs from its metadata's")
 
-    mask = take(c.T_LOSS_MASK).astype(np.int64) if c.T_LOSS_MASK in t else None
-    return SourceSample(take(c.T_INPUT_IDS).astype(np.int64).reshape(-1), mask,
-                        take(c.T_HIDDEN), take(c.T_AUX), c.DTYPE_FP8 if fp8 else c.DTYPE_BF16,
+    mask = take(T_LOSS_MASK).astype(np.int64) if T_LOSS_MASK in t else None
+    return SourceSample(take(T_INPUT_IDS).astype(np.int64).reshape(-1), mask,
+                        take(T_HIDDEN), take(T_AUX), DTYPE_FP8 if fp8 else DTYPE_BF16,
                         dict(header.metadata), verify,
-                        hidden_scale=take(c.T_HIDDEN_SCALE) if fp8 else None,
-                        aux_scale=take(c.T_AUX_SCALE) if fp8 else None, identity=identity)
+                        hidden_scale=take(T_HIDDEN_SCALE) if fp8 else None,
+                        aux_scale=take(T_AUX_SCALE) if fp8 else None, identity=identity)
 
 
 def _states_dtype(t: dict[str, tensorfile.Entry]) -> str:
@@ -228,12 +239,12 @@ def _states_dtype(t: dict[str, tensorfile.Entry]) -> str:
     Raises:
         SourceFileRefused: another dtype, the two states in two dtypes, or fp8 without scales.
     """
-    dtypes = {t[c.T_HIDDEN].dtype, t[c.T_AUX].dtype}
+    dtypes = {t[T_HIDDEN].dtype, t[T_AUX].dtype}
     if dtypes == {"BF16"}:
         return "BF16"
     if dtypes != {"F8_E4M3"}:
-        raise SourceFileRefused(f"{c.T_HIDDEN} is {t[c.T_HIDDEN].dtype} and {c.T_AUX} "
-                                f"{t[c.T_AUX].dtype}, expected BF16 or F8_E4M3 (fp8 runs)")
+        raise SourceFileRefused(f"{T_HIDDEN} is {t[T_HIDDEN].dtype} and {T_AUX} "
+                                f"{t[T_AUX].dtype}, expected BF16 or F8_E4M3 (fp8 runs)")
     bad = [s for s in _FP8_SCALES.values() if s not in t or t[s].dtype != "F32"]
     if bad:
         raise SourceFileRefused(f"fp8 states without float32 scales {bad}")

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_BF16, M_DUMP_DTYPE, M_LAYERS
+from engine_dump.fingerprint import Fingerprint
 from worker.core import store as st
 from worker.core.weights import M_WEIGHTS_ID
 
 
-def problems(meta: dict[str, str], fingerprint: c.Fingerprint, weights_id: str) -> list[str]:
+def problems(meta: dict[str, str], fingerprint: Fingerprint, weights_id: str) -> list[str]:
     """Each field of ``meta`` that names something else than this run's, in words."""
     out = []
-    layers = _layers(meta.get(c.M_LAYERS))
+    layers = _layers(meta.get(M_LAYERS))
     if layers is not None and layers != fingerprint.layers_to_capture:
         out.append(f"its header names layers {list(layers)}, this run captures "
                    f"{list(fingerprint.layers_to_capture)}")
@@ -32,8 +33,8 @@ def problems(meta: dict[str, str], fingerprint: c.Fingerprint, weights_id: str) 
     if written and weights_id and written != weights_id:
         out.append(f"its header names weights identity {written}, this run's is {weights_id} "
                    "(another checkpoint)")
-    dtype = meta.get(c.M_DUMP_DTYPE)
-    if dtype and dtype not in (fingerprint.dtype, c.DTYPE_BF16):
+    dtype = meta.get(M_DUMP_DTYPE)
+    if dtype and dtype not in (fingerprint.dtype, DTYPE_BF16):
         out.append(f"its header names dtype {dtype}, this run stores {fingerprint.dtype}")
     return out
 
@@ -48,7 +49,7 @@ def _layers(raw: str | None) -> tuple[int, ...] | None:
         return (-1,)
 
 
-def refusal(meta: dict[str, str], fingerprint: c.Fingerprint, weights_id: str) -> str | None:
+def refusal(meta: dict[str, str], fingerprint: Fingerprint, weights_id: str) -> str | None:
     """Why the file is refused, or None when its header names nothing foreign."""
     found = problems(meta, fingerprint, weights_id)
     return "; ".join(found) + ": another run's states" if found else None

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import AUX_LAYERS, DTYPE_FP8, T_HIDDEN_SCALE, fp8_block_of
+from engine_dump.fingerprint import Fingerprint
 from producer.adopt.formats import SourceSample, open_sample, readable_entry
 from worker.core import store as st
 from worker.core import tensorfile
@@ -73,7 +74,7 @@ class Scan:
     unmatched: int = 0
 
 
-def check_shapes(s: SourceSample, fp: c.Fingerprint) -> None:
+def check_shapes(s: SourceSample, fp: Fingerprint) -> None:
     """Raises SourceFileRefused when the file's shapes are not this run's."""
     t, h = len(s.input_ids), fp.hidden_size
     problems = []
@@ -81,9 +82,9 @@ def check_shapes(s: SourceSample, fp: c.Fingerprint) -> None:
         problems.append(f"{t} ids but {s.hidden.shape[0]} hidden and {s.aux.shape[0]} aux rows")
     if s.hidden.shape[1] != h:
         problems.append(f"hidden size {s.hidden.shape[1]}, this run's model has {h}")
-    if s.aux.shape[1] != c.AUX_LAYERS * h:
+    if s.aux.shape[1] != AUX_LAYERS * h:
         problems.append(f"aux_hidden_state has {s.aux.shape[1]} columns ({s.aux.shape[1] / h:g}"
-                        f" layers of {h}), this run captures {c.AUX_LAYERS}")
+                        f" layers of {h}), this run captures {AUX_LAYERS}")
     if s.loss_mask is not None and len(s.loss_mask) != t:
         problems.append(f"loss_mask has {len(s.loss_mask)} entries for {t} ids")
     if t < 2:
@@ -94,20 +95,20 @@ def check_shapes(s: SourceSample, fp: c.Fingerprint) -> None:
         raise SourceFileRefused("; ".join(problems))
 
 
-def _fp8_problems(s: SourceSample, fp: c.Fingerprint) -> list[str]:
+def _fp8_problems(s: SourceSample, fp: Fingerprint) -> list[str]:
     """An fp8 file's problems: a run that stores bf16, scales of neither layout."""
-    if fp.dtype != c.DTYPE_FP8:
-        return [f"its states are {c.DTYPE_FP8} (an fp8 run's), this run stores {fp.dtype}: "
+    if fp.dtype != DTYPE_FP8:
+        return [f"its states are {DTYPE_FP8} (an fp8 run's), this run stores {fp.dtype}: "
                 "states rounded to e4m3 are not taken into a bf16 run; extract them again"]
     assert s.hidden_scale is not None and s.aux_scale is not None
     if s.hidden_scale.ndim != 2 or s.aux_scale.ndim != 2:
         return [f"scales of shapes {list(s.hidden_scale.shape)} and {list(s.aux_scale.shape)}"]
     t, (rows, blocks) = len(s.input_ids), s.hidden_scale.shape
     try:
-        c.fp8_block_of(fp.hidden_size, blocks)
+        fp8_block_of(fp.hidden_size, blocks)
     except ValueError as e:
-        return [f"{c.T_HIDDEN_SCALE}: {e}"]
-    if rows != t or s.aux_scale.shape != (t, c.AUX_LAYERS * blocks):
+        return [f"{T_HIDDEN_SCALE}: {e}"]
+    if rows != t or s.aux_scale.shape != (t, AUX_LAYERS * blocks):
         return [f"scales of shapes {list(s.hidden_scale.shape)} and {list(s.aux_scale.shape)} "
                 f"for {t} tokens and {blocks} blocks a layer"]
     return []

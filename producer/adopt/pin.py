@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_AUX_SCALE, T_HIDDEN, T_HIDDEN_SCALE, T_INPUT_IDS
 from producer.adopt.formats import Identity, SourceSample
 from worker.core import checksums
 
@@ -46,9 +46,9 @@ def _what(i: Identity | None) -> str:
 
 def arrays(s: SourceSample) -> dict[str, np.ndarray]:
     """The arrays of ``s`` by the name of the tensor each is written as (scales: fp8 only)."""
-    out = {c.T_INPUT_IDS: s.input_ids, c.T_HIDDEN: s.hidden, c.T_AUX: s.aux}
+    out = {T_INPUT_IDS: s.input_ids, T_HIDDEN: s.hidden, T_AUX: s.aux}
     if s.hidden_scale is not None and s.aux_scale is not None:
-        out |= {c.T_HIDDEN_SCALE: s.hidden_scale, c.T_AUX_SCALE: s.aux_scale}
+        out |= {T_HIDDEN_SCALE: s.hidden_scale, T_AUX_SCALE: s.aux_scale}
     return out
 
 
@@ -56,7 +56,7 @@ def take(s: SourceSample, rows: np.ndarray) -> tuple[Pin, dict[str, np.ndarray]]
     """``s`` read once: its pin, and each of its arrays at ``rows`` (the same bytes hashed)."""
     sums, at = {}, {}
     for name, arr in arrays(s).items():
-        if name == c.T_INPUT_IDS:
+        if name == T_INPUT_IDS:
             sums[name] = checksums.of(np.asarray(arr, dtype="<i8"))
             continue
         sums[name], at[name] = hash_rows(arr, rows)

@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_FP8, M_LAYERS
+from engine_dump.fingerprint import Fingerprint
+from engine_dump.rids import NO_RUN
 from producer.adopt import check as ck
 from producer.adopt import header as ah
 from producer.adopt import match as am
@@ -56,7 +58,7 @@ class Run:
 
     settings: Settings
     chat: ChatTokenizer
-    fingerprint: c.Fingerprint
+    fingerprint: Fingerprint
     model_path: Path
 
 
@@ -199,7 +201,7 @@ def adopt(run: Run, source: Path, data: Path, *, fmt: str = "auto",
     if not dry_run or (s.output_dir / outdir.MANIFEST).exists():
         store = open_run(s, run.fingerprint, run.model_path)
         store.debug_write_delay_s = s.debug_write_delay_s
-    run_id = store.run_id or c.NO_RUN
+    run_id = store.run_id or NO_RUN
     r = broker.client(s)
     report = Report(dry_run=dry_run, served=served)
     with _bar(progress, "tokenize", None) as bar:
@@ -377,7 +379,7 @@ def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: Sa
     differs = s.loss_mask is not None and not np.array_equal(s.loss_mask, mask)
     meta = {st.M_SOURCE_ID: json.dumps(sample.source_id), st.M_SOURCE_FILE: ref.file,
             st.M_TRUNCATED: str(tok.truncated_from),
-            c.M_LAYERS: json.dumps(list(run.fingerprint.layers_to_capture)),
+            M_LAYERS: json.dumps(list(run.fingerprint.layers_to_capture)),
             M_WEIGHTS_ID: store.weights_id, M_ADOPTED_FROM: str(path.resolve()),
             M_ADOPTED_FORMAT: fmt, M_ADOPTED_CHECK: check}
     v = write_adopted(store, ref.key, ref.sha256, s, mask, meta, before_write=lease.check,
@@ -388,12 +390,12 @@ def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: Sa
 
 def fp8_problem(settings: Settings) -> str | None:
     """Why states cannot be quantized for this run here, or None (a bf16 run; torch there)."""
-    if settings.hidden_dtype != c.DTYPE_FP8:
+    if settings.hidden_dtype != DTYPE_FP8:
         return None
     try:
         from engine_dump import fp8  # noqa: F401  (torch, as the hook quantizes)
     except ImportError as e:
-        return (f"this run stores {c.DTYPE_FP8} (FARM_STORE_DTYPE); adopt quantizes with the "
+        return (f"this run stores {DTYPE_FP8} (FARM_STORE_DTYPE); adopt quantizes with the "
                 f"hook's code, which needs torch ({e}): pip install 'hsfarm[training]'")
     return None
 

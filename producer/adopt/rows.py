@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import Fingerprint
 from producer.adopt import check as ck
 from producer.adopt import pin as pn
 from producer.adopt.formats import SourceSample
@@ -79,7 +79,7 @@ def batches(sizes: list[int]) -> Iterator[range]:
         yield range(start, len(sizes))
 
 
-def check_files(settings: Settings, run_id: str, fingerprint: c.Fingerprint,
+def check_files(settings: Settings, run_id: str, fingerprint: Fingerprint,
                 files: list[tuple[str, Path, int]], load: Callable[[Path], SourceSample],
                 tick: Callable[[], None] | None = None, seed: int | None = None) -> RowsResult:
     """Compare every file of ``files`` (name, path, tokens) at its ``file_rows`` with the server.
@@ -106,7 +106,7 @@ def check_files(settings: Settings, run_id: str, fingerprint: c.Fingerprint,
     return out
 
 
-def _judge(out: RowsResult, p: ck.Picked, new: np.ndarray, fingerprint: c.Fingerprint,
+def _judge(out: RowsResult, p: ck.Picked, new: np.ndarray, fingerprint: Fingerprint,
            settings: Settings) -> None:
     names = cn.layer_names(fingerprint.layers_to_capture)
     cmp = cn.compare([p.recorded(new)], [new], names, settings.canary_max_rel_err,

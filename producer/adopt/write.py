@@ -16,7 +16,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    DTYPE_FP8,
+    M_PATCH_VERSION,
+    PATCH_VERSION,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+)
 from producer.adopt import pin as pn
 from producer.adopt.formats import SourceSample
 from worker.core import checksums, tensorfile
@@ -26,7 +37,7 @@ from worker.core.errors import Corrupt, NotAsHashed, SourceFileRefused
 
 M_ADOPTED_DTYPE = "adopted_source_dtype"
 QUANTIZE_ROWS = 1024  # tokens quantized at once (fp8 runs): bounds the float32 temporaries
-_PAIRS = ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1), (c.T_AUX, c.T_AUX_SCALE, c.AUX_LAYERS))
+_PAIRS = ((T_HIDDEN, T_HIDDEN_SCALE, 1), (T_AUX, T_AUX_SCALE, AUX_LAYERS))
 
 
 def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: SourceSample,
@@ -47,12 +58,12 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
         s.verify()
     sums = pin.sums if pin is not None else {}
     bad: dict[str, int] = {}
-    parts = {c.T_INPUT_IDS: _expect(st.Part.from_array("I64", s.input_ids), sums,
-                                    c.T_INPUT_IDS),
-             c.T_LOSS_MASK: st.Part.from_array("I64", loss_mask)}
+    parts = {T_INPUT_IDS: _expect(st.Part.from_array("I64", s.input_ids), sums,
+                                  T_INPUT_IDS),
+             T_LOSS_MASK: st.Part.from_array("I64", loss_mask)}
     if s.fp8:  # (an fp8 run: the scan refuses fp8 files for a bf16 one)
         parts |= _fp8_parts(s, bad, sums)
-    elif store.fingerprint.dtype == c.DTYPE_FP8:
+    elif store.fingerprint.dtype == DTYPE_FP8:
         for name, scale, layers in _PAIRS:
             parts |= _quantized(_states(s, name), layers, name, scale, sums.get(name))
     else:
@@ -65,7 +76,7 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
         if found:
             raise SourceFileRefused("; ".join(found))
 
-    meta = {**meta, st.M_CONTENT: content_sha256, c.M_PATCH_VERSION: c.PATCH_VERSION,
+    meta = {**meta, st.M_CONTENT: content_sha256, M_PATCH_VERSION: PATCH_VERSION,
             M_ADOPTED_DTYPE: s.dtype}
     if before_write is not None:
         before_write()  # lost the lease (stalled past its TTL): write nothing
@@ -80,7 +91,7 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
 
 def _states(s: SourceSample, name: str) -> np.ndarray:
     """``s``'s states written as tensor ``name`` (hidden or aux)."""
-    return s.hidden if name == c.T_HIDDEN else s.aux
+    return s.hidden if name == T_HIDDEN else s.aux
 
 
 def _expect(part: st.Part, sums: dict[str, str], name: str) -> st.Part:
@@ -108,8 +119,8 @@ def _fp8_parts(s: SourceSample, bad: dict[str, int], sums: dict[str, str]
     """An fp8 file's e4m3 bytes and scales as they are, NaN bytes and scales that are not
     finite and > 0 counted into ``bad`` as they are copied (as a worker checks a dump)."""
     assert s.hidden_scale is not None and s.aux_scale is not None
-    arrays = {c.T_HIDDEN: (s.hidden, "F8_E4M3"), c.T_AUX: (s.aux, "F8_E4M3"),
-              c.T_HIDDEN_SCALE: (s.hidden_scale, "F32"), c.T_AUX_SCALE: (s.aux_scale, "F32")}
+    arrays = {T_HIDDEN: (s.hidden, "F8_E4M3"), T_AUX: (s.aux, "F8_E4M3"),
+              T_HIDDEN_SCALE: (s.hidden_scale, "F32"), T_AUX_SCALE: (s.aux_scale, "F32")}
     out = {}
     for name, (values, dtype) in arrays.items():
         arr = np.ascontiguousarray(values)

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import Fingerprint
 from producer.stall import redis_stall, run_state
 from producer.status import Status, read_status, worker_heartbeats
 from worker.core import run as runs
@@ -39,7 +39,7 @@ SAMPLED = ("eta_s", "output_free_bytes", "dump_free_bytes", "dump_used_bytes", "
            "server_latency_s", "queued", "unacked", "running", "retrying", "workers", "paused")
 
 
-# a request id of ours (contracts.RID_RE without its anchors): names the sample, whatever its key
+# a request id of ours (rids.RID_RE without its anchors): names the sample, whatever its key
 _RID = re.compile(r"hsd-[A-Za-z0-9_.\-]+?-a\d+-n\d+")
 
 
@@ -153,7 +153,7 @@ def disk_notes(out_dir: Path, dump_dir: Path) -> list[str]:
 class Sampler:
     """Samples the run every ``sample_s`` and holds what the page and /metrics serve."""
 
-    def __init__(self, settings: Settings, fingerprint: c.Fingerprint) -> None:
+    def __init__(self, settings: Settings, fingerprint: Fingerprint) -> None:
         self.settings = settings
         self.fingerprint = fingerprint
         self.r: redis.Redis = broker.client(settings, socket_timeout_s=10.0)

@@ -28,7 +28,7 @@ import aiohttp
 import redis
 from aiohttp import web
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import Fingerprint
 from producer.dashboard import metrics_text
 from producer.dashboard.data import Sampler
 from producer.status import no_run, status_fingerprint
@@ -173,7 +173,7 @@ async def _sampling(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-def make_app(settings: Settings, fingerprint: c.Fingerprint, auth: tuple[str, str] | None,
+def make_app(settings: Settings, fingerprint: Fingerprint, auth: tuple[str, str] | None,
              sample_s: float = 10.0) -> web.Application:
     app = web.Application(middlewares=[auth_middleware(*auth)] if auth else [])
     app[SAMPLER] = Sampler(settings, fingerprint)

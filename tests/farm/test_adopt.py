@@ -21,7 +21,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    DTYPE_FP8,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    is_temp_name,
+)
+from engine_dump.fingerprint import default_layers_to_capture
 from producer import cli
 from producer.adopt.procedure import Report, Run
 from producer.adopt.procedure import adopt as run_adopt
@@ -122,9 +133,9 @@ def assert_bit_equal(out: Path, items: list[srcs.Extracted]) -> None:
     assert len(files) == len(items)
     for p in files.values():
         tf = tensorfile.read(p)
-        e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
-        assert np.array_equal(tf.tensors[c.T_HIDDEN].array, srcs.bits(e.hidden))
-        assert np.array_equal(tf.tensors[c.T_AUX].array, srcs.bits(e.aux))
+        e = by_ids[tuple(tf.tensors[T_INPUT_IDS].array.tolist())]
+        assert np.array_equal(tf.tensors[T_HIDDEN].array, srcs.bits(e.hidden))
+        assert np.array_equal(tf.tensors[T_AUX].array, srcs.bits(e.aux))
         assert tf.metadata["adopted_format"] in ("specforge", "hsfarm", "torch")
 
 
@@ -212,7 +223,7 @@ def test_other_checkpoint_refused_as_a_whole(
 def test_off_by_one_layers_diagnosed(
         data: tuple[Path, list[dict[str, Any]]], chat: ChatTokenizer,
         tiny_model: Path, tmp_path: Path, adopt_here: Callable[..., Result]) -> None:
-    layers = c.default_layers_to_capture(8)  # (2, 4, 5): the run's
+    layers = default_layers_to_capture(8)  # (2, 4, 5): the run's
     src = tmp_path / "shifted"
     items = srcs.extract(tiny_model, data[1][:4], chat, layers=tuple(i + 1 for i in layers))
     srcs.write_specforge(src, items)
@@ -268,7 +279,7 @@ def test_sigkill_mid_adopt_then_two_at_once(
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        wait_until(lambda: any(c.is_temp_name(p.name) for p in out.rglob("*"))
+        wait_until(lambda: any(is_temp_name(p.name) for p in out.rglob("*"))
                    and len(finals(out)) >= 1, 120, "adopt to be writing its second file")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -282,7 +293,7 @@ def test_sigkill_mid_adopt_then_two_at_once(
     assert sum(adopted) == N_SOURCE - n_before, texts
     assert min(adopted) == 0  # the lock: one of them did it all, the other found it done
     assert_bit_equal(out, extracted[:N_SOURCE])
-    assert not [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+    assert not [p for p in out.rglob("*") if is_temp_name(p.name)]
 
 
 def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
@@ -306,10 +317,10 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         assert len(files) == N_SOURCE
         for p in files.values():
             tf = tensorfile.read(p)
-            e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
+            e = by_ids[tuple(tf.tensors[T_INPUT_IDS].array.tolist())]
             for name, scale, states, layers in (
-                    (c.T_HIDDEN, c.T_HIDDEN_SCALE, e.hidden, 1),
-                    (c.T_AUX, c.T_AUX_SCALE, e.aux, c.AUX_LAYERS)):
+                    (T_HIDDEN, T_HIDDEN_SCALE, e.hidden, 1),
+                    (T_AUX, T_AUX_SCALE, e.aux, AUX_LAYERS)):
                 q, s = hook_fp8.quantize(states, layers)
                 assert tf.tensors[name].dtype == "F8_E4M3"
                 assert np.array_equal(tf.tensors[name].array, q.numpy())
@@ -318,15 +329,15 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         # (as a writer of the wrong dtype leaves one) is not done: adopted again
         p = next(iter(files.values()))
         tf = tensorfile.read(p)
-        e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
-        tensorfile.write(p, {c.T_INPUT_IDS: tf.tensors[c.T_INPUT_IDS],
-                             c.T_LOSS_MASK: tf.tensors[c.T_LOSS_MASK],
-                             c.T_HIDDEN: tensorfile.Tensor("BF16", srcs.bits(e.hidden)),
-                             c.T_AUX: tensorfile.Tensor("BF16", srcs.bits(e.aux))}, tf.metadata)
+        e = by_ids[tuple(tf.tensors[T_INPUT_IDS].array.tolist())]
+        tensorfile.write(p, {T_INPUT_IDS: tf.tensors[T_INPUT_IDS],
+                             T_LOSS_MASK: tf.tensors[T_LOSS_MASK],
+                             T_HIDDEN: tensorfile.Tensor("BF16", srcs.bits(e.hidden)),
+                             T_AUX: tensorfile.Tensor("BF16", srcs.bits(e.aux))}, tf.metadata)
         again = adopt(farm, src, data[0], out)
         assert "adopted: 1 sample\n" in again.stdout, again.stdout + again.stderr
         assert f"already done: {N_SOURCE - 1} samples\n" in again.stdout, again.stdout
-        assert tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3"
+        assert tensorfile.read_header(p).tensors[T_HIDDEN].dtype == "F8_E4M3"
         # And enqueue, workers and audit take them as the run's own
         enq = farm.cli("enqueue", str(data[0]), "--no-progress")
         assert count_line(enq.stdout, "already done") == N_SOURCE, enq.stdout + enq.stderr
@@ -345,8 +356,8 @@ def test_adopt_into_an_fp8_run_writes_what_the_hook_writes(
         stored = {p.name: tensorfile.read(p).tensors for p in finals(out).values()}
         for name, p in finals(again_out).items():
             got = tensorfile.read(p)
-            assert got.metadata["adopted_source_dtype"] == c.DTYPE_FP8
-            for t in (c.T_HIDDEN, c.T_HIDDEN_SCALE, c.T_AUX, c.T_AUX_SCALE):
+            assert got.metadata["adopted_source_dtype"] == DTYPE_FP8
+            for t in (T_HIDDEN, T_HIDDEN_SCALE, T_AUX, T_AUX_SCALE):
                 assert got.tensors[t].dtype == stored[name][t].dtype
                 assert np.array_equal(got.tensors[t].array, stored[name][t].array), (name, t)
         assert len(finals(again_out)) == N_DATA
@@ -442,10 +453,10 @@ def test_records_with_the_same_ids_each_get_the_file(
     by_ids = {tuple(e.ids): e for e in (extracted[0], extracted[1], extracted[5])}
     for ref, rec in zip(refs, [*twins, pretok], strict=True):
         tf = tensorfile.read(outdir.final_path(out, ref.key))
-        e = by_ids[tuple(tf.tensors[c.T_INPUT_IDS].array.tolist())]
-        assert np.array_equal(tf.tensors[c.T_AUX].array, srcs.bits(e.aux))
+        e = by_ids[tuple(tf.tensors[T_INPUT_IDS].array.tolist())]
+        assert np.array_equal(tf.tensors[T_AUX].array, srcs.bits(e.aux))
         want = chat.encode(validate_record(rec)).loss_mask
-        assert tf.tensors[c.T_LOSS_MASK].array.tolist() == list(want), ref.key
+        assert tf.tensors[T_LOSS_MASK].array.tolist() == list(want), ref.key
         assert tf.metadata["content_sha256"] == ref.sha256
     # And again: a no-op that says so, and exit 0
     again = adopt_here(src, path, out)

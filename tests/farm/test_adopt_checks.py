@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import M_LAYERS, T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from producer.adopt.formats import open_sample
 from producer.adopt.procedure import Run
 from producer.adopt.procedure import adopt as run_adopt
@@ -121,13 +121,13 @@ def farm(module_farm_factory: FarmFactory) -> LocalFarm:
 def _write_hsfarm_of_another_run(src: Path, items: list[srcs.Extracted], name: str) -> None:
     """Files another hsfarm run wrote, its layers and fingerprint id in their own headers."""
     for i, e in enumerate(items):
-        tensors = {c.T_INPUT_IDS: tensorfile.Tensor("I64", np.asarray(e.ids, dtype=np.int64)),
-                   c.T_LOSS_MASK: tensorfile.Tensor("I64", np.asarray(e.mask, dtype=np.int64)),
-                   c.T_HIDDEN: tensorfile.Tensor("BF16", srcs.bits(e.hidden)),
-                   c.T_AUX: tensorfile.Tensor("BF16", srcs.bits(e.aux))}
+        tensors = {T_INPUT_IDS: tensorfile.Tensor("I64", np.asarray(e.ids, dtype=np.int64)),
+                   T_LOSS_MASK: tensorfile.Tensor("I64", np.asarray(e.mask, dtype=np.int64)),
+                   T_HIDDEN: tensorfile.Tensor("BF16", srcs.bits(e.hidden)),
+                   T_AUX: tensorfile.Tensor("BF16", srcs.bits(e.aux))}
         sums = {k: checksums.tensor_checksum(np.ascontiguousarray(t.array).data)
                 for k, t in tensors.items()}
-        meta = {**checksums.checksum_metadata(sums), c.M_LAYERS: "[1, 2, 3]",
+        meta = {**checksums.checksum_metadata(sums), M_LAYERS: "[1, 2, 3]",
                 M_FINGERPRINT: "0123456789abcdef"}
         tensorfile.write(src / "samples" / "00" / f"{name}{i}.safetensors", tensors, meta)
 
@@ -177,13 +177,13 @@ def test_a_foreign_minority_is_caught_file_by_file(
     assert _count(out, "adopted") == 19 and _count(out, "refused") == 1, out
     assert "are not the server's" in out, out
     assert "checked per run: served identity" in out and "detection guarantee" in out, out
-    adopted = {tuple(tensorfile.read(p).tensors[c.T_INPUT_IDS].array.tolist())
+    adopted = {tuple(tensorfile.read(p).tensors[T_INPUT_IDS].array.tolist())
                for p in finals(out_dir)}
     assert len(adopted) == 19 and foreign not in adopted
 
 
 def _adopted_ids(out: Path) -> set[tuple[int, ...]]:
-    return {tuple(tensorfile.read(p).tensors[c.T_INPUT_IDS].array.tolist()) for p in finals(out)}
+    return {tuple(tensorfile.read(p).tensors[T_INPUT_IDS].array.tolist()) for p in finals(out)}
 
 
 def test_a_file_damaged_after_its_first_rows_is_refused(

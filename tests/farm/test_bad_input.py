@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.rids import sample_key_for
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import FarmFactory, wait_finished
 from tests.support.faults import run_hash
@@ -83,7 +83,7 @@ def test_worker_side_rejections_and_safe_paths(tmp_path: Path,
     status = farm.cli("status", "--failures").stdout
     assert re.search(r"rejected +long: sample has \d+ tokens", status)
     # and hostile ids made files only inside the output dir, with safe names
-    safe = [c.sample_key_for(i, "") for i in ["../../etc/passwd", "a/b\\c", ".."]]
+    safe = [sample_key_for(i, "") for i in ["../../etc/passwd", "a/b\\c", ".."]]
     names = sorted(p.name for p in (farm.output_dir / "samples").rglob("*.safetensors"))
     assert names == sorted(f"{k}.safetensors" for k in ["ok-1", *safe])
     audit = farm.cli("audit", "--data", str(CORPUS / "path_ids.json"))

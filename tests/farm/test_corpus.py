@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.support.faults import count_line, running_farm, text, write_jsonl
@@ -153,7 +153,7 @@ def test_records_removed_from_the_corpus_leave_the_run_and_their_files_are_kept_
         index = farm.cli("index", "--no-progress")
         assert "indexed: 26 samples" in index.stdout, index.stdout + index.stderr
         rows = (farm.output_dir / "index.jsonl").read_text().splitlines()
-        finals = sorted(p.name[: -len(c.DUMP_SUFFIX)]
+        finals = sorted(p.name[: -len(DUMP_SUFFIX)]
                         for p in (farm.output_dir / "samples").rglob("*.safetensors"))
         assert sorted(json.loads(r)["key"] for r in rows) == finals and len(finals) == 26
         # (an export made before the edit loses the 7, takes the 3 corrected anew and the

@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import TMP_MARK, is_temp_name
 from producer.localfarm.farm import wait_until
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import (
@@ -56,12 +56,12 @@ def test_sigkill_pool_process_mid_copy(tmp_path: Path, tiny_model: Path) -> None
         temps: list[Path] = []
 
         def temp_exists() -> bool:
-            temps[:] = [p for p in samples.rglob("*") if c.is_temp_name(p.name)]
+            temps[:] = [p for p in samples.rglob("*") if is_temp_name(p.name)]
             return bool(temps)
 
         for _ in range(2):
             wait_until(temp_exists, 60, "a temp file being written", poll_s=0.01)
-            pid = int(temps[0].name.split(c.TMP_MARK, 1)[1].rsplit(".", 2)[1])
+            pid = int(temps[0].name.split(TMP_MARK, 1)[1].rsplit(".", 2)[1])
             kill(pid)
         wait_finished(farm, 12)
         # Then no partial or temp file is left and every sample verifies

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_FP8, DUMP_SUFFIX, T_HIDDEN
 from producer.localfarm.farm import wait_until
 from tests.conftest import ROOT, write_samples
 from tests.support.chromium import chromium
@@ -208,10 +208,10 @@ def test_the_fp8_demo_stores_fp8_and_audits_whole_without_a_setting(
     assert "storing fp8_e4m3" in res.stdout, res.stdout
     out = tmp_path / "demo" / "out"
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["fingerprint"]["dtype"] == c.DTYPE_FP8
-    files = sorted((out / "samples").rglob(f"*{c.DUMP_SUFFIX}"))
+    assert manifest["fingerprint"]["dtype"] == DTYPE_FP8
+    files = sorted((out / "samples").rglob(f"*{DUMP_SUFFIX}"))
     assert len(files) == N
-    assert {tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype for p in files} == {"F8_E4M3"}
+    assert {tensorfile.read_header(p).tensors[T_HIDDEN].dtype for p in files} == {"F8_E4M3"}
     # And its printed audit finds every file whole, FARM_STORE_DTYPE set nowhere
     cmds = look_commands(res.stdout)
     assert "FARM_STORE_DTYPE" not in "\n".join(cmds)

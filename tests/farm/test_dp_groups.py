@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import dump_path
 from engine_dump.engines import dp_groups
+from engine_dump.rids import make_rid
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import CACHE, FarmFactory, wait_finished, write_samples
 
@@ -76,19 +77,19 @@ def test_groups_step_together_and_an_idle_group_runs_idle_passes(farm: LocalFarm
     before = info(farm)
     idle = before["dp_groups"][1]["idle_passes"]
     # When a 200-token request of ours runs pinned to group 0 alone (4 chunks of 64)
-    rid = c.make_rid("dp-lockstep", 1, 200)
+    rid = make_rid("dp-lockstep", 1, 200)
     assert group_of(farm, rid, 200, routed_dp_rank=0) == 0
-    wait_until(lambda: c.dump_path(farm.dump_dir, rid).exists(), 30, "the dump")
+    wait_until(lambda: dump_path(farm.dump_dir, rid).exists(), 30, "the dump")
     after = info(farm)
     # Then group 1 ran an idle pass beside each of group 0's, and the steps were half used
     assert after["dp_groups"][1]["idle_passes"] - idle == 4
     assert after["dp_step_tokens"] - before["dp_step_tokens"] == 200
     assert after["dp_step_capacity"] - before["dp_step_capacity"] == 400
     # And group 0's dump is counted in the dump dir until it is collected
-    size = c.dump_path(farm.dump_dir, rid).stat().st_size
+    size = dump_path(farm.dump_dir, rid).stat().st_size
     assert after["dp_groups"][0]["dump_bytes_in_dir"] == size
     assert after["dp_groups"][1]["dump_bytes_in_dir"] == 0
-    c.dump_path(farm.dump_dir, rid).unlink()
+    dump_path(farm.dump_dir, rid).unlink()
     assert info(farm)["dp_groups"][0]["dump_bytes_in_dir"] == 0
 
 

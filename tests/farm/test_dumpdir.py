@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
+from engine_dump.dumpfile import READY_PREFIX
+from engine_dump.rids import RID_PREFIX
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, served_farm, wait_finished
 from tests.support.dumpdir import AS_NOBODY, NOBODY, as_root
@@ -76,7 +77,7 @@ def test_a_dump_dir_another_user_made_first_is_refused_by_every_side(
         shutil.rmtree(shm_dir)
         farm.start_server()
         assert stat.S_IMODE(shm_dir.stat().st_mode) == 0o700
-        marker = next(shm_dir.glob(f"{c.READY_PREFIX}*"))
+        marker = next(shm_dir.glob(f"{READY_PREFIX}*"))
         assert stat.S_IMODE(marker.stat().st_mode) == 0o600
     finally:
         farm.close(kill=True)
@@ -147,7 +148,7 @@ def test_a_dump_dir_made_again_by_another_user_mid_run_pauses_the_workers_until_
                    "paused on the dump dir", poll_s=1.0)
         assert f"rm -rf {d}" in farm.cli("status").stdout
         assert not failed(farm), failed(farm)
-        assert not list(d.glob(f"*{c.RID_PREFIX}*")), list(d.iterdir())
+        assert not list(d.glob(f"*{RID_PREFIX}*")), list(d.iterdir())
         # And after that fix (removed, and made again by its owner), the run finishes by itself
         _remove(d)
         os.mkdir(d, 0o700)

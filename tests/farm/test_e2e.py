@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import assert_farm_invariants, wait_finished, write_samples
 from worker.core import outdir
@@ -62,13 +62,13 @@ def test_end_to_end_two_workers(farm: LocalFarm, tmp_path: Path, tiny_model: Pat
     # And every file holds the model's real hidden states and the assistant-only loss mask
     for sample, key in zip(samples, keys, strict=True):
         t = load_file(str(outdir.final_path(farm.output_dir, key)))
-        ids = t[c.T_INPUT_IDS].tolist()
+        ids = t[T_INPUT_IDS].tolist()
         hid, aux = direct_forward(tiny_model, ids, (2, 4, 5))
-        assert t[c.T_HIDDEN].dtype == torch.bfloat16 and t[c.T_HIDDEN].shape == (len(ids), 64)
-        assert t[c.T_AUX].shape == (len(ids), 3 * 64)
-        torch.testing.assert_close(t[c.T_HIDDEN].float(), hid, atol=0.02, rtol=0.02)
-        torch.testing.assert_close(t[c.T_AUX].float(), aux, atol=0.02, rtol=0.02)
-        masked = [i for i, m in zip(ids, t[c.T_LOSS_MASK].tolist(), strict=True) if m]
+        assert t[T_HIDDEN].dtype == torch.bfloat16 and t[T_HIDDEN].shape == (len(ids), 64)
+        assert t[T_AUX].shape == (len(ids), 3 * 64)
+        torch.testing.assert_close(t[T_HIDDEN].float(), hid, atol=0.02, rtol=0.02)
+        torch.testing.assert_close(t[T_AUX].float(), aux, atol=0.02, rtol=0.02)
+        masked = [i for i, m in zip(ids, t[T_LOSS_MASK].tolist(), strict=True) if m]
         assert tokenizer.decode(masked) == _assistant_text(sample)
     # Both workers took part
     logs = [farm.procs[w].log.read_text() for w in ("w1", "w2")]

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    DTYPE_BF16,
+    DTYPE_FP8,
+    T_AUX,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    hidden_layout,
+)
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.support.faults import count_line, running_farm, write_jsonl
@@ -228,11 +235,11 @@ def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_mo
             tensorfile.write(path, tensors, {st.M_KEY: ref.key, st.M_FINGERPRINT: fid,  # type: ignore[attr-defined]
                                              st.M_CONTENT: ref.sha256})  # type: ignore[attr-defined]
 
-        ids = {c.T_INPUT_IDS: ("I64", (n,)), c.T_LOSS_MASK: ("I64", (n,))}
-        write(refs[0], {**ids, **c.hidden_layout(c.DTYPE_FP8, n, h)})
-        write(refs[1], {**ids, **c.hidden_layout(c.DTYPE_BF16, n, h)})
-        short = c.hidden_layout(c.DTYPE_FP8, n, h)
-        short[c.T_AUX] = (short[c.T_AUX][0], (n - 1, short[c.T_AUX][1][1]))
+        ids = {T_INPUT_IDS: ("I64", (n,)), T_LOSS_MASK: ("I64", (n,))}
+        write(refs[0], {**ids, **hidden_layout(DTYPE_FP8, n, h)})
+        write(refs[1], {**ids, **hidden_layout(DTYPE_BF16, n, h)})
+        short = hidden_layout(DTYPE_FP8, n, h)
+        short[T_AUX] = (short[T_AUX][0], (n - 1, short[T_AUX][1][1]))
         write(refs[2], {**ids, **short})
         # When a worker's start registers the host's files, and enqueue relearns what is
         # done, both from the files' headers

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import TMP_MARK, is_temp_name
+from engine_dump.rids import make_rid
 from producer.localfarm.farm import wait_until
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import (
@@ -111,7 +112,7 @@ def test_hung_write_is_ended_by_the_time_limit(tmp_path: Path, tiny_model: Path)
         assert sorted(reasons) == sorted(keys)
         assert all("TimeLimit" in r or "gave up" in r for r in reasons.values()), reasons
         assert farm.procs["w1"].alive()
-        assert not [p for p in farm.output_dir.rglob("*") if c.is_temp_name(p.name)]
+        assert not [p for p in farm.output_dir.rglob("*") if is_temp_name(p.name)]
 
 
 def test_corrupt_dumps_are_retried_then_recorded(tmp_path: Path, tiny_model: Path) -> None:
@@ -169,7 +170,7 @@ def test_output_disk_full_pauses_then_resumes(tmp_path: Path, tiny_model: Path,
         time.sleep(5)
         assert len(run_hash(farm, keys_mod.BYTES)) < 40
         assert not failed(farm)
-        assert not [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+        assert not [p for p in out.rglob("*") if is_temp_name(p.name)]
         # Then, once space returns, it resumes by itself and finishes everything
         import subprocess
 
@@ -216,12 +217,12 @@ def test_startup_cleans_stale_files_but_not_outputs(tmp_path: Path, tiny_model: 
         dead.wait()
         shard = outdir.final_path(farm.output_dir, "zz").parent
         shard.mkdir(parents=True, exist_ok=True)
-        stale = shard / f".zz.safetensors{c.TMP_MARK}{liveness.temp_tag('ab12', dead.pid)}"
+        stale = shard / f".zz.safetensors{TMP_MARK}{liveness.temp_tag('ab12', dead.pid)}"
         stale.write_bytes(b"half a file")
-        old_dump = farm.dump_dir / f"{c.make_rid('gone', 1, 5, run=farm.run_id())}.safetensors"
+        old_dump = farm.dump_dir / f"{make_rid('gone', 1, 5, run=farm.run_id())}.safetensors"
         # another run's dumps in a shared dump dir (a second server of the host): an old one,
         # and one of a sample this run has finished
-        theirs = [farm.dump_dir / f"{c.make_rid(k, 1, 5, run='f' * 16)}.safetensors"
+        theirs = [farm.dump_dir / f"{make_rid(k, 1, 5, run='f' * 16)}.safetensors"
                   for k in ("gone", keys[0])]
         for dump in (old_dump, *theirs):
             dump.write_bytes(b"x")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_HIDDEN_SCALE, T_INPUT_IDS, TMP_MARK
 from tests.conftest import wait_finished
 from tests.support.faults import enqueue, running_farm
 from tests.support.fp8 import rel_err
@@ -38,12 +38,12 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
         out = farm.output_dir
         assert json.loads((out / "manifest.json").read_text())["fingerprint"]["dtype"] == "fp8_e4m3"
         files = [outdir.final_path(out, k) for k in keys]
-        assert all(tensorfile.read_header(p).tensors[c.T_HIDDEN].dtype == "F8_E4M3" for p in files)
+        assert all(tensorfile.read_header(p).tensors[T_HIDDEN].dtype == "F8_E4M3" for p in files)
         # Then audit finds them whole, and a scale flipped on disk corrupt
         assert farm.cli("audit").returncode == 0
         head = tensorfile.read_header(files[0])
         with open(files[0], "r+b") as f:
-            f.seek(head.data_start + head.tensors[c.T_HIDDEN_SCALE].begin + 3)
+            f.seek(head.data_start + head.tensors[T_HIDDEN_SCALE].begin + 3)
             f.write(b"\x7f")
         res = farm.cli("audit")
         assert res.returncode == 1 and f"corrupt {keys[0]}: " in res.stdout, res.stdout
@@ -55,11 +55,11 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
     ds = HiddenStates(out, verify=True)
     assert sorted(ds.keys) == sorted(keys)
     for item in ds:
-        assert item[c.T_HIDDEN].dtype == torch.bfloat16
-        ids = item[c.T_INPUT_IDS].tolist()
+        assert item[T_HIDDEN].dtype == torch.bfloat16
+        ids = item[T_INPUT_IDS].tolist()
         ref = model.forward_chunk(model.new_cache(), ids, 0)
         want = torch.cat([ref.aux, ref.hidden], dim=1).to(torch.bfloat16).float()
-        got = torch.cat([item[c.T_AUX], item[c.T_HIDDEN]], dim=1).float()
+        got = torch.cat([item[T_AUX], item[T_HIDDEN]], dim=1).float()
         err = rel_err(want, got, 4)
         assert err.max() < 0.06 and err.mean() < 0.04, (err.max(0), err.mean(0))
     # And index works, and every trainer's export verifies and holds the loader's bf16 values
@@ -70,7 +70,7 @@ def test_an_fp8_run_end_to_end_read_by_the_training_side(tmp_path: Path, tiny_mo
         summary = export(out, name, tmp_path / name)
         assert summary.ok and summary.exported == 3, summary.lines()
         back = FORMATS[name].read_back(tmp_path / name / FORMATS[name].rel_path(keys[0]))
-        want = bf16[keys[0]][c.T_AUX].view(torch.int16).numpy().view(np.uint16)
+        want = bf16[keys[0]][T_AUX].view(torch.int16).numpy().view(np.uint16)
         assert np.array_equal(back["aux_hidden_state" if name == "specforge"
                                    else "aux_hidden_states"].reshape(want.shape), want)
         assert export(out, name, tmp_path / name).skipped == 3  # the ledger's sums hold
@@ -164,7 +164,7 @@ def test_a_full_dest_is_named_whichever_writer_hits_it(fp8_run: Path, small_fs: 
     msg = str(e.value)
     assert msg.startswith(f"DEST is full: {dest}"), msg
     assert raised_by not in msg and "Free space" in msg, msg
-    assert not [p for p in dest.rglob("*") if c.TMP_MARK in p.name]
+    assert not [p for p in dest.rglob("*") if TMP_MARK in p.name]
     # And once there is room, the same export finishes and keeps what verified before
     (small_fs / "ballast").unlink()
     summary = export(fp8_run, fmt, dest, jobs=1)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, is_temp_name
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import CACHE, write_samples
 from tests.support.faults import dashboard_metrics, text
@@ -201,7 +201,7 @@ def _join_run(src: Path, dst: Path) -> None:
     """What the RUNBOOK's rsync does: the run's head files, not its samples or root id."""
     dst.mkdir(parents=True, exist_ok=True)
     for p in src.iterdir():
-        if p.is_file() and p.name != outdir.ROOT_ID_FILE and not c.is_temp_name(p.name):
+        if p.is_file() and p.name != outdir.ROOT_ID_FILE and not is_temp_name(p.name):
             shutil.copy2(p, dst / p.name)
 
 
@@ -255,8 +255,8 @@ def _held_by(cl: Cluster, key: str) -> str | None:
 
 
 def _files(out: Path) -> set[str]:
-    return {p.name.removesuffix(c.DUMP_SUFFIX) for p in (out / "samples").rglob(f"*{c.DUMP_SUFFIX}")
-            if not c.is_temp_name(p.name)}
+    return {p.name.removesuffix(DUMP_SUFFIX) for p in (out / "samples").rglob(f"*{DUMP_SUFFIX}")
+            if not is_temp_name(p.name)}
 
 
 def test_a_lost_host_s_samples_run_on_the_other_within_30_s_and_nothing_is_lost_or_doubled(
@@ -312,8 +312,8 @@ def test_a_lost_host_s_samples_run_on_the_other_within_30_s_and_nothing_is_lost_
     # A wrote just before the kill, before the run recorded it (so B did it again), is set
     # aside on A when A comes back: kept, out of the training set
     on_a, on_b = _files(cl.a.farm.output_dir), _files(cl.b.farm.output_dir)
-    aside = {p.name.removesuffix(c.DUMP_SUFFIX)
-             for p in (cl.a.farm.output_dir / outdir.DONE_ELSEWHERE_DIR).glob(f"*{c.DUMP_SUFFIX}")}
+    aside = {p.name.removesuffix(DUMP_SUFFIX)
+             for p in (cl.a.farm.output_dir / outdir.DONE_ELSEWHERE_DIR).glob(f"*{DUMP_SUFFIX}")}
     assert aside <= done_on_a and aside <= on_b
     assert set(hosts.held_twice(cl.r, cl.run_id())) == aside
     everything = {text(k) for k in cl.r.hkeys(cl.k(keys.SAMPLES))}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, T_HIDDEN
 from producer.localfarm.farm import LocalFarm, wait_until
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.conftest import CACHE, FAST_ENV, write_samples
@@ -70,8 +70,8 @@ def start_workers(a: LocalFarm, b: LocalFarm) -> None:
 
 
 def finals(farm: LocalFarm) -> dict[str, Path]:
-    return {p.name.removesuffix(c.DUMP_SUFFIX): p
-            for p in (farm.output_dir / "samples").rglob(f"*{c.DUMP_SUFFIX}")}
+    return {p.name.removesuffix(DUMP_SUFFIX): p
+            for p in (farm.output_dir / "samples").rglob(f"*{DUMP_SUFFIX}")}
 
 
 def _broker_idle(farm: LocalFarm) -> bool:
@@ -118,7 +118,7 @@ def status(farm: LocalFarm) -> dict[str, object]:
 
 def hidden_checksum(path: Path) -> str:
     sums = json.loads(tensorfile.header_metadata(path)[checksums.M_CHECKSUMS])
-    return str(sums[c.T_HIDDEN])
+    return str(sums[T_HIDDEN])
 
 
 def assert_whole(farm: LocalFarm, keys_expected: list[str]) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import is_temp_name
 from producer.localfarm.farm import wait_until
 from tests.support import lease_host
 from worker.core import tensorfile
@@ -106,7 +106,7 @@ def _writer(netns: str, host: str, subnet: int, out: Path, go: Path,
 
 
 def _temps(out: Path) -> list[Path]:
-    return [p for p in out.rglob("*") if c.is_temp_name(p.name)]
+    return [p for p in out.rglob("*") if is_temp_name(p.name)]
 
 
 def test_a_host_cut_off_from_redis_stops_writing_before_another_takes_its_sample(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import is_temp_name
 from producer.localfarm.farm import wait_until
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import attempts, enqueue, running_farm, text
@@ -96,7 +96,7 @@ def test_two_workers_of_one_hostname_in_two_pid_namespaces_take_nothing_from_eac
 
         def a_temps() -> list[Path]:  # temp_tag: host.m<boot>-<pid ns>.pid.nonce
             return [t for t in (farm.output_dir / "samples").rglob(".*")
-                    if c.is_temp_name(t.name) and f"-{a_ns}." in t.name]
+                    if is_temp_name(t.name) and f"-{a_ns}." in t.name]
 
         wait_until(lambda: bool(a_temps()), 60, "a to be writing a file", poll_s=0.05)
         a.kill_group()

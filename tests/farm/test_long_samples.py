@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_HIDDEN
 from producer.localfarm.farm import LocalFarm
 from sglang_patch.synthetic import SyntheticModel, ensure_synthetic_model
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
@@ -70,7 +70,7 @@ def test_a_64k_sample_goes_through_the_farm_under_a_limit_sized_for_it(tmp_path:
         # And the file holds the synthetic model's values at the first and last positions
         model = SyntheticModel(ensure_synthetic_model(CACHE, H, 61))
         with safe_open(str(outdir.final_path(farm.output_dir, "long64k")), "pt") as f:
-            hidden = f.get_slice(c.T_HIDDEN)
+            hidden = f.get_slice(T_HIDDEN)
             assert tuple(hidden.get_shape()) == (TOKENS, H)
             for lo in (0, TOKENS - 4):
                 want, _ = model.rows(ids[lo : lo + 4], range(lo, lo + 4))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
 from engine_dump import markers as mk
+from engine_dump.dumpfile import DTYPE_BF16, DTYPE_FP8, READY_PREFIX
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import CACHE, FarmFactory, wait_finished
 from tests.support.faults import enqueue
@@ -31,7 +31,7 @@ def test_a_live_marker_of_another_pid_namespace_is_never_removed(tmp_path: Path)
     try:
         assert proc.stdout is not None
         pid_there = int(proc.stdout.readline())
-        marker = tmp_path / f"{c.READY_PREFIX}{pid_there}"
+        marker = tmp_path / f"{READY_PREFIX}{pid_there}"
         # When a server starting here removes stale markers
         mk.remove_dead(tmp_path)
         # Then its marker stays, judged unknown, not dead
@@ -56,7 +56,7 @@ def test_two_servers_sharing_a_dump_dir_each_worker_reads_its_own_marker(
     a = farm_factory("a", server_args=["--attn-dp-size", "2"])
     b = LocalFarm(tmp_path / "b", cache_dir=CACHE, chunked_prefill_size=256, dumps=a.dump_dir)
     try:
-        b.start_server(["--dump-dtype", c.DTYPE_FP8])
+        b.start_server(["--dump-dtype", DTYPE_FP8])
         [newest] = [m for m in mk.markers(a.dump_dir) if m.info.get("pid") == b.procs[
             "server"].pid]
         assert mk.live(mk.markers(a.dump_dir))[-1] == newest
@@ -83,11 +83,11 @@ def test_two_servers_sharing_a_dump_dir_each_worker_reads_its_own_marker(
         # the shared dir, naming both servers
         from worker.core import dumps
 
-        why = dumps.served_dtype_problem(a.dump_dir, c.DTYPE_BF16) or ""
+        why = dumps.served_dtype_problem(a.dump_dir, DTYPE_BF16) or ""
         assert "2 servers write into this dump dir" in why, why
         for farm in (a, b):
             assert f"pid {farm.procs['server'].pid}," in why, why
-        assert dumps.served_dtype_problem(a.dump_dir, c.DTYPE_BF16, newest.writer) \
-            and dumps.served_dtype_problem(a.dump_dir, c.DTYPE_FP8, newest.writer) is None
+        assert dumps.served_dtype_problem(a.dump_dir, DTYPE_BF16, newest.writer) \
+            and dumps.served_dtype_problem(a.dump_dir, DTYPE_FP8, newest.writer) is None
     finally:
         b.close(kill=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import READY_PREFIX
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE, private_redis, write_samples
 from tests.support.ops import OPS, ROOT, clean_env, sh
@@ -176,14 +176,14 @@ def test_dead_marker_of_the_reference_server_is_gone_after_a_restart(
     subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
                     "from engine_dump.markers import write_ready_marker; "
                     "write_ready_marker(Path(sys.argv[1]), {})", str(dumps)], check=True)
-    [dead] = list(dumps.glob(f"{c.READY_PREFIX}*"))
+    [dead] = list(dumps.glob(f"{READY_PREFIX}*"))
     # When a reference server starts there
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE, dumps=dumps)
     try:
         server = farm.start_server()
         # Then only its own marker is left
-        assert [p.name for p in dumps.glob(f"{c.READY_PREFIX}*")] == \
-            [f"{c.READY_PREFIX}{server.pid}"]
+        assert [p.name for p in dumps.glob(f"{READY_PREFIX}*")] == \
+            [f"{READY_PREFIX}{server.pid}"]
         assert not dead.exists()
     finally:
         farm.close(kill=True)

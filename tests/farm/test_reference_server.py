@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, dump_path
+from engine_dump.rids import make_rid
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE, EXAMPLES
 
@@ -113,7 +114,7 @@ def test_chunked_prefill_output_equals_unchunked(servers: tuple[LocalFarm, Local
     # Given samples mostly longer than the 64-token chunk, sent concurrently (mixed batches)
     all_ids = _ids(tokenizer, 12)
     assert sum(len(x) > 64 for x in all_ids) >= 8
-    rids = [c.make_rid(f"s{i}", 1, len(ids)) for i, ids in enumerate(all_ids)]
+    rids = [make_rid(f"s{i}", 1, len(ids)) for i, ids in enumerate(all_ids)]
 
     def send(farm: LocalFarm) -> None:
         with ThreadPoolExecutor(6) as pool:
@@ -133,20 +134,20 @@ def test_chunked_prefill_output_equals_unchunked(servers: tuple[LocalFarm, Local
     for rid, ids in zip(rids, all_ids, strict=True):
         a = _wait_load(chunked.dump_dir, rid)
         b = _wait_load(whole.dump_dir, rid)
-        assert a[c.T_INPUT_IDS].tolist() == ids
-        for k in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX):
+        assert a[T_INPUT_IDS].tolist() == ids
+        for k in (T_INPUT_IDS, T_HIDDEN, T_AUX):
             assert torch.equal(a[k], b[k]), f"{rid} {k} differs with chunking"
         # and both equal a direct transformers forward within bf16 rounding
         hid, aux = direct_forward(tiny_model, ids, (2, 4, 5))
-        torch.testing.assert_close(a[c.T_HIDDEN].float(), hid, atol=0.02, rtol=0.02)
-        torch.testing.assert_close(a[c.T_AUX].float(), aux, atol=0.02, rtol=0.02)
+        torch.testing.assert_close(a[T_HIDDEN].float(), hid, atol=0.02, rtol=0.02)
+        torch.testing.assert_close(a[T_AUX].float(), aux, atol=0.02, rtol=0.02)
 
 
 def _wait_load(d: Path, rid: str) -> dict[str, torch.Tensor]:
     from producer.localfarm.farm import wait_until
 
-    wait_until(lambda: c.dump_path(d, rid).exists(), 10, rid)
-    return load_file(str(c.dump_path(d, rid)))
+    wait_until(lambda: dump_path(d, rid).exists(), 10, rid)
+    return load_file(str(dump_path(d, rid)))
 
 
 def test_aborted_requests_do_not_strand_the_others(servers: tuple[LocalFarm, LocalFarm],
@@ -157,7 +158,7 @@ def test_aborted_requests_do_not_strand_the_others(servers: tuple[LocalFarm, Loc
     long_ids = sorted(ids, key=len)[-1]
 
     def send(i: int, timeout_s: float) -> int:
-        body = json.dumps({"rid": c.make_rid(f"ab{i}", 1, len(long_ids)),
+        body = json.dumps({"rid": make_rid(f"ab{i}", 1, len(long_ids)),
                            "input_ids": long_ids}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
                                      method="POST")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS
 from engine_dump.probe import PROBE_IDS
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished, write_samples
@@ -41,10 +41,10 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
         model = synthetic_model()
         for key in keys:
             t = load_file(str(outdir.final_path(farm.output_dir, key)))
-            ids = t[c.T_INPUT_IDS].tolist()
+            ids = t[T_INPUT_IDS].tolist()
             hidden, aux = model.rows(ids, range(len(ids)))
-            assert t[c.T_HIDDEN].shape == (len(ids), H)
-            assert torch.equal(t[c.T_HIDDEN], hidden) and torch.equal(t[c.T_AUX], aux)
+            assert t[T_HIDDEN].shape == (len(ids), H)
+            assert torch.equal(t[T_HIDDEN], hidden) and torch.equal(t[T_AUX], aux)
         # And the server reports its load, and status shows the admission limits
         url = f"http://127.0.0.1:{farm.server_port}/server_info"
         with urllib.request.urlopen(url, timeout=10) as r:
@@ -52,7 +52,7 @@ def test_the_farm_end_to_end_on_the_synthetic_server(tmp_path: Path) -> None:
         assert info["hsfarm"]["hidden_size"] == H and 0 < info["busy_s"] < info["uptime_s"]
         probes = 2 * len(PROBE_IDS)  # each worker's start-up probe request
         samples_tokens = sum(int(np.asarray(load_file(str(
-            outdir.final_path(farm.output_dir, k)))[c.T_INPUT_IDS]).size) for k in keys)
+            outdir.final_path(farm.output_dir, k)))[T_INPUT_IDS]).size) for k in keys)
         # each worker's start-up canary: one records it, the other compares (or, when both
         # recorded at once, the one whose recording did not stand compares too)
         canary = sum(len(x.input_ids) for x in canaries.load(farm.output_dir)[0])

@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, T_HIDDEN, T_INPUT_IDS, is_temp_name
+from engine_dump.fingerprint import Fingerprint
 from tests.conftest import CACHE
 from tests.support.training_data import produce
 from training import index, roots
@@ -104,7 +105,7 @@ def test_an_old_manifest_without_the_new_fields_still_opens_with_the_same_id(out
     m = json.loads((out / "manifest.json").read_text())
     old = {k: v for k, v in m.items() if k not in ("tensors", "final_norm")}
     (out / "manifest.json").write_text(json.dumps(old))
-    fp = c.Fingerprint.from_json(old["fingerprint"])
+    fp = Fingerprint.from_json(old["fingerprint"])
     # When a worker's store opens it, Then it is accepted, and the id is the recorded one
     OutputStore(out, fp).open()
     assert fp.id == old["fingerprint_id"]
@@ -146,7 +147,7 @@ def test_the_loaders_read_ahead_runs_beside_it_and_leaves_no_descriptor(out: Pat
             t.join(timeout=30)
     # Then the tensors are readable, and once they are dropped no descriptor is left: each
     # read-ahead closed its own (a map holds one while its tensors live: Python's mmap)
-    assert all(int(item[c.T_INPUT_IDS].numel()) > 0 for item in items)
+    assert all(int(item[T_INPUT_IDS].numel()) > 0 for item in items)
     del items
     assert len(os.listdir("/proc/self/fd")) == fds
 
@@ -242,7 +243,7 @@ export(Path({str(out)!r}), "speculators", Path({str(dest)!r}), jobs=2, delete_so
     rows = [json.loads(x) for x in ledger.read_text().splitlines()]
     assert sorted(r["number"] for r in rows) == list(range(N))
     assert len({r["key"] for r in rows}) == N
-    assert not [p for p in dest.rglob("*") if c.is_temp_name(p.name)]
+    assert not [p for p in dest.rglob("*") if is_temp_name(p.name)]
     assert not list(roots.sample_files(out))  # every source gone, each after its export
 
 
@@ -284,7 +285,7 @@ def _re_extract(path: Path) -> None:
 
     tf = tensorfile.read(path)
     arrays = {k: t.array.copy() for k, t in tf.tensors.items()}
-    arrays[c.T_HIDDEN][0, :4] ^= 0x0001  # a different extraction, bit for bit
+    arrays[T_HIDDEN][0, :4] ^= 0x0001  # a different extraction, bit for bit
     meta = {**tf.metadata, **ck.checksum_metadata(
         {k: ck.tensor_checksum(np.ascontiguousarray(a).data) for k, a in arrays.items()})}
     tmp = path.with_name(path.name + ".fixed")
@@ -294,7 +295,7 @@ def _re_extract(path: Path) -> None:
 
 
 def _hidden_of(path: Path) -> np.ndarray:
-    return np.asarray(load_file(str(path))[c.T_HIDDEN].view(torch.int16).numpy())
+    return np.asarray(load_file(str(path))[T_HIDDEN].view(torch.int16).numpy())
 
 
 def test_a_changed_source_is_exported_again_and_deleted_only_once_its_bytes_are(
@@ -331,7 +332,7 @@ def test_a_damaged_destination_is_found_and_rewritten(out: Path, tmp_path: Path)
     assert (again.exported, again.skipped, again.failed) == (1, N - 1, [])
     src = load_file(str(next(p for p in roots.sample_files(out) if p.stem == victim.stem)))
     got = torch.load(victim, weights_only=True)
-    assert torch.equal(got["hidden_states"], src[c.T_HIDDEN])
+    assert torch.equal(got["hidden_states"], src[T_HIDDEN])
 
 
 def _speculators_rows(dest: Path) -> dict[int, str]:
@@ -460,7 +461,7 @@ def test_index_and_export_take_several_hosts_roots_and_each_sample_once(
     for p in out.iterdir():
         if p.is_file():
             shutil.copy2(p, other / p.name)
-    files = sorted((out / "samples").rglob(f"*{c.DUMP_SUFFIX}"))
+    files = sorted((out / "samples").rglob(f"*{DUMP_SUFFIX}"))
     for p in files[: N // 2]:
         (other / "samples" / p.parent.name).mkdir(exist_ok=True)
         shutil.copy2(p, other / "samples" / p.parent.name / p.name)
@@ -474,7 +475,7 @@ def test_index_and_export_take_several_hosts_roots_and_each_sample_once(
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"indexed: {N} samples ({N} new" in res.stdout, res.stdout
     assert "in two roots, kept once: 1 samples" in res.stdout, res.stdout
-    key = files[0].name.removesuffix(c.DUMP_SUFFIX)
+    key = files[0].name.removesuffix(DUMP_SUFFIX)
     assert f"{key}: kept {files[0]}, left out {other}" in res.stdout
     rows = index.read_rows(out)
     assert len(rows) == N and all((out / r["path"]).is_file() for r in rows.values())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import M_LAYERS, T_AUX, T_HIDDEN, T_INPUT_IDS
 
 BF16_TOLERANCE = 0.02  # worst per-token relative error allowed
 
@@ -62,14 +62,14 @@ def check_dump(path: Path, model_dir: Path, ids: list[int],
     dump = load_file(str(path))
     with open(path, "rb") as f:  # the metadata, from the file's own header
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    recorded = json.loads(header["__metadata__"][c.M_LAYERS])
+    recorded = json.loads(header["__metadata__"][M_LAYERS])
     if layers is not None:
         assert recorded == layers, (recorded, layers)
-    assert dump[c.T_INPUT_IDS].tolist() == ids
+    assert dump[T_INPUT_IDS].tolist() == ids
     hidden, aux = reference(model_dir, ids, recorded)
-    assert dump[c.T_HIDDEN].dtype == torch.bfloat16 and dump[c.T_HIDDEN].shape == hidden.shape
-    assert dump[c.T_AUX].dtype == torch.bfloat16 and dump[c.T_AUX].shape == aux.shape
-    err = max(relative_error(dump[c.T_HIDDEN], hidden), relative_error(dump[c.T_AUX], aux))
+    assert dump[T_HIDDEN].dtype == torch.bfloat16 and dump[T_HIDDEN].shape == hidden.shape
+    assert dump[T_AUX].dtype == torch.bfloat16 and dump[T_AUX].shape == aux.shape
+    err = max(relative_error(dump[T_HIDDEN], hidden), relative_error(dump[T_AUX], aux))
     assert err < BF16_TOLERANCE, f"{path.name}: {err:.4f} off transformers"
     return err
 
@@ -78,17 +78,17 @@ def layer_errors(path: Path, model_dir: Path) -> dict[str, tuple[float, float]]:
     """Per captured layer and the final state: (worst, mean) per-token relative error of a
     dump against transformers, for the report."""
     dump = load_file(str(path))
-    ids = dump[c.T_INPUT_IDS].tolist()
+    ids = dump[T_INPUT_IDS].tolist()
     with open(path, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    layers = json.loads(header["__metadata__"][c.M_LAYERS])
+    layers = json.loads(header["__metadata__"][M_LAYERS])
     hidden, aux = reference(model_dir, ids, layers)
     width = hidden.shape[-1]
     out = {}
     for j, layer in enumerate(layers):
         cols = slice(j * width, (j + 1) * width)
-        e = token_errors(dump[c.T_AUX][:, cols], aux[:, cols])
+        e = token_errors(dump[T_AUX][:, cols], aux[:, cols])
         out[f"layer {layer} input"] = (float(e.max()), float(e.mean()))
-    e = token_errors(dump[c.T_HIDDEN], hidden)
+    e = token_errors(dump[T_HIDDEN], hidden)
     out["final (post-norm)"] = (float(e.max()), float(e.mean()))
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.rids import NO_RUN, RID_PREFIX
 from producer.localfarm.farm import wait_until
 from tests.live.conftest import measured, running
 from tests.live.reference import BF16_TOLERANCE, _model, check_dump, relative_error
@@ -183,7 +183,7 @@ def test_verify_probe_fails_with_a_wrong_dump_dir(server: LiveServer, tmp_path: 
     strays: list[Path] = []
 
     def stray() -> bool:
-        strays[:] = server.dumps.glob(f"{c.RID_PREFIX}{c.NO_RUN}-_hsfarm_verify_*")
+        strays[:] = server.dumps.glob(f"{RID_PREFIX}{NO_RUN}-_hsfarm_verify_*")
         return bool(strays)
 
     wait_until(stray, 60, "the probe's dump in the server's own dump dir")

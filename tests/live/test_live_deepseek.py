@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_INPUT_IDS
 from tests.conftest import CACHE
 from tests.live.conftest import measured, running
 from tests.live.reference import _model, check_dump, layer_errors, relative_error
@@ -69,7 +69,7 @@ def record(what: str, model: Path, dumps: list[Path]) -> None:
     """Per captured layer: the worst and the mean per-token error over ``dumps``."""
     per: dict[str, list[tuple[float, float, int]]] = {}
     for path in dumps:
-        n = len(load_file(str(path))[c.T_INPUT_IDS])
+        n = len(load_file(str(path))[T_INPUT_IDS])
         for name, (worst, mean) in layer_errors(path, model).items():
             per.setdefault(name, []).append((worst, mean, n))
     cells = []
@@ -155,7 +155,7 @@ class TestUnchunked:
             states = _model(model).model(torch.tensor([req.ids]),
                                          output_hidden_states=True).hidden_states
         for j, layer in enumerate(LAYERS):
-            got = dump[c.T_AUX][:, j * 64:(j + 1) * 64]
+            got = dump[T_AUX][:, j * 64:(j + 1) * 64]
             for other in (layer - 1, layer + 1):
                 assert relative_error(got, states[other][0]) > 0.1, (layer, other)
 

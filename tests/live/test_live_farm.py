@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, is_temp_name
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import CACHE, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.live.conftest import measured, running
@@ -73,9 +73,9 @@ def assert_matches_transformers(farm: LocalFarm, keys: list[str], model: Path) -
     worst = 0.0
     for key in keys:
         t = load_file(str(outdir.final_path(farm.output_dir, key)))
-        hidden, aux = reference(model, t[c.T_INPUT_IDS].tolist(), [2, 4, 5])
-        assert t[c.T_HIDDEN].dtype == torch.bfloat16 and t[c.T_AUX].shape == aux.shape
-        err = max(relative_error(t[c.T_HIDDEN], hidden), relative_error(t[c.T_AUX], aux))
+        hidden, aux = reference(model, t[T_INPUT_IDS].tolist(), [2, 4, 5])
+        assert t[T_HIDDEN].dtype == torch.bfloat16 and t[T_AUX].shape == aux.shape
+        err = max(relative_error(t[T_HIDDEN], hidden), relative_error(t[T_AUX], aux))
         assert err < BF16_TOLERANCE, (key, err)
         worst = max(worst, err)
     return worst
@@ -119,7 +119,7 @@ def test_server_sigkilled_mid_run_and_restarted(farm: LocalFarm, server: LiveSer
     assert done_at_kill < 24
     assert_farm_invariants(farm, keys)
     assert extractions(farm) == dict.fromkeys(keys, 1)
-    assert not [p for p in server.dumps.iterdir() if c.is_temp_name(p.name)]
+    assert not [p for p in server.dumps.iterdir() if is_temp_name(p.name)]
     markers = server.markers()
     assert len(markers) == 1 and Path(f"/proc/{_pid(markers[0])}").exists(), markers
     # And the workers saw the server go away and waited for it, without failing anything

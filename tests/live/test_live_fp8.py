@@ -14,8 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
 from engine_dump import fp8 as codec
+from engine_dump.dumpfile import (
+    DTYPE_FP8,
+    ENV_DUMP_DTYPE,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+)
+from engine_dump.rids import INTERNAL_KEY_PREFIX, make_rid
 from sglang_patch.tiny_model import ensure_tiny_model
 from tests.live.conftest import measured, running
 from tests.live.sglang_server import LiveServer
@@ -30,7 +38,7 @@ def server(module_dir: Path) -> Iterator[LiveServer]:
     model = ensure_tiny_model(module_dir / "cache", hidden_size=H)
     server = LiveServer(model, module_dir, module_dir / "dumps",
                         extra=["--chunked-prefill-size", "64"],
-                        extra_env={c.ENV_DUMP_DTYPE: c.DTYPE_FP8})
+                        extra_env={ENV_DUMP_DTYPE: DTYPE_FP8})
     with running(server, "TP=1, fp8_e4m3 dumps, H = 256"):
         yield server
 
@@ -42,8 +50,8 @@ def test_the_live_hook_stores_block_scaled_fp8_within_e4m3s_rounding(
     reqs = []
     for i, n in enumerate((35, 142, 300)):
         ids = prompt(n, i, vocab)
-        reqs += [Req(c.make_rid(f"p{i}", 1, n), ids),
-                 Req(c.make_rid(f"{c.INTERNAL_KEY_PREFIX}p{i}", 1, n), ids)]
+        reqs += [Req(make_rid(f"p{i}", 1, n), ids),
+                 Req(make_rid(f"{INTERNAL_KEY_PREFIX}p{i}", 1, n), ids)]
     with ThreadPoolExecutor(max_workers=8) as pool:
         for answer in send(server, reqs, pool):
             answer.result()
@@ -53,11 +61,11 @@ def test_the_live_hook_stores_block_scaled_fp8_within_e4m3s_rounding(
         ref = load_file(str(wait_dump(server.dumps, own.rid)))
         n = len(sample.ids)
         # Then the sample's dump holds e4m3 with a scale per block of 128 values per layer
-        assert got[c.T_AUX].dtype == torch.float8_e4m3fn
-        assert got[c.T_HIDDEN_SCALE].shape == (n, 2) and got[c.T_AUX_SCALE].shape == (n, 6)
-        assert ref[c.T_AUX].dtype == torch.bfloat16 and c.T_AUX_SCALE not in ref
-        for name, scale, layers in ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1),
-                                    (c.T_AUX, c.T_AUX_SCALE, 3)):
+        assert got[T_AUX].dtype == torch.float8_e4m3fn
+        assert got[T_HIDDEN_SCALE].shape == (n, 2) and got[T_AUX_SCALE].shape == (n, 6)
+        assert ref[T_AUX].dtype == torch.bfloat16 and T_AUX_SCALE not in ref
+        for name, scale, layers in ((T_HIDDEN, T_HIDDEN_SCALE, 1),
+                                    (T_AUX, T_AUX_SCALE, 3)):
             q, s = got[name].view(torch.uint8), got[scale]
             back = codec.dequantize(q, s, torch.float32, layers=layers)
             # And numpy (the worker's, the training side's) reads torch's values bit for bit

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
 from engine_dump import engines
+from engine_dump.dumpfile import DTYPE_BF16, T_AUX, T_HIDDEN, dump_path
+from engine_dump.rids import make_rid
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE, assert_farm_invariants, wait_finished
 from tests.live.conftest import measured, running
@@ -39,7 +40,7 @@ def server(module_dir: Path, tiny_model: Path) -> Iterator[LiveServer]:
 
 def ask(server: LiveServer, key: str, ids: list[int]) -> tuple[np.ndarray, Path]:
     """One request as a proven sample's (``Engine.generate``): its logprobs and its dump."""
-    rid = c.make_rid(key, 1, len(ids), run=RUN)
+    rid = make_rid(key, 1, len(ids), run=RUN)
     path, body, _ = engines.sglang_engine({"model_path": "m"}).generate(rid, ids, None, True)
     answer = post_json(server.url, path, body, 300)
     said = engines.prompt_logprobs(engines.SGLANG, answer, ids)
@@ -53,7 +54,7 @@ def ask(server: LiveServer, key: str, ids: list[int]) -> tuple[np.ndarray, Path]
 def final_state(dump: Path) -> tuple[np.ndarray, np.ndarray]:
     """The dump's final state (float32, all rows) and its last aux layer."""
     t = load_file(str(dump))
-    return t[c.T_HIDDEN].float().numpy(), t[c.T_AUX].float().numpy()
+    return t[T_HIDDEN].float().numpy(), t[T_AUX].float().numpy()
 
 
 def test_live_logprobs_prove_right_rows_and_refute_wrong_ones(server: LiveServer,
@@ -73,7 +74,7 @@ def test_live_logprobs_prove_right_rows_and_refute_wrong_ones(server: LiveServer
         arr = np.asarray(ids)
 
         # When the dump's rows are proven, and wrong ones made from them
-        right = proof.prove(head, hidden[rows], rows, arr, server_lp, c.DTYPE_BF16)
+        right = proof.prove(head, hidden[rows], rows, arr, server_lp, DTYPE_BF16)
         rms = np.sqrt((aux[:, -64:] ** 2).mean(axis=1, keepdims=True))
         other = previous if previous is not None else hidden[::-1]
         wrong = {
@@ -81,7 +82,7 @@ def test_live_logprobs_prove_right_rows_and_refute_wrong_ones(server: LiveServer
             "other sample": np.resize(other, hidden.shape)[rows],
             "pre-norm": (hidden / norm * rms)[rows],
         }
-        verdicts = {k: proof.prove(head, h, rows, arr, server_lp, c.DTYPE_BF16)
+        verdicts = {k: proof.prove(head, h, rows, arr, server_lp, DTYPE_BF16)
                     for k, h in wrong.items()}
 
         # Then the right rows agree, and every wrong kind fails, on every trial
@@ -95,16 +96,16 @@ def test_live_logprobs_prove_right_rows_and_refute_wrong_ones(server: LiveServer
     # And the server's cost of the logprobs: the same ids, with and without
     ids = rng.integers(6, 600, 256).tolist()
     t0 = time.monotonic()
-    plain = c.make_rid("plain", 1, 256, run=RUN)
+    plain = make_rid("plain", 1, 256, run=RUN)
     server.generate(plain, ids)
     t1 = time.monotonic()
     _, dump = ask(server, "asked", ids)
     t2 = time.monotonic()
     dump.unlink()  # the farm test after this one shares the dump dir
     deadline = time.monotonic() + 30
-    while not c.dump_path(server.dumps, plain).exists() and time.monotonic() < deadline:
+    while not dump_path(server.dumps, plain).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    c.dump_path(server.dumps, plain).unlink()
+    dump_path(server.dumps, plain).unlink()
     measured(f"proof, live SGLang: a 256-token prefill {t1 - t0:.2f}s, with its prompt "
              f"logprobs {t2 - t1:.2f}s")
     measured(f"proof, live SGLang: {TRIALS} samples x 32 rows agree to |Δ logprob| <= "

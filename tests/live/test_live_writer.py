@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.rids import NO_RUN, RID_PREFIX
 from tests.live.conftest import measured, running
 from tests.live.sglang_server import LiveServer
 from tests.live.traffic import ours, prompt, vocab_size, wait_dump
@@ -34,7 +34,7 @@ def test_a_rid_too_long_for_a_file_name_stalls_nothing(server: LiveServer,
     # Given a request whose rid looks like ours but carries a 300-character sample key
     vocab = vocab_size(tiny_model)
     n = 40
-    too_long = f"{c.RID_PREFIX}{c.NO_RUN}-{'k' * 300}-a1-n{n}"
+    too_long = f"{RID_PREFIX}{NO_RUN}-{'k' * 300}-a1-n{n}"
     # When the server serves it, then eight requests of ours, one after the other
     server.generate(too_long, prompt(n, 1, vocab), timeout_s=120)
     t0 = time.monotonic()

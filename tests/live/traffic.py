@@ -9,7 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import dump_path, err_path
+from engine_dump.rids import make_rid
 from producer.localfarm.farm import wait_until
 from tests.live.sglang_server import LiveServer
 
@@ -37,7 +38,7 @@ def prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 def ours(key: str, n: int, seed: int, vocab: int, max_new_tokens: int = 0) -> Req:
     """A request of ours: a farm rid declaring its prompt length."""
-    return Req(c.make_rid(key, 1, n), prompt(n, seed, vocab), max_new_tokens)
+    return Req(make_rid(key, 1, n), prompt(n, seed, vocab), max_new_tokens)
 
 
 def send(server: LiveServer, reqs: list[Req], pool: ThreadPoolExecutor) -> list[Future[object]]:
@@ -47,7 +48,7 @@ def send(server: LiveServer, reqs: list[Req], pool: ThreadPoolExecutor) -> list[
 
 def wait_dump(dump_dir: Path, rid: str, timeout_s: float = 120) -> Path:
     """The request's dump once it is there; fails at once on a ``.err``."""
-    dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
+    dump, err = dump_path(dump_dir, rid), err_path(dump_dir, rid)
 
     def arrived() -> bool:
         assert not err.exists(), f"{rid}: {err.read_text()}"

@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.checkpoint import weights_identity
+from engine_dump.dumpfile import M_WEIGHTS, T_AUX, T_HIDDEN, T_INPUT_IDS, dump_path, err_path
+from engine_dump.rids import make_rid
 from sglang_patch import plugin, verify
 
 H, V = 16, 50
@@ -144,7 +146,7 @@ def test_ids_that_never_arrive_give_our_requests_an_err_with_the_fix(pending: An
     # When a batch holds a request of ours (ending here), one of ours mid-prompt and a
     # foreign one, through the real patched LogitsProcessor.forward
     proc = _processor()
-    done, mid = c.make_rid("done", 1, 4), c.make_rid("mid", 1, 9)
+    done, mid = make_rid("done", 1, 4), make_rid("mid", 1, 9)
     out = _forward(proc, [(done, 0, 4, _request(4, 1)), (mid, 0, 3, _request(9, 2)),
                           ("chatcmpl-7", 0, 2, _request(2, 3))])
     # Then the server goes on (the LM head ran), no marker or writer exists, the finished
@@ -153,7 +155,7 @@ def test_ids_that_never_arrive_give_our_requests_an_err_with_the_fix(pending: An
     assert plugin._hook is None
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [f"{done}.err"]
-    message = c.err_path(tmp_path, done).read_text()
+    message = err_path(tmp_path, done).read_text()
     assert "--enable-return-aux-hidden-states" in message and "verify" in message
 
 
@@ -163,7 +165,7 @@ def test_ids_that_arrive_late_bring_the_hook_up_at_the_first_request(pending: An
     pending.layers_to_capture = [2, 4, 5]
     # When the first request of ours arrives
     proc = _processor()
-    rid = c.make_rid("late", 1, 6)
+    rid = make_rid("late", 1, 6)
     ids, hid, aux = _request(6, 4)
     _forward(proc, [("HEALTH_CHECK_1", 0, 1, _request(1, 5)), (rid, 0, 6, (ids, hid, aux))])
     plugin._hook.writer.flush()
@@ -174,9 +176,9 @@ def test_ids_that_arrive_late_bring_the_hook_up_at_the_first_request(pending: An
     info = json.loads(next(tmp_path.glob(".ready.*")).read_text())
     assert info["layers_to_capture"] == [2, 4, 5]
     assert info["ids_known"] == "at the first request" and info["tp_size"] == 8
-    got = load_file(str(c.dump_path(tmp_path, rid)))
-    assert torch.equal(got[c.T_HIDDEN], hid.to(torch.bfloat16))
-    assert torch.equal(got[c.T_AUX], aux.to(torch.bfloat16))
+    got = load_file(str(dump_path(tmp_path, rid)))
+    assert torch.equal(got[T_HIDDEN], hid.to(torch.bfloat16))
+    assert torch.equal(got[T_AUX], aux.to(torch.bfloat16))
 
 
 def test_a_wrong_number_of_ids_is_refused_at_start_and_answered_while_serving(
@@ -187,9 +189,9 @@ def test_a_wrong_number_of_ids_is_refused_at_start_and_answered_while_serving(
     with pytest.raises(plugin.LayoutError, match="--return-aux-hidden-state-layer-ids"):
         plugin.around_init_attention_backends(lambda r: None, runner)
     # While serving (ids changed after start): the request gets the reason, the server lives
-    rid = c.make_rid("two", 1, 3)
+    rid = make_rid("two", 1, 3)
     _forward(_processor(), [(rid, 0, 3, _request(3, 6))])
-    assert "needs exactly 3" in c.err_path(tmp_path, rid).read_text()
+    assert "needs exactly 3" in err_path(tmp_path, rid).read_text()
     assert plugin._hook is None
 
 
@@ -246,8 +248,8 @@ def test_capture_through_the_real_hook(hook: Any) -> None:
     # Given our requests mixed with a health check and a foreign client, one request chunked
     # over three batches, a retried rid, a truncated request and padding rows
     proc = _processor()
-    a, b = c.make_rid("a", 1, 10), c.make_rid("b", 2, 4)
-    cut, retry = c.make_rid("cut", 1, 9), c.make_rid("r", 3, 5)
+    a, b = make_rid("a", 1, 10), make_rid("b", 2, 4)
+    cut, retry = make_rid("cut", 1, 9), make_rid("r", 3, 5)
     ra, rb, rh, rc, rr = (_request(n, s) for n, s in ((10, 1), (4, 2), (1, 3), (9, 4), (5, 5)))
     out = _forward(proc, [(a, 0, 3, ra), ("HEALTH_CHECK_x", 0, 1, rh), (retry, 0, 2, rr)], pad=3)
     # the original forward still ran: one next-token row per sequence (padding is one too)
@@ -260,11 +262,11 @@ def test_capture_through_the_real_hook(hook: Any) -> None:
     d = hook.writer.dump_dir
     # Then each whole request equals the same request in one piece, bit for bit in bf16
     for rid, (ids, hid, aux) in ((a, ra), (b, rb), (retry, rr)):
-        got = load_file(str(c.dump_path(d, rid)))
-        assert torch.equal(got[c.T_INPUT_IDS], ids)
-        assert torch.equal(got[c.T_HIDDEN], hid.to(torch.bfloat16))
-        assert torch.equal(got[c.T_AUX], aux.to(torch.bfloat16))
-    assert "gap: chunk starts at 6" in c.err_path(d, cut).read_text()
+        got = load_file(str(dump_path(d, rid)))
+        assert torch.equal(got[T_INPUT_IDS], ids)
+        assert torch.equal(got[T_HIDDEN], hid.to(torch.bfloat16))
+        assert torch.equal(got[T_AUX], aux.to(torch.bfloat16))
+    assert "gap: chunk starts at 6" in err_path(d, cut).read_text()
     ours = sorted(p.name for p in d.iterdir())
     assert ours == sorted([f"{a}.safetensors", f"{b}.safetensors", f"{retry}.safetensors",
                            f"{cut}.err"])
@@ -273,7 +275,7 @@ def test_capture_through_the_real_hook(hook: Any) -> None:
 def test_target_verify_and_foreign_batches_cost_nothing(hook: Any) -> None:
     proc = _processor()
     r = _request(4, 6)
-    _forward(proc, [(c.make_rid("tv", 1, 4), 0, 4, r)], mode="TARGET_VERIFY")
+    _forward(proc, [(make_rid("tv", 1, 4), 0, 4, r)], mode="TARGET_VERIFY")
     _forward(proc, [("HEALTH_CHECK_1", 0, 4, r)])
     hook.writer.flush()
     assert list(hook.writer.dump_dir.iterdir()) == []
@@ -372,19 +374,19 @@ def test_the_hook_publishes_the_weights_it_loaded(sglang_ctx: Any, tmp_path: Pat
     try:
         # When the model loads and the hook comes up, and a request of ours is dumped
         plugin.around_load_model(lambda r: None, runner)
-        rid = c.make_rid("w", 1, 3)
+        rid = make_rid("w", 1, 3)
         _forward(_processor(), [(rid, 0, 3, _request(3, 7))])
         plugin._hook.writer.flush()
         # Then the dump dir was made 0700, and the marker (whole) and the dump (its id) carry
         # the weights identity of the files in --model-path: the one the farm computes
-        want = c.weights_identity(model_dir)
+        want = weights_identity(model_dir)
         assert (dumps.stat().st_mode & 0o7777) == 0o700
         info = json.loads(next(dumps.glob(".ready.*")).read_text())
         assert info["weights"] == want and len(want["shards"]) == 1
         from safetensors import safe_open
 
-        with safe_open(str(c.dump_path(dumps, rid)), "pt") as f:
-            served = json.loads(f.metadata()[c.M_WEIGHTS])
+        with safe_open(str(dump_path(dumps, rid)), "pt") as f:
+            served = json.loads(f.metadata()[M_WEIGHTS])
         assert served == {"scheme": want["scheme"], "id": want["id"], "shards": 1,
                           "model_path": str(model_dir)}
     finally:

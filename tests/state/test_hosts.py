@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK, TMP_MARK, is_temp_name
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from worker.core import outdir
 from worker.core.settings import Settings
 from worker.core.store import M_CONTENT, OutputStore, Part
@@ -23,20 +24,20 @@ H = 4
 DOWN = Settings(server_url="http://127.0.0.1:1")  # no server: its state is "down (...)"
 
 
-def _fp(hidden_size: int = H) -> c.Fingerprint:
-    return c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
-                         layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
-                         hidden_size=hidden_size, dtype="bfloat16", max_tokens=8192,
-                         overlong="reject")
+def _fp(hidden_size: int = H) -> Fingerprint:
+    return Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+                       layers_to_capture=(2, 4, 5), layer_convention=LAYER_CONVENTION,
+                       hidden_size=hidden_size, dtype="bfloat16", max_tokens=8192,
+                       overlong="reject")
 
 
 def _parts(n: int, seed: int, h: int = H) -> dict[str, Part]:
     rng = np.random.default_rng(seed)
     arrays: dict[str, tuple[str, np.ndarray]] = {
-              c.T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
-              c.T_LOSS_MASK: ("I64", np.ones(n, dtype=np.int64)),
-              c.T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, h), dtype=np.uint16)),
-              c.T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * h), dtype=np.uint16))}
+              T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
+              T_LOSS_MASK: ("I64", np.ones(n, dtype=np.int64)),
+              T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, h), dtype=np.uint16)),
+              T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * h), dtype=np.uint16))}
     return {k: Part.from_array(dt, a) for k, (dt, a) in arrays.items()}
 
 
@@ -60,7 +61,7 @@ def test_scan_reads_every_final_file_of_the_run_and_nothing_else(tmp_path: Path)
     store, _ = _output(tmp_path, {"a": "ha", "b": "hb", "c.tmp.x": "hc"})
     shard = store.final_path("zz").parent
     shard.mkdir(parents=True, exist_ok=True)
-    (shard / f".zz.safetensors{c.TMP_MARK}host.m1.1.abcd").write_bytes(b"partial")
+    (shard / f".zz.safetensors{TMP_MARK}host.m1.1.abcd").write_bytes(b"partial")
     other = OutputStore(tmp_path / "other", _fp(hidden_size=8)).open()
     foreign = other.write("f", _parts(3, 9, h=8), {M_CONTENT: "hf"})
     foreign.rename(shard / foreign.name)
@@ -130,7 +131,7 @@ def test_hosts_sharing_one_output_dir_hold_its_files_once(r: redis.Redis,
 def test_the_root_id_is_made_once_and_kept(tmp_path: Path) -> None:
     first = hosts.root_id(tmp_path)
     assert len(first) == 16 and hosts.root_id(tmp_path) == first
-    assert not [p for p in tmp_path.iterdir() if c.is_temp_name(p.name)]
+    assert not [p for p in tmp_path.iterdir() if is_temp_name(p.name)]
     (tmp_path / "other").mkdir()
     assert hosts.root_id(tmp_path / "other") != first
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import dump_path
+from engine_dump.rids import make_rid
 from worker.core import outdir
 from worker.core.settings import Settings
 from worker.state.index import RunIndex
@@ -33,7 +34,7 @@ def test_a_redone_samples_fresh_dump_is_kept_a_done_samples_is_swept(
         final = outdir.final_path(settings.output_dir, key)
         final.parent.mkdir(parents=True, exist_ok=True)
         final.write_bytes(b"x")
-        dumps[key] = c.dump_path(settings.dump_dir, c.make_rid(key, 2, 8, run=RUN))
+        dumps[key] = dump_path(settings.dump_dir, make_rid(key, 2, 8, run=RUN))
         dumps[key].write_bytes(b"x")
     index.mark_done("done", 1, 8)
     # When the janitor sweeps (both dumps are young)
@@ -53,7 +54,7 @@ def test_without_redis_the_janitor_sweeps_only_by_age(tmp_path: Path) -> None:
     final = outdir.final_path(settings.output_dir, "s1")
     final.parent.mkdir(parents=True)
     final.write_bytes(b"x")
-    dump = c.dump_path(settings.dump_dir, c.make_rid("s1", 1, 8, run=RUN))
+    dump = dump_path(settings.dump_dir, make_rid("s1", 1, 8, run=RUN))
     dump.write_bytes(b"x")
     # When the janitor sweeps now, then once the dump is older than a task can wait
     kept = sweep_dumps(settings, RUN)

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from celery import Celery
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE
 from worker.app import celery_config
@@ -24,10 +24,10 @@ from worker.steps.reconciler import Reconciler
 HEAL_ENV = {"FARM_RECONCILE_INTERVAL_S": "2", "FARM_RECONCILE_CONFIRM_S": "2"}
 
 
-def _fingerprint() -> c.Fingerprint:
-    return c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
-                         layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
-                         hidden_size=4, dtype="bfloat16", max_tokens=8192, overlong="reject")
+def _fingerprint() -> Fingerprint:
+    return Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+                       layers_to_capture=(2, 4, 5), layer_convention=LAYER_CONVENTION,
+                       hidden_size=4, dtype="bfloat16", max_tokens=8192, overlong="reject")
 
 
 def _message(run_id: str, key: str) -> bytes:

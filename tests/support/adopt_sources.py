@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from sglang_patch.reference_model import ReferenceModel
 from worker.core import checksums, tensorfile
 from worker.core.samples import validate_record
@@ -72,10 +72,10 @@ def write_hsfarm(src: Path, items: list[Extracted]) -> None:
     (src / "samples" / "00").mkdir(parents=True, exist_ok=True)
     (src / "manifest.json").write_text(json.dumps({"fingerprint_id": "another-host"}))
     for i, e in enumerate(items):
-        tensors = {c.T_INPUT_IDS: tensorfile.Tensor("I64", np.asarray(e.ids, dtype=np.int64)),
-                   c.T_LOSS_MASK: tensorfile.Tensor("I64", np.asarray(e.mask, dtype=np.int64)),
-                   c.T_HIDDEN: tensorfile.Tensor("BF16", bits(e.hidden)),
-                   c.T_AUX: tensorfile.Tensor("BF16", bits(e.aux))}
+        tensors = {T_INPUT_IDS: tensorfile.Tensor("I64", np.asarray(e.ids, dtype=np.int64)),
+                   T_LOSS_MASK: tensorfile.Tensor("I64", np.asarray(e.mask, dtype=np.int64)),
+                   T_HIDDEN: tensorfile.Tensor("BF16", bits(e.hidden)),
+                   T_AUX: tensorfile.Tensor("BF16", bits(e.aux))}
         sums = {k: checksums.tensor_checksum(np.ascontiguousarray(t.array).data)
                 for k, t in tensors.items()}
         tensorfile.write(src / "samples" / "00" / f"s{i}.safetensors", tensors,

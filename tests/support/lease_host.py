@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from worker.core.errors import LeaseLost
 from worker.core.store import M_CONTENT, OutputStore, Part
 from worker.state import lease as leases
@@ -25,21 +26,21 @@ H = 4
 N_TOKENS = 64
 
 
-def fingerprint() -> c.Fingerprint:
-    return c.Fingerprint(
+def fingerprint() -> Fingerprint:
+    return Fingerprint(
         config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
-        layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION, hidden_size=H,
+        layers_to_capture=(2, 4, 5), layer_convention=LAYER_CONVENTION, hidden_size=H,
         dtype="bfloat16", max_tokens=8192, overlong="reject")
 
 
 def parts(seed: int) -> dict[str, Part]:
     rng = np.random.default_rng(seed)
     n = N_TOKENS
-    return {c.T_INPUT_IDS: Part.from_array("I64", np.arange(n, dtype=np.int64)),
-            c.T_LOSS_MASK: Part.from_array("I64", np.ones(n, dtype=np.int64)),
-            c.T_HIDDEN: Part.from_array("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
-            c.T_AUX: Part.from_array("BF16",
-                                     rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16))}
+    return {T_INPUT_IDS: Part.from_array("I64", np.arange(n, dtype=np.int64)),
+            T_LOSS_MASK: Part.from_array("I64", np.ones(n, dtype=np.int64)),
+            T_HIDDEN: Part.from_array("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
+            T_AUX: Part.from_array("BF16",
+                                   rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16))}
 
 
 def main(argv: list[str]) -> int:

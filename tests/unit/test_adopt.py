@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_BF16, DTYPE_FP8, is_temp_name
+from engine_dump.fingerprint import Fingerprint
 from producer.adopt import check as ck
 from producer.adopt import match as am
 from producer.adopt import pin as pn
@@ -22,9 +23,9 @@ from worker.core import store as st
 from worker.core.errors import SourceFileRefused
 
 N_DATA, N_SOURCE = 8, 6
-FP = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
-                   layers_to_capture=(2, 4, 5), layer_convention="x", hidden_size=64,
-                   dtype="bfloat16", max_tokens=8192, overlong="reject")
+FP = Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
+                 layers_to_capture=(2, 4, 5), layer_convention="x", hidden_size=64,
+                 dtype="bfloat16", max_tokens=8192, overlong="reject")
 
 
 def test_pre_norm_final_state_diagnosed() -> None:
@@ -53,10 +54,10 @@ def _sample(n: int = 6, h: int = 8) -> SourceSample:
     rng = np.random.default_rng(0)
     bits = cn._to_bf16(rng.normal(size=(n, 4 * h)).astype(np.float32))
     return SourceSample(np.arange(n, dtype=np.int64), None, bits[:, 3 * h:].copy(),
-                        bits[:, :3 * h].copy(), c.DTYPE_BF16)
+                        bits[:, :3 * h].copy(), DTYPE_BF16)
 
 
-@pytest.mark.parametrize("dtype", [c.DTYPE_BF16, c.DTYPE_FP8])
+@pytest.mark.parametrize("dtype", [DTYPE_BF16, DTYPE_FP8])
 def test_a_file_is_written_only_with_the_states_its_check_pinned(tmp_path: Path,
                                                                   dtype: str) -> None:
     # Given a source file's states pinned by its check, and a run storing bf16 or fp8
@@ -69,7 +70,7 @@ def test_a_file_is_written_only_with_the_states_its_check_pinned(tmp_path: Path,
     with pytest.raises(SourceFileRefused, match="changed since it was checked"):
         write_adopted(store, "k", "h", s, mask, {}, pin=pin)
     assert not store.final_path("k").exists()
-    assert not [p for p in tmp_path.rglob("*") if c.is_temp_name(p.name)]
+    assert not [p for p in tmp_path.rglob("*") if is_temp_name(p.name)]
     # And the states checked are written
     s.aux[3, 7] ^= 1
     write_adopted(store, "k", "h", s, mask, {}, pin=pin)
@@ -78,6 +79,6 @@ def test_a_file_is_written_only_with_the_states_its_check_pinned(tmp_path: Path,
 
 def test_fp8_files_are_refused_by_a_bf16_run() -> None:
     s = _sample()
-    s.dtype = c.DTYPE_FP8
+    s.dtype = DTYPE_FP8
     with pytest.raises(SourceFileRefused, match="this run stores bfloat16"):
         am.check_shapes(s, replace(FP, hidden_size=8))

@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    DTYPE_BF16,
+    DTYPE_FP8,
+    M_DUMP_DTYPE,
+    M_LAYERS,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+)
+from engine_dump.fingerprint import Fingerprint
 from producer.adopt import check as ck
 from producer.adopt import header as ah
 from producer.adopt import pin as pn
@@ -20,14 +30,14 @@ from worker.core.store import M_FINGERPRINT
 
 
 def test_header_problems_name_each_field() -> None:
-    fp = c.Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
-                       layers_to_capture=(2, 4, 5), layer_convention="x", hidden_size=64,
-                       dtype=c.DTYPE_BF16, max_tokens=8192, overlong="reject")
+    fp = Fingerprint(config_sha256="x", tokenizer_sha256="x", chat_template_sha256="x",
+                     layers_to_capture=(2, 4, 5), layer_convention="x", hidden_size=64,
+                     dtype=DTYPE_BF16, max_tokens=8192, overlong="reject")
     assert ah.problems({}, fp, "w1") == []
-    assert ah.problems({c.M_LAYERS: "[2, 4, 5]", M_FINGERPRINT: fp.id,
+    assert ah.problems({M_LAYERS: "[2, 4, 5]", M_FINGERPRINT: fp.id,
                         weights.M_WEIGHTS_ID: "w1"}, fp, "w1") == []
-    got = ah.problems({c.M_LAYERS: "[1, 2, 3]", M_FINGERPRINT: "f", weights.M_WEIGHTS_ID: "w2",
-                       c.M_DUMP_DTYPE: c.DTYPE_FP8}, fp, "w1")
+    got = ah.problems({M_LAYERS: "[1, 2, 3]", M_FINGERPRINT: "f", weights.M_WEIGHTS_ID: "w2",
+                       M_DUMP_DTYPE: DTYPE_FP8}, fp, "w1")
     assert [g.split(" ")[3] for g in got] == ["layers", "fingerprint", "weights", "dtype"]
 
 
@@ -73,8 +83,8 @@ def _fp8_picked(x: torch.Tensor, h: int) -> ck.Picked:
     qa, sa = hook.quantize(x[:, :3 * h], 3)
     qh, sh = hook.quantize(x[:, 3 * h:], 1)
     rows = np.arange(len(x))
-    at = {c.T_AUX: qa.numpy(), c.T_AUX_SCALE: sa.numpy(), c.T_HIDDEN: qh.numpy(),
-          c.T_HIDDEN_SCALE: sh.numpy()}
+    at = {T_AUX: qa.numpy(), T_AUX_SCALE: sa.numpy(), T_HIDDEN: qh.numpy(),
+          T_HIDDEN_SCALE: sh.numpy()}
     return ck.picked_of_rows("f", list(range(len(x))), rows, at)
 
 

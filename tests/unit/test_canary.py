@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import TMP_MARK
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE
 from worker.core import canary as cn
@@ -37,7 +37,7 @@ def test_recording_is_written_once_and_read_back(tmp_path: Path) -> None:
     # Then only the first recording stands; the second is told so
     assert not cn.record(tmp_path, theirs, {"who": "second"})
     got, meta = cn.load(tmp_path)
-    assert meta["who"] == "first" and not list(tmp_path.glob(f"*{c.TMP_MARK}*"))
+    assert meta["who"] == "first" and not list(tmp_path.glob(f"*{TMP_MARK}*"))
     for a, b in zip(got, mine, strict=True):
         assert np.array_equal(a.states, b.states) and np.array_equal(a.rows, b.rows)
     # And comparing it with itself passes with zero error, with the other fails

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir
 from engine_dump.dump_writer import DumpWriter, Failed, Rows, _Done
+from engine_dump.dumpfile import M_CONFIG_SHA, M_LAYERS, dump_path, err_path
 from engine_dump.markers import write_ready_marker
 from tests.support.dumpdir import AS_NOBODY, NOBODY, as_root
 from tests.support.dumpdir import disk_sticky as disk_sticky  # a fixture
@@ -32,7 +32,7 @@ from worker.server.fingerprint import compute_fingerprint
 
 
 def _write_dump(d: Path, rid: str, n: int = 4, h: int = 8, config_sha256: str = "") -> Path:
-    writer = DumpWriter(d, {c.M_LAYERS: "[2, 4, 5]", c.M_CONFIG_SHA: config_sha256},
+    writer = DumpWriter(d, {M_LAYERS: "[2, 4, 5]", M_CONFIG_SHA: config_sha256},
                         min_free_bytes=0)
     try:
         writer.submit(_rows(rid, n, h))
@@ -40,7 +40,7 @@ def _write_dump(d: Path, rid: str, n: int = 4, h: int = 8, config_sha256: str = 
         writer.flush()
     finally:
         writer.close()
-    return c.dump_path(d, rid)
+    return dump_path(d, rid)
 
 
 def _rows(rid: str, n: int = 4, h: int = 8) -> list[Rows]:
@@ -66,7 +66,7 @@ def test_dumps_errors_and_markers_are_readable_by_the_dump_dirs_users_only(
         os.umask(old)
     # Then each is 0600 (0640 in a shared group dir): no other user reads the hidden states
     want = 0o640 if shared else 0o600
-    err = c.err_path(shm_dir, "hsd-k-a1-n4x")
+    err = err_path(shm_dir, "hsd-k-a1-n4x")
     for p in (dump, err, marker):
         assert stat.S_IMODE(p.stat().st_mode) == want, p
     if not shared:
@@ -87,7 +87,7 @@ def test_a_dump_that_is_a_link_or_another_users_file_is_never_read(tmp_path: Pat
     with worker_dumps.open_dump(real, [0, 1, 2, 3], fp4):
         pass  # the genuine one opens
     # When the path a worker reads is a link to it
-    link = c.dump_path(d, "hsd-link-a1-n4")
+    link = dump_path(d, "hsd-link-a1-n4")
     link.symlink_to(real)
     # Then it is refused, naming the fix, without reading it
     with pytest.raises(ConfigError, match="is a symbolic link"):
@@ -99,7 +99,7 @@ def test_a_dump_that_is_a_link_or_another_users_file_is_never_read(tmp_path: Pat
     # And an error file that is a link is not read into a message either
     secret = tmp_path / "secret"
     secret.write_text("not for the log")
-    c.err_path(d, "hsd-e-a1-n4").symlink_to(secret)
+    err_path(d, "hsd-e-a1-n4").symlink_to(secret)
     import asyncio
 
     with pytest.raises(ConfigError, match="is a symbolic link"):
@@ -191,11 +191,11 @@ def test_the_dump_writer_writes_nothing_into_a_dump_dir_made_again_by_another_us
         disk_sticky: Path) -> None:
     # Given the server's dump writer, started on a dump dir on a disk file system
     d = disk_sticky / "dumps"
-    writer = DumpWriter(d, {c.M_LAYERS: "[2, 4, 5]"}, min_free_bytes=0)
+    writer = DumpWriter(d, {M_LAYERS: "[2, 4, 5]"}, min_free_bytes=0)
     try:
         writer.submit(_rows("hsd-k-a1-n4"))
         writer.flush(timeout_s=10)
-        assert c.dump_path(d, "hsd-k-a1-n4").exists()
+        assert dump_path(d, "hsd-k-a1-n4").exists()
         # When another user (nobody) makes the dump dir again, with its inode number
         _made_again_by_nobody(d)
         # Then the next request's dump is not written into it, nor its error file
@@ -207,7 +207,7 @@ def test_the_dump_writer_writes_nothing_into_a_dump_dir_made_again_by_another_us
         d.mkdir(mode=0o700)
         writer.submit(_rows("hsd-k-a3-n4"))
         writer.flush(timeout_s=10)
-        assert [p.name for p in d.iterdir()] == [c.dump_path(d, "hsd-k-a3-n4").name]
+        assert [p.name for p in d.iterdir()] == [dump_path(d, "hsd-k-a3-n4").name]
     finally:
         writer.close()
 

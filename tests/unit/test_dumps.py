@@ -11,7 +11,25 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_dump import contracts as c
+from engine_dump.checkpoint import WEIGHTS_SCHEME, served_weights
+from engine_dump.dumpfile import (
+    ERR_DUMP_DIR_FULL,
+    ERR_HOOK_INACTIVE,
+    ERR_WRITER_UNHEALTHY,
+    M_CONFIG_SHA,
+    M_LAYERS,
+    M_PATCH_VERSION,
+    M_SERVER_VERSION,
+    M_WEIGHTS,
+    PATCH_VERSION,
+    T_AUX,
+    T_HIDDEN,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    err_path,
+)
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
+from engine_dump.rids import make_rid
 from worker.core import checksums, diskio, dumps, finalfile, tensorfile
 from worker.core.errors import Corrupt, ServerMisconfigured
 from worker.core.store import OutputStore, Part
@@ -20,9 +38,9 @@ H = 1024
 LAYERS = (2, 4, 5)
 
 
-def _fp() -> c.Fingerprint:
-    return c.Fingerprint("cfg", "tok", "tpl", LAYERS, c.LAYER_CONVENTION, H, "bfloat16",
-                         8192, "reject")
+def _fp() -> Fingerprint:
+    return Fingerprint("cfg", "tok", "tpl", LAYERS, LAYER_CONVENTION, H, "bfloat16",
+                       8192, "reject")
 
 
 def _rows(n: int, width: int, seed: int) -> np.ndarray:
@@ -36,10 +54,10 @@ def _bf16(a: np.ndarray) -> torch.Tensor:
 def write_dump(path: Path, ids: list[int], hidden: np.ndarray, aux: np.ndarray,
                **meta: str) -> Path:
     """A dump as the hook writes it (safetensors' save_file, the writer's metadata)."""
-    base = {c.M_LAYERS: json.dumps(list(LAYERS)), c.M_CONFIG_SHA: "cfg",
-            c.M_PATCH_VERSION: c.PATCH_VERSION, c.M_SERVER_VERSION: "test"}
-    save_file({c.T_INPUT_IDS: torch.tensor(ids, dtype=torch.int64), c.T_HIDDEN: _bf16(hidden),
-               c.T_AUX: _bf16(aux)}, str(path), metadata={**base, **meta})
+    base = {M_LAYERS: json.dumps(list(LAYERS)), M_CONFIG_SHA: "cfg",
+            M_PATCH_VERSION: PATCH_VERSION, M_SERVER_VERSION: "test"}
+    save_file({T_INPUT_IDS: torch.tensor(ids, dtype=torch.int64), T_HIDDEN: _bf16(hidden),
+               T_AUX: _bf16(aux)}, str(path), metadata={**base, **meta})
     return path
 
 
@@ -53,8 +71,8 @@ def _store(tmp_path: Path) -> OutputStore:
 
 def _copy(store: OutputStore, d: dumps.Dump, key: str = "k") -> Path:
     """What the worker does with a dump (extract.store_dump, without the read-back)."""
-    parts = {name: d.part(name) for name in (c.T_INPUT_IDS, c.T_HIDDEN, c.T_AUX)}
-    parts[c.T_LOSS_MASK] = Part.from_array("I64", np.ones(len(d.ids) // 8, dtype=np.int64))
+    parts = {name: d.part(name) for name in (T_INPUT_IDS, T_HIDDEN, T_AUX)}
+    parts[T_LOSS_MASK] = Part.from_array("I64", np.ones(len(d.ids) // 8, dtype=np.int64))
     return store.write(key, parts, {"content_sha256": "h"}, validate=d.verdict)
 
 
@@ -69,19 +87,19 @@ def test_a_good_dump_is_copied_and_checksummed_in_one_pass(tmp_path: Path) -> No
     # When it is opened and copied into a final file
     with dumps.open_dump(path, ids, _fp()) as d:
         final = _copy(store, d)
-        part = d.part(c.T_AUX)
+        part = d.part(T_AUX)
         assert part.shape == (n, 3 * H) and part.source is d.file
     # Then the file holds the exact bytes, with their checksums, and verifies from disk
     sums = checksums.file_checksums(tensorfile.header_metadata(final))[1]
-    assert sums[c.T_AUX] == checksums.tensor_checksum(aux.tobytes())
-    assert sums[c.T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
-    assert sums[c.T_INPUT_IDS] == checksums.tensor_checksum(
+    assert sums[T_AUX] == checksums.tensor_checksum(aux.tobytes())
+    assert sums[T_HIDDEN] == checksums.tensor_checksum(hidden.tobytes())
+    assert sums[T_INPUT_IDS] == checksums.tensor_checksum(
         np.asarray(ids, dtype=np.int64).tobytes())
     assert store.verify("k", "h").tokens == n
-    assert np.array_equal(tensorfile.read(final).tensors[c.T_AUX].array, aux)
+    assert np.array_equal(tensorfile.read(final).tensors[T_AUX].array, aux)
     # And once closed, a part taken from the dump can no longer be copied (no recycled fd)
     with open(tmp_path / "out.bin", "wb") as out, pytest.raises(ValueError, match="closed file"):
-        finalfile.write_parts(out.fileno(), {c.T_AUX: part}, {})
+        finalfile.write_parts(out.fileno(), {T_AUX: part}, {})
 
 
 @pytest.mark.parametrize("where", [0, diskio.MAP_WINDOW_BYTES // 2, -1])
@@ -136,10 +154,10 @@ def test_a_dump_of_a_server_with_other_layers_or_config_is_the_servers_fault(
     cases = {
         "server captures layers [1, 2, 3], this run expects": (
             write_dump(tmp_path / "layers.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
-                       **{c.M_LAYERS: "[1, 2, 3]"}), ids),
+                       **{M_LAYERS: "[1, 2, 3]"}), ids),
         "another model is served": (
             write_dump(tmp_path / "cfg.safetensors", ids, _rows(n, H, 1), _rows(n, 3 * H, 2),
-                       **{c.M_CONFIG_SHA: "other"}), [*ids[:3], 99, *ids[4:]]),
+                       **{M_CONFIG_SHA: "other"}), [*ids[:3], 99, *ids[4:]]),
     }
     before = _open_fds()
     for message, (path, sent) in cases.items():
@@ -149,7 +167,7 @@ def test_a_dump_of_a_server_with_other_layers_or_config_is_the_servers_fault(
             dumps.open_dump(path, sent, _fp())
         assert message in str(e.value), str(e.value)
     assert "--layers-to-capture" in str(dumps.identity_problems(
-        {c.M_LAYERS: "[1, 2, 3]", c.M_CONFIG_SHA: _fp().config_sha256}, _fp()))
+        {M_LAYERS: "[1, 2, 3]", M_CONFIG_SHA: _fp().config_sha256}, _fp()))
     assert _open_fds() == before
 
 
@@ -159,15 +177,15 @@ def test_a_dump_of_other_weights_than_the_runs_is_the_servers_fault(tmp_path: Pa
     n, ids = 8, list(range(8))
 
     def served(weights_id: str) -> str:
-        return c.served_weights({"scheme": c.WEIGHTS_SCHEME, "id": weights_id,
-                                 "shards": [{"name": "model.safetensors"}]}, "/models/m")
+        return served_weights({"scheme": WEIGHTS_SCHEME, "id": weights_id,
+                               "shards": [{"name": "model.safetensors"}]}, "/models/m")
 
     def dump(name: str, **meta: str) -> Path:
         return write_dump(tmp_path / f"{name}.safetensors", ids, _rows(n, H, 1),
                           _rows(n, 3 * H, 2), **meta)
 
-    runs, other, old = (dump("runs", **{c.M_WEIGHTS: served("aaaa")}),
-                        dump("other", **{c.M_WEIGHTS: served("bbbb")}), dump("old"))
+    runs, other, old = (dump("runs", **{M_WEIGHTS: served("aaaa")}),
+                        dump("other", **{M_WEIGHTS: served("bbbb")}), dump("old"))
     # Then only the other checkpoint's is refused, as the server's fault (the worker pauses,
     # no attempt spent), naming both identities and the fix
     with pytest.raises(ServerMisconfigured) as e:
@@ -182,9 +200,9 @@ def test_a_dump_of_other_weights_than_the_runs_is_the_servers_fault(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("message", "error"), [
-    (f"{c.ERR_DUMP_DIR_FULL}: 10 bytes free", "NoSpace"),
-    (f"{c.ERR_HOOK_INACTIVE}: SGLang never set the ids", "ServerMisconfigured"),
-    (f"{c.ERR_WRITER_UNHEALTHY}: behind", "ServerMisconfigured"),
+    (f"{ERR_DUMP_DIR_FULL}: 10 bytes free", "NoSpace"),
+    (f"{ERR_HOOK_INACTIVE}: SGLang never set the ids", "ServerMisconfigured"),
+    (f"{ERR_WRITER_UNHEALTHY}: behind", "ServerMisconfigured"),
     ("gap: chunk starts at 6", "Corrupt"),
 ])
 def test_the_hooks_err_files_tell_the_environment_from_the_request(
@@ -192,13 +210,13 @@ def test_the_hooks_err_files_tell_the_environment_from_the_request(
     # Given the hook's .err for a request
     import asyncio
 
-    rid = c.make_rid("k", 1, 4)
-    c.err_path(tmp_path, rid).write_text(message + "\n")
+    rid = make_rid("k", 1, 4)
+    err_path(tmp_path, rid).write_text(message + "\n")
     # Then the worker raises what makes it wait (environment) or retry (the request)
     with pytest.raises(Exception) as e:
         asyncio.run(dumps.wait_for_dump(tmp_path, rid, timeout_s=5))
     assert type(e.value).__name__ == error
-    assert not c.err_path(tmp_path, rid).exists()
+    assert not err_path(tmp_path, rid).exists()
 
 
 def test_a_wait_for_a_dump_stops_at_once_when_the_servers_writer_is_unhealthy(
@@ -210,7 +228,7 @@ def test_a_wait_for_a_dump_stops_at_once_when_the_servers_writer_is_unhealthy(
 
     # Given a dump dir whose hook process (this one) says its dump writer is unhealthy
     markers.write_unhealthy(tmp_path, "not running: restart the server")
-    rid = c.make_rid("k", 1, 4)
+    rid = make_rid("k", 1, 4)
     # When a worker waits for a dump there
     t0 = time.monotonic()
     with pytest.raises(ServerMisconfigured) as e:

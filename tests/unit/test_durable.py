@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import is_temp_name
 from worker.core import diskio, durable, outdir, setaside, tensorfile
 from worker.core.store import M_CONTENT
 
@@ -33,7 +33,7 @@ def test_a_commit_leaves_the_final_file_and_no_temp(tmp_path: Path) -> None:
     final = tmp_path / "a.bin"
     final.write_bytes(b"old")
     tmp = outdir.temp_path(final)
-    assert c.is_temp_name(tmp.name) and not c.is_temp_name(final.name)
+    assert is_temp_name(tmp.name) and not is_temp_name(final.name)
     tmp.write_bytes(b"new")
     # When it is committed
     durable.commit(tmp, final)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
 from engine_dump import engines
 from engine_dump import markers as mk
+from engine_dump.dumpfile import READY_PREFIX
 from engine_dump.markers import write_ready_marker
+from engine_dump.rids import make_rid
 
 # vLLM 0.32's /v1/models for `--model /models/kimi --served-model-name kimi`
 VLLM_MODELS = {"object": "list", "data": [{
@@ -22,7 +23,7 @@ VLLM_MODELS = {"object": "list", "data": [{
 
 def test_each_engine_gets_its_own_request_for_the_same_sample() -> None:
     # Given one sample's rid and ids, and each engine as the server describes itself
-    rid = c.make_rid("k1", 1, 3, run="0123456789abcdef")
+    rid = make_rid("k1", 1, 3, run="0123456789abcdef")
     sglang = engines.sglang_engine({"model_path": "/models/kimi"}, "0.5.23")
     vllm = engines.vllm_engine(VLLM_MODELS, "0.32.0")
     assert vllm is not None
@@ -68,7 +69,7 @@ def test_vllms_limits_come_from_models_and_its_hooks_live_marker(tmp_path: Path)
     # When its hook (this live process) leaves its marker, with an SGLang one beside it
     write_ready_marker(tmp_path, {"engine": "vllm", "max_num_batched_tokens": 8192,
                                   "max_num_seqs": 256, "dp_groups": 2, "max_model_len": 32768})
-    (tmp_path / f"{c.READY_PREFIX}1").write_text(json.dumps({"max_num_batched_tokens": 1}))
+    (tmp_path / f"{READY_PREFIX}1").write_text(json.dumps({"max_num_batched_tokens": 1}))
 
     # Then the batch budget, the most requests and the DP ranks are the vLLM hook's, in
     # SGLang's names, and the DP ranks are the groups a probe and admission pin to

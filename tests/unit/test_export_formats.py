@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from training.export.formats import FORMATS, Speculators, _StackFeed
 from training.prenorm import speculators_stack
 from worker.core import checksums, tensorfile
@@ -31,20 +31,20 @@ def test_the_aux_slots_hash_in_place_as_the_sources_aux_tensor() -> None:
         assert Speculators.aux_checksum(stack, algorithm) == want
         assert Speculators.aux_checksum(np.asfortranarray(stack), algorithm) == want
     # And one flipped aux value (not the pre-norm slot) changes it
-    recorded = checksums.Recorded(ck.XXH3_128, {c.T_AUX: checksums.of(aux)})
+    recorded = checksums.Recorded(ck.XXH3_128, {T_AUX: checksums.of(aux)})
     stack[2, 3, 0] ^= 1
-    assert Speculators.aux_checksum(stack, ck.XXH3_128) == recorded.sums[c.T_AUX]
+    assert Speculators.aux_checksum(stack, ck.XXH3_128) == recorded.sums[T_AUX]
     stack[2, 1, 0] ^= 1
-    assert Speculators.aux_checksum(stack, ck.XXH3_128) != recorded.sums[c.T_AUX]
+    assert Speculators.aux_checksum(stack, ck.XXH3_128) != recorded.sums[T_AUX]
 
 
 def _speculators_file(tmp_path: Path, t: int = 150, h: int = 8) -> tuple[
         Path, checksums.Recorded, dict[str, str], dict[str, np.ndarray], np.ndarray]:
     rng = np.random.default_rng(1)
     src: dict[str, np.ndarray] = {
-        c.T_INPUT_IDS: rng.integers(0, 1000, t), c.T_LOSS_MASK: np.ones(t, np.int64),
-        c.T_HIDDEN: rng.integers(0, 0x3F00, (t, h), dtype=np.uint16),
-        c.T_AUX: rng.integers(0, 0x3F00, (t, 3 * h), dtype=np.uint16)}
+        T_INPUT_IDS: rng.integers(0, 1000, t), T_LOSS_MASK: np.ones(t, np.int64),
+        T_HIDDEN: rng.integers(0, 0x3F00, (t, h), dtype=np.uint16),
+        T_AUX: rng.integers(0, 0x3F00, (t, 3 * h), dtype=np.uint16)}
     norm_w = rng.uniform(0.5, 2.0, h).astype(np.float32)
     sums = checksums.compute(src)
     path = tmp_path / "hs_0.safetensors"
@@ -69,7 +69,7 @@ def test_speculators_streams_its_stack_out_and_back_as_computed_whole(tmp_path: 
     for lo in range(0, len(raw), 1000):
         feed.add(lo, raw[lo : lo + 1000])
     assert feed.stacked.hexdigest() == derived["hidden_states"]
-    assert feed.aux.hexdigest() == sums.sums[c.T_AUX]
+    assert feed.aux.hexdigest() == sums.sums[T_AUX]
 
 
 @pytest.mark.parametrize(("where", "why"), [
@@ -96,7 +96,7 @@ def test_speculators_streamed_check_names_each_damaged_part(tmp_path: Path, wher
     assert fmt.check(path, sums, derived) == [why]
     assert fmt.check(path, sums, derived) == fmt.problems(fmt.read_back(path), sums, derived)
     if where == "aux":
-        aux_why = f"hidden_states[:, :3] differs from source {c.T_AUX}"
+        aux_why = f"hidden_states[:, :3] differs from source {T_AUX}"
         assert fmt.check(path, sums, None) == [aux_why]
 
 
@@ -122,9 +122,9 @@ def test_torch_saves_skip_the_zip_crc_while_any_export_saves_and_load_as_before(
     second.__enter__()
     # When a sample is saved meanwhile, then the setting is off until the last save ends
     src: dict[str, np.ndarray] = {
-        c.T_INPUT_IDS: np.arange(4), c.T_LOSS_MASK: np.ones(4, np.int64),
-           c.T_HIDDEN: np.arange(8, dtype=np.uint16).reshape(4, 2),
-           c.T_AUX: np.arange(24, dtype=np.uint16).reshape(4, 6)}
+        T_INPUT_IDS: np.arange(4), T_LOSS_MASK: np.ones(4, np.int64),
+           T_HIDDEN: np.arange(8, dtype=np.uint16).reshape(4, 2),
+           T_AUX: np.arange(24, dtype=np.uint16).reshape(4, 6)}
     path = tmp_path / "k.ckpt"
     FORMATS["specforge"].write(path, "k", src, checksums.compute(src), None)
     assert not torch.serialization.get_crc32_options()
@@ -137,5 +137,5 @@ def test_torch_saves_skip_the_zip_crc_while_any_export_saves_and_load_as_before(
     # And the file written without CRCs loads with torch.load, mapped or not, and checks
     for mmap in (False, True):
         back = torch.load(path, weights_only=True, mmap=mmap)
-        assert back[c.T_HIDDEN].shape == (1, 4, 2)
+        assert back[T_HIDDEN].shape == (1, 4, 2)
     assert FORMATS["specforge"].check(path, checksums.compute(src), {}) == []

@@ -13,7 +13,8 @@ from worker.core import liveness
 
 
 def test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only(tmp_path: Path) -> None:
-    from engine_dump import contracts as c
+    from engine_dump.dumpfile import dump_path
+    from engine_dump.rids import make_rid
     from worker.core.settings import Settings
     from worker.server.canary_check import canary_key
     from worker.steps.janitor import sweep_dumps
@@ -28,9 +29,9 @@ def test_the_janitor_sweeps_a_killed_canary_checkers_dumps_only(tmp_path: Path) 
     gone = canary_key(0).replace(f"_{os.getpid()}_", f"_{proc.pid}_")
     other_machine = gone.replace(f"_m{liveness.MACHINE}_", "_m0123456789abcdef-1_")
     run_a, run_b = "0123456789abcdef", "fedcba9876543210"
-    names = {k: c.dump_path(settings.dump_dir, c.make_rid(k, 1, 8, run=run_a)).name
+    names = {k: dump_path(settings.dump_dir, make_rid(k, 1, 8, run=run_a)).name
              for k in (gone, canary_key(1), other_machine)}
-    foreign = c.dump_path(settings.dump_dir, c.make_rid(gone, 1, 8, run=run_b)).name
+    foreign = dump_path(settings.dump_dir, make_rid(gone, 1, 8, run=run_b)).name
     for name in [*names.values(), foreign]:
         (settings.dump_dir / name).write_bytes(b"x")
     # When run a's janitor sweeps (every file is young)

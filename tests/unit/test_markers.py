@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine_dump import contracts as c
 from engine_dump import markers as mk
+from engine_dump.dumpfile import READY_PREFIX, TMP_MARK, WRITER_UNHEALTHY_PREFIX
 from engine_dump.live_check import check_marker
 from sglang_patch.plugin import ENV_DUMP_DIR
 from tests.support.markers import WRITE
@@ -23,7 +23,7 @@ from tests.support.markers import WRITE
 def _marker_of_dead_process(dump_dir: Path) -> Path:
     res = subprocess.run([sys.executable, "-c", WRITE, str(dump_dir), "0"], capture_output=True,
                          text=True, check=True, timeout=30)
-    return dump_dir / f"{c.READY_PREFIX}{int(res.stdout)}"
+    return dump_dir / f"{READY_PREFIX}{int(res.stdout)}"
 
 
 def _sglang(*args: str) -> subprocess.CompletedProcess[str]:
@@ -37,9 +37,9 @@ def test_dead_live_reused_and_legacy_markers(tmp_path: Path) -> None:
     # hook that does not say who wrote it
     dead = _marker_of_dead_process(tmp_path)
     live = mk.write_ready_marker(tmp_path, {})
-    reused = tmp_path / f"{c.READY_PREFIX}{os.getpid()}x"
+    reused = tmp_path / f"{READY_PREFIX}{os.getpid()}x"
     reused.write_text(json.dumps({**json.loads(live.read_text()), "start_ticks": "1"}))
-    legacy = tmp_path / f"{c.READY_PREFIX}999999"
+    legacy = tmp_path / f"{READY_PREFIX}999999"
     legacy.write_text(json.dumps({"pid": 999999, "time": time.time()}))
     # When they are judged
     states = {m.path.name: m.state for m in mk.markers(tmp_path)}
@@ -66,7 +66,7 @@ def test_a_marker_rewritten_by_a_new_process_after_it_was_judged_dead_stays(
     assert judged.state == mk.DEAD
     # When a new server that got the same pid writes its marker before the removal runs
     fresh = {**judged.info, "start_ticks": "999", "time": time.time()}
-    tmp = dead.with_name(f"{dead.name}{c.TMP_MARK}")
+    tmp = dead.with_name(f"{dead.name}{TMP_MARK}")
     tmp.write_text(json.dumps(fresh))
     os.replace(tmp, dead)
     # Then the removal leaves the new marker in place, and nothing else behind
@@ -89,7 +89,7 @@ def test_verify_takes_a_live_marker_over_a_newer_dead_one_and_honours_since(
     check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
     assert check.ok and f"pid {os.getpid()} (alive)" in check.detail
     # And only the dead one remains to be judged after the live one is gone: a FAIL
-    (tmp_path / f"{c.READY_PREFIX}{os.getpid()}").unlink()
+    (tmp_path / f"{READY_PREFIX}{os.getpid()}").unlink()
     check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
     assert not check.ok and "stale, from an earlier server (process" in check.detail
     # And a marker written before --since does not count (what the launcher waits for)
@@ -155,7 +155,7 @@ def test_verify_under_dp_attention_needs_a_live_marker_of_every_group_of_the_ser
                                      f"{os.getpid()}): its writer pid {pid1} is dead (process "
                                      f"{pid1} is gone)"), res.stdout
         # When that marker is gone too (removed as dead): group 1 never came up
-        (tmp_path / f"{c.READY_PREFIX}{pid1}").unlink()
+        (tmp_path / f"{READY_PREFIX}{pid1}").unlink()
         check = check_marker(tmp_path, max_age_s=3600, env=ENV_DUMP_DIR)
         assert not check.ok
         assert check.detail.startswith(f"DP group 1 of 2 (server process {os.getpid()}): no "
@@ -170,7 +170,7 @@ def test_dp_groups_count_the_ranks_of_one_server(tmp_path: Path) -> None:
     # Given vLLM's dense DP 2: two engines of one server, each saying it is one group of one,
     # with its own rank; and a marker of another server start beside them
     procs = [_group_writer(tmp_path, rank, 1) for rank in (0, 1)]
-    other = tmp_path / f"{c.READY_PREFIX}1"
+    other = tmp_path / f"{READY_PREFIX}1"
     other.write_text(json.dumps({"dp_groups": 4, "attn_dp_rank": 3, "ppid": 1, "pid": 1}))
     try:
         found = mk.markers(tmp_path)
@@ -198,7 +198,7 @@ def test_a_vllm_server_start_is_its_id_not_its_writers_parent(tmp_path: Path) ->
     # engine core; and a later server start whose writer has a parent pid seen before
     def marker(sid: str, ppid: int, rank: int) -> mk.Marker:
         info = {"server_id": sid, "ppid": ppid, "attn_dp_rank": rank, "dp_groups": 1}
-        return mk.Marker(tmp_path / f"{c.READY_PREFIX}{ppid}{rank}", info, mk.UNKNOWN, "")
+        return mk.Marker(tmp_path / f"{READY_PREFIX}{ppid}{rank}", info, mk.UNKNOWN, "")
 
     rank0, rank1, later = marker("e1", 10, 0), marker("e1", 11, 1), marker("e2", 10, 0)
     # Then the ranks are one server start of two groups, and the later start is another
@@ -219,7 +219,7 @@ def test_an_unhealthy_writer_fails_verify_and_its_note_goes_with_it(tmp_path: Pa
          "from engine_dump.markers import write_unhealthy; "
          "write_unhealthy(Path(sys.argv[1]), 'not running'); print(os.getpid())",
          str(tmp_path)], capture_output=True, text=True, check=True, timeout=30)
-    dead_note = tmp_path / f"{c.WRITER_UNHEALTHY_PREFIX}{int(gone.stdout)}"
+    dead_note = tmp_path / f"{WRITER_UNHEALTHY_PREFIX}{int(gone.stdout)}"
     # When verify and the markers command look at the dump dir
     res = _sglang("verify", "--live-only", "--dump-dir", str(tmp_path))
     listing = _sglang("markers", "--dump-dir", str(tmp_path))
@@ -229,7 +229,7 @@ def test_an_unhealthy_writer_fails_verify_and_its_note_goes_with_it(tmp_path: Pa
     assert res.stdout.startswith(f"FAIL  ready marker: the server's dump writer is unhealthy: "
                                  f"pid {os.getpid()} (alive): behind: its queue stayed full ")
     assert "not running" not in res.stdout
-    assert f"{c.WRITER_UNHEALTHY_PREFIX}{os.getpid()}: alive (process {os.getpid()} runs): " \
+    assert f"{WRITER_UNHEALTHY_PREFIX}{os.getpid()}: alive (process {os.getpid()} runs): " \
            "its dump writer is unhealthy: behind" in listing.stdout
     assert f"{dead_note.name}: dead" in listing.stdout
     # And a new hook's start removes the dead note, and the writer's own goes when it clears

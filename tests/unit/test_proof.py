@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
 from engine_dump import engines
+from engine_dump.dumpfile import DTYPE_BF16, T_HIDDEN, T_HIDDEN_SCALE
 from worker.core import proof, tensorfile
 from worker.core.fp8 import E4M3_VALUES
 
@@ -87,9 +87,9 @@ def test_a_correct_row_agrees_and_shifted_or_foreign_rows_do_not(tmp_path: Path)
     rows = proof.pick_rows(n, 16, "rid-1")
 
     # When the true rows, the rows shifted by one and another sample's rows are proven
-    right = proof.prove(head, states[rows], rows, ids, server, c.DTYPE_BF16)
-    shifted = proof.prove(head, states[rows + 1], rows, ids, server, c.DTYPE_BF16)
-    foreign = proof.prove(head, states[::-1][rows], rows, ids, server, c.DTYPE_BF16)
+    right = proof.prove(head, states[rows], rows, ids, server, DTYPE_BF16)
+    shifted = proof.prove(head, states[rows + 1], rows, ids, server, DTYPE_BF16)
+    foreign = proof.prove(head, states[::-1][rows], rows, ids, server, DTYPE_BF16)
 
     # Then the true rows agree to float rounding, the others fail on most rows
     assert right.ok and right.rows == 16 and right.worst_error < 1e-6, right.describe()
@@ -103,7 +103,7 @@ def test_a_missing_server_value_fails_the_row() -> None:
     ours = proof.Recomputed(np.array([-1.0, -2.0]), np.array([-1.0, -2.0]), np.ones(2))
 
     # When compared
-    v = proof.compare(np.array([0, 5]), ours, np.array([-1.0, np.nan]), c.DTYPE_BF16)
+    v = proof.compare(np.array([0, 5]), ours, np.array([-1.0, np.nan]), DTYPE_BF16)
 
     # Then that row fails
     assert not v.ok and v.failed == (5,)
@@ -166,12 +166,12 @@ def test_rows_read_from_a_dump_are_its_bf16_or_dequantized_fp8_rows(tmp_path: Pa
     rng = np.random.default_rng(4)
     x = rng.normal(0, 1, (6, 256)).astype(np.float32)
     bf16 = tmp_path / "b.safetensors"
-    tensorfile.write(bf16, {c.T_HIDDEN: tensorfile.Tensor("BF16", bf16_bits(x))}, {})
+    tensorfile.write(bf16, {T_HIDDEN: tensorfile.Tensor("BF16", bf16_bits(x))}, {})
     q = rng.integers(0, 0x7E, (6, 256)).astype(np.uint8)
     scales = rng.uniform(0.5, 2, (6, 2)).astype(np.float32)
     fp8 = tmp_path / "f.safetensors"
-    tensorfile.write(fp8, {c.T_HIDDEN: tensorfile.Tensor("F8_E4M3", q),
-                           c.T_HIDDEN_SCALE: tensorfile.Tensor("F32", scales)}, {})
+    tensorfile.write(fp8, {T_HIDDEN: tensorfile.Tensor("F8_E4M3", q),
+                           T_HIDDEN_SCALE: tensorfile.Tensor("F32", scales)}, {})
     rows = np.array([1, 4])
 
     # When rows 1 and 4 are read from each

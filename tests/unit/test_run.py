@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.rids import NO_RUN, RUN_ID_RE
 from worker.core import outdir, run
 from worker.core.settings import Settings
 from worker.state.queue_scan import task_id
@@ -19,7 +19,7 @@ def test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints() -> No
            run.run_id({**MANIFEST, "weights": {"id": "d" * 16}}),  # another checkpoint
            run.run_id({**MANIFEST, run.M_RUN_NONCE: "e" * 32}),  # another output dir
            run.run_id({**MANIFEST, "fingerprint_id": "f" * 16})}
-    assert len(ids) == 4 and all(c.RUN_ID_RE.match(i) for i in ids)
+    assert len(ids) == 4 and all(RUN_ID_RE.match(i) for i in ids)
     assert run.run_id(dict(MANIFEST)) == run.run_id(MANIFEST)  # stable
     # a manifest written before the nonce existed: its creation time tells it apart
     old = {k: v for k, v in MANIFEST.items() if k != run.M_RUN_NONCE}
@@ -27,7 +27,7 @@ def test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints() -> No
 
 
 def test_the_run_id_comes_from_the_output_dir(tmp_path: Path) -> None:
-    assert run.read_run_id(tmp_path) is None and run.run_id_of(tmp_path) == c.NO_RUN
+    assert run.read_run_id(tmp_path) is None and run.run_id_of(tmp_path) == NO_RUN
     (tmp_path / outdir.MANIFEST).write_text(json.dumps(MANIFEST))
     assert run.read_run_id(tmp_path) == run.run_id(MANIFEST)
 

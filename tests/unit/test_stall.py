@@ -9,7 +9,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_BF16, bytes_per_token
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from producer.stall import (
     DUMP_DIR,
     NO_PROGRESS,
@@ -109,9 +110,9 @@ def test_the_stall_time_is_the_longest_samples_time_limit_plus_the_backoff() -> 
     settings = Settings.from_env({"FARM_TASK_TIME_LIMIT_S": "900",
                                   "FARM_RETRY_BACKOFF_MAX_S": "60",
                                   "FARM_MIN_SAMPLE_BYTES_PER_S": "50e6"})
-    fp = c.Fingerprint("cfg", "tok", "tpl", (2, 30, 58), c.LAYER_CONVENTION, 7168, c.DTYPE_BF16,
-                       8192, "reject")
-    per_token = c.bytes_per_token(c.DTYPE_BF16, 7168)
+    fp = Fingerprint("cfg", "tok", "tpl", (2, 30, 58), LAYER_CONVENTION, 7168, DTYPE_BF16,
+                     8192, "reject")
+    per_token = bytes_per_token(DTYPE_BF16, 7168)
     assert stall_after_s(settings, fp) == 900 + 8192 * per_token / 50e6 + 60
 
 

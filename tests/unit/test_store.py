@@ -10,7 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    DTYPE_FP8,
+    DUMP_SUFFIX,
+    T_AUX,
+    T_HIDDEN,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    TMP_MARK,
+    is_temp_name,
+    rid_of_file,
+)
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
+from engine_dump.rids import is_user_sample_key, make_rid, parse_rid
 from worker.core import tensorfile
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.store import M_CONTENT, OutputStore, Part
@@ -18,22 +30,22 @@ from worker.core.store import M_CONTENT, OutputStore, Part
 H = 4
 
 
-def _fp(**kw: object) -> c.Fingerprint:
+def _fp(**kw: object) -> Fingerprint:
     base: dict[str, object] = dict(
         config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
-        layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION, hidden_size=H,
+        layers_to_capture=(2, 4, 5), layer_convention=LAYER_CONVENTION, hidden_size=H,
         dtype="bfloat16", max_tokens=8192, overlong="reject")
     base.update(kw)
-    return c.Fingerprint(**base)  # type: ignore[arg-type]
+    return Fingerprint(**base)  # type: ignore[arg-type]
 
 
 def _arrays(n: int = 5) -> dict[str, tuple[str, np.ndarray]]:
     rng = np.random.default_rng(n)
     return {
-        c.T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
-        c.T_LOSS_MASK: ("I64", np.ones(n, dtype=np.int64)),
-        c.T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
-        c.T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16)),
+        T_INPUT_IDS: ("I64", np.arange(n, dtype=np.int64)),
+        T_LOSS_MASK: ("I64", np.ones(n, dtype=np.int64)),
+        T_HIDDEN: ("BF16", rng.integers(0, 0x3F00, (n, H), dtype=np.uint16)),
+        T_AUX: ("BF16", rng.integers(0, 0x3F00, (n, 3 * H), dtype=np.uint16)),
     }
 
 
@@ -47,15 +59,15 @@ def test_write_then_verify_from_disk(tmp_path: Path) -> None:
     v = store.verify("k1", "h1")
     assert v.tokens == 5 and v.size_bytes == path.stat().st_size
     head = tensorfile.read_header(path)  # what enqueue reads: the header, no tensor data
-    assert head.metadata[M_CONTENT] == "h1" and head.shapes[c.T_HIDDEN] == (5, H)
+    assert head.metadata[M_CONTENT] == "h1" and head.shapes[T_HIDDEN] == (5, H)
     assert oct(path.stat().st_mode & 0o777) == "0o644"
-    assert not [p for p in tmp_path.rglob("*") if c.is_temp_name(p.name)]
+    assert not [p for p in tmp_path.rglob("*") if is_temp_name(p.name)]
     # the file is a plain safetensors file that torch loads with the right dtypes
     import torch
     from safetensors.torch import load_file
 
     t = load_file(str(path))
-    assert t[c.T_HIDDEN].dtype == torch.bfloat16 and t[c.T_HIDDEN].shape == (5, H)
+    assert t[T_HIDDEN].dtype == torch.bfloat16 and t[T_HIDDEN].shape == (5, H)
 
 
 def test_one_flipped_byte_is_caught(tmp_path: Path) -> None:
@@ -84,12 +96,12 @@ def test_wrong_shapes_are_caught(tmp_path: Path) -> None:
         store.write("k1", _tensors(), {M_CONTENT: "h1"})
     with pytest.raises(FileNotFoundError):  # refused before a byte was written
         store.verify("k1", "h1")
-    assert not [p for p in tmp_path.rglob("*") if c.is_temp_name(p.name)]
+    assert not [p for p in tmp_path.rglob("*") if is_temp_name(p.name)]
 
 
 def test_states_of_another_dtype_never_reach_a_final_path(tmp_path: Path) -> None:
     # Given an fp8 run, and a writer that hands it bf16 states
-    store = OutputStore(tmp_path, _fp(dtype=c.DTYPE_FP8)).open()
+    store = OutputStore(tmp_path, _fp(dtype=DTYPE_FP8)).open()
     # When it writes, Then nothing is written, and the refusal names the dtypes
     with pytest.raises(Corrupt, match=r"hidden_state dtype BF16 \(this run stores F8_E4M3\)"):
         store.write("k1", _tensors(), {M_CONTENT: "h1"})
@@ -103,7 +115,7 @@ def test_a_file_that_does_not_read_back_whole_never_takes_its_final_path(
     shard = store.final_path("x").parent
 
     def flip() -> None:
-        [tmp] = shard.glob(f".x.safetensors{c.TMP_MARK}*")
+        [tmp] = shard.glob(f".x.safetensors{TMP_MARK}*")
         with open(tmp, "r+b") as f:
             f.seek(-3, os.SEEK_END)
             b = f.read(1)
@@ -133,13 +145,13 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
 
     shard = store.final_path("x").parent
     shard.mkdir(parents=True, exist_ok=True)
-    stale = shard / f".x.safetensors{c.TMP_MARK}{liveness.temp_tag('abcd1234', dead.pid)}"
-    live = shard / f".y.safetensors{c.TMP_MARK}{liveness.temp_tag('abcd1234')}"
+    stale = shard / f".x.safetensors{TMP_MARK}{liveness.temp_tag('abcd1234', dead.pid)}"
+    live = shard / f".y.safetensors{TMP_MARK}{liveness.temp_tag('abcd1234')}"
     # and, with the same dead pid: one of another machine (boot or pid namespace) of our
     # hostname, and one of an older version, whose name does not say where it was written
-    elsewhere = shard / (f".z.safetensors{c.TMP_MARK}{liveness.HOST}.m0123456789abcdef-1."
+    elsewhere = shard / (f".z.safetensors{TMP_MARK}{liveness.HOST}.m0123456789abcdef-1."
                          f"{dead.pid}.abcd1234")
-    older = shard / f".w.safetensors{c.TMP_MARK}{liveness.HOST}.{dead.pid}.abcd1234"
+    older = shard / f".w.safetensors{TMP_MARK}{liveness.HOST}.{dead.pid}.abcd1234"
     for p in (stale, live, elsewhere, older):
         p.write_bytes(b"partial")
     # When cleaning at start-up
@@ -160,10 +172,10 @@ def test_a_write_removes_the_sample_s_temp_files_of_writers_without_its_lease(
 
     store = OutputStore(tmp_path, _fp()).open()
     shard = store.final_path("x").parent
-    elsewhere = shard / (f".x.safetensors{c.TMP_MARK}{liveness.HOST}.m0123456789abcdef-1."
+    elsewhere = shard / (f".x.safetensors{TMP_MARK}{liveness.HOST}.m0123456789abcdef-1."
                          "4242.abcd1234")
-    live = shard / f".x.safetensors{c.TMP_MARK}{liveness.temp_tag('abcd1234')}"
-    other = store.final_path("y").with_name(f".y.safetensors{c.TMP_MARK}"
+    live = shard / f".x.safetensors{TMP_MARK}{liveness.temp_tag('abcd1234')}"
+    other = store.final_path("y").with_name(f".y.safetensors{TMP_MARK}"
                                             f"{liveness.temp_tag('abcd1234')}")
     for p in (elsewhere, live, other):
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +197,7 @@ def test_a_write_whose_temp_file_was_removed_writes_nothing_and_says_the_lease_i
     shard = store.final_path("x").parent
 
     def taken() -> None:
-        for p in shard.glob(f".x.safetensors{c.TMP_MARK}*"):
+        for p in shard.glob(f".x.safetensors{TMP_MARK}*"):
             p.unlink()
 
     # When it renames, Then it raises LeaseLost (the task hands the message back, no attempt
@@ -222,7 +234,7 @@ def test_files_of_the_previous_format_still_verify(tmp_path: Path) -> None:
     path = _legacy_file(store, "old", "h1")
     # Then it verifies and reads the same (sha256 recomputed from the disk)
     v = store.verify("old", "h1")
-    assert v.tokens == 5 and list(v.file.tensors[c.T_INPUT_IDS].array) == list(range(5))
+    assert v.tokens == 5 and list(v.file.tensors[T_INPUT_IDS].array) == list(range(5))
     # And a flipped byte in it is still caught
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x40
@@ -246,7 +258,7 @@ def test_final_files_read_the_same_in_the_safetensors_library(tmp_path: Path) ->
             assert t.contiguous().view(torch.uint8).numpy().tobytes() == arr.tobytes()
 
 
-@pytest.mark.parametrize("tensor", [c.T_INPUT_IDS, c.T_LOSS_MASK, c.T_HIDDEN, c.T_AUX])
+@pytest.mark.parametrize("tensor", [T_INPUT_IDS, T_LOSS_MASK, T_HIDDEN, T_AUX])
 def test_a_flipped_byte_in_any_tensor_is_caught(tmp_path: Path, tensor: str) -> None:
     store = OutputStore(tmp_path, _fp()).open()
     path = store.write("k1", _tensors(), {M_CONTENT: "h1"})
@@ -298,10 +310,10 @@ def test_written_files_leave_the_page_cache_so_verify_reads_the_disk(tmp_path: P
     store = OutputStore(tmp_path, _fp(hidden_size=4096)).open()
     n = 300
     rng = np.random.default_rng(0)
-    parts = {c.T_INPUT_IDS: Part.from_array("I64", np.arange(n)),
-             c.T_LOSS_MASK: Part.from_array("I64", np.ones(n)),
-             c.T_HIDDEN: Part.from_array("BF16", rng.integers(0, 0x3F00, (n, 4096))),
-             c.T_AUX: Part.from_array("BF16", rng.integers(0, 0x3F00, (n, 3 * 4096)))}
+    parts = {T_INPUT_IDS: Part.from_array("I64", np.arange(n)),
+             T_LOSS_MASK: Part.from_array("I64", np.ones(n)),
+             T_HIDDEN: Part.from_array("BF16", rng.integers(0, 0x3F00, (n, 4096))),
+             T_AUX: Part.from_array("BF16", rng.integers(0, 0x3F00, (n, 3 * 4096)))}
     path = store.write("big", parts, {M_CONTENT: "h"})
     # Then none of its pages are cached: the read-back can only come from the device
     assert path.stat().st_size > 9 << 20
@@ -327,8 +339,8 @@ def test_enospc_is_no_space_whichever_call_hits_it(tmp_path: Path, source: str) 
         store = OutputStore(out, _fp(hidden_size=4096)).open()
         aux = (Part.from_array("BF16", big) if source == "memory" else
                Part("BF16", big.shape, source=f, offset=0))
-        parts = {**_tensors(128), c.T_HIDDEN: Part.from_array("BF16", big[:, :4096]),
-                 c.T_AUX: aux}
+        parts = {**_tensors(128), T_HIDDEN: Part.from_array("BF16", big[:, :4096]),
+                 T_AUX: aux}
         # When the write runs out of space
         with pytest.raises(NoSpace, match="No space left"):
             store.write("k", parts, {M_CONTENT: "h"})
@@ -342,18 +354,18 @@ def test_parts_from_a_file_are_checked_and_checksummed_as_copied(tmp_path: Path)
 
     # Given a tensor copied from a file, at an offset, with a check seeing every piece
     store = OutputStore(tmp_path / "out", _fp()).open()
-    arr = _arrays()[c.T_AUX][1]
+    arr = _arrays()[T_AUX][1]
     src = tmp_path / "src"
     src.write_bytes(b"pad" + arr.tobytes())
     seen = bytearray()
     with open(src, "rb", buffering=0) as f:
         aux = Part("BF16", arr.shape, source=f, offset=3, check=seen.extend)
-        parts = {**_tensors(), c.T_AUX: aux}
+        parts = {**_tensors(), T_AUX: aux}
         path = store.write("k", parts, {M_CONTENT: "h"})
         # Then the check saw exactly the bytes, the header written last holds their digest,
         # and the file verifies
         assert bytes(seen) == arr.tobytes()
-        assert checksums.file_checksums(tensorfile.header_metadata(path))[1][c.T_AUX] == (
+        assert checksums.file_checksums(tensorfile.header_metadata(path))[1][T_AUX] == (
             checksums.tensor_checksum(arr.tobytes()))
         store.verify("k", "h")
         # And a validation that fails after the copy leaves nothing behind, and says why
@@ -375,13 +387,13 @@ def test_a_key_holding_the_temp_mark_is_a_final_file_never_a_temp_file(tmp_path:
     store = OutputStore(tmp_path, _fp()).open()
     keys = ["a.tmp.b", "x.tmp.1234", "rec.tmp.host.m1.99.abcd", "plain"]
     for key in keys:
-        assert c.is_user_sample_key(key)
+        assert is_user_sample_key(key)
         path = store.write(key, _tensors(), {M_CONTENT: "h"})
         os.utime(path, (1, 1))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     final = store.final_path("a.tmp.b")
-    stale = final.with_name(f".{final.name}{c.TMP_MARK}{liveness.temp_tag('abcd1234', dead.pid)}")
+    stale = final.with_name(f".{final.name}{TMP_MARK}{liveness.temp_tag('abcd1234', dead.pid)}")
     stale.write_bytes(b"partial")
     # When a worker starts (stale temp cleanup with any age limit)
     store.clean_stale_temp(max_age_s=0)
@@ -391,7 +403,7 @@ def test_a_key_holding_the_temp_mark_is_a_final_file_never_a_temp_file(tmp_path:
     for key in keys:
         store.verify(key, "h")
     assert sorted(p.name for p in hosts._final_files(tmp_path)) == sorted(
-        f"{k}{c.DUMP_SUFFIX}" for k in keys)
-    assert not any(c.is_temp_name(f"{k}{c.DUMP_SUFFIX}") for k in keys)
-    assert c.rid_of_file(f".{c.make_rid('a.tmp.b', 1, 5)}{c.TMP_MARK}4242") == c.parse_rid(
-        c.make_rid("a.tmp.b", 1, 5))
+        f"{k}{DUMP_SUFFIX}" for k in keys)
+    assert not any(is_temp_name(f"{k}{DUMP_SUFFIX}") for k in keys)
+    assert rid_of_file(f".{make_rid('a.tmp.b', 1, 5)}{TMP_MARK}4242") == parse_rid(
+        make_rid("a.tmp.b", 1, 5))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from training.export.ledger import NAME as LEDGER
 from training.export.runner import export
 from worker.core.errors import ConfigError
@@ -37,9 +37,9 @@ def test_a_model_without_a_findable_final_norm_still_runs_and_speculators_says_w
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    fp = c.Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
-                       layers_to_capture=(2, 4, 5), layer_convention=c.LAYER_CONVENTION,
-                       hidden_size=4, dtype="bfloat16", max_tokens=64, overlong="reject")
+    fp = Fingerprint(config_sha256="a", tokenizer_sha256="b", chat_template_sha256="c",
+                     layers_to_capture=(2, 4, 5), layer_convention=LAYER_CONVENTION,
+                     hidden_size=4, dtype="bfloat16", max_tokens=64, overlong="reject")
     OutputStore(tmp_path / "out", fp, model_path=model).open()
     # Then the manifest says why there is no final norm
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())

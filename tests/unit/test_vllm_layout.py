@@ -11,7 +11,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from functools import partial
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_BF16, DTYPE_FP8
 from vllm_hook import launch
 from vllm_hook.layout import (
     METHOD,
@@ -33,7 +33,7 @@ def test_ids_split_into_the_three_stored_and_the_normed_last() -> None:
 
 
 def test_layout_problems_name_the_fix() -> None:
-    assert layout_problems(METHOD, [2, 3, 5, 6], 6, 1, 1, c.DTYPE_FP8, "0.32.0") == []
+    assert layout_problems(METHOD, [2, 3, 5, 6], 6, 1, 1, DTYPE_FP8, "0.32.0") == []
     problems = layout_problems("eagle3", [], 6, 3, 2, "fp16", "0.33.1")
     assert len(problems) == 4
     assert "vLLM 0.33.1: the hook is tested with 0.32.x only" in problems[0]
@@ -41,7 +41,7 @@ def test_layout_problems_name_the_fix() -> None:
     assert "does not declare supports_aux_hidden_states_over_pp" in problems[2]
     assert "--pipeline-parallel-size 1" in problems[2]
     assert "HSFARM_VLLM_DUMP_DTYPE='fp16'" in problems[3]
-    wrong = layout_problems(METHOD, [2, 3, 3, 6], 6, 2, 1, c.DTYPE_BF16, "0.32.0")
+    wrong = layout_problems(METHOD, [2, 3, 3, 6], 6, 2, 1, DTYPE_BF16, "0.32.0")
     assert "three distinct ids below the layer count 6 and 6 itself" in wrong[0]
     assert "num_speculative_tokens 2: set it to 1" in wrong[1]
 
@@ -54,9 +54,9 @@ def test_supported_versions_are_the_tested_minor_series() -> None:
 
 def test_pipeline_parallelism_is_refused_with_the_models_own_reason() -> None:
     # Given Kimi (DeepSeek-V3's class: no aux relay across stages) and Llama (it declares one)
-    kimi = layout_problems(METHOD, [2, 30, 58, 61], 61, 1, 2, c.DTYPE_BF16, "0.32.0",
+    kimi = layout_problems(METHOD, [2, 30, 58, 61], 61, 1, 2, DTYPE_BF16, "0.32.0",
                            pp_carries_aux=False, arch="DeepseekV3ForCausalLM")
-    llama = layout_problems(METHOD, [2, 3, 5, 6], 6, 1, 2, c.DTYPE_BF16, "0.32.0",
+    llama = layout_problems(METHOD, [2, 3, 5, 6], 6, 1, 2, DTYPE_BF16, "0.32.0",
                             pp_carries_aux=True, arch="LlamaForCausalLM")
     # Then both are refused (no multi-stage run is tested), each naming why
     assert len(kimi) == 1 and "DeepseekV3ForCausalLM does not carry its aux" in kimi[0]
@@ -82,7 +82,7 @@ def test_launch_args_are_the_flags_the_hook_checks_for(tmp_path: Path) -> None:
     assert ids == [2, 30, 58, 61] and kv == {"kv_connector": "HsfarmConnector",
                                              "kv_role": "kv_producer"}
     assert layout_problems(spec["method"], ids, 61, spec["num_speculative_tokens"], 1,
-                           c.DTYPE_BF16, "0.32.0") == []
+                           DTYPE_BF16, "0.32.0") == []
     assert "aux ids [2, 30, 58] and L = 61" in err.getvalue()
     # And ids the hook would refuse, or a config without a layer count, are refused here
     with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):

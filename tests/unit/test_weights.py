@@ -205,7 +205,7 @@ def test_a_host_without_the_weight_files_or_another_scheme_is_not_refused(
 def test_a_hook_publishes_what_it_loaded_and_never_raises(
         tiny_model: Path, tmp_path: Path) -> None:
     # Given the model dir a server loaded, and a hub id that is in no cache here
-    from engine_dump.weights import loaded_weights, model_config_sha256
+    from engine_dump.checkpoint import loaded_weights, model_config_sha256
 
     # Then the dir's identity is the farm's, and the config's hash is the file's
     assert loaded_weights(str(tiny_model))["id"] == weights.weights_identity(tiny_model)["id"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_FP8
 from sglang_patch.tiny_model import VLLM_SHAPE, ensure_tiny_model
 from tests.vllm.live import LiveVllm
 from vllm_hook.layout import ENV_DUMP_DTYPE
@@ -73,4 +73,4 @@ def chunked(model: Path, tmp_path_factory: pytest.TempPathFactory,
     plain.stop()
     yield from serve(model, tmp_path_factory.mktemp("chunked"), "chunked (64 tokens, fp8)",
                       ["--enable-chunked-prefill", "--max-num-batched-tokens", "64",
-                       "--max-num-seqs", "4"], {ENV_DUMP_DTYPE: c.DTYPE_FP8})
+                       "--max-num-seqs", "4"], {ENV_DUMP_DTYPE: DTYPE_FP8})

@@ -25,7 +25,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import dump_path, err_path
 from vllm_hook.layout import CONNECTOR_NAME, ENV_DUMP_DIR, METHOD, RID_PARAM
 
 AUX_IDS = [2, 3, 5]  # of the 6-layer tiny model
@@ -207,7 +207,7 @@ def prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 def wait_dump(dump_dir: Path, rid: str, timeout_s: float = 120) -> Path:
     """The request's dump once it is there; fails at once on a ``.err``."""
-    dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
+    dump, err = dump_path(dump_dir, rid), err_path(dump_dir, rid)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert not err.exists(), f"{rid}: {err.read_text()}"

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS
 from tests.vllm.conftest import measured
 from tests.vllm.live import AUX_IDS, LAST_ID, LiveVllm, wait_dump
 
@@ -98,7 +98,7 @@ class Errors:
     def add(self, dump: dict[str, torch.Tensor], ids: list[int], model: Path) -> None:
         post, pre, inputs = reference(model, ids, self.aux_ids)
         n, h = len(ids), post.shape[1]
-        got = [*dump[c.T_AUX].view(n, len(self.aux_ids), h).unbind(1), dump[c.T_HIDDEN]]
+        got = [*dump[T_AUX].view(n, len(self.aux_ids), h).unbind(1), dump[T_HIDDEN]]
         for i, (g, want) in enumerate(zip(got, [*inputs, post], strict=True)):
             self.errors[i].append(rel_errors(g, want))
             self.rounded[i].append(rel_errors(g, want.to(torch.bfloat16)))
@@ -106,9 +106,9 @@ class Errors:
             self.equal += int((ulps == 0).sum())
             self.values += ulps.numel()
             self.worst_ulps = max(self.worst_ulps, int(ulps.max()))
-        assert torch.equal(dump[c.T_INPUT_IDS], torch.tensor(ids))
+        assert torch.equal(dump[T_INPUT_IDS], torch.tensor(ids))
         # hidden_state is the post-norm state: far from the pre-norm one vLLM captures
-        assert float(rel_errors(dump[c.T_HIDDEN], pre).min()) > 0.1
+        assert float(rel_errors(dump[T_HIDDEN], pre).min()) > 0.1
         self.tokens += n
 
     def report(self) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.rids import make_rid
 from tests.live.tiny_deepseek import LAYERS, ensure_tiny_deepseek
 from tests.vllm.conftest import CACHE, measured
 from tests.vllm.cpu_rope import NATIVE_ROPE_SITE
@@ -49,7 +49,7 @@ def test_deepseek_values_match_transformers(deepseek: LiveVllm) -> None:
     errors = Errors("tiny DeepSeek-V3 (MLA, MoE)", aux_ids=AUX_IDS, last_id=LAYERS)
     for i, n in enumerate((40, 300, 700)):
         ids = prompt(n, 80 + i, vocab(deepseek.model))
-        rid = c.make_rid(f"ds{i}", 1, n)
+        rid = make_rid(f"ds{i}", 1, n)
         deepseek.complete(ids, rid)
         # Then every layer of the dump is transformers' state, within bf16's rounding
         errors.add(dump_of(deepseek, rid), ids, deepseek.model)

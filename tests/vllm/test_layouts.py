@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, READY_PREFIX
 from engine_dump.engines import VLLM_DP_RANK_HEADER, vllm_marker
+from engine_dump.rids import make_rid
 from tests.support.strace import calls_on, traced
 from tests.vllm.conftest import serve
 from tests.vllm.live import LiveVllm, prompt, send_all, vocab
@@ -44,7 +45,7 @@ def dp2(model: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 def markers(server: LiveVllm) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(server.dumps.glob(f"{c.READY_PREFIX}*"))]
+    return [json.loads(p.read_text()) for p in sorted(server.dumps.glob(f"{READY_PREFIX}*"))]
 
 
 def writes(trace: Path, dumps: Path) -> list[str]:
@@ -62,7 +63,7 @@ def test_tp2_one_rank_writes_and_values_match_transformers(tp2: LiveVllm,
     assert writer in pids and len(pids) >= 4, pids  # API server, engine core, two workers
     # When prompts of 300, 721 and 50 tokens are sent at once while every process is traced
     v = vocab(tp2.model)
-    reqs = [(c.make_rid(f"tp{i}", 1, n), prompt(n, 60 + i, v))
+    reqs = [(make_rid(f"tp{i}", 1, n), prompt(n, 60 + i, v))
             for i, n in enumerate((300, 721, 50))]
     traces = {pid: tmp_path / f"{pid}.strace" for pid in pids}
     with ExitStack() as stack:
@@ -73,7 +74,7 @@ def test_tp2_one_rank_writes_and_values_match_transformers(tp2: LiveVllm,
     # Then the marker's process renamed each dump into place, and no other process wrote there
     mine = writes(traces[writer], tp2.dumps)
     for rid, _ in reqs:
-        assert any("rename" in ln and f"{rid}{c.DUMP_SUFFIX}" in ln for ln in mine), rid
+        assert any("rename" in ln and f"{rid}{DUMP_SUFFIX}" in ln for ln in mine), rid
     others = {pid: writes(out, tp2.dumps) for pid, out in traces.items() if pid != writer}
     assert not any(others.values()), {p: w[:3] for p, w in others.items() if w}
     # And the dumps are transformers' states, each layer whole (not one rank's shard)
@@ -95,7 +96,7 @@ def test_dp2_each_rank_dumps_the_requests_pinned_to_it(dp2: LiveVllm, tmp_path: 
     assert writer[0] != writer[1]
     # When four prompts are sent at once, two pinned to each rank, while both are traced
     v = vocab(dp2.model)
-    reqs = [(c.make_rid(f"dp{i}", 1, n), prompt(n, 70 + i, v))
+    reqs = [(make_rid(f"dp{i}", 1, n), prompt(n, 70 + i, v))
             for i, n in enumerate((200, 333, 64, 500))]
     rank_of = {rid: i % 2 for i, (rid, _) in enumerate(reqs)}
     traces = {rank: tmp_path / f"rank{rank}.strace" for rank in writer}
@@ -106,7 +107,7 @@ def test_dp2_each_rank_dumps_the_requests_pinned_to_it(dp2: LiveVllm, tmp_path: 
         dumps = [dump_of(dp2, rid) for rid, _ in reqs]
     # Then each dump was renamed into place by its rank's engine, and never by the other
     for rid, rank in rank_of.items():
-        renamed = {r: any("rename" in ln and f"{rid}{c.DUMP_SUFFIX}" in ln
+        renamed = {r: any("rename" in ln and f"{rid}{DUMP_SUFFIX}" in ln
                           for ln in writes(traces[r], dp2.dumps)) for r in writer}
         assert renamed == {rank: True, 1 - rank: False}, (rid, renamed)
     # And the dumps are transformers' states

@@ -21,8 +21,26 @@ import numpy as np
 import pytest
 import torch
 
-from engine_dump import contracts as c
 from engine_dump import fp8 as codec
+from engine_dump.checkpoint import weights_identity
+from engine_dump.dumpfile import (
+    DTYPE_BF16,
+    DTYPE_FP8,
+    M_DUMP_DTYPE,
+    M_LAYERS,
+    M_RID,
+    M_SERVER_VERSION,
+    M_WEIGHTS,
+    PATCH_VERSION,
+    READY_PREFIX,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    dump_path,
+    err_path,
+)
+from engine_dump.rids import INTERNAL_KEY_PREFIX, NO_RUN, RID_PREFIX, make_rid
 from tests.vllm.conftest import measured
 from tests.vllm.live import AUX_IDS, LAST_ID, LiveVllm, prompt, send_all, vocab, wait_dump
 from tests.vllm.reference import Errors, dump_of, load_file_metadata, reference, rel_errors
@@ -39,7 +57,7 @@ def test_unchunked_values_match_transformers(plain: LiveVllm) -> None:
     errors = Errors("unchunked (one step each)")
     for i, n in enumerate((40, 200, 500)):
         ids = prompt(n, i, vocab(plain.model))
-        rid = c.make_rid(f"u{i}", 1, n)
+        rid = make_rid(f"u{i}", 1, n)
         answer = plain.complete(ids, rid)
         # Then vLLM answers with the rid, and the dump is transformers' states
         assert answer["kv_transfer_params"] == {RID_PARAM: rid}
@@ -50,20 +68,20 @@ def test_unchunked_values_match_transformers(plain: LiveVllm) -> None:
 
 def test_dumps_say_what_served_them(plain: LiveVllm) -> None:
     n = 30
-    rid = c.make_rid("meta", 1, n)
+    rid = make_rid("meta", 1, n)
     plain.complete(prompt(n, 99, vocab(plain.model)), rid)
     meta = load_file_metadata(wait_dump(plain.dumps, rid))
-    weights = json.loads(meta[c.M_WEIGHTS])
-    assert json.loads(meta[c.M_LAYERS]) == AUX_IDS
-    assert meta[c.M_RID] == rid and meta[c.M_DUMP_DTYPE] == c.DTYPE_BF16
-    assert meta[c.M_SERVER_VERSION].startswith("vllm-0.32.")
-    assert weights["id"] == c.weights_identity(plain.model)["id"]
+    weights = json.loads(meta[M_WEIGHTS])
+    assert json.loads(meta[M_LAYERS]) == AUX_IDS
+    assert meta[M_RID] == rid and meta[M_DUMP_DTYPE] == DTYPE_BF16
+    assert meta[M_SERVER_VERSION].startswith("vllm-0.32.")
+    assert weights["id"] == weights_identity(plain.model)["id"]
     assert weights["model_path"] == str(plain.model)
 
 
 def test_concurrent_requests_match_transformers(plain: LiveVllm) -> None:
     # Given four requests of different lengths sent at once
-    reqs = [(c.make_rid(f"c{i}", 1, n), prompt(n, 10 + i, vocab(plain.model)))
+    reqs = [(make_rid(f"c{i}", 1, n), prompt(n, 10 + i, vocab(plain.model)))
             for i, n in enumerate((100, 300, 721, 50))]
     send_all(plain, reqs)
     errors = Errors("concurrent (4 sent at once)")
@@ -76,7 +94,7 @@ def test_prefix_cache_hits_lose_no_rows(plain: LiveVllm) -> None:
     # Given a 300-token prompt, then one sharing its first 256 tokens, then the first again
     base = prompt(300, 20, vocab(plain.model))
     other = base[:256] + prompt(60, 21, vocab(plain.model))
-    first, second, again = (c.make_rid(k, 1, len(ids)) for k, ids in
+    first, second, again = (make_rid(k, 1, len(ids)) for k, ids in
                             (("p0", base), ("p1", other), ("p2", base)))
     plain.complete(base, first)
     hits = [plain.complete(ids, rid)["usage"] for rid, ids in ((second, other), (again, base))]
@@ -98,7 +116,7 @@ def test_requests_not_ours_write_nothing(plain: LiveVllm) -> None:
     ids = prompt(50, 30, vocab(plain.model))
     for params in (None, {RID_PARAM: "cmpl-somebody-else"}):
         assert not plain.complete(ids, None, params).get("kv_transfer_params")
-    rid = c.make_rid("after", 1, len(ids))
+    rid = make_rid("after", 1, len(ids))
     plain.complete(ids, rid)
     wait_dump(plain.dumps, rid)
     time.sleep(1)
@@ -109,10 +127,10 @@ def test_requests_not_ours_write_nothing(plain: LiveVllm) -> None:
 def test_a_prompt_other_than_its_rid_declares_is_an_err(plain: LiveVllm) -> None:
     # Given a request of ours whose prompt is one token longer than its rid says
     ids = prompt(21, 31, vocab(plain.model))
-    rid = c.make_rid("longer", 1, 20)
+    rid = make_rid("longer", 1, 20)
     plain.complete(ids, rid)
     # Then its .err says why, and no dump or temp file is left
-    err = c.err_path(plain.dumps, rid)
+    err = err_path(plain.dumps, rid)
     deadline = time.monotonic() + 60
     while not err.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -121,19 +139,19 @@ def test_a_prompt_other_than_its_rid_declares_is_an_err(plain: LiveVllm) -> None
 
 
 def test_ready_marker_says_what_the_hook_serves(plain: LiveVllm) -> None:
-    markers = list(plain.dumps.glob(f"{c.READY_PREFIX}*"))
+    markers = list(plain.dumps.glob(f"{READY_PREFIX}*"))
     assert len(markers) == 1  # TP 1: one writing worker
     info = json.loads(markers[0].read_text())
     assert info["engine"] == "vllm" and info["vllm_version"].startswith("0.32.")
     assert info["server_version"] == f"vllm-{info['vllm_version']}"
     assert info["layers_to_capture"] == AUX_IDS and info["hidden_state_of_id"] == LAST_ID
     assert info["hidden_size"] == 128 and info["tp_size"] == 1
-    assert info["dump_dtype"] == c.DTYPE_BF16
+    assert info["dump_dtype"] == DTYPE_BF16
     assert info["model_path"] == str(plain.model)
     assert info["model_config_sha256"] == hashlib.sha256(
         (plain.model / "config.json").read_bytes()).hexdigest()
-    assert info["weights"]["id"] == c.weights_identity(plain.model)["id"]
-    assert info["patch_version"] == c.PATCH_VERSION
+    assert info["weights"]["id"] == weights_identity(plain.model)["id"]
+    assert info["patch_version"] == PATCH_VERSION
     assert Path(f"/proc/{info['pid']}").exists()
     assert "hsfarm dump hook active: aux ids [2, 3, 5]" in plain.log.read_text(errors="replace")
     # And verify finds it, as a launcher polls for it
@@ -149,12 +167,12 @@ def test_a_rid_too_long_for_a_file_name_stalls_nothing(plain: LiveVllm) -> None:
     # last test on ``plain``: a writer that dies on it leaves the server hung)
     v = vocab(plain.model)
     n = 40
-    too_long = f"{c.RID_PREFIX}{c.NO_RUN}-{'k' * 300}-a1-n{n}"
+    too_long = f"{RID_PREFIX}{NO_RUN}-{'k' * 300}-a1-n{n}"
     # When the server serves it, then eight requests of ours, one after the other
     answer = plain.complete(prompt(n, 60, v), too_long)
     t0 = time.monotonic()
     for i in range(8):
-        rid = c.make_rid(f"after-{i}", 1, n)
+        rid = make_rid(f"after-{i}", 1, n)
         plain.complete(prompt(n, 61 + i, v), rid)
         # Then each gets its dump: the writer lives on, and no step waits on it
         wait_dump(plain.dumps, rid, timeout_s=60)
@@ -170,12 +188,12 @@ def test_chunked_values_match_transformers(chunked: LiveVllm) -> None:
     # Given the farm's own requests (bf16 on an fp8 server) of 300 tokens (five chunks), then
     # 194 and 291 at once (their chunks interleaved), then 291 again with a new tail
     v = vocab(chunked.model)
-    own = c.INTERNAL_KEY_PREFIX
-    one = (c.make_rid(f"{own}k0", 1, 300), prompt(300, 40, v))
-    pair = [(c.make_rid(f"{own}k{i}", 1, n), prompt(n, 40 + i, v))
+    own = INTERNAL_KEY_PREFIX
+    one = (make_rid(f"{own}k0", 1, 300), prompt(300, 40, v))
+    pair = [(make_rid(f"{own}k{i}", 1, n), prompt(n, 40 + i, v))
             for i, n in ((1, 194), (2, 291))]
     tail = pair[1][1][:256] + prompt(35, 43, v)
-    hit = (c.make_rid(f"{own}k3", 1, len(tail)), tail)
+    hit = (make_rid(f"{own}k3", 1, len(tail)), tail)
     chunked.complete(one[1], one[0])
     send_all(chunked, pair)
     usage = chunked.complete(hit[1], hit[0])["usage"]
@@ -184,7 +202,7 @@ def test_chunked_values_match_transformers(chunked: LiveVllm) -> None:
     errors = Errors(f"chunked (64 a step; {cached} cached)")
     for rid, ids in [one, *pair, hit]:
         dump = dump_of(chunked, rid)
-        assert dump[c.T_AUX].dtype == torch.bfloat16
+        assert dump[T_AUX].dtype == torch.bfloat16
         errors.add(dump, ids, chunked.model)
     errors.report()
 
@@ -195,22 +213,22 @@ def test_fp8_dumps_read_back_within_e4m3s_rounding(chunked: LiveVllm) -> None:
     reqs = []
     for i, n in enumerate((35, 142, 300)):
         ids = prompt(n, 50 + i, v)
-        reqs += [(c.make_rid(f"f{i}", 1, n), ids),
-                 (c.make_rid(f"{c.INTERNAL_KEY_PREFIX}f{i}", 1, n), ids)]
+        reqs += [(make_rid(f"f{i}", 1, n), ids),
+                 (make_rid(f"{INTERNAL_KEY_PREFIX}f{i}", 1, n), ids)]
     send_all(chunked, reqs)
     worst_bf16 = worst_hf = 0.0
     for (sample, ids), (own, _) in zip(reqs[::2], reqs[1::2], strict=True):
         got, ref = dump_of(chunked, sample), dump_of(chunked, own)
         n = len(ids)
         post, _, inputs = reference(chunked.model, ids, AUX_IDS)
-        hf = {c.T_HIDDEN: post, c.T_AUX: torch.cat(inputs, dim=1)}
+        hf = {T_HIDDEN: post, T_AUX: torch.cat(inputs, dim=1)}
         # Then the sample's dump is e4m3 with one scale per block of 128 (H = 128) per layer
-        assert got[c.T_AUX].dtype == torch.float8_e4m3fn
-        assert got[c.T_HIDDEN_SCALE].shape == (n, 1) and got[c.T_AUX_SCALE].shape == (n, 3)
-        assert load_file_metadata(c.dump_path(chunked.dumps, sample))[c.M_DUMP_DTYPE] == \
-            c.DTYPE_FP8
-        for name, scale, layers in ((c.T_HIDDEN, c.T_HIDDEN_SCALE, 1),
-                                    (c.T_AUX, c.T_AUX_SCALE, 3)):
+        assert got[T_AUX].dtype == torch.float8_e4m3fn
+        assert got[T_HIDDEN_SCALE].shape == (n, 1) and got[T_AUX_SCALE].shape == (n, 3)
+        assert load_file_metadata(dump_path(chunked.dumps, sample))[M_DUMP_DTYPE] == \
+            DTYPE_FP8
+        for name, scale, layers in ((T_HIDDEN, T_HIDDEN_SCALE, 1),
+                                    (T_AUX, T_AUX_SCALE, 3)):
             q, s = got[name].view(torch.uint8), got[scale]
             back = codec.dequantize(q, s, torch.float32, layers=layers)
             # And the farm's numpy reader reads the hook's values bit for bit

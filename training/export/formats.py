@@ -19,10 +19,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import AUX_LAYERS, T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from training.prenorm import speculators_chunks
 from training.sample_file import NP_DTYPES, SampleFile
-from worker.core import checksums, diskio, durable, tensorfile
+from worker.core import checksums, diskio, durable, outdir, tensorfile
 from worker.core.errors import Corrupt
 
 Arrays = Mapping[str, np.ndarray]
@@ -128,7 +128,7 @@ class _TorchSave(Format):
     suffix = ""
 
     def rel_path(self, key: str, number: int = 0) -> str:
-        return f"samples/{c.shard_of(key)}/{key}{self.suffix}"
+        return f"samples/{outdir.shard_of(key)}/{key}{self.suffix}"
 
     def view(self, key: str, src: Arrays) -> dict[str, Any]:
         raise NotImplementedError
@@ -153,8 +153,8 @@ class _TorchSave(Format):
 
 class SpecForge(_TorchSave):
     name, suffix = "specforge", ".ckpt"
-    source_of: ClassVar[Names] = {k: k for k in (c.T_INPUT_IDS, c.T_LOSS_MASK, c.T_HIDDEN,
-                                                 c.T_AUX)}
+    source_of: ClassVar[Names] = {k: k for k in (T_INPUT_IDS, T_LOSS_MASK, T_HIDDEN,
+                                                 T_AUX)}
 
     def view(self, key: str, src: Arrays) -> dict[str, Any]:
         from training import views
@@ -164,8 +164,8 @@ class SpecForge(_TorchSave):
 
 class ModelOpt(_TorchSave):
     name, suffix = "modelopt", ".pt"
-    source_of: ClassVar[Names] = {"input_ids": c.T_INPUT_IDS, "loss_mask": c.T_LOSS_MASK,
-                                  "hidden_states": c.T_HIDDEN, "aux_hidden_states": c.T_AUX}
+    source_of: ClassVar[Names] = {"input_ids": T_INPUT_IDS, "loss_mask": T_LOSS_MASK,
+                                  "hidden_states": T_HIDDEN, "aux_hidden_states": T_AUX}
 
     def view(self, key: str, src: Arrays) -> dict[str, Any]:
         from training import views
@@ -175,16 +175,16 @@ class ModelOpt(_TorchSave):
 
 class Speculators(Format):
     name, needs_norm, numbered = "speculators", True, True
-    source_of: ClassVar[Names] = {"token_ids": c.T_INPUT_IDS, c.T_LOSS_MASK: c.T_LOSS_MASK}
+    source_of: ClassVar[Names] = {"token_ids": T_INPUT_IDS, T_LOSS_MASK: T_LOSS_MASK}
 
     derived: ClassVar[tuple[str, ...]] = ("hidden_states",)
 
     def problems(self, back: Mapping[str, np.ndarray], src_sums: checksums.Recorded,
                  derived_sums: Mapping[str, str] | None) -> list[str]:
         problems = super().problems(back, src_sums, derived_sums)
-        if not problems and src_sums.sums.get(c.T_AUX) != self.aux_checksum(
+        if not problems and src_sums.sums.get(T_AUX) != self.aux_checksum(
                 back["hidden_states"], src_sums.algorithm):
-            problems.append(f"hidden_states[:, :3] differs from source {c.T_AUX}")
+            problems.append(f"hidden_states[:, :3] differs from source {T_AUX}")
         return problems
 
     def rel_path(self, key: str, number: int = 0) -> str:
@@ -193,13 +193,13 @@ class Speculators(Format):
     def write(self, tmp: Path, key: str, src: Arrays, src_sums: checksums.Recorded,
               norm_w: np.ndarray | None) -> dict[str, str]:
         assert norm_w is not None
-        if checksums.mismatches(src_sums, {c.T_HIDDEN: src[c.T_HIDDEN]}):
-            raise Corrupt(f"source checksum of {c.T_HIDDEN}")
-        t, h = src[c.T_HIDDEN].shape
-        copies = {"token_ids": src[c.T_INPUT_IDS], c.T_LOSS_MASK: src[c.T_LOSS_MASK]}
+        if checksums.mismatches(src_sums, {T_HIDDEN: src[T_HIDDEN]}):
+            raise Corrupt(f"source checksum of {T_HIDDEN}")
+        t, h = src[T_HIDDEN].shape
+        copies = {"token_ids": src[T_INPUT_IDS], T_LOSS_MASK: src[T_LOSS_MASK]}
         head, header = tensorfile.encode_header(
-            {"token_ids": ("I64", (t,)), c.T_LOSS_MASK: ("I64", (t,)),
-             "hidden_states": ("BF16", (t, c.AUX_LAYERS + 1, h))}, {"sample_key": key})
+            {"token_ids": ("I64", (t,)), T_LOSS_MASK: ("I64", (t,)),
+             "hidden_states": ("BF16", (t, AUX_LAYERS + 1, h))}, {"sample_key": key})
         stacked = checksums.new_hasher()
         with durable.WritebackFile(tmp) as f:
             f.write(head)
@@ -233,8 +233,8 @@ class Speculators(Format):
         want = dict(derived_sums or {})
         if "hidden_states" in want and feed.stacked.hexdigest() != want["hidden_states"]:
             out.append("hidden_states reads back differently")
-        if not out and src_sums.sums.get(c.T_AUX) != feed.aux.hexdigest():
-            out.append(f"hidden_states[:, :3] differs from source {c.T_AUX}")
+        if not out and src_sums.sums.get(T_AUX) != feed.aux.hexdigest():
+            out.append(f"hidden_states[:, :3] differs from source {T_AUX}")
         return out
 
     def read_back(self, path: Path) -> dict[str, np.ndarray]:
@@ -249,19 +249,19 @@ class Speculators(Format):
             return checksums.of(Speculators.aux_part(hidden_states), algorithm)
         h = checksums.new_hasher(algorithm)
         for row in hidden_states:
-            h.update(row[: c.AUX_LAYERS].data)
+            h.update(row[: AUX_LAYERS].data)
         return h.hexdigest()
 
     @staticmethod
     def aux_part(hidden_states: np.ndarray) -> np.ndarray:
         """The three aux slots of a [T,4,H] stack as our [T,3H] (for the source checksum)."""
         t = hidden_states.shape[0]
-        return np.ascontiguousarray(hidden_states[:, : c.AUX_LAYERS]).reshape(t, -1)
+        return np.ascontiguousarray(hidden_states[:, : AUX_LAYERS]).reshape(t, -1)
 
     @staticmethod
     def ids_and_mask(path: Path) -> tuple[np.ndarray, np.ndarray]:
         sf = SampleFile.open(path)
-        return sf.read("token_ids"), sf.read(c.T_LOSS_MASK)
+        return sf.read("token_ids"), sf.read(T_LOSS_MASK)
 
 
 class _StackFeed:
@@ -273,7 +273,7 @@ class _StackFeed:
         self.ranges = header.file_ranges()
         stack = header.tensors["hidden_states"]
         self.row_bytes = stack.nbytes // max(1, stack.shape[0])
-        self.aux_bytes = self.row_bytes * c.AUX_LAYERS // (c.AUX_LAYERS + 1)
+        self.aux_bytes = self.row_bytes * AUX_LAYERS // (AUX_LAYERS + 1)
         self.stacked = checksums.new_hasher()
         self.aux = checksums.new_hasher(algorithm)
         self.kept: dict[str, bytearray] = {}

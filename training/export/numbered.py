@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import is_temp_name
 from training.export.formats import Format
 from training.export.ledger import Ledger
 from worker.core.diskio import fsync_dir
@@ -46,6 +46,6 @@ def _remove_unnamed(ledger: Ledger, fmt: Format, root: Path) -> None:
     if not folder.is_dir():
         return
     for p in folder.iterdir():
-        if not c.is_temp_name(p.name) and str(p) not in named:
+        if not is_temp_name(p.name) and str(p) not in named:
             p.unlink()
     fsync_dir(folder)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, TMP_MARK
 from training import fp8, roots
 from training.export.formats import FORMATS, Format
 from training.export.ledger import Ledger
@@ -233,13 +233,13 @@ def _count(summary: ExportSummary, key: str, result: _Outcome | str) -> None:
 
 def _remove_dead_temps(dest: Path) -> None:
     """Temp files left by an export that was killed (this host, writer gone)."""
-    for p in dest.rglob(f".*{c.TMP_MARK}*"):
+    for p in dest.rglob(f".*{TMP_MARK}*"):
         if outdir.temp_writer_dead(p.name):
             p.unlink(missing_ok=True)
 
 
 def _key(path: Path) -> str:
-    return path.name[: -len(c.DUMP_SUFFIX)]
+    return path.name[: -len(DUMP_SUFFIX)]
 
 
 def _changed(job: _Job, key: str, path: Path) -> bool:

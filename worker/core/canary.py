@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import M_LAYERS, M_SERVER_VERSION
+from engine_dump.fingerprint import Fingerprint
 from worker.core import checksums, diskio, durable, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, Transient
 from worker.core.weights import M_WEIGHTS_ID
@@ -223,10 +224,10 @@ def compare(recorded: list[Canary], new: list[np.ndarray], names: list[str],
     return Comparison(layers, list(problems or []), max_rel_tol, mean_rel_tol)
 
 
-def recording_meta(fingerprint: c.Fingerprint, weights_id: str, server_version: str,
+def recording_meta(fingerprint: Fingerprint, weights_id: str, server_version: str,
                    chunk_size: int) -> dict[str, str]:
     return {"fingerprint_id": fingerprint.id, M_WEIGHTS_ID: weights_id, M_PROMPTS: PROMPTS_CHAT,
-            c.M_LAYERS: json.dumps(list(fingerprint.layers_to_capture)),
+            M_LAYERS: json.dumps(list(fingerprint.layers_to_capture)),
             M_LAYERS_NAMES: json.dumps(layer_names(fingerprint.layers_to_capture)),
-            c.M_SERVER_VERSION: server_version, "chunked_prefill_size": str(chunk_size),
+            M_SERVER_VERSION: server_version, "chunked_prefill_size": str(chunk_size),
             "recorded_at": str(time.time()), "recorded_by": socket.gethostname()}

@@ -21,8 +21,25 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
 from engine_dump import dumpdir, engines, markers
+from engine_dump.dumpfile import (
+    DTYPE_BF16,
+    ERR_DUMP_DIR_FULL,
+    ERR_HOOK_INACTIVE,
+    ERR_WRITER_UNHEALTHY,
+    M_CONFIG_SHA,
+    M_DUMP_DTYPE,
+    M_LAYERS,
+    M_SERVER_VERSION,
+    M_WEIGHTS,
+    T_INPUT_IDS,
+    dump_path,
+    err_path,
+    hidden_layout,
+    rid_of_file,
+)
+from engine_dump.fingerprint import Fingerprint
+from engine_dump.rids import RID_PREFIX
 from worker.core import fp8, tensorfile, weights
 from worker.core.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
 from worker.core.finalfile import Part
@@ -35,8 +52,8 @@ def discard_dumps(dump_dir: Path, run: str, sample_key: str) -> int:
     """Delete every dump/err of this sample of run ``run`` (earlier attempts that died before
     collecting); another run's dumps of a sample with the same key are never touched."""
     removed = 0
-    for p in dump_dir.glob(f"{c.RID_PREFIX}{run}-{sample_key}-a*"):
-        rid = c.rid_of_file(p.name)
+    for p in dump_dir.glob(f"{RID_PREFIX}{run}-{sample_key}-a*"):
+        rid = rid_of_file(p.name)
         if rid is not None and rid.run == run and rid.sample_key == sample_key:
             p.unlink(missing_ok=True)
             removed += 1
@@ -87,7 +104,7 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
             ``_WRITER_CHECK_S``: a dump it refused may only get its ``.err`` later).
         Corrupt: the hook reported a problem with the request (gap, overrun, truncation).
     """
-    dump, err = c.dump_path(dump_dir, rid), c.err_path(dump_dir, rid)
+    dump, err = dump_path(dump_dir, rid), err_path(dump_dir, rid)
     deadline = time.monotonic() + timeout_s
     next_writer_check = time.monotonic() + _WRITER_CHECK_S
     for i in itertools.count():
@@ -97,9 +114,9 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
             with open_file(err) as f:
                 message = f.read().decode(errors="replace").strip()
             err.unlink(missing_ok=True)
-            if message.startswith(c.ERR_DUMP_DIR_FULL):
+            if message.startswith(ERR_DUMP_DIR_FULL):
                 raise NoSpace(f"server-side dump failed: {message}", on_server=True)
-            if message.startswith((c.ERR_HOOK_INACTIVE, c.ERR_WRITER_UNHEALTHY)):
+            if message.startswith((ERR_HOOK_INACTIVE, ERR_WRITER_UNHEALTHY)):
                 raise ServerMisconfigured(f"server-side dump failed: {message}")
             raise Corrupt(f"server-side dump failed: {message}")
         if not dump_dir.is_dir():  # no dump can come: the environment's fault, not the sample's
@@ -143,7 +160,7 @@ class Dump:
         tested for NaN/Inf piece by piece as the store copies them; fp8 scales (a few bytes
         per token) are read at once and must be finite and > 0."""
         e = self.header.tensors[name]
-        if name == c.T_INPUT_IDS:
+        if name == T_INPUT_IDS:
             return Part(e.dtype, e.shape, data=self.ids)
         if e.dtype == "F32":
             data = os.pread(self.file.fileno(), e.nbytes, self.header.data_start + e.begin)
@@ -178,7 +195,7 @@ class Dump:
         self.close()
 
 
-def open_dump(path: Path, sent_ids: list[int], fingerprint: c.Fingerprint,
+def open_dump(path: Path, sent_ids: list[int], fingerprint: Fingerprint,
               weights_id: str = "") -> Dump:
     """Open a dump and check its layout, ids and metadata (cheap); values are checked as copied.
 
@@ -203,7 +220,7 @@ def served_dtype_problem(dump_dir: Path, run_dtype: str, writer: str | None = No
                          ) -> str | None:
     """What is wrong when the server writing ``dump_dir`` stores other hidden states than the
     run (the newest live ready marker of its server start says which: the start of ``writer``,
-    a probe dump's ``contracts.M_WRITER``, in a dump dir servers may share; an older hook's
+    a probe dump's ``dumpfile.M_WRITER``, in a dump dir servers may share; an older hook's
     says nothing and stores bf16); None when they agree or no marker is there to ask.
 
     Checked at the worker's start, so a server started without the run's dtype stops the
@@ -214,7 +231,7 @@ def served_dtype_problem(dump_dir: Path, run_dtype: str, writer: str | None = No
         return f"{dump_dir}: {e}"
     if marker is None:
         return None
-    served = str(marker.info.get("dump_dtype") or c.DTYPE_BF16)
+    served = str(marker.info.get("dump_dtype") or DTYPE_BF16)
     if served == run_dtype:
         return None
     return (f"the server writing {dump_dir} stores {served} hidden states (its ready marker "
@@ -224,35 +241,35 @@ def served_dtype_problem(dump_dir: Path, run_dtype: str, writer: str | None = No
 def _dtype_fix(run_dtype: str, said: Mapping[str, object]) -> str:
     """The fix, naming the variable of the engine that wrote ``said`` (a marker's info or a
     dump's metadata: vLLM's hook says ``vllm-<version>``)."""
-    vllm = str(said.get("engine") or said.get(c.M_SERVER_VERSION) or "").startswith(engines.VLLM)
+    vllm = str(said.get("engine") or said.get(M_SERVER_VERSION) or "").startswith(engines.VLLM)
     variable = engines.DUMP_DTYPE_VARIABLE[engines.VLLM if vllm else engines.SGLANG]
     reference = "" if vllm else f" (the reference server: --dump-dtype {run_dtype})"
     return (f"this run stores {run_dtype}: start the server with {variable}={run_dtype}"
             f"{reference}, or use the run's FARM_STORE_DTYPE")
 
 
-def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: c.Fingerprint,
+def _check(path: Path, f: io.FileIO, sent_ids: list[int], fp: Fingerprint,
            weights_id: str) -> Dump:
     try:
         header = tensorfile.read_header_fd(f.fileno(), path.name)
         t = header.tensors
-        dtype = header.metadata.get(c.M_DUMP_DTYPE, c.DTYPE_BF16)
+        dtype = header.metadata.get(M_DUMP_DTYPE, DTYPE_BF16)
         if dtype != fp.dtype:
             raise ServerMisconfigured(f"dump {path.name} holds {dtype} hidden states, "
                                       f"{_dtype_fix(fp.dtype, header.metadata)}")
         served = identity_problems(header.metadata, fp)
-        other = weights.dump_mismatch(header.metadata.get(c.M_WEIGHTS), weights_id)
+        other = weights.dump_mismatch(header.metadata.get(M_WEIGHTS), weights_id)
         if other:
             served.append(other)
         if served:  # the server's setup, not the sample: the worker waits (no attempt spent)
             raise ServerMisconfigured(f"dump {path.name}: " + "; ".join(served))
         n, h = len(sent_ids), fp.hidden_size
-        want = c.hidden_layout(fp.dtype, n, h, {k: e.shape for k, e in t.items()})
-        missing = {c.T_INPUT_IDS, *want} - set(t)
+        want = hidden_layout(fp.dtype, n, h, {k: e.shape for k, e in t.items()})
+        missing = {T_INPUT_IDS, *want} - set(t)
         if missing:
             raise Corrupt(f"dump {path.name} lacks tensors {sorted(missing)}")
         problems = []
-        ids = t[c.T_INPUT_IDS]
+        ids = t[T_INPUT_IDS]
         raw_ids = b""
         if ids.dtype != "I64" or ids.shape != (n,):
             problems.append(f"input_ids {ids.dtype}{list(ids.shape)}, sent {n} tokens")
@@ -298,12 +315,12 @@ def _count_fp8_nan(piece: memoryview) -> int:
         del values  # no array may outlive the mapping it views
 
 
-def identity_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
+def identity_problems(meta: dict[str, str], fp: Fingerprint) -> list[str]:
     """How a dump's metadata says its server differs from the run (its capture layers, its
     model config), each with the fix; empty when they agree."""
     out = []
     try:
-        layers = tuple(json.loads(meta.get(c.M_LAYERS, "null")) or ())
+        layers = tuple(json.loads(meta.get(M_LAYERS, "null")) or ())
     except ValueError:
         layers = ()
     if layers != fp.layers_to_capture:
@@ -313,7 +330,7 @@ def identity_problems(meta: dict[str, str], fp: c.Fingerprint) -> list[str]:
                    f"restart the server capturing the run's layers (ops/launch-sglang.sh with "
                    f"FARM_LAYERS_TO_CAPTURE=\"{want}\"; the reference server: "
                    f"--layers-to-capture {want})")
-    if meta.get(c.M_CONFIG_SHA) != fp.config_sha256:
+    if meta.get(M_CONFIG_SHA) != fp.config_sha256:
         out.append("server's model config differs from the run's (another model is served): "
                    "serve the run's model (its manifest's model), or start a new "
                    "FARM_OUTPUT_DIR for this one")

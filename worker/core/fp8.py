@@ -4,7 +4,7 @@ The hook quantizes (``engine_dump/fp8.py``); the worker checks what it copies, a
 bf16 for NaN/Inf: e4m3fn has no infinities and two NaN encodings (``0x7F``, ``0xFF``), and
 every scale must be finite and > 0 (a NaN or Inf in a block makes its scale non-finite). The
 training side dequantizes: ``float(q) * scale``, per block of each token's row of each layer
-(``contracts.FP8_BLOCK`` values, or the whole row in files written before the blocks), with the
+(``dumpfile.FP8_BLOCK`` values, or the whole row in files written before the blocks), with the
 same float32 products as the hook's torch ``dequantize``.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import fp8_block_of
 
 _NAN_BITS = 0x7F  # exponent and mantissa all ones; the sign bit either way
 
@@ -69,7 +69,7 @@ def _scaled(table: np.ndarray, q: np.ndarray, scales: np.ndarray, layers: int) -
     nb = scales.shape[1] // layers
     if scales.shape[1] != layers * nb:
         raise ValueError(f"{scales.shape[1]} scales per token for {layers} layers")
-    block = c.fp8_block_of(h, nb)
+    block = fp8_block_of(h, nb)
     v = table[q].reshape(t, layers, h)
     if nb * block != h:
         v = np.pad(v, ((0, 0), (0, 0), (0, nb * block - h)))

@@ -8,10 +8,11 @@ writer's from a live one's. Tests: tests/unit/test_store.py, tests/state/test_du
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump import dumpfile
 from worker.core import liveness
 
 MANIFEST = "manifest.json"  # the run: fingerprint, weights, nonce (worker/core/run.py)
@@ -25,18 +26,24 @@ TOKEN_COUNTS = "token_counts.safetensors"
 SAMPLES_DIR = "samples"
 REMOVED_DIR = "removed"  # samples that left the run (worker/core/setaside.py)
 DONE_ELSEWHERE_DIR = "done-elsewhere"  # files the run holds on another host
-TMP_MARK = c.TMP_MARK
+TMP_MARK = dumpfile.TMP_MARK
+
+
+def shard_of(sample_key: str, shards: int = 256) -> str:
+    """The sub-directory a final file lives in: a stable hash bucket, 2 hex digits."""
+    bucket = int(hashlib.sha256(sample_key.encode()).hexdigest()[:8], 16) % shards
+    return f"{bucket:02x}"
 
 
 def final_path(out_dir: Path, sample_key: str) -> Path:
     """The final file of ``sample_key``: ``samples/<shard>/<key>.safetensors``."""
-    return out_dir / SAMPLES_DIR / c.shard_of(sample_key) / f"{sample_key}{c.DUMP_SUFFIX}"
+    return out_dir / SAMPLES_DIR / shard_of(sample_key) / f"{sample_key}{dumpfile.DUMP_SUFFIX}"
 
 
 def removed_path(out_dir: Path, key: str, content_sha256: str) -> Path:
     """Where the final file of ``key`` with this content is kept aside."""
-    return (out_dir / REMOVED_DIR / c.shard_of(key)
-            / f"{key}.{content_sha256 or 'unknown'}{c.DUMP_SUFFIX}")
+    return (out_dir / REMOVED_DIR / shard_of(key)
+            / f"{key}.{content_sha256 or 'unknown'}{dumpfile.DUMP_SUFFIX}")
 
 
 def vocab_mapping_path(out_dir: Path, draft_vocab_size: int) -> Path:
@@ -56,4 +63,4 @@ def temp_tag() -> str:
 def temp_writer_dead(name: str) -> bool:
     """True if a temp file's name says it was written by a process of this machine now gone."""
     parts = name.rsplit(TMP_MARK, 1)
-    return c.is_temp_name(name) and liveness.temp_writer_gone(parts[1])
+    return dumpfile.is_temp_name(name) and liveness.temp_writer_gone(parts[1])

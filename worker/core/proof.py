@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from engine_dump import contracts as c
 from engine_dump import header_codec
+from engine_dump.dumpfile import DTYPE_BF16, DTYPE_FP8, T_HIDDEN, T_HIDDEN_SCALE
 from worker.core import fp8, tensorfile
 from worker.core.errors import ConfigError
 
 # (atol, rel) per stored dtype: what a correct capture's rows stay under (docs/proof.md)
-TOLERANCE = {c.DTYPE_BF16: (1e-4, 2.0 ** -6), c.DTYPE_FP8: (0.01, 2.0 ** -3)}
+TOLERANCE = {DTYPE_BF16: (1e-4, 2.0 ** -6), DTYPE_FP8: (0.01, 2.0 ** -3)}
 CHUNK_BYTES = 64 << 20  # float32 bytes of LM-head rows widened at once
 _HEAD_DTYPES: dict[str, np.dtype[Any]] = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"),
                                           "F32": np.dtype("<f4")}
@@ -166,7 +166,7 @@ def pick_rows(n: int, k: int, seed: str) -> np.ndarray:
 def read_rows(fd: int, header: tensorfile.Header, rows: np.ndarray) -> np.ndarray:
     """The final state's ``rows`` as float32 [k, H], from a dump or a final file's descriptor:
     bf16 widened, or fp8 dequantized with its block scales (``fp8.dequantize``)."""
-    e = header.tensors[c.T_HIDDEN]
+    e = header.tensors[T_HIDDEN]
     width = e.shape[1]
     item = tensorfile.numpy_dtype(e.dtype).itemsize
     raw = np.stack([np.frombuffer(pread(fd, width * item, header.data_start + e.begin
@@ -174,7 +174,7 @@ def read_rows(fd: int, header: tensorfile.Header, rows: np.ndarray) -> np.ndarra
                                   dtype=tensorfile.numpy_dtype(e.dtype)) for r in rows])
     if e.dtype == "BF16":
         return (raw.astype(np.uint32) << 16).view(np.float32)
-    s = header.tensors[c.T_HIDDEN_SCALE]
+    s = header.tensors[T_HIDDEN_SCALE]
     per = s.shape[1]
     scales = np.stack([np.frombuffer(pread(fd, per * 4, header.data_start + s.begin
                                             + int(r) * per * 4), dtype="<f4") for r in rows])

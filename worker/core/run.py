@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from engine_dump import contracts as c
+from engine_dump.rids import NO_RUN, RUN_ID_LEN, RUN_ID_RE
 from worker.core import outdir
 from worker.core.settings import Settings
 
@@ -37,7 +37,7 @@ def run_id(manifest: Mapping[str, Any]) -> str:
     weights_id = str(weights.get("id", "")) if isinstance(weights, Mapping) else ""
     nonce = manifest.get(M_RUN_NONCE) or repr(manifest.get("created_at"))
     blob = json.dumps([str(manifest.get("fingerprint_id")), weights_id, str(nonce)])
-    return hashlib.sha256(blob.encode()).hexdigest()[: c.RUN_ID_LEN]
+    return hashlib.sha256(blob.encode()).hexdigest()[: RUN_ID_LEN]
 
 
 def read_run_id(out_dir: Path) -> str | None:
@@ -51,7 +51,7 @@ def read_run_id(out_dir: Path) -> str | None:
 
 def run_id_of(out_dir: Path) -> str:
     """``read_run_id``, or ``NO_RUN`` (whose keys and queue hold nothing) before any run."""
-    return read_run_id(out_dir) or c.NO_RUN
+    return read_run_id(out_dir) or NO_RUN
 
 
 def queue_for(settings: Settings, run: str) -> str:
@@ -62,7 +62,7 @@ def queue_for(settings: Settings, run: str) -> str:
 def task_id(run_id: str, publication: int, key: str) -> str:
     """The task id of one publication of sample ``key`` in run ``run_id``.
 
-    ``:`` never occurs in a sample key (contracts), so the publication number cannot be
+    ``:`` never occurs in a sample key (engine_dump/rids.py), so the publication number cannot be
     mistaken for the head of a key that starts with digits and a dash (``2024-01-x``).
     """
     return f"{TASK_PREFIX}-{run_id}-{publication}:{key}"
@@ -73,9 +73,9 @@ def run_of_task(task_id: object) -> str | None:
     start = len(TASK_PREFIX) + 1
     if not isinstance(task_id, str) or not task_id.startswith(f"{TASK_PREFIX}-"):
         return None
-    head = task_id[start:start + c.RUN_ID_LEN + 1]
+    head = task_id[start:start + RUN_ID_LEN + 1]
     run = head[:-1]
-    return run if head.endswith("-") and c.RUN_ID_RE.match(run) else None
+    return run if head.endswith("-") and RUN_ID_RE.match(run) else None
 
 
 def sample_key_of(task: str, run_id: str) -> str | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from engine_dump import contracts as c
+from engine_dump.rids import is_user_sample_key, sample_key_for
 from worker.core.datafile import FileProblem, Oversized, Span, scan
 from worker.core.errors import BadInput, DataFileUnavailable, MalformedMessage, StaleRecord
 
@@ -95,7 +95,7 @@ class SampleRef:
         fid = _field(d, "d", int) if "d" in d else 0
         file = "" if "d" in d else _field(d, "f", str)
         problems = []
-        if not c.is_user_sample_key(key):
+        if not is_user_sample_key(key):
             problems.append(f"k: {key[:100]!r} is not a sample key (or one of the farm's own)")
         if "d" in d and fid < 1:
             problems.append(f"d: {fid} is not a data file id")
@@ -283,7 +283,7 @@ def sample_refs(path: Path, max_record_bytes: int, rejected: list[tuple[str, str
         except BadInput as e:
             rejected.append((item.where, str(e)))
             continue
-        key = c.sample_key_for(sample.source_id, sha)
+        key = sample_key_for(sample.source_id, sha)
         digest = key_digest(key)
         if digest in seen:
             what = (f"id {sample.source_id!r}" if sample.source_id is not None

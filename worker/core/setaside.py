@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX
 from worker.core import durable, outdir, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.store import M_CONTENT
@@ -44,12 +44,12 @@ def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:
 def kept_aside(out_dir: Path) -> list[Path]:
     """Every file kept in ``<out>/removed/``."""
     root = out_dir / outdir.REMOVED_DIR
-    return sorted(p for p in root.rglob(f"*{c.DUMP_SUFFIX}")) if root.is_dir() else []
+    return sorted(p for p in root.rglob(f"*{DUMP_SUFFIX}")) if root.is_dir() else []
 
 
 def removed_by_key(out_dir: Path) -> dict[str, list[Path]]:
     """The files kept aside, by sample key (``<key>.<content hash>.safetensors``)."""
     out: dict[str, list[Path]] = {}
     for p in kept_aside(out_dir):
-        out.setdefault(p.name[: -len(c.DUMP_SUFFIX)].rsplit(".", 1)[0], []).append(p)
+        out.setdefault(p.name[: -len(DUMP_SUFFIX)].rsplit(".", 1)[0], []).append(p)
     return out

@@ -21,7 +21,7 @@ _DUMP_DIR = Path("/dev/shm/hsfarm-dumps")
 _OUTPUT_DIR = Path("hsfarm-out")
 
 
-# FARM_STORE_DTYPE's values -> the fingerprint's dtype (contracts.STORE_DTYPES)
+# FARM_STORE_DTYPE's values -> the fingerprint's dtype (dumpfile.STORE_DTYPES)
 STORE_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8_e4m3": "fp8_e4m3"}
 
 

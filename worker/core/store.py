@@ -23,7 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import (
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    hidden_layout,
+)
+from engine_dump.fingerprint import Fingerprint
 from worker.core import (
     checksums,
     diskio,
@@ -51,18 +60,18 @@ M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
 M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
 FINAL_TENSORS = {  # name -> dtype of the final file (bf16 storage; ``final_layout`` for any)
-    c.T_INPUT_IDS: "I64", c.T_LOSS_MASK: "I64", c.T_HIDDEN: "BF16", c.T_AUX: "BF16",
+    T_INPUT_IDS: "I64", T_LOSS_MASK: "I64", T_HIDDEN: "BF16", T_AUX: "BF16",
 }
-SCALES = (c.T_HIDDEN_SCALE, c.T_AUX_SCALE)  # fp8 storage: checked by value at verify
+SCALES = (T_HIDDEN_SCALE, T_AUX_SCALE)  # fp8 storage: checked by value at verify
 
 
-def final_layout(fp: c.Fingerprint, n: int, found: Mapping[str, tuple[int, ...]] | None = None
+def final_layout(fp: Fingerprint, n: int, found: Mapping[str, tuple[int, ...]] | None = None
                  ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor of a final file of ``n`` tokens of run ``fp``: name -> (dtype, shape).
-    ``found``: the file's shapes, when checking one (``contracts.hidden_layout``: an fp8 file
+    ``found``: the file's shapes, when checking one (``dumpfile.hidden_layout``: an fp8 file
     of one scale per token per layer, written before the blocks, is checked as one)."""
-    return {c.T_INPUT_IDS: ("I64", (n,)), c.T_LOSS_MASK: ("I64", (n,)),
-            **c.hidden_layout(fp.dtype, n, fp.hidden_size, found)}
+    return {T_INPUT_IDS: ("I64", (n,)), T_LOSS_MASK: ("I64", (n,)),
+            **hidden_layout(fp.dtype, n, fp.hidden_size, found)}
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ def is_no_space(e: BaseException) -> bool:
 class OutputStore:
     """One run's output directory. ``open`` checks or writes the manifest first."""
 
-    def __init__(self, out_dir: Path, fingerprint: c.Fingerprint,
+    def __init__(self, out_dir: Path, fingerprint: Fingerprint,
                  versions: dict[str, str] | None = None, debug_write_delay_s: float = 0.0,
                  model_path: Path | None = None) -> None:
         self.out_dir = out_dir
@@ -225,7 +234,7 @@ class OutputStore:
     def _check_manifest(self, path: Path) -> dict[str, object]:
         try:
             manifest = json.loads(path.read_text())
-            theirs = c.Fingerprint.from_json(manifest["fingerprint"])
+            theirs = Fingerprint.from_json(manifest["fingerprint"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(
                 f"{path}: unreadable manifest ({e}); move it away to start anew"
@@ -259,7 +268,7 @@ class OutputStore:
         (the temp file was removed before its rename, by the attempt that holds the lease now)."""
         final = self.final_path(key)
         layout = {name: (p.dtype, p.shape) for name, p in parts.items()}
-        problems = self._layout_problems(layout, layout.get(c.T_INPUT_IDS, ("", (-1,)))[1])
+        problems = self._layout_problems(layout, layout.get(T_INPUT_IDS, ("", (-1,)))[1])
         if problems:
             raise Corrupt(f"{final}: not this run's layout: " + "; ".join(problems))
         tmp = outdir.temp_path(final)
@@ -308,7 +317,7 @@ class OutputStore:
     def _read_back(self, path: Path, key: str, content_sha256: str | None,
                    shown: Path | None = None) -> Verified:
         """``verify``'s checks of the file at ``path`` (named ``shown`` in a refusal)."""
-        header, sums, small = read_back(path, small={c.T_INPUT_IDS, c.T_LOSS_MASK, *SCALES})
+        header, sums, small = read_back(path, small={T_INPUT_IDS, T_LOSS_MASK, *SCALES})
         meta = header.metadata
         problems = []
         if meta.get(M_KEY) != key:
@@ -324,7 +333,7 @@ class OutputStore:
         if problems:
             raise Corrupt(f"{shown or path}: " + "; ".join(problems))
         tf = tensorfile.TensorFile(small, meta, header.size_bytes)
-        return Verified(path, int(header.tensors[c.T_INPUT_IDS].shape[0]), header.size_bytes, tf)
+        return Verified(path, int(header.tensors[T_INPUT_IDS].shape[0]), header.size_bytes, tf)
 
     def _shape_problems(self, header: tensorfile.Header) -> list[str]:
         return shape_problems(self.fingerprint, header)
@@ -371,7 +380,7 @@ class OutputStore:
         return removed
 
 
-def layout_problems(fp: c.Fingerprint, t: dict[str, tuple[str, tuple[int, ...]]],
+def layout_problems(fp: Fingerprint, t: dict[str, tuple[str, tuple[int, ...]]],
                     ids_shape: tuple[int, ...]) -> list[str]:
     """How tensors ``{name: (dtype, shape)}`` differ from run ``fp``'s final-file layout (an
     fp8 file of one scale per token per layer, written before the blocks, is checked as one)."""
@@ -384,14 +393,14 @@ def layout_problems(fp: c.Fingerprint, t: dict[str, tuple[str, tuple[int, ...]]]
     return out + [f"{k} shape {t[k][1]} != {s}" for k, (_, s) in have.items() if t[k][1] != s]
 
 
-def shape_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
+def shape_problems(fp: Fingerprint, header: tensorfile.Header) -> list[str]:
     """How a final file's tensors, dtypes and shapes differ from run ``fp``'s."""
     t = header.tensors
-    ids = t[c.T_INPUT_IDS].shape if c.T_INPUT_IDS in t else ()
+    ids = t[T_INPUT_IDS].shape if T_INPUT_IDS in t else ()
     return layout_problems(fp, {k: (e.dtype, e.shape) for k, e in t.items()}, ids or (-1,))
 
 
-def header_problems(fp: c.Fingerprint, header: tensorfile.Header) -> list[str]:
+def header_problems(fp: Fingerprint, header: tensorfile.Header) -> list[str]:
     """How a final file's header differs from run ``fp``'s: fingerprint id, tensors, dtypes
     and shapes (the header alone: no tensor data is read; what relearning "done" checks)."""
     fid = header.metadata.get(M_FINGERPRINT)

@@ -2,8 +2,8 @@
 run's recording and with what the server says it serves.
 
 The algorithm (every data byte of each shard, hashed once and cached) lives in
-``engine_dump.contracts``: both hooks and the reference server compute the same identity from
-the files they loaded and publish it (``contracts.M_WEIGHTS``). A run recorded by an older
+``engine_dump.checkpoint``: both hooks and the reference server compute the same identity from
+the files they loaded and publish it (``dumpfile.M_WEIGHTS``). A run recorded by an older
 hsfarm (``shards-v1``: sampled ranges only) is compared on the fields it recorded; the canary
 (``canary.py``) compares what the server computes.
 """
@@ -15,21 +15,21 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump import checkpoint
 from worker.core.errors import ConfigError
 
 log = logging.getLogger("hsfarm.weights")
 
-SCHEME = c.WEIGHTS_SCHEME
-SAMPLES = c.WEIGHTS_SAMPLES
-SAMPLE_BYTES = c.WEIGHTS_SAMPLE_BYTES
+SCHEME = checkpoint.WEIGHTS_SCHEME
+SAMPLES = checkpoint.WEIGHTS_SAMPLES
+SAMPLE_BYTES = checkpoint.WEIGHTS_SAMPLE_BYTES
 M_WEIGHTS_ID = "weights_id"  # final-file metadata key: the identity it was written under
 WORKER_REFUSES = "This worker takes no work."  # what a worker does while its server is wrong
-sample_offsets = c.sample_offsets
+sample_offsets = checkpoint.sample_offsets
 # what a run recorded under the older scheme cannot be checked for, in a log line
-V1_BLIND = (f"its identity (scheme {c.WEIGHTS_SCHEME_V1}, recorded by an older hsfarm) hashes only "
-            "sampled ranges of each shard: a change between them (one embedding row) is not "
-            "seen here, only by the canary; a new run records every byte")
+V1_BLIND = (f"its identity (scheme {checkpoint.WEIGHTS_SCHEME_V1}, recorded by an older hsfarm) "
+            "hashes only sampled ranges of each shard: a change between them (one embedding row) "
+            "is not seen here, only by the canary; a new run records every byte")
 
 
 def weights_identity(model_path: Path) -> dict[str, Any]:
@@ -42,8 +42,8 @@ def weights_identity(model_path: Path) -> dict[str, Any]:
         ConfigError: a shard is not whole.
     """
     try:
-        identity = c.weights_identity(model_path)
-    except c.WeightsUnreadable as e:
+        identity = checkpoint.weights_identity(model_path)
+    except checkpoint.WeightsUnreadable as e:
         raise ConfigError(str(e)) from e
     except OSError as e:
         raise ConfigError(f"the weights in {model_path} cannot be read ({e}); make them "
@@ -77,14 +77,14 @@ def incomparable(recorded: dict[str, Any], current: dict[str, Any]) -> str | Non
 def _fields(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, ...] | None:
     """The shard fields the two identities can be compared on: all of the recorded scheme's
     when the current one has them (an older scheme's are a subset); None if none."""
-    fields = c.WEIGHTS_SCHEME_FIELDS.get(str(recorded.get("scheme")))
-    have = c.WEIGHTS_SCHEME_FIELDS.get(str(current.get("scheme")), ())
+    fields = checkpoint.WEIGHTS_SCHEME_FIELDS.get(str(recorded.get("scheme")))
+    have = checkpoint.WEIGHTS_SCHEME_FIELDS.get(str(current.get("scheme")), ())
     return fields if fields and set(fields) <= set(have) else None
 
 
 def older_scheme(recorded: dict[str, Any]) -> bool:
     """The run recorded its identity under ``shards-v1``: compared, but blind between samples."""
-    return recorded.get("scheme") == c.WEIGHTS_SCHEME_V1 != SCHEME
+    return recorded.get("scheme") == checkpoint.WEIGHTS_SCHEME_V1 != SCHEME
 
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -120,7 +120,7 @@ def mismatch(recorded: dict[str, Any], current: dict[str, Any], model_path: Path
         return None
     shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
     if older_scheme(recorded):
-        shown += f" (compared on the run's identity scheme {c.WEIGHTS_SCHEME_V1})"
+        shown += f" (compared on the run's identity scheme {checkpoint.WEIGHTS_SCHEME_V1})"
     return (f"the weights in {model_path} are not the checkpoint this run's hidden states came "
             f"from (weights identity {current.get('id')} != recorded {recorded.get('id')}): "
             f"{shown}. Restore the original checkpoint (and serve it), or start a new "
@@ -131,7 +131,7 @@ def served_mismatch(served: dict[str, Any] | None, recorded: dict[str, Any] | No
                     local: dict[str, Any] | None, *, server_url: str, model_path: Path,
                     manifest: Path, started: bool, refusing: str = WORKER_REFUSES) -> str | None:
     """Why the server must be refused: the weights it serves (``served``: what its dumps and
-    ready marker say, ``contracts.served_weights``) are not the run's (``recorded``) or those in
+    ready marker say, ``checkpoint.served_weights``) are not the run's (``recorded``) or those in
     FARM_MODEL_PATH (``local``); None when they are, or when nothing can be compared (logged).
 
     ``started``: hidden states of the run exist (its canary is recorded). Before that, either
@@ -179,7 +179,7 @@ def served_mismatch(served: dict[str, Any] | None, recorded: dict[str, Any] | No
 
 def dump_mismatch(served_json: str | None, run_weights_id: str) -> str | None:
     """Why one dump must not reach a final file: the weights its server says it serves (the
-    dump's ``contracts.M_WEIGHTS``) are not the run's (``run_weights_id``), with the fix; None
+    dump's ``dumpfile.M_WEIGHTS``) are not the run's (``run_weights_id``), with the fix; None
     when they are, or when nothing can be compared (an older hook, another scheme, no run id:
     the canary guards those)."""
     try:

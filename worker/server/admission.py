@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump import dumpfile
 from engine_dump.engines import dp_groups
 from worker.core.dp_routing import NO_GROUP, SERVER, choose_group
 from worker.core.errors import BadInput, NoSpace, Transient
@@ -55,10 +55,10 @@ class Limits:
                 f"{size_text(self.dump_budget_bytes)} ({self.source})")
 
 
-def dump_bytes_per_token(hidden_size: int, dtype: str = c.DTYPE_BF16) -> int:
+def dump_bytes_per_token(hidden_size: int, dtype: str = dumpfile.DTYPE_BF16) -> int:
     """One token of a dump: its id (int64), the final state and 3 aux states (bf16, or fp8
     with their scales)."""
-    return c.bytes_per_token(dtype, hidden_size)
+    return dumpfile.bytes_per_token(dtype, hidden_size)
 
 
 def resolve_limits(settings: Settings, hidden_size: int, server_info: dict[str, Any] | None,

@@ -26,8 +26,19 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from engine_dump import contracts as c
 from engine_dump import markers
+from engine_dump.dumpfile import (
+    AUX_LAYERS,
+    M_LAYERS,
+    M_SERVER_VERSION,
+    T_AUX,
+    T_HIDDEN,
+    T_INPUT_IDS,
+    dump_path,
+    err_path,
+)
+from engine_dump.fingerprint import Fingerprint
+from engine_dump.rids import NO_RUN, make_rid
 from worker.core import canary as cn
 from worker.core import liveness, tensorfile
 from worker.core.dumps import identity_problems, open_file, wait_for_dump
@@ -123,11 +134,11 @@ def read_rows(path: Path, ids: list[int], rows: np.ndarray) -> tuple[np.ndarray,
         header = tensorfile.read_header_fd(f.fileno(), path.name)
         t = header.tensors
         n = len(ids)
-        if c.T_HIDDEN not in t or c.T_AUX not in t or c.T_INPUT_IDS not in t:
+        if T_HIDDEN not in t or T_AUX not in t or T_INPUT_IDS not in t:
             raise Corrupt(f"{path.name}: canary dump lacks tensors (has {sorted(t)})")
-        h = t[c.T_HIDDEN].shape[-1]
-        if (t[c.T_HIDDEN].dtype, t[c.T_HIDDEN].shape, t[c.T_AUX].dtype, t[c.T_AUX].shape) != (
-                "BF16", (n, h), "BF16", (n, c.AUX_LAYERS * h)):
+        h = t[T_HIDDEN].shape[-1]
+        if (t[T_HIDDEN].dtype, t[T_HIDDEN].shape, t[T_AUX].dtype, t[T_AUX].shape) != (
+                "BF16", (n, h), "BF16", (n, AUX_LAYERS * h)):
             raise Corrupt(f"{path.name}: canary dump has shapes {header.shapes}")
         mm = np.memmap(f, dtype=np.uint8, mode="r")  # the mapping outlives the descriptor
 
@@ -136,17 +147,17 @@ def read_rows(path: Path, ids: list[int], rows: np.ndarray) -> tuple[np.ndarray,
         return mm[header.data_start + e.begin: header.data_start + e.end].view(dtype).reshape(
             e.shape)
 
-    if not np.array_equal(take(c.T_INPUT_IDS, "<i8"), np.asarray(ids)):
+    if not np.array_equal(take(T_INPUT_IDS, "<i8"), np.asarray(ids)):
         raise Corrupt(f"{path.name}: the canary dump's input_ids are not the ids sent")
-    hidden = cn.from_bf16(np.array(take(c.T_HIDDEN, "<u2")[rows]))
-    aux = cn.from_bf16(np.array(take(c.T_AUX, "<u2")[rows])).reshape(len(rows), c.AUX_LAYERS, h)
+    hidden = cn.from_bf16(np.array(take(T_HIDDEN, "<u2")[rows]))
+    aux = cn.from_bf16(np.array(take(T_AUX, "<u2")[rows])).reshape(len(rows), AUX_LAYERS, h)
     states = np.concatenate([aux.transpose(1, 0, 2), hidden[None]], axis=0)
     return states, header.metadata
 
 
 async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]],
                   rows: list[np.ndarray], timeout_s: float, *, tries: int = PROMPT_TRIES,
-                  backoff_s: float = 2.0, backoff_max_s: float = 60.0, run: str = c.NO_RUN,
+                  backoff_s: float = 2.0, backoff_max_s: float = 60.0, run: str = NO_RUN,
                   ) -> list[tuple[np.ndarray, dict[str, str]]]:
     """Send every canary prompt at once (batched, as samples are) and read their dumps, as requests
     of run ``run`` (its janitor leaves them alone); a failed prompt is sent again under a new rid
@@ -157,14 +168,14 @@ async def extract(client: ServerClient, dump_dir: Path, prompts: list[list[int]]
         ServerUnavailable: the server is down or its hook inactive (not retried here).
         Transient, Corrupt, NoSpace: a prompt failed ``tries`` times."""
     async def once(i: int) -> tuple[np.ndarray, dict[str, str]]:
-        rid = c.make_rid(canary_key(i), 1, len(prompts[i]), run=run)
+        rid = make_rid(canary_key(i), 1, len(prompts[i]), run=run)
         try:
             await client.generate(rid, prompts[i])
             path = await wait_for_dump(dump_dir, rid, timeout_s)
             return read_rows(path, prompts[i], rows[i])
         finally:
-            c.dump_path(dump_dir, rid).unlink(missing_ok=True)
-            c.err_path(dump_dir, rid).unlink(missing_ok=True)
+            dump_path(dump_dir, rid).unlink(missing_ok=True)
+            err_path(dump_dir, rid).unlink(missing_ok=True)
 
     async def one(i: int) -> tuple[np.ndarray, dict[str, str]]:
         for t in range(1, tries + 1):
@@ -206,10 +217,10 @@ class CanaryCheck:
     settings: Settings
     out_dir: Path
     model_path: Path
-    fingerprint: c.Fingerprint
+    fingerprint: Fingerprint
     weights_id: str
     encode: Encode
-    run_id: str = c.NO_RUN  # the run whose verdicts and requests these are (worker/core/run.py)
+    run_id: str = NO_RUN  # the run whose verdicts and requests these are (worker/core/run.py)
     # the most tokens the server takes, where fewer than the run's FARM_MAX_TOKENS (a run that
     # truncates to it): no canary prompt is longer
     server_max_tokens: int | None = None
@@ -276,7 +287,7 @@ class CanaryCheck:
         canaries = [cn.Canary(np.asarray(p, dtype=np.int64), r, s)
                     for p, r, (s, _) in zip(prompts, rows, got, strict=True)]
         meta = cn.recording_meta(self.fingerprint, self.weights_id,
-                                 got[0][1].get(c.M_SERVER_VERSION, ""), chunk)
+                                 got[0][1].get(M_SERVER_VERSION, ""), chunk)
         if not cn.record(self.out_dir, canaries, meta):
             return await self._compare(client)  # another worker recorded it first
         lengths = ", ".join(str(len(p)) for p in prompts)
@@ -301,8 +312,8 @@ class CanaryCheck:
                             backoff_s=self.settings.retry_backoff_s,
                             backoff_max_s=self.settings.retry_backoff_max_s, run=self.run_id)
         problems = []
-        served = json.loads(got[0][1].get(c.M_LAYERS, "[]"))
-        wanted = json.loads(meta.get(c.M_LAYERS, "[]"))
+        served = json.loads(got[0][1].get(M_LAYERS, "[]"))
+        wanted = json.loads(meta.get(M_LAYERS, "[]"))
         if served != wanted:
             problems.append(f"the server captures layers {served}, the recording layers {wanted}")
         names = json.loads(meta.get(cn.M_LAYERS_NAMES, "[]")) or cn.layer_names(tuple(wanted))

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint, default_layers_to_capture
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
 from worker.server.chat import ChatTokenizer
@@ -94,7 +94,7 @@ def chat_template_text(model_path: Path) -> str:
     return json.dumps(entry, sort_keys=True) if entry else ""
 
 
-def compute_fingerprint(settings: Settings, model_path: Path) -> c.Fingerprint:
+def compute_fingerprint(settings: Settings, model_path: Path) -> Fingerprint:
     """From the model's files alone (no tokenizer loaded, no transformers imported): the
     producer and ``status`` start fast and small, and every process computes the same id.
 
@@ -115,12 +115,12 @@ def compute_fingerprint(settings: Settings, model_path: Path) -> c.Fingerprint:
         p = model_path / name
         if p.is_file():
             tok_hash.update(name.encode() + b"\0" + p.read_bytes())
-    return c.Fingerprint(
+    return Fingerprint(
         config_sha256=hashlib.sha256(config_bytes).hexdigest(),
         tokenizer_sha256=tok_hash.hexdigest(),
         chat_template_sha256=_sha256(chat_template_text(model_path)),
-        layers_to_capture=settings.layers_to_capture or c.default_layers_to_capture(layers),
-        layer_convention=c.LAYER_CONVENTION,
+        layers_to_capture=settings.layers_to_capture or default_layers_to_capture(layers),
+        layer_convention=LAYER_CONVENTION,
         hidden_size=hidden,
         dtype=settings.hidden_dtype,
         max_tokens=settings.max_tokens,
@@ -132,13 +132,13 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def run_fingerprint(settings: Settings, wait_s: float = 0.0) -> tuple[Path, c.Fingerprint]:
+def run_fingerprint(settings: Settings, wait_s: float = 0.0) -> tuple[Path, Fingerprint]:
     """The model path and the run's fingerprint, without loading the tokenizer."""
     model_path = resolve_model_path(settings, wait_s=wait_s)
     return model_path, compute_fingerprint(settings, model_path)
 
 
-def load_run(settings: Settings, wait_s: float = 0.0) -> tuple[Path, ChatTokenizer, c.Fingerprint]:
+def load_run(settings: Settings, wait_s: float = 0.0) -> tuple[Path, ChatTokenizer, Fingerprint]:
     """Model path, tokenizer and fingerprint: what workers (and ``audit``) start from.
 
     Raises:

@@ -11,14 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import M_WRITER
+from engine_dump.fingerprint import Fingerprint
 from engine_dump.probe import served_weights
 from worker.core import dumps, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 
 
-def problems(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[str, str], *,
+def problems(settings: Settings, fingerprint: Fingerprint, probe_meta: dict[str, str], *,
              recorded: dict[str, Any] | None, local: dict[str, Any] | None,
              model_path: Path, manifest: Path, started: bool,
              refusing: str = weights.WORKER_REFUSES) -> list[str]:
@@ -44,13 +45,13 @@ def problems(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[st
                    "run's model and --layers-to-capture (the run's FARM_LAYERS_TO_CAPTURE), "
                    "or start a new run (a new FARM_OUTPUT_DIR) for the server's")
     dtype = dumps.served_dtype_problem(settings.dump_dir, settings.hidden_dtype,
-                                       probe_meta.get(c.M_WRITER))
+                                       probe_meta.get(M_WRITER))
     if dtype:
         out.append(dtype)
     return out
 
 
-def check(settings: Settings, fingerprint: c.Fingerprint, probe_meta: dict[str, str], *,
+def check(settings: Settings, fingerprint: Fingerprint, probe_meta: dict[str, str], *,
           recorded: dict[str, Any] | None, local: dict[str, Any] | None, model_path: Path,
           manifest: Path, started: bool, refusing: str = weights.WORKER_REFUSES) -> None:
     """``problems``, raised.

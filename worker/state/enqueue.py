@@ -24,7 +24,9 @@ from typing import Any
 
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import PATCH_VERSION, T_INPUT_IDS
+from engine_dump.fingerprint import Fingerprint
+from engine_dump.rids import NO_RUN
 from worker.core import outdir, setaside, tensorfile
 from worker.core import run as runs
 from worker.core import store as st
@@ -250,7 +252,7 @@ def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
         if doubted and not _verifies(store, ref):  # an attempt found it damaged, or runs
             return
         plan.done.add(digest)
-        plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(c.T_INPUT_IDS, (0,))[0])
+        plan.relearn[ref.key] = (head.size_bytes, head.shapes.get(T_INPUT_IDS, (0,))[0])
         plan.relearn_sha[ref.key] = ref.sha256
     else:  # this file's record under this key, corrected since its file was written
         plan.superseded.add(ref.key)
@@ -274,7 +276,7 @@ def run_lock_name(run_id: str) -> str:
     return keys.run_key(run_id, keys.ENQUEUE_LOCK)
 
 
-def open_run(settings: Settings, fingerprint: c.Fingerprint,
+def open_run(settings: Settings, fingerprint: Fingerprint,
              model_path: Path | None) -> st.OutputStore:
     """The output dir of the run (the run id comes from its manifest: worker/core/run.py), its
     manifest written with ``model_path``'s weights identity if no worker wrote it yet.
@@ -288,11 +290,11 @@ def open_run(settings: Settings, fingerprint: c.Fingerprint,
     if (settings.output_dir / outdir.MANIFEST).exists():
         return st.OutputStore(settings.output_dir, fingerprint).open()
     return st.OutputStore(settings.output_dir, fingerprint,
-                          versions={"hsfarm": c.PATCH_VERSION, "model_path": str(model_path)},
+                          versions={"hsfarm": PATCH_VERSION, "model_path": str(model_path)},
                           model_path=model_path).open()
 
 
-def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, app: Any, *,
+def enqueue(settings: Settings, fingerprint: Fingerprint, path: Path, app: Any, *,
             dry_run: bool = False, limit: int | None = None, retry_failed: bool = False,
             meter: Meter = no_meter, model_path: Path | None = None,
             delete_removed: bool = False, redo_hosts: tuple[str, ...] = ()) -> Summary:
@@ -312,7 +314,7 @@ def enqueue(settings: Settings, fingerprint: c.Fingerprint, path: Path, app: Any
     store = st.OutputStore(settings.output_dir, fingerprint)
     if not dry_run or (settings.output_dir / outdir.MANIFEST).exists():
         store = open_run(settings, fingerprint, model_path)  # a dry run begins no run
-    run_id = store.run_id or c.NO_RUN
+    run_id = store.run_id or NO_RUN
     queue = runs.queue_for(settings, run_id)
     index = RunIndex(r, run_id)
     abs_path = str(path.resolve())

@@ -22,7 +22,8 @@ from typing import Any
 
 import redis
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, is_temp_name
+from engine_dump.fingerprint import Fingerprint
 from worker.core import durable, liveness, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import Corrupt
@@ -64,11 +65,11 @@ def _final_files(out_dir: Path) -> Iterator[Path]:
         if not shard.is_dir(follow_symlinks=False):
             continue
         for entry in os.scandir(shard.path):
-            if entry.name.endswith(c.DUMP_SUFFIX) and not c.is_temp_name(entry.name):
+            if entry.name.endswith(DUMP_SUFFIX) and not is_temp_name(entry.name):
                 yield Path(entry.path)
 
 
-def _held(path: Path, fingerprint_id: str, fp: c.Fingerprint | None) -> Held | None:
+def _held(path: Path, fingerprint_id: str, fp: Fingerprint | None) -> Held | None:
     """The file's registration from its header (not its data); None for a file of another
     run, one not in the run's layout (``fp``'s dtypes and shapes, when the manifest names
     them) or one that does not parse (``audit`` names those)."""
@@ -82,7 +83,7 @@ def _held(path: Path, fingerprint_id: str, fp: c.Fingerprint | None) -> Held | N
         return None
     if fp is not None and st.shape_problems(fp, head):
         return None
-    tokens = head.shapes.get(c.T_INPUT_IDS, (0,))[0]
+    tokens = head.shapes.get(T_INPUT_IDS, (0,))[0]
     return Held(meta[st.M_KEY], meta.get(st.M_CONTENT, ""), head.size_bytes, tokens, mtime,
                 path)
 
@@ -98,11 +99,11 @@ def scan(out_dir: Path, fingerprint_id: str) -> Iterator[Held]:
                 yield held
 
 
-def _run_fingerprint(out_dir: Path, fingerprint_id: str) -> c.Fingerprint | None:
+def _run_fingerprint(out_dir: Path, fingerprint_id: str) -> Fingerprint | None:
     """The fingerprint the output dir's manifest records, when it is run ``fingerprint_id``'s."""
     try:
-        fp = c.Fingerprint.from_json(json.loads((out_dir / outdir.MANIFEST).read_text())
-                                     ["fingerprint"])
+        fp = Fingerprint.from_json(json.loads((out_dir / outdir.MANIFEST).read_text())
+                                   ["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return fp if fp.id == fingerprint_id else None

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from celery import bootsteps
 
-from engine_dump import contracts as c
+from engine_dump.fingerprint import Fingerprint
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
 
@@ -27,7 +27,7 @@ class Run(Protocol):
     def store(self) -> OutputStore: ...
 
     @property
-    def fingerprint(self) -> c.Fingerprint: ...
+    def fingerprint(self) -> Fingerprint: ...
 
 
 class Farm(Protocol):

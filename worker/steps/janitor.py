@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import rid_of_file
+from engine_dump.rids import NO_RUN
 from worker.core import outdir
 from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
@@ -38,8 +39,8 @@ def sweep_dumps(settings: Settings, run: str, now: float | None = None) -> int:
     with_file: list[tuple[Path, str]] = []  # young dumps of samples whose final file is here
     for p in Path(settings.dump_dir).glob("*"):
         try:
-            rid = c.rid_of_file(p.name)
-            if rid is None or rid.run not in (run, c.NO_RUN) or not p.is_file():
+            rid = rid_of_file(p.name)
+            if rid is None or rid.run not in (run, NO_RUN) or not p.is_file():
                 continue
             old = now - p.stat().st_mtime > max_age_s
             if old or (rid.run == run and canary_writer_gone(rid.sample_key)):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
+from engine_dump.dumpfile import DTYPE_FP8, DUMP_SUFFIX, T_AUX, T_HIDDEN, T_INPUT_IDS
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import EXAMPLES, FAST_ENV, assert_farm_invariants, wait_finished
 from tests.vllm.conftest import measured
@@ -94,15 +94,15 @@ def compare(files: list[Path], model: Path, tolerance: float, case: str) -> None
     errors: list[list[torch.Tensor]] = [[] for _ in range(len(AUX_IDS) + 1)]
     for path in files:
         t = load_file(str(path))
-        for name in (c.T_HIDDEN, c.T_AUX):  # an fp8 run: e4m3 times its scale, by definition
+        for name in (T_HIDDEN, T_AUX):  # an fp8 run: e4m3 times its scale, by definition
             scale = t.get(f"{name}_scale")
             if scale is not None:
                 n, layers = scale.shape
                 t[name] = (t[name].float().view(n, layers, -1) * scale[:, :, None]).view(n, -1)
-        ids = t[c.T_INPUT_IDS].tolist()
+        ids = t[T_INPUT_IDS].tolist()
         post, _, inputs = reference(model, ids, AUX_IDS)
         n, h = len(ids), post.shape[1]
-        got = [*t[c.T_AUX].view(n, len(AUX_IDS), h).unbind(1), t[c.T_HIDDEN]]
+        got = [*t[T_AUX].view(n, len(AUX_IDS), h).unbind(1), t[T_HIDDEN]]
         for i, (g, want) in enumerate(zip(got, [*inputs, post], strict=True)):
             errors[i].append(rel_errors(g, want))
     names = [f"aux id {k}" for k in AUX_IDS] + ["hidden_state"]
@@ -113,7 +113,7 @@ def compare(files: list[Path], model: Path, tolerance: float, case: str) -> None
 
 
 def finals(farm: LocalFarm) -> list[Path]:
-    return sorted((farm.output_dir / "samples").rglob(f"*{c.DUMP_SUFFIX}"))
+    return sorted((farm.output_dir / "samples").rglob(f"*{DUMP_SUFFIX}"))
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +240,11 @@ def test_a_server_restarted_as_another_engine_is_found_again(
 def test_an_fp8_run_stores_vllms_fp8_dumps(server: LiveVllm, model: Path,
                                            tmp_path: Path) -> None:
     # Given the server dumping fp8, and a run storing fp8
-    restart(server, model, {"FARM_STORE_DTYPE": c.DTYPE_FP8})
+    restart(server, model, {"FARM_STORE_DTYPE": DTYPE_FP8})
     f = LocalFarm(tmp_path / "farm", model=str(model), dumps=server.dumps,
                   server_port=server.port,
                   extra_env={**FARM_ENV, "FARM_MODEL_PATH": str(model),
-                             "FARM_STORE_DTYPE": c.DTYPE_FP8})
+                             "FARM_STORE_DTYPE": DTYPE_FP8})
     try:
         f.start_redis()
         f.start_worker("w1", concurrency=2)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from engine_dump import contracts as c
 from engine_dump import engines
+from engine_dump.dumpfile import DTYPE_BF16, T_AUX, T_HIDDEN
+from engine_dump.rids import make_rid
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import assert_farm_invariants, wait_finished
 from tests.vllm.conftest import measured
@@ -32,7 +33,7 @@ TRIALS = 6
 
 def ask(server: LiveVllm, key: str, ids: list[int]) -> tuple[np.ndarray, Path, float]:
     """One request as a proven sample's: its prompt logprobs, its dump, its seconds."""
-    rid = c.make_rid(key, 1, len(ids), run=RUN)
+    rid = make_rid(key, 1, len(ids), run=RUN)
     engine = engines.vllm_engine({"data": [{"id": "m", "max_model_len": 2048}]}, "")
     assert engine is not None
     path, body, headers = engine.generate(rid, ids, None, prompt_logprobs=True)
@@ -60,13 +61,13 @@ def test_vllm_prompt_logprobs_prove_right_rows_and_refute_wrong_ones(plain: Live
         ids = prompt(int(rng.integers(40, 400)), 100 + trial, vocab(model))
         server_lp, dump, _ = ask(plain, f"vp-{trial}", ids)
         t = load_file(str(dump))
-        hidden, aux = t[c.T_HIDDEN].float().numpy(), t[c.T_AUX].float().numpy()
+        hidden, aux = t[T_HIDDEN].float().numpy(), t[T_AUX].float().numpy()
         dump.unlink()  # the session's server: later tests share its dump dir
         rows = proof.pick_rows(len(ids), 32, f"vp-{trial}")
         arr = np.asarray(ids)
 
         # When its rows are proven, and wrong ones made from them
-        right = proof.prove(head, hidden[rows], rows, arr, server_lp, c.DTYPE_BF16)
+        right = proof.prove(head, hidden[rows], rows, arr, server_lp, DTYPE_BF16)
         rms = np.sqrt((aux[:, -h:] ** 2).mean(axis=1, keepdims=True))
         other = previous if previous is not None else hidden[::-1]
         wrong = {"shifted": np.concatenate([hidden[1:], hidden[-1:]])[rows],
@@ -76,14 +77,14 @@ def test_vllm_prompt_logprobs_prove_right_rows_and_refute_wrong_ones(plain: Live
         # Then the right rows agree and every wrong kind fails, on every trial
         assert right.ok, right.describe()
         for kind, x in wrong.items():
-            v = proof.prove(head, x, rows, arr, server_lp, c.DTYPE_BF16)
+            v = proof.prove(head, x, rows, arr, server_lp, DTYPE_BF16)
             assert not v.ok, (trial, kind, v.describe())
         worst_right = max(worst_right, right.worst_error)
         previous = hidden
     # And the server's cost: the same prompt, with and without the logprobs
     ids = prompt(384, 7, vocab(model))
     t0 = time.monotonic()
-    rid = c.make_rid("plain", 1, 384, run=RUN)
+    rid = make_rid("plain", 1, 384, run=RUN)
     plain.complete(ids, rid)
     plain_s = time.monotonic() - t0
     _, dump, asked_s = ask(plain, "asked", ids)
