@@ -101,10 +101,11 @@ def fake_outputs(farm: LocalFarm, data: Path, n_done: int, tokens: int = 64,
     index, as the workers would have."""
     import numpy as np
 
-    from worker.core.finalfile import Part
+    from worker.core.finalbytes import Part
+    from worker.core.finalfile import M_CONTENT, M_SOURCE_FILE
     from worker.core.samples import sample_refs
     from worker.core.settings import Settings
-    from worker.core.store import M_CONTENT, M_SOURCE_FILE, OutputStore
+    from worker.core.store import OutputStore
     from worker.server.fingerprint import run_fingerprint
 
     settings = Settings.from_env(farm.env())

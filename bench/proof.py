@@ -26,7 +26,7 @@ from engine_dump import header_codec
 from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from worker.core import proof
-from worker.core.finalfile import Part
+from worker.core.finalbytes import Part
 
 LAYERS = (2, 30, 58)
 
@@ -90,7 +90,7 @@ def time_sample(out_dir: Path, tokens: int, hidden: int) -> float:
 
 
 def store_content() -> str:
-    from worker.core.store import M_CONTENT
+    from worker.core.finalfile import M_CONTENT
 
     return M_CONTENT
 

@@ -37,8 +37,9 @@ from training.loader import HiddenStates
 from worker.core import checksums, tensorfile
 from worker.core.diskio import drop_cache
 from worker.core.final_norm import FinalNorm, write_final_norm
-from worker.core.finalfile import Part
-from worker.core.store import M_CONTENT, OutputStore
+from worker.core.finalbytes import Part
+from worker.core.finalfile import M_CONTENT
+from worker.core.store import OutputStore
 
 
 def make_output(out: Path, samples: int, tokens: int, hidden: int) -> int:

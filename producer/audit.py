@@ -21,13 +21,12 @@ from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, T_LOSS_MASK
 from training.roots import sample_files
 from worker.core import outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord
+from worker.core.finalfile import M_ADOPTED_FROM, M_FINGERPRINT, M_TRUNCATED, M_WEIGHTS_ID
 from worker.core.samples import SampleRef, read_sample, sample_refs
-from worker.core.store import M_FINGERPRINT, M_TRUNCATED, OutputStore
-from worker.core.weights import M_WEIGHTS_ID
+from worker.core.store import OutputStore
 from worker.server.chat import ChatTokenizer, Tokenized
 from worker.state import hosts, ledger
 
-M_ADOPTED_FROM = "adopted_from"  # set by producer.adopt.procedure on the files it writes
 ADOPTED = "adopted"
 
 

@@ -33,9 +33,9 @@ from engine_dump.rids import NO_RUN
 from sglang_patch.verify import sglang_missing
 from worker.core import canary, dumps, outdir, weights
 from worker.core import run as runs
+from worker.core.diskio import free_bytes
 from worker.core.errors import ConfigError, FarmError
 from worker.core.settings import Settings
-from worker.core.store import free_bytes
 from worker.server.client import ServerClient
 from worker.server.fingerprint import compute_fingerprint, resolve_model_path
 from worker.state import broker

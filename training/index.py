@@ -26,7 +26,7 @@ from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
 from worker.core import checksums, durable, outdir, tensorfile
 from worker.core.errors import Corrupt
-from worker.core.store import M_SOURCE_ID, M_TRUNCATED
+from worker.core.finalfile import M_SOURCE_ID, M_TRUNCATED
 
 _DIGEST = "index_sha256"
 

@@ -16,7 +16,7 @@ from engine_dump.fingerprint import Fingerprint
 from training.sample_file import SampleFile
 from worker.core import checksums, final_norm, outdir
 from worker.core.errors import ConfigError, Corrupt
-from worker.core.store import M_FINGERPRINT, M_KEY, final_layout
+from worker.core.finalfile import M_FINGERPRINT, M_KEY, final_layout
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,11 @@ from engine_dump.dumpfile import (
     hidden_layout,
 )
 from engine_dump.rids import make_rid
+from worker.core import finalfile, tensorfile, time_limits
 from worker.core import store as st
-from worker.core import tensorfile, time_limits
 from worker.core.dumps import Dump, discard_dumps, open_dump, wait_for_dump
 from worker.core.errors import Corrupt, KeyTaken, Transient
 from worker.core.samples import SampleRef, read_sample
-from worker.core.weights import M_WEIGHTS_ID
 from worker.runtime import Runtime
 from worker.state.hosts import holders
 from worker.state.lease import Lease
@@ -64,19 +63,20 @@ def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
     except (Corrupt, OSError) as e:
         log.warning("%s existing final file is damaged; this attempt replaces it: %s", ref.key, e)
         return None
-    if meta.get(st.M_FINGERPRINT) != rt.fingerprint.id:
+    if meta.get(finalfile.M_FINGERPRINT) != rt.fingerprint.id:
         raise KeyTaken(f"{path} holds a file of another run (fingerprint "
-                       f"{str(meta.get(st.M_FINGERPRINT))[:20]!r}); move it away, then "
+                       f"{str(meta.get(finalfile.M_FINGERPRINT))[:20]!r}); move it away, then "
                        "run enqueue --retry-failed")
-    if meta.get(st.M_CONTENT) != ref.sha256:
-        if meta.get(st.M_SOURCE_FILE) == ref.file:
+    if meta.get(finalfile.M_CONTENT) != ref.sha256:
+        if meta.get(finalfile.M_SOURCE_FILE) == ref.file:
             log.info("%s the record was edited since its file was written; redoing it", ref.key)
             return None
         raise KeyTaken(
             f"sample key {ref.key!r} already holds another record (source id "
-            f"{str(meta.get(st.M_SOURCE_ID))[:80]}, from {meta.get(st.M_SOURCE_FILE, '?')}); "
+            f"{str(meta.get(finalfile.M_SOURCE_ID))[:80]}, from "
+            f"{meta.get(finalfile.M_SOURCE_FILE, '?')}); "
             "keys must be unique within a run: give the records distinct ids")
-    written_under = meta.get(M_WEIGHTS_ID)  # None: the file does not record it
+    written_under = meta.get(finalfile.M_WEIGHTS_ID)  # None: the file does not record it
     if written_under and rt.store.weights_id and written_under != rt.store.weights_id:
         log.warning("%s existing final file was written under weights identity %s, the run's "
                     "is %s; this attempt replaces it", ref.key, written_under,
@@ -129,11 +129,11 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
         try:
             log.info("%s a%d dump received +%.2fs", ref.key, attempt, time.monotonic() - t0)
             meta = {
-                st.M_SOURCE_ID: json.dumps(sample.source_id),
-                st.M_SOURCE_FILE: ref.file,
-                st.M_TRUNCATED: str(tok.truncated_from),
+                finalfile.M_SOURCE_ID: json.dumps(sample.source_id),
+                finalfile.M_SOURCE_FILE: ref.file,
+                finalfile.M_TRUNCATED: str(tok.truncated_from),
                 M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
-                M_WEIGHTS_ID: rt.store.weights_id,
+                finalfile.M_WEIGHTS_ID: rt.store.weights_id,
             }
             v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
                            meta, before_write=lease.check,  # lost the lease: write nothing
@@ -165,7 +165,7 @@ def store_dump(store: st.OutputStore, dump: Path, input_ids: list[int], loss_mas
             T_LOSS_MASK: st.Part.from_array("I64", np.asarray(loss_mask, dtype=np.int64)),
             **{name: d.part(name) for name in hidden_layout(store.fingerprint.dtype, 0, 0)},
         }
-        meta = {**meta, st.M_CONTENT: content_sha256,
+        meta = {**meta, finalfile.M_CONTENT: content_sha256,
                 M_PATCH_VERSION: d.metadata.get(M_PATCH_VERSION, ""),
                 M_SERVER_VERSION: d.metadata.get(M_SERVER_VERSION, "")}
         if prove is not None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from engine_dump import dumpdir
-from worker.core import dumps, liveness
+from worker.core import diskio, dumps, liveness
 from worker.core import store as st
 from worker.core.errors import Transient, server_silent
 from worker.runtime import Runtime
@@ -81,7 +81,7 @@ def space_problem(rt: Runtime, need_bytes: int = 0) -> str | None:
     for path, reserve, what in ((s.output_dir, s.min_free_output_bytes + need_bytes,
                                  "output disk"),
                                 (s.dump_dir, s.min_free_dump_bytes, "dump dir")):
-        free = st.free_bytes(path)
+        free = diskio.free_bytes(path)
         if free < reserve:
             return (f"{what} {path} low: {_mb(free)} free, waiting for {_mb(max(reserve, 1))} "
                     "(free space, or lower the reserve)")

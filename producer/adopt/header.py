@@ -13,8 +13,8 @@ import json
 
 from engine_dump.dumpfile import DTYPE_BF16, M_DUMP_DTYPE, M_LAYERS
 from engine_dump.fingerprint import Fingerprint
-from worker.core import store as st
-from worker.core.weights import M_WEIGHTS_ID
+from worker.core import finalfile
+from worker.core.finalfile import M_WEIGHTS_ID
 
 
 def problems(meta: dict[str, str], fingerprint: Fingerprint, weights_id: str) -> list[str]:
@@ -24,7 +24,7 @@ def problems(meta: dict[str, str], fingerprint: Fingerprint, weights_id: str) ->
     if layers is not None and layers != fingerprint.layers_to_capture:
         out.append(f"its header names layers {list(layers)}, this run captures "
                    f"{list(fingerprint.layers_to_capture)}")
-    fp_id = meta.get(st.M_FINGERPRINT)
+    fp_id = meta.get(finalfile.M_FINGERPRINT)
     if fp_id and fp_id != fingerprint.id:
         out.append(f"its header names fingerprint id {fp_id}, this run's is {fingerprint.id} "
                    "(another model config, tokenizer, chat template, layers, dtype or max "

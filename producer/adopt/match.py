@@ -20,8 +20,8 @@ import numpy as np
 from engine_dump.dumpfile import AUX_LAYERS, DTYPE_FP8, T_HIDDEN_SCALE, fp8_block_of
 from engine_dump.fingerprint import Fingerprint
 from producer.adopt.formats import SourceSample, open_sample, readable_entry
+from worker.core import finalfile, tensorfile
 from worker.core import store as st
-from worker.core import tensorfile
 from worker.core.errors import BadInput, Corrupt, SourceFileRefused, StaleRecord
 from worker.core.samples import SampleRef, read_sample, sample_refs
 from worker.server.chat import ChatTokenizer
@@ -123,9 +123,9 @@ def done_state(store: st.OutputStore, ref: SampleRef) -> str | None:
     except (FileNotFoundError, Corrupt, OSError):
         return None
     meta = head.metadata
-    if meta.get(st.M_FINGERPRINT) != store.fingerprint.id:
+    if meta.get(finalfile.M_FINGERPRINT) != store.fingerprint.id:
         return f"the run's file {ref.key} holds a file of another run"
-    if meta.get(st.M_CONTENT) != ref.sha256:
+    if meta.get(finalfile.M_CONTENT) != ref.sha256:
         return f"the run's file {ref.key} holds another record"
     return None if store.header_problems(head) else "done"
 

@@ -6,7 +6,7 @@ file's identity (device, inode, size, mtime) and the checksum of each array writ
 # compared and the checksum are of the same bytes. The write opens the file again: another
 # identity (another file renamed over it, a longer or newer one) is refused before anything is
 # written, and bytes that are not the checksummed ones (rewritten in place, size and mtime kept)
-# make the store abandon the file before its rename (``finalfile.Part.expect_sum``). So a file
+# make the store abandon the file before its rename (``finalbytes.Part.expect_sum``). So a file
 # is written with exactly the states its check saw, or not at all.
 # Test:
 # tests/farm/test_adopt_checks.py::test_a_source_file_changed_between_its_check_and_its_write_is_not_adopted  # noqa: E501

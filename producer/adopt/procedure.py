@@ -32,13 +32,12 @@ from producer.adopt import rows as ar
 from producer.adopt.canary import canary_outcome, served_check
 from producer.adopt.formats import detect, list_files, open_sample
 from producer.adopt.write import write_adopted
-from producer.audit import M_ADOPTED_FROM
-from worker.core import durable, outdir, tensorfile
+from worker.core import durable, finalfile, outdir, tensorfile
 from worker.core import store as st
 from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
+from worker.core.finalfile import M_ADOPTED_CHECK, M_ADOPTED_FORMAT, M_ADOPTED_FROM, M_WEIGHTS_ID
 from worker.core.samples import SampleRef, read_sample
 from worker.core.settings import Settings
-from worker.core.weights import M_WEIGHTS_ID
 from worker.server.canary_check import Outcome
 from worker.server.chat import ChatTokenizer
 from worker.state import broker
@@ -46,7 +45,6 @@ from worker.state import lease as leases
 from worker.state.enqueue import open_run, run_lock_name
 from worker.state.index import RunIndex
 
-M_ADOPTED_FORMAT, M_ADOPTED_CHECK = "adopted_format", "adopted_check"
 MANIFEST_ADOPTIONS = "adoptions"
 # a Hugging Face fast tokenizer is not safe to call from two threads at once (--jobs)
 _ENCODE = threading.Lock()
@@ -377,8 +375,8 @@ def _write(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref: Sa
         raise SourceFileRefused(f"its record {ref.index} changed since it was matched")
     mask = np.asarray(tok.loss_mask, dtype=np.int64)
     differs = s.loss_mask is not None and not np.array_equal(s.loss_mask, mask)
-    meta = {st.M_SOURCE_ID: json.dumps(sample.source_id), st.M_SOURCE_FILE: ref.file,
-            st.M_TRUNCATED: str(tok.truncated_from),
+    meta = {finalfile.M_SOURCE_ID: json.dumps(sample.source_id), finalfile.M_SOURCE_FILE: ref.file,
+            finalfile.M_TRUNCATED: str(tok.truncated_from),
             M_LAYERS: json.dumps(list(run.fingerprint.layers_to_capture)),
             M_WEIGHTS_ID: store.weights_id, M_ADOPTED_FROM: str(path.resolve()),
             M_ADOPTED_FORMAT: fmt, M_ADOPTED_CHECK: check}

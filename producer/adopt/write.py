@@ -30,12 +30,11 @@ from engine_dump.dumpfile import (
 )
 from producer.adopt import pin as pn
 from producer.adopt.formats import SourceSample
-from worker.core import checksums, tensorfile
+from worker.core import checksums, finalfile, tensorfile
 from worker.core import fp8 as f8
 from worker.core import store as st
 from worker.core.errors import Corrupt, NotAsHashed, SourceFileRefused
 
-M_ADOPTED_DTYPE = "adopted_source_dtype"
 QUANTIZE_ROWS = 1024  # tokens quantized at once (fp8 runs): bounds the float32 temporaries
 _PAIRS = ((T_HIDDEN, T_HIDDEN_SCALE, 1), (T_AUX, T_AUX_SCALE, AUX_LAYERS))
 
@@ -76,8 +75,8 @@ def write_adopted(store: st.OutputStore, key: str, content_sha256: str, s: Sourc
         if found:
             raise SourceFileRefused("; ".join(found))
 
-    meta = {**meta, st.M_CONTENT: content_sha256, M_PATCH_VERSION: PATCH_VERSION,
-            M_ADOPTED_DTYPE: s.dtype}
+    meta = {**meta, finalfile.M_CONTENT: content_sha256, M_PATCH_VERSION: PATCH_VERSION,
+            finalfile.M_ADOPTED_DTYPE: s.dtype}
     if before_write is not None:
         before_write()  # lost the lease (stalled past its TTL): write nothing
     try:

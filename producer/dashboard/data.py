@@ -24,8 +24,8 @@ from engine_dump.fingerprint import Fingerprint
 from producer.stall import redis_stall, run_state
 from producer.status import Status, read_status, worker_heartbeats
 from worker.core import run as runs
+from worker.core.diskio import free_bytes
 from worker.core.settings import Settings
-from worker.core.store import free_bytes
 from worker.state import broker, keys
 from worker.state.index import RunIndex
 

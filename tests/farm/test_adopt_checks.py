@@ -28,8 +28,8 @@ from tests.conftest import CACHE, EXAMPLES, FarmFactory
 from tests.support import adopt_sources as srcs
 from tests.support.faults import running_farm
 from worker.core import checksums, tensorfile, weights
+from worker.core.finalfile import M_FINGERPRINT
 from worker.core.settings import Settings
-from worker.core.store import M_FINGERPRINT
 from worker.server.chat import ChatTokenizer
 from worker.server.fingerprint import load_run
 

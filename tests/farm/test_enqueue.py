@@ -207,8 +207,7 @@ def test_index_is_rebuilt_from_disk_after_redis_lost_it(tmp_path: Path, tiny_mod
 def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_model: Path) -> None:
     import numpy as np
 
-    from worker.core import store as st
-    from worker.core import tensorfile
+    from worker.core import finalfile, tensorfile
     from worker.core.samples import sample_refs
 
     farm = LocalFarm(tmp_path / "farm", cache_dir=CACHE,
@@ -232,8 +231,10 @@ def test_relearnt_done_needs_the_run_s_dtypes_and_shapes(tmp_path: Path, tiny_mo
                        for k, (dt, shape) in layout.items()}
             path = outdir.final_path(farm.output_dir, ref.key)  # type: ignore[attr-defined]
             path.parent.mkdir(parents=True, exist_ok=True)
-            tensorfile.write(path, tensors, {st.M_KEY: ref.key, st.M_FINGERPRINT: fid,  # type: ignore[attr-defined]
-                                             st.M_CONTENT: ref.sha256})  # type: ignore[attr-defined]
+            tensorfile.write(path, tensors, {
+                finalfile.M_KEY: ref.key,  # type: ignore[attr-defined]
+                finalfile.M_FINGERPRINT: fid,
+                finalfile.M_CONTENT: ref.sha256})  # type: ignore[attr-defined]
 
         ids = {T_INPUT_IDS: ("I64", (n,)), T_LOSS_MASK: ("I64", (n,))}
         write(refs[0], {**ids, **hidden_layout(DTYPE_FP8, n, h)})

@@ -32,7 +32,7 @@ from tests.support.faults import (
     small_tmpfs,
 )
 from worker.core import tensorfile
-from worker.core.store import M_TRUNCATED
+from worker.core.finalfile import M_TRUNCATED
 from worker.state import keys as keys_mod
 
 

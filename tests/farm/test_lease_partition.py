@@ -29,7 +29,8 @@ from engine_dump.dumpfile import is_temp_name
 from producer.localfarm.farm import wait_until
 from tests.support import lease_host
 from worker.core import tensorfile
-from worker.core.store import M_CONTENT, OutputStore
+from worker.core.finalfile import M_CONTENT
+from worker.core.store import OutputStore
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None

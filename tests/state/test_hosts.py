@@ -15,8 +15,9 @@ import redis
 from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK, TMP_MARK, is_temp_name
 from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from worker.core import outdir
+from worker.core.finalfile import M_CONTENT
 from worker.core.settings import Settings
-from worker.core.store import M_CONTENT, OutputStore, Part
+from worker.core.store import OutputStore, Part
 from worker.state import hosts
 from worker.state.index import RunIndex
 

@@ -19,7 +19,8 @@ import redis
 from engine_dump.dumpfile import T_AUX, T_HIDDEN, T_INPUT_IDS, T_LOSS_MASK
 from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from worker.core.errors import LeaseLost
-from worker.core.store import M_CONTENT, OutputStore, Part
+from worker.core.finalfile import M_CONTENT
+from worker.core.store import OutputStore, Part
 from worker.state import lease as leases
 
 H = 4

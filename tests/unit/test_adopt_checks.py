@@ -25,8 +25,8 @@ from producer.adopt import header as ah
 from producer.adopt import pin as pn
 from producer.adopt import rows as ar
 from worker.core import canary as cn
-from worker.core import checksums, weights
-from worker.core.store import M_FINGERPRINT
+from worker.core import checksums, finalfile
+from worker.core.finalfile import M_FINGERPRINT
 
 
 def test_header_problems_name_each_field() -> None:
@@ -35,8 +35,8 @@ def test_header_problems_name_each_field() -> None:
                      dtype=DTYPE_BF16, max_tokens=8192, overlong="reject")
     assert ah.problems({}, fp, "w1") == []
     assert ah.problems({M_LAYERS: "[2, 4, 5]", M_FINGERPRINT: fp.id,
-                        weights.M_WEIGHTS_ID: "w1"}, fp, "w1") == []
-    got = ah.problems({M_LAYERS: "[1, 2, 3]", M_FINGERPRINT: "f", weights.M_WEIGHTS_ID: "w2",
+                        finalfile.M_WEIGHTS_ID: "w1"}, fp, "w1") == []
+    got = ah.problems({M_LAYERS: "[1, 2, 3]", M_FINGERPRINT: "f", finalfile.M_WEIGHTS_ID: "w2",
                        M_DUMP_DTYPE: DTYPE_FP8}, fp, "w1")
     assert [g.split(" ")[3] for g in got] == ["layers", "fingerprint", "weights", "dtype"]
 

@@ -30,7 +30,7 @@ from engine_dump.dumpfile import (
 )
 from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from engine_dump.rids import make_rid
-from worker.core import checksums, diskio, dumps, finalfile, tensorfile
+from worker.core import checksums, diskio, dumps, finalbytes, tensorfile
 from worker.core.errors import Corrupt, ServerMisconfigured
 from worker.core.store import OutputStore, Part
 
@@ -99,7 +99,7 @@ def test_a_good_dump_is_copied_and_checksummed_in_one_pass(tmp_path: Path) -> No
     assert np.array_equal(tensorfile.read(final).tensors[T_AUX].array, aux)
     # And once closed, a part taken from the dump can no longer be copied (no recycled fd)
     with open(tmp_path / "out.bin", "wb") as out, pytest.raises(ValueError, match="closed file"):
-        finalfile.write_parts(out.fileno(), {T_AUX: part}, {})
+        finalbytes.write_parts(out.fileno(), {T_AUX: part}, {})
 
 
 @pytest.mark.parametrize("where", [0, diskio.MAP_WINDOW_BYTES // 2, -1])

@@ -11,7 +11,7 @@ import pytest
 
 from engine_dump.dumpfile import is_temp_name
 from worker.core import diskio, durable, outdir, setaside, tensorfile
-from worker.core.store import M_CONTENT
+from worker.core.finalfile import M_CONTENT
 
 
 @pytest.fixture

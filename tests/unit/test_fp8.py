@@ -39,8 +39,9 @@ from tests.support.fp8 import rel_err
 from worker.core import checksums, dumps, outdir, tensorfile
 from worker.core import fp8 as checks
 from worker.core.errors import ConfigError, Corrupt, ServerMisconfigured
+from worker.core.finalfile import M_CONTENT
 from worker.core.settings import Settings
-from worker.core.store import M_CONTENT, OutputStore, Part
+from worker.core.store import OutputStore, Part
 
 H = 256
 LAYERS = (2, 4, 5)

@@ -25,7 +25,8 @@ from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from engine_dump.rids import is_user_sample_key, make_rid, parse_rid
 from worker.core import tensorfile
 from worker.core.errors import ConfigError, Corrupt
-from worker.core.store import M_CONTENT, OutputStore, Part
+from worker.core.finalfile import M_CONTENT
+from worker.core.store import OutputStore, Part
 
 H = 4
 

@@ -30,9 +30,9 @@ from training.export.numbered import close_gaps
 from training.manifest import RunInfo, load_run_info
 from training.sample_file import SampleFile
 from worker.core import checksums, diskio, durable, outdir
+from worker.core.diskio import free_bytes, is_no_space
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.setaside import removed_by_key
-from worker.core.store import free_bytes, is_no_space
 from worker.core.units import size_text
 
 MARGIN_BYTES = 64 << 20
@@ -100,7 +100,7 @@ _NOT_TRIED = "not exported: DEST is full"
 def no_space(e: BaseException | None) -> bool:
     """ENOSPC/EDQUOT anywhere in ``e``'s chain. torch.save's zip writer reports a failed write
     of its file object as "unexpected pos", with the OSError as its context; pyarrow raises an
-    OSError with the errno; safetensors names it in its message (``store.is_no_space``)."""
+    OSError with the errno; safetensors names it in its message (``diskio.is_no_space``)."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         if is_no_space(e):

@@ -22,7 +22,7 @@ from engine_dump.dumpfile import M_LAYERS, M_SERVER_VERSION
 from engine_dump.fingerprint import Fingerprint
 from worker.core import checksums, diskio, durable, outdir, tensorfile
 from worker.core.errors import ConfigError, Corrupt, Transient
-from worker.core.weights import M_WEIGHTS_ID
+from worker.core.finalfile import M_WEIGHTS_ID
 
 ROWS_PER_PROMPT = 48  # tokens sampled per prompt (plus the chunk boundary): small files
 LONG_CAP_TOKENS = 16384

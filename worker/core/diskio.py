@@ -1,5 +1,5 @@
 """Low-level file I/O, the farm's one place for it: fsync of a file or a directory, fadvise and
-dropping the page cache, mapped windows, early writeback, reads from the device.
+dropping the page cache, mapped windows, early writeback, reads from the device, free space.
 
 ``DiskReader`` reads a file from the device, never the page cache: its pages are dropped first
 (``POSIX_FADV_DONTNEED``), then it is read buffered, or with ``O_DIRECT`` (``direct=True``).
@@ -30,6 +30,24 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
         buf = mmap.mmap(-1, max(nbytes, _DIRECT_ALIGN))
         _local.buf = buf
     return buf
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull",
+                  "QuotaExceeded")
+
+
+def is_no_space(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT, whichever library raised it (safetensors raises ``SafetensorError``
+    with the OS error in its message, not an ``OSError``)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(text in str(e) for text in _NO_SPACE_TEXT)
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

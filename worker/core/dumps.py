@@ -42,7 +42,7 @@ from engine_dump.fingerprint import Fingerprint
 from engine_dump.rids import RID_PREFIX
 from worker.core import fp8, tensorfile, weights
 from worker.core.errors import ConfigError, Corrupt, NoSpace, ServerMisconfigured, Transient
-from worker.core.finalfile import Part
+from worker.core.finalbytes import Part
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 _WRITER_CHECK_S = 1.0  # how often a wait for a dump reads the writers' notes (a glob)

@@ -1,184 +1,132 @@
-"""A final file's bytes: written from its parts in one pass, read back from the device in one.
+"""A final file's format in one place: its metadata keys, its tensors' layout and meaning, checks.
 
-The header goes first, sized for digests not known yet, and is rewritten in place last. Large
-tensors come straight from the dump, a mapped window at a time (zero copy out of tmpfs); each
-L2-sized piece is checksummed and NaN/Inf-checked while in cache, then written with its
-writeback started, so the disk writes while the CPU goes on. Reading routes each tensor's bytes
-to its hasher, with the algorithm its metadata names (``checksums``).
-Test: tests/unit/test_store.py::test_parts_from_a_file_are_checked_and_checksummed_as_copied."""
+``samples/<shard>/<key>.safetensors`` (``outdir``, docs/output.md). Its metadata: the keys below,
+the dump's ``M_LAYERS``, ``M_PATCH_VERSION`` and ``M_SERVER_VERSION`` (``engine_dump.dumpfile``)
+and its tensors' checksums (``checksums``). ``finalbytes`` writes and reads its bytes; the store
+makes one final. Test: tests/unit/test_store.py.
+"""
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 
-import numpy as np
+from engine_dump.dumpfile import (
+    DTYPE_BF16,
+    FP8_BLOCK,
+    T_AUX,
+    T_AUX_SCALE,
+    T_HIDDEN,
+    T_HIDDEN_SCALE,
+    T_INPUT_IDS,
+    T_LOSS_MASK,
+    fp8_blocks,
+    hidden_layout,
+)
+from engine_dump.fingerprint import Fingerprint
+from worker.core import tensorfile
 
-from worker.core import checksums, diskio, tensorfile
-from worker.core.errors import Corrupt, NotAsHashed
+M_KEY = "sample_key"
+M_FINGERPRINT = "fingerprint_id"  # the run's fingerprint id (``Fingerprint.id``)
+M_CONTENT = "content_sha256"  # the record's content hash: which version of the record
+M_SOURCE_ID = "source_id"  # the record's own id, as JSON
+M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
+M_TRUNCATED = "truncated_from"  # the token count before a cut to FARM_MAX_TOKENS ("None": none)
+M_WEIGHTS_ID = "weights_id"  # the weights identity the file was written under (``weights``)
+M_ADOPTED_FROM = "adopted_from"  # the source file ``adopt`` took the states from
+M_ADOPTED_FORMAT = "adopted_format"  # its format (producer/adopt/formats.py)
+M_ADOPTED_CHECK = "adopted_check"  # how its states were checked against the server's
+M_ADOPTED_DTYPE = "adopted_source_dtype"  # its dtype (an fp8 run quantizes bf16 ones)
 
-PIECE_BYTES = 256 << 10  # checksummed and checked at a time: stays in L2
-
-
-@dataclass(frozen=True)
-class Part:
-    """One tensor of a final file: dtype, shape, and where its bytes are.
-
-    Either ``data`` (small tensors, in memory) or ``nbytes`` of the open file ``source`` (a
-    dump) from ``offset``. ``check`` sees every piece of the bytes as they are copied (the
-    value check). ``expect_sum``: the checksum the copied bytes must have (a writer that hashed
-    them earlier, ``adopt``), compared before the file is final. A closed ``source`` raises on
-    use, never reads a recycled descriptor.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes | memoryview | None = None
-    source: io.FileIO | None = None
-    offset: int = 0
-    check: Callable[[memoryview], None] | None = None
-    expect_sum: str | None = None
-
-    @classmethod
-    def from_array(cls, dtype: str, arr: np.ndarray) -> Part:
-        data = np.ascontiguousarray(arr, dtype=tensorfile.numpy_dtype(dtype)).tobytes()
-        return cls(dtype, tuple(arr.shape), data=data)
-
-    @property
-    def nbytes(self) -> int:
-        itemsize = tensorfile.numpy_dtype(self.dtype).itemsize
-        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+FINAL_TENSORS = {  # name -> dtype of a bf16 run's final file (``final_layout`` for any run)
+    T_INPUT_IDS: "I64", T_LOSS_MASK: "I64", T_HIDDEN: "BF16", T_AUX: "BF16",
+}
+SCALES = (T_HIDDEN_SCALE, T_AUX_SCALE)  # an fp8 run's: checked by value at verify
+SMALL = {T_INPUT_IDS, T_LOSS_MASK, *SCALES}  # read into memory at verify; the states are not
 
 
-def write_parts(fd: int, parts: dict[str, Part], metadata: dict[str, str],
-                validate: Callable[[], None] | None = None) -> None:
-    """Write a whole file at ``fd`` (empty, at position 0); checksums land in its metadata.
-
-    ``validate`` runs after every byte went through the parts' checks, before the header is
-    final: it raises to abandon the file (the caller deletes it).
-
-    Raises:
-        OSError: from the writes (ENOSPC included). Whatever ``validate`` raises.
-        NotAsHashed: a part's bytes do not have its ``expect_sum``.
-    """
-    placeholder = dict.fromkeys(parts, "0" * checksums.DIGEST_HEX_LEN)
-    head, header = _header(parts, metadata, placeholder)
-    diskio.write_all(fd, head)
-    sums = {}
-    for name, offset, _ in header.file_ranges():
-        sums[name] = _copy(parts[name], fd, offset)
-        want = parts[name].expect_sum
-        if want is not None and sums[name] != want:
-            raise NotAsHashed(f"{name}'s bytes are not the ones hashed before (checksum "
-                              f"{sums[name]}, expected {want})")
-    if validate is not None:
-        validate()
-    final_head, _ = _header(parts, metadata, sums)
-    if len(final_head) != len(head):
-        raise ValueError("the header's size changed with its digests")
-    diskio.pwrite_all(fd, final_head, 0)
+def final_layout(fp: Fingerprint, n: int, found: Mapping[str, tuple[int, ...]] | None = None
+                 ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of a final file of ``n`` tokens of run ``fp``: name -> (dtype, shape).
+    ``found``: the file's shapes, when checking one (``dumpfile.hidden_layout``: an fp8 file
+    of one scale per token per layer, written before the blocks, is checked as one)."""
+    return {T_INPUT_IDS: ("I64", (n,)), T_LOSS_MASK: ("I64", (n,)),
+            **hidden_layout(fp.dtype, n, fp.hidden_size, found)}
 
 
-def _header(parts: dict[str, Part], meta: dict[str, str],
-            sums: Mapping[str, str]) -> tuple[bytes, tensorfile.Header]:
-    return tensorfile.encode_header({k: (p.dtype, p.shape) for k, p in parts.items()},
-                                    {**meta, **checksums.checksum_metadata(sums)})
+def layout_problems(fp: Fingerprint, t: dict[str, tuple[str, tuple[int, ...]]],
+                    ids_shape: tuple[int, ...]) -> list[str]:
+    """How tensors ``{name: (dtype, shape)}`` differ from run ``fp``'s final-file layout (an
+    fp8 file of one scale per token per layer, written before the blocks, is checked as one)."""
+    want = final_layout(fp, ids_shape[0] if ids_shape else -1, {k: s for k, (_, s) in t.items()})
+    missing = set(want) - set(t)
+    out = [f"missing tensors {sorted(missing)}"] if missing else []
+    have = {k: v for k, v in want.items() if k in t}
+    out += [f"{k} dtype {t[k][0]} (this run stores {d})" for k, (d, _) in have.items()
+            if t[k][0] != d]
+    return out + [f"{k} shape {t[k][1]} != {s}" for k, (_, s) in have.items() if t[k][1] != s]
 
 
-def _copy(part: Part, fd: int, file_offset: int) -> str:
-    """Append one part at ``fd`` (at ``file_offset``), a window at a time, each window's
-    writeback started at once; returns its checksum."""
-    h = checksums.new_hasher()
-    if part.data is not None:
-        windows: Iterator[memoryview] = _windows(part.data)
-    elif part.source is not None:
-        windows = diskio.mapped_windows(part.source.fileno(), part.offset, part.nbytes)
-    else:
-        raise ValueError("a Part needs data or a source")
-    for window in windows:
-        with window:  # released on every path, so the map can close
-            for lo in range(0, len(window), PIECE_BYTES):
-                with window[lo : lo + PIECE_BYTES] as piece:
-                    h.update(piece)
-                    if part.check is not None:
-                        part.check(piece)
-            diskio.write_all(fd, window)
-            diskio.start_writeback(fd, file_offset, len(window))
-            file_offset += len(window)
-    return h.hexdigest()
+def shape_problems(fp: Fingerprint, header: tensorfile.Header) -> list[str]:
+    """How a final file's tensors, dtypes and shapes differ from run ``fp``'s."""
+    t = header.tensors
+    ids = t[T_INPUT_IDS].shape if T_INPUT_IDS in t else ()
+    return layout_problems(fp, {k: (e.dtype, e.shape) for k, e in t.items()}, ids or (-1,))
 
 
-def _windows(data: bytes | memoryview) -> Iterator[memoryview]:
-    """Byte views of ``data``, ``diskio.MAP_WINDOW_BYTES`` at a time."""
-    with memoryview(data) as whole, whole.cast("B") as view:
-        for lo in range(0, len(view), diskio.MAP_WINDOW_BYTES):
-            yield view[lo : lo + diskio.MAP_WINDOW_BYTES]
+def header_problems(fp: Fingerprint, header: tensorfile.Header) -> list[str]:
+    """How a final file's header differs from run ``fp``'s: fingerprint id, tensors, dtypes
+    and shapes (the header alone: no tensor data is read; what relearning "done" checks)."""
+    fid = header.metadata.get(M_FINGERPRINT)
+    out = [] if fid == fp.id else [f"fingerprint {fid!r}"]
+    return out + shape_problems(fp, header)
 
 
-def read_back(path: Path, small: set[str]) -> tuple[
-        tensorfile.Header, dict[str, str], dict[str, tensorfile.Tensor]]:
-    """Read a file once from the device: its header, every tensor's checksum (with the
-    algorithm its metadata names), and the tensors named in ``small`` as arrays.
-
-    Raises:
-        Corrupt: not a well-formed file (truncated included), or unknown checksums.
-        FileNotFoundError: no such file.
-    """
-    with diskio.DiskReader(path) as reader:
-        size, chunks = reader.size_bytes, reader.chunks()
-        head, need = bytearray(), 8
-        for _, view in chunks:  # the header: all in the first chunk but for odd files
-            head += view
-            if len(head) >= 8:
-                need = 8 + tensorfile.header_length(bytes(head[:8]), size, path.name)
-            if len(head) >= need:
-                break
-        need = 8 + tensorfile.header_length(bytes(head[:8]), size, path.name)
-        header = tensorfile.parse_header(bytes(head[8:need]), size, path.name)
-        try:
-            algorithm, _ = checksums.file_checksums(header.metadata)
-        except Corrupt as e:
-            raise Corrupt(f"{path.name}: {e}") from e
-        feed = _TensorFeed(header, algorithm, small)
-        feed.add(0, memoryview(head))
-        for offset, view in chunks:
-            feed.add(offset, view)
-        return header, feed.digests(), feed.small_tensors()
+def identity_problems(meta: Mapping[str, str], key: str, fp: Fingerprint,
+                      content_sha256: str | None) -> list[str]:
+    """How a final file's metadata differs from what sample ``key`` of run ``fp`` must say:
+    its key, the run's fingerprint id and (when given) the record's content hash."""
+    out = []
+    if meta.get(M_KEY) != key:
+        out.append(f"sample_key {meta.get(M_KEY)!r}")
+    if meta.get(M_FINGERPRINT) != fp.id:
+        out.append(f"fingerprint {meta.get(M_FINGERPRINT)!r} != {fp.id}")
+    if content_sha256 is not None and meta.get(M_CONTENT) != content_sha256:
+        out.append(f"content hash {meta.get(M_CONTENT)!r} != {content_sha256}")
+    return out
 
 
-class _TensorFeed:
-    """Routes a file's bytes, chunk by chunk, to each tensor's hasher (and keeps small ones)."""
+# What each tensor is, in words a trainer's author can check: the manifest's ``tensors`` entry.
+# Derived from the fingerprint (layer ids and their convention), so it is not part of the
+# fingerprint's identity: recording it changes no run's id.
 
-    def __init__(self, header: tensorfile.Header, algorithm: str, small: set[str]) -> None:
-        self.header = header
-        self.ranges = header.file_ranges()
-        self.hashers = {name: checksums.new_hasher(algorithm) for name, _, _ in self.ranges}
-        self.small = {name: bytearray() for name in small if name in header.tensors}
-        self.seen = 0
-
-    def add(self, offset: int, view: memoryview) -> None:
-        end = offset + len(view)
-        for name, begin, nbytes in self.ranges:
-            lo, hi = max(begin, offset), min(begin + nbytes, end)
-            if lo < hi:
-                piece = view[lo - offset : hi - offset]
-                self.hashers[name].update(piece)
-                if name in self.small:
-                    self.small[name] += piece
-        self.seen = max(self.seen, end)
-
-    def digests(self) -> dict[str, str]:
-        if self.seen != self.header.size_bytes:
-            raise Corrupt(f"not a valid safetensors file: read {self.seen} bytes, header "
-                          f"describes {self.header.size_bytes}")
-        return {name: h.hexdigest() for name, h in self.hashers.items()}
-
-    def small_tensors(self) -> dict[str, tensorfile.Tensor]:
-        out = {}
-        for name, raw in self.small.items():
-            e = self.header.tensors[name]
-            arr = np.frombuffer(bytes(raw), dtype=tensorfile.numpy_dtype(e.dtype)).reshape(e.shape)
-            out[name] = tensorfile.Tensor(e.dtype, arr)
-        return out
+def tensor_semantics(fp: Fingerprint) -> dict[str, object]:
+    """The manifest's ``tensors`` entry for a run with fingerprint ``fp``."""
+    sglang_ids = list(fp.layers_to_capture)
+    output_ids = [i - 1 for i in sglang_ids]
+    kind = "bf16" if fp.dtype == DTYPE_BF16 else "float8 e4m3fn"
+    nb, block = fp8_blocks(fp.hidden_size), FP8_BLOCK
+    scales = {} if fp.dtype == DTYPE_BF16 else {
+        T_HIDDEN_SCALE: f"float32 [T, {nb}]: hidden_state's scales, one per block of {block} "
+                        "values of a token's row (the last block may be shorter): value = "
+                        "float(e4m3) * scale, scale = max|block| / 448; a file whose scales "
+                        "are [T, 1] (written before the blocks) has one per row",
+        T_AUX_SCALE: f"float32 [T, {3 * nb}]: aux_hidden_state's scales, {nb} per layer, "
+                     f"layer by layer, as hidden_state's (columns i*{nb} to (i+1)*{nb} - 1 "
+                     "scale the i-th layer); a file whose scales are [T, 3] has one per "
+                     "token per layer"}
+    return {
+        T_INPUT_IDS: "int64 [T]: the token ids sent to the server (chat template applied)",
+        T_LOSS_MASK: "int64 [T]: 1 on tokens an assistant message adds (content and end of "
+                     "turn), else 0; not shifted",
+        T_HIDDEN: f"{kind} [T, {fp.hidden_size}]: the final hidden state AFTER the model's final "
+                  "norm (the LM head's input); final_norm.safetensors holds the norm weight, "
+                  "so hidden_state / weight is a pre-norm state the same norm maps back",
+        T_AUX: f"{kind} [T, {3 * fp.hidden_size}]: three states concatenated in this order: the "
+               f"inputs of layers {sglang_ids} (SGLang's convention, HF hidden_states[i]) = "
+               f"the outputs of layers {output_ids} (0-based, Model-Optimizer's convention)",
+        "aux_layers_sglang": sglang_ids,
+        "aux_layers_output_0based": output_ids,
+        "hidden_state_norm": "post",
+        "min_tokens": 2,
+        **scales,
+    }

@@ -15,7 +15,7 @@ from pathlib import Path
 from engine_dump.dumpfile import DUMP_SUFFIX
 from worker.core import durable, outdir, tensorfile
 from worker.core.errors import Corrupt
-from worker.core.store import M_CONTENT
+from worker.core.finalfile import M_CONTENT
 
 
 def set_aside(out_dir: Path, key: str, delete: bool = False) -> Path | None:

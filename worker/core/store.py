@@ -1,43 +1,35 @@
 """The output directory: manifest, durable final files, verification from disk, cleanup.
 
-``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors`` (docs/output.md). A write
-is temp file → fsync → read back from the device → rename → fsync(dir), so a file that does not
-read back whole never takes a final path. Data streams through ``finalfile`` in bounded chunks;
-no step holds a whole tensor. ``Part`` is re-exported here for callers of ``write``.
+``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors`` (docs/output.md; the
+file's format: ``finalfile``). A write is temp file → fsync → read back from the device →
+rename → fsync(dir), so a file that does not read back whole never takes a final path. Data
+streams through ``finalbytes`` in bounded chunks; no step holds a whole tensor.
 Test: tests/unit/test_store.py::
 test_a_file_that_does_not_read_back_whole_never_takes_its_final_path."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from engine_dump.dumpfile import (
-    T_AUX,
-    T_AUX_SCALE,
-    T_HIDDEN,
-    T_HIDDEN_SCALE,
-    T_INPUT_IDS,
-    T_LOSS_MASK,
-    hidden_layout,
-)
+from engine_dump.dumpfile import T_INPUT_IDS
 from engine_dump.fingerprint import Fingerprint
 from worker.core import (
     checksums,
     diskio,
     durable,
     final_norm,
+    finalfile,
     fp8,
     outdir,
     run,
@@ -51,27 +43,9 @@ from worker.core.errors import (
     NoSpace,
     OutputUnavailable,
 )
-from worker.core.finalfile import Part, read_back, write_parts
-from worker.core.semantics import tensor_semantics
+from worker.core.finalbytes import Part, read_back, write_parts
 
 log = logging.getLogger("hsfarm.store")
-
-M_KEY, M_SOURCE_ID, M_CONTENT = "sample_key", "source_id", "content_sha256"
-M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
-M_FINGERPRINT, M_TRUNCATED = "fingerprint_id", "truncated_from"
-FINAL_TENSORS = {  # name -> dtype of the final file (bf16 storage; ``final_layout`` for any)
-    T_INPUT_IDS: "I64", T_LOSS_MASK: "I64", T_HIDDEN: "BF16", T_AUX: "BF16",
-}
-SCALES = (T_HIDDEN_SCALE, T_AUX_SCALE)  # fp8 storage: checked by value at verify
-
-
-def final_layout(fp: Fingerprint, n: int, found: Mapping[str, tuple[int, ...]] | None = None
-                 ) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor of a final file of ``n`` tokens of run ``fp``: name -> (dtype, shape).
-    ``found``: the file's shapes, when checking one (``dumpfile.hidden_layout``: an fp8 file
-    of one scale per token per layer, written before the blocks, is checked as one)."""
-    return {T_INPUT_IDS: ("I64", (n,)), T_LOSS_MASK: ("I64", (n,)),
-            **hidden_layout(fp.dtype, n, fp.hidden_size, found)}
 
 
 @dataclass(frozen=True)
@@ -82,23 +56,6 @@ class Verified:
     # What was read back, for callers that check more (audit): the metadata and the small
     # tensors (input_ids, loss_mask). The hidden states were checked in passing, not kept.
     file: tensorfile.TensorFile
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull",
-                  "QuotaExceeded")
-
-
-def is_no_space(e: BaseException) -> bool:
-    """ENOSPC/EDQUOT, whichever library raised it (safetensors raises ``SafetensorError``
-    with the OS error in its message, not an ``OSError``)."""
-    if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
-    return any(text in str(e) for text in _NO_SPACE_TEXT)
 
 
 class OutputStore:
@@ -150,7 +107,7 @@ class OutputStore:
                     "fingerprint": self.fingerprint.to_json(),
                     run.M_RUN_NONCE: uuid.uuid4().hex,
                     "versions": self.versions, "created_at": time.time(),
-                    "tensors": tensor_semantics(self.fingerprint),
+                    "tensors": finalfile.tensor_semantics(self.fingerprint),
                     "final_norm": self._write_final_norm()}
             if identity is not None:
                 body["weights"] = identity
@@ -268,18 +225,19 @@ class OutputStore:
         (the temp file was removed before its rename, by the attempt that holds the lease now)."""
         final = self.final_path(key)
         layout = {name: (p.dtype, p.shape) for name, p in parts.items()}
-        problems = self._layout_problems(layout, layout.get(T_INPUT_IDS, ("", (-1,)))[1])
+        problems = finalfile.layout_problems(self.fingerprint, layout,
+                                             layout.get(T_INPUT_IDS, ("", (-1,)))[1])
         if problems:
             raise Corrupt(f"{final}: not this run's layout: " + "; ".join(problems))
         tmp = outdir.temp_path(final)
-        meta = {**metadata, M_KEY: key, M_FINGERPRINT: self.fingerprint.id}
+        meta = {**metadata, finalfile.M_KEY: key, finalfile.M_FINGERPRINT: self.fingerprint.id}
         with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
             final.parent.mkdir(parents=True, exist_ok=True)
             self._remove_other_temps(final)
             try:
                 self._write_tmp(tmp, parts, meta, validate)
                 try:
-                    v = self._read_back(tmp, key, metadata.get(M_CONTENT), final)
+                    v = self._read_back(tmp, key, metadata.get(finalfile.M_CONTENT), final)
                     diskio.drop_cache(tmp)  # what the read-back cached: RAM stays free
                     durable.commit_synced(tmp, final)
                 except FileNotFoundError as e:
@@ -317,34 +275,22 @@ class OutputStore:
     def _read_back(self, path: Path, key: str, content_sha256: str | None,
                    shown: Path | None = None) -> Verified:
         """``verify``'s checks of the file at ``path`` (named ``shown`` in a refusal)."""
-        header, sums, small = read_back(path, small={T_INPUT_IDS, T_LOSS_MASK, *SCALES})
+        header, sums, small = read_back(path, small=finalfile.SMALL)
         meta = header.metadata
-        problems = []
-        if meta.get(M_KEY) != key:
-            problems.append(f"sample_key {meta.get(M_KEY)!r}")
-        if meta.get(M_FINGERPRINT) != self.fingerprint.id:
-            problems.append(f"fingerprint {meta.get(M_FINGERPRINT)!r} != {self.fingerprint.id}")
-        if content_sha256 is not None and meta.get(M_CONTENT) != content_sha256:
-            problems.append(f"content hash {meta.get(M_CONTENT)!r} != {content_sha256}")
-        problems += self._shape_problems(header)
+        problems = finalfile.identity_problems(meta, key, self.fingerprint, content_sha256)
+        problems += finalfile.shape_problems(self.fingerprint, header)
         problems += _checksum_problems(meta, sums)
-        problems += [f"{name} has {n} scales that are not finite and > 0" for name in SCALES
+        problems += [f"{name} has {n} scales that are not finite and > 0"
+                     for name in finalfile.SCALES
                      if name in small and (n := fp8.bad_scales(small[name].array))]
         if problems:
             raise Corrupt(f"{shown or path}: " + "; ".join(problems))
         tf = tensorfile.TensorFile(small, meta, header.size_bytes)
         return Verified(path, int(header.tensors[T_INPUT_IDS].shape[0]), header.size_bytes, tf)
 
-    def _shape_problems(self, header: tensorfile.Header) -> list[str]:
-        return shape_problems(self.fingerprint, header)
-
     def header_problems(self, header: tensorfile.Header) -> list[str]:
-        """How a final file's header differs from this run's (``header_problems``)."""
-        return header_problems(self.fingerprint, header)
-
-    def _layout_problems(self, t: dict[str, tuple[str, tuple[int, ...]]],
-                         ids_shape: tuple[int, ...]) -> list[str]:
-        return layout_problems(self.fingerprint, t, ids_shape)
+        """How a final file's header differs from this run's (``finalfile.header_problems``)."""
+        return finalfile.header_problems(self.fingerprint, header)
 
     @staticmethod
     def _remove_other_temps(final: Path) -> None:
@@ -380,34 +326,6 @@ class OutputStore:
         return removed
 
 
-def layout_problems(fp: Fingerprint, t: dict[str, tuple[str, tuple[int, ...]]],
-                    ids_shape: tuple[int, ...]) -> list[str]:
-    """How tensors ``{name: (dtype, shape)}`` differ from run ``fp``'s final-file layout (an
-    fp8 file of one scale per token per layer, written before the blocks, is checked as one)."""
-    want = final_layout(fp, ids_shape[0] if ids_shape else -1, {k: s for k, (_, s) in t.items()})
-    missing = set(want) - set(t)
-    out = [f"missing tensors {sorted(missing)}"] if missing else []
-    have = {k: v for k, v in want.items() if k in t}
-    out += [f"{k} dtype {t[k][0]} (this run stores {d})" for k, (d, _) in have.items()
-            if t[k][0] != d]
-    return out + [f"{k} shape {t[k][1]} != {s}" for k, (_, s) in have.items() if t[k][1] != s]
-
-
-def shape_problems(fp: Fingerprint, header: tensorfile.Header) -> list[str]:
-    """How a final file's tensors, dtypes and shapes differ from run ``fp``'s."""
-    t = header.tensors
-    ids = t[T_INPUT_IDS].shape if T_INPUT_IDS in t else ()
-    return layout_problems(fp, {k: (e.dtype, e.shape) for k, e in t.items()}, ids or (-1,))
-
-
-def header_problems(fp: Fingerprint, header: tensorfile.Header) -> list[str]:
-    """How a final file's header differs from run ``fp``'s: fingerprint id, tensors, dtypes
-    and shapes (the header alone: no tensor data is read; what relearning "done" checks)."""
-    fid = header.metadata.get(M_FINGERPRINT)
-    out = [] if fid == fp.id else [f"fingerprint {fid!r}"]
-    return out + shape_problems(fp, header)
-
-
 @contextmanager
 def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
     """The store's one boundary for I/O errors: no space → NoSpace, the rest (read-only,
@@ -416,7 +334,7 @@ def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if is_no_space(e):
+        if diskio.is_no_space(e):
             raise NoSpace(f"{what}: {e.strerror}", need_bytes=need_bytes) from e
         raise OutputUnavailable(f"{what}: {e}") from e
 
@@ -434,7 +352,7 @@ def writable_problem(out_dir: Path) -> str | None:
             with contextlib.suppress(FileNotFoundError):
                 probe.unlink()
     except OSError as e:
-        if is_no_space(e):
+        if diskio.is_no_space(e):
             return None  # writable; the space checks wait for room
         return f"the output dir {out_dir} cannot be written ({e.strerror or e})"
     return None

@@ -162,7 +162,7 @@ def encode_header(tensors: dict[str, tuple[str, tuple[int, ...]]],
 
 def write(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
     """Write a small safetensors file in one go (no fsync, no rename: the caller owns
-    durability). Final files of the farm go through ``finalfile.write_parts`` instead."""
+    durability). Final files of the farm go through ``finalbytes.write_parts`` instead."""
     arrays = {k: np.ascontiguousarray(t.array) for k, t in tensors.items()}
     head, header = encode_header({k: (t.dtype, arrays[k].shape) for k, t in tensors.items()},
                                  metadata)

@@ -23,7 +23,6 @@ log = logging.getLogger("hsfarm.weights")
 SCHEME = checkpoint.WEIGHTS_SCHEME
 SAMPLES = checkpoint.WEIGHTS_SAMPLES
 SAMPLE_BYTES = checkpoint.WEIGHTS_SAMPLE_BYTES
-M_WEIGHTS_ID = "weights_id"  # final-file metadata key: the identity it was written under
 WORKER_REFUSES = "This worker takes no work."  # what a worker does while its server is wrong
 sample_offsets = checkpoint.sample_offsets
 # what a run recorded under the older scheme cannot be checked for, in a log line

@@ -27,7 +27,7 @@ import redis
 from engine_dump.dumpfile import PATCH_VERSION, T_INPUT_IDS
 from engine_dump.fingerprint import Fingerprint
 from engine_dump.rids import NO_RUN
-from worker.core import outdir, setaside, tensorfile
+from worker.core import finalfile, outdir, setaside, tensorfile
 from worker.core import run as runs
 from worker.core import store as st
 from worker.core.datafile import DataFileError, file_sha256
@@ -244,9 +244,9 @@ def _check_one(plan: _Plan, ref: SampleRef, reg: Registered | None,
             plan.conflicts.append(f"record {ref.index}: sample key {ref.key!r} {theirs}")
     elif known_done:
         plan.done.add(digest)
-    elif head is None or head.metadata.get(st.M_FINGERPRINT) != fingerprint_id:
+    elif head is None or head.metadata.get(finalfile.M_FINGERPRINT) != fingerprint_id:
         return
-    elif head.metadata.get(st.M_CONTENT) == ref.sha256:
+    elif head.metadata.get(finalfile.M_CONTENT) == ref.sha256:
         if store.header_problems(head):  # not this run's dtypes or shapes: extracted again
             return
         if doubted and not _verifies(store, ref):  # an attempt found it damaged, or runs
@@ -263,10 +263,10 @@ def _conflict(ref: SampleRef, fid: int, reg: Registered | None, head: tensorfile
     """Why ``ref`` cannot have its key in this run, or None."""
     if reg is not None and reg.fid != fid and reg.sha256 != ref.sha256:
         return f"is already used by record {reg.index} of data file #{reg.fid}"
-    if head is None or head.metadata.get(st.M_FINGERPRINT) != fingerprint_id:
+    if head is None or head.metadata.get(finalfile.M_FINGERPRINT) != fingerprint_id:
         return None
-    src = head.metadata.get(st.M_SOURCE_FILE)
-    if (head.metadata.get(st.M_CONTENT) != ref.sha256 and src is not None
+    src = head.metadata.get(finalfile.M_SOURCE_FILE)
+    if (head.metadata.get(finalfile.M_CONTENT) != ref.sha256 and src is not None
             and src not in own_paths and not (reg is not None and reg.fid == fid)):
         return f"already holds another record, from {src}"
     return None

@@ -24,8 +24,7 @@ import redis
 
 from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, is_temp_name
 from engine_dump.fingerprint import Fingerprint
-from worker.core import durable, liveness, outdir, tensorfile
-from worker.core import store as st
+from worker.core import durable, finalfile, liveness, outdir, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.settings import Settings
 from worker.state import keys
@@ -79,13 +78,13 @@ def _held(path: Path, fingerprint_id: str, fp: Fingerprint | None) -> Held | Non
     except (OSError, Corrupt):
         return None
     meta = head.metadata
-    if meta.get(st.M_FINGERPRINT) != fingerprint_id or not meta.get(st.M_KEY):
+    if meta.get(finalfile.M_FINGERPRINT) != fingerprint_id or not meta.get(finalfile.M_KEY):
         return None
-    if fp is not None and st.shape_problems(fp, head):
+    if fp is not None and finalfile.shape_problems(fp, head):
         return None
     tokens = head.shapes.get(T_INPUT_IDS, (0,))[0]
-    return Held(meta[st.M_KEY], meta.get(st.M_CONTENT, ""), head.size_bytes, tokens, mtime,
-                path)
+    return Held(meta[finalfile.M_KEY], meta.get(finalfile.M_CONTENT, ""), head.size_bytes, tokens,
+                mtime, path)
 
 
 def scan(out_dir: Path, fingerprint_id: str) -> Iterator[Held]:
