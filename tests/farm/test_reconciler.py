@@ -116,11 +116,15 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path: Path, tiny_model: Path, fs
         if fsync == "everysec":
             assert figures["re_enqueued"] == 1, figures
         else:  # the attempts Redis's absence cancelled were refunded: each sample spent one
-            # attempt plus its counted failures (a loaded machine may time some out)
+            # attempt plus its counted failures (a loaded machine may time some out), or none
+            # when the refunded attempt had made its file before Redis went and its redelivery
+            # found it whole
             assert "attempt refunded: cancelled when Redis went away" in logs
             failures = Counter(re.findall(r" (\S+) a\d+ failed", logs))
+            found = set(re.findall(r" (\S+) already done \(verified from disk\)", logs))
             spent = {k: a - failures[k] for k, a in attempts(farm).items()}
-            assert set(spent.values()) == {1}, (spent, failures)
+            assert all(n == 1 or (n == 0 and k in found) for k, n in spent.items()), \
+                (spent, failures, found)
 
 
 @pytest.mark.timeout(300)
