@@ -191,7 +191,7 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease, deadline: float,
         # deleted after), it must not, or this attempt's outcomes would be dropped as late
         rt.index.unmark_done([key])
         _wait(rt, key, lambda: waits.dump_dir_problem(rt) or waits.space_problem(rt), deadline)
-        _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index.r, deadline),
+        _wait(rt, key, lambda: rt.canary.problem(rt.client, rt.loop, rt.index, deadline),
               deadline)
         _enough_time_left(key, deadline, budget_s)
         attempt = rt.index.next_attempt(key)

@@ -31,10 +31,11 @@ from tests.support.faults import (
 )
 from worker.core import canary as cn
 from worker.core import liveness, outdir, tensorfile
-from worker.server.canary_check import CanaryCheck, Outcome, server_epoch
+from worker.server.canary_check import CanaryCheck, Outcome
 from worker.server.client import ServerClient
 from worker.server.fingerprint import compute_fingerprint
 from worker.state import keys
+from worker.state.index import RunIndex
 from worker.state.queue_scan import broker_depth
 
 
@@ -73,42 +74,44 @@ def test_processes_of_a_host_share_the_verdict(tmp_path: Path, tiny_model: Path)
                             compute_fingerprint(settings, tiny_model), "w", encode=lambda t: [])
         r, loop = farm.redis(), asyncio.new_event_loop()
         client = ServerClient(settings.server_url, 5)
-        verdict, lock = check._keys(server_epoch(settings.dump_dir))
+        index = RunIndex(r, check.run_id)
+        shared = check.verdicts(index)
+        verdict, lock = shared.key, shared.lock_key
         # Given no verdict yet: the process checks (and here cannot reach the server)
-        assert "could not be checked" in str(check.problem(client, loop, r))
+        assert "could not be checked" in str(check.problem(client, loop, index))
         assert r.get(lock) is None  # the lock is given back
         # Given another process of the host passed: this one takes its verdict, and is not
         # due again before the interval
         r.set(verdict, "ok")
-        assert check.problem(client, loop, r) is None and not check.due()
+        assert check.problem(client, loop, index) is None and not check.due()
         r.delete(verdict)
-        assert check.problem(client, loop, r) is None  # not due: nothing asked
+        assert check.problem(client, loop, index) is None  # not due: nothing asked
         time.sleep(0.6)
         assert check.due()
         # Given another process is checking now: this one waits for its verdict
         r.set(lock, "someone")
-        assert "being checked by another process" in str(check.problem(client, loop, r))
+        assert "being checked by another process" in str(check.problem(client, loop, index))
         # Given another process saw a mismatch: this one checks at once, due or not
         r.delete(lock)
         r.set(verdict, "ok")
-        check.problem(client, loop, r)
+        check.problem(client, loop, index)
         assert not check.due()
         r.set(verdict, "mismatch")
-        assert "could not be checked" in str(check.problem(client, loop, r))
+        assert "could not be checked" in str(check.problem(client, loop, index))
         # Given a pass shared before this process saw the server down: it checks itself (the
         # server may be back with another model and the same ready markers)
         r.set(verdict, f"ok:{time.time()}")
-        assert check.problem(client, loop, r) is None
+        assert check.problem(client, loop, index) is None
         check.force()
-        assert "could not be checked" in str(check.problem(client, loop, r))
+        assert "could not be checked" in str(check.problem(client, loop, index))
         # ...but a pass shared after that moment holds
         r.set(verdict, f"ok:{time.time()}")
-        assert check.problem(client, loop, r) is None
+        assert check.problem(client, loop, index) is None
         # Given the server gone while a check is due: its silence is the reason (the words of a
         # wait on the server, which status reads), and no process holds the lock to find out
         server.close()
         check.force()
-        assert check.problem(client, loop, r) == (f"server {server.url} does not answer "
+        assert check.problem(client, loop, index) == (f"server {server.url} does not answer "
                                                   "(restarting, loading the model, or hung)")
         assert r.get(lock) is None
         loop.run_until_complete(client.close())
@@ -189,27 +192,28 @@ def test_a_mismatch_shows_as_the_mismatch_and_a_dead_checkers_lock_is_taken_over
         other = CanaryCheck(settings, settings.output_dir, tiny_model, fp, "w", lambda t: [])
         r, loop = farm.redis(), asyncio.new_event_loop()
         client = ServerClient(settings.server_url, 5)
-        _, lock = first._keys(server_epoch(settings.dump_dir))
+        index = RunIndex(r, first.run_id)
+        lock = first.verdicts(index).lock_key
         # Given a process of the host that found the server computing other states
-        assert "canary mismatch" in str(first.problem(client, loop, r))
+        assert "canary mismatch" in str(first.problem(client, loop, index))
         # When another process checks again now (the lock held by a live process)
         r.set(lock, f"{liveness.identity()}#checking")
-        why = str(other.problem(client, loop, r))
+        why = str(other.problem(client, loop, index))
         # Then the others' pause says the mismatch and its fix, not that someone checks
         assert "canary mismatch" in why and "restore the server's model" in why, why
         # Given the process checking the canary died holding the lock
         r.set(lock, f"{_gone_identity()}#checking")
         # Then the next process takes the lock over at once and checks (here: in vain)
-        assert "could not be checked" in str(other.problem(client, loop, r))
+        assert "could not be checked" in str(other.problem(client, loop, index))
         assert r.get(lock) is None
         # And a lock whose holder cannot be judged from here (of another machine with our
         # hostname, or an older worker's, which does not say where it ran) is left to expire
         for holder in (f"{liveness.HOST}:1:1:0123456789abcdef-1#checking",
                        f"{liveness.HOST}:1:1"):
             r.set(lock, holder, px=1500)
-            assert "canary mismatch" in str(other.problem(client, loop, r))
+            assert "canary mismatch" in str(other.problem(client, loop, index))
             time.sleep(1.6)
-            assert "could not be checked" in str(other.problem(client, loop, r))
+            assert "could not be checked" in str(other.problem(client, loop, index))
         loop.run_until_complete(client.close())
         loop.close()
     finally:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -24,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import redis
 
 from engine_dump import markers
 from engine_dump.dumpfile import (
@@ -53,8 +51,9 @@ from worker.core.errors import (
 from worker.core.settings import Settings
 from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
-from worker.state import keys
 from worker.state import lease as leases
+from worker.state.index import RunIndex
+from worker.state.verdicts import MISMATCH, OK, Verdicts
 
 log = logging.getLogger("hsfarm.canary")
 Encode = Callable[[cn.Messages], list[int]]
@@ -98,22 +97,6 @@ def canary_writer_gone(key: str) -> bool:
     except ValueError:
         return False
     return liveness.pid_gone_here(machine.removeprefix("m"), pid)
-# stored as b"<kind>:<time the check began>:<what a person reads>"
-VERDICT_OK, VERDICT_MISMATCH = b"ok", b"mismatch"
-
-
-def _parse_verdict(raw: bytes | str | None) -> tuple[bytes | None, float, str]:
-    """(kind, when its check began, its summary); (None, 0, "") when there is none."""
-    if not raw:
-        return None, 0.0, ""
-    if isinstance(raw, str):
-        raw = raw.encode()
-    kind, _, rest = raw.partition(b":")
-    at, _, why = rest.partition(b":")
-    try:
-        return kind, float(at), why.decode(errors="replace")
-    except ValueError:
-        return kind, 0.0, why.decode(errors="replace")
 
 
 @dataclass(frozen=True)
@@ -230,12 +213,12 @@ class CanaryCheck:
     _said: float = field(default=-math.inf, repr=False)
     _said_plain: bool = field(default=False, repr=False)
 
-    def _keys(self, epoch: tuple[tuple[str, int], ...]) -> tuple[str, str]:
-        where = hashlib.sha256(json.dumps([liveness.HOST, liveness.MACHINE,
-                                           str(self.settings.dump_dir), epoch]).encode()
-                               ).hexdigest()[:16]
-        return (keys.run_key(self.run_id, f"{keys.CANARY}:{where}"),
-                keys.run_key(self.run_id, f"{keys.CANARY_LOCK}:{where}"))
+    def verdicts(self, index: RunIndex,
+                 epoch: tuple[tuple[str, int], ...] | None = None) -> Verdicts:
+        """The verdict this host's processes share for the server's start ``epoch`` (now's)."""
+        if epoch is None:
+            epoch = server_epoch(self.settings.dump_dir)
+        return Verdicts(index, str(self.settings.dump_dir), epoch)
 
     def force(self) -> None:
         """Check again before the next sample (the server was seen down).
@@ -360,27 +343,26 @@ class CanaryCheck:
             *numerics,
         ])
 
-    def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop,
-                r: redis.Redis, deadline: float = math.inf) -> str | None:
+    def problem(self, client: ServerClient, loop: asyncio.AbstractEventLoop, index: RunIndex,
+                deadline: float = math.inf) -> str | None:
         """For ``waits.until_clear`` in a task: None when not due or passed, else why not; cut short
         at ``deadline`` (monotonic), so a hung server cannot hold the task past its hand-back time.
 
-        A host's processes share their verdict through Redis (per server start): a pass holds for
-        an interval, so after a restart sixteen pool processes do not each put the long canary's
-        dump in tmpfs; a mismatch makes every process check before its next sample, and those
+        A host's processes share their verdict (``worker.state.verdicts``): a pass holds for an
+        interval, a mismatch makes every process check before its next sample, and those
         waiting for the lock give the mismatch as their reason.
         """
         epoch = server_epoch(self.settings.dump_dir)
-        key, lock_key = self._keys(epoch)
+        verdicts = self.verdicts(index, epoch)
         try:
-            kind, at, why = _parse_verdict(r.get(key))
-            if kind != VERDICT_MISMATCH and not self.due(epoch):
-                return None
-            if kind == VERDICT_OK and at >= self.forced_at:
-                self.last_ok, self.epoch = time.monotonic(), epoch
-                return None
-        except redis.RedisError as e:
+            shared = verdicts.read()
+        except Transient as e:
             return f"the canary could not be checked: Redis: {e}"
+        if shared.kind != MISMATCH and not self.due(epoch):
+            return None
+        if shared.kind == OK and shared.at >= self.forced_at:
+            self.last_ok, self.epoch = time.monotonic(), epoch
+            return None
         # A check is due. A server that does not answer is the reason, in the words of a wait on
         # the server (status names the server as what a stalled run waits on), and no process
         # takes the lock to find that out the slow way while the others wait on it.
@@ -389,13 +371,14 @@ class CanaryCheck:
         if not loop.run_until_complete(client.reachable(timeout_s=probe_s)):
             return server_silent(self.settings.server_url)
         try:
-            lock = leases.try_acquire(r, lock_key, self.settings.canary_lock_ttl_s)
-        except redis.RedisError as e:
+            lock = verdicts.try_lock(self.settings.canary_lock_ttl_s)
+        except Transient as e:
             return f"the canary could not be checked: Redis: {e}"
         if not isinstance(lock, leases.Lease):
-            if kind == VERDICT_MISMATCH:  # what holds the host up, while one process re-checks
-                return why or ("canary mismatch (found by another process of this host): "
-                               "restore the server's model, or start a new FARM_OUTPUT_DIR")
+            if shared.kind == MISMATCH:  # what holds the host up, while one process re-checks
+                return shared.why or ("canary mismatch (found by another process of this "
+                                      "host): restore the server's model, or start a new "
+                                      "FARM_OUTPUT_DIR")
             return "the canary is being checked by another process of this host"
         started = time.time()
         limit_s = max(1.0, deadline - time.monotonic() - 1.0)
@@ -409,10 +392,9 @@ class CanaryCheck:
             return f"the canary could not be checked: {type(e).__name__}: {e}"
         finally:
             lock.release()
-        verdict = VERDICT_OK if outcome.passed else VERDICT_MISMATCH
-        with contextlib.suppress(redis.RedisError):
-            r.set(key, b":".join([verdict, repr(started).encode(), outcome.summary.encode()]),
-                  ex=max(1, int(self.settings.canary_interval_s)) if outcome.passed else 86400)
+        with contextlib.suppress(Transient):
+            verdicts.record(outcome.passed, started, outcome.summary,
+                            self.settings.canary_interval_s)
         if outcome.passed:
             log.info("%s", outcome.text)
             return None
