@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import redis
 
 from engine_dump.dumpfile import (
     M_LAYERS,
@@ -29,10 +28,10 @@ from engine_dump.rids import make_rid
 from worker.core import finalfile, tensorfile, time_limits
 from worker.core import store as st
 from worker.core.dumps import Dump, discard_dumps, open_dump, wait_for_dump
-from worker.core.errors import Corrupt, KeyTaken, Transient
+from worker.core.errors import Corrupt, KeyTaken
 from worker.core.samples import SampleRef, read_sample
 from worker.runtime import Runtime
-from worker.state.hosts import holders
+from worker.state.hosts import holder
 from worker.state.lease import Lease
 
 log = logging.getLogger("hsfarm.extract")
@@ -95,10 +94,7 @@ def already_done(rt: Runtime, ref: SampleRef) -> Result | None:
 def done_elsewhere(rt: Runtime, ref: SampleRef) -> str | None:
     """The other host whose output dir holds this sample's final file, of this very record
     (a message returned after its host died between the write and the acknowledgement)."""
-    try:
-        held = holders(rt.index.r, rt.run_id, [ref.key])[0]
-    except redis.RedisError as e:
-        raise Transient(f"redis: {type(e).__name__}: {e}") from e
+    held = holder(rt.index, ref.key)
     if held is None or held[0] == rt.hostname or held[1] != ref.sha256:
         return None
     return held[0] if rt.index.are_done([ref.key])[0] else None

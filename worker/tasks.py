@@ -140,8 +140,7 @@ def _hand_back_foreign(farm: FarmApp, rt: Runtime, task_id: object,
 
 def _run(rt: Runtime, ref_json: Any, deadline: float, budget_s: float) -> dict[str, Any]:
     ref = _checked_ref(rt, ref_json)
-    name = leases.lease_name(rt.run_id, ref.key)
-    with leases.held(rt.index.r, name, rt.settings.lease_ttl_s, deadline) as lease:
+    with rt.index.sample_lease(ref.key, rt.settings.lease_ttl_s, deadline) as lease:
         if lease is None:
             raise Reject(f"{ref.key}: another attempt still holds it", requeue=True)
         return _attempts(rt, ref, lease, deadline, budget_s)

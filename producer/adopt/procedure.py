@@ -344,8 +344,7 @@ def _adopt_one(run: Run, store: st.OutputStore, index: RunIndex, path: Path, ref
         SourceFileRefused: the file (or its record) cannot be adopted; the reason.
         NoSpace, OutputUnavailable: the output disk failed (the command stops).
     """
-    got = leases.try_acquire(index.r, leases.lease_name(store.run_id, ref.key),
-                             run.settings.lease_ttl_s)
+    got = index.try_sample_lease(ref.key, run.settings.lease_ttl_s)
     if isinstance(got, str):
         return "busy", got
     try:

@@ -173,6 +173,25 @@ def test_no_package_keeps_more_than_25_flat_modules() -> None:
         assert len(flat) <= MAX_FLAT, f"{pkg.relative_to(ROOT)}: {len(flat)} flat modules"
 
 
+def _index_internals(tree: ast.AST) -> list[int]:
+    """Lines that reach a run index's Redis client or key builder (``index.r``,
+    ``rt.index.k(...)``): what only worker/state may touch."""
+    return sorted(n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in ("r", "k")
+            and ((isinstance(n.value, ast.Name) and n.value.id == "index")
+                 or (isinstance(n.value, ast.Attribute) and n.value.attr == "index")))
+
+
+def test_only_the_state_layer_reaches_the_run_indexs_redis() -> None:
+    # Given every module outside worker/state (the self-test: a synthetic use is found)
+    assert _index_internals(ast.parse("rt.index.r.get(x)\nindex.k('done')")) == [1, 2]
+    found = [f"{name}:{line}" for name, path in modules().items()
+             if not name.startswith("worker.state")
+             for line in _index_internals(ast.parse(path.read_text()))]
+    # Then none reaches the index's client or keys: it asks the index (or a state module)
+    assert not found, found
+
+
 def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     """Tarjan's algorithm, iterative."""
     index: dict[str, int] = {}

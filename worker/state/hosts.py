@@ -28,7 +28,7 @@ from worker.core import durable, finalfile, liveness, outdir, tensorfile
 from worker.core.errors import Corrupt
 from worker.core.settings import Settings
 from worker.state import keys
-from worker.state.index import RunIndex, as_text
+from worker.state.index import RunIndex, as_text, redis_errors
 
 BATCH = 1000
 HEADER_THREADS = 8
@@ -277,6 +277,13 @@ def holders(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[tuple[s
         return []
     raw = r.hmget(_k(run_id, keys.HELD), sample_keys)
     return [None if x is None else tuple(as_text(x).split("|", 1)) for x in raw]  # type: ignore[misc]
+
+
+@redis_errors
+def holder(index: RunIndex, key: str) -> tuple[str, str] | None:
+    """(host, content sha) of the host holding ``key``'s file, or None; Redis errors as
+    ``Transient``."""
+    return holders(index.r, index.run_id, [key])[0]
 
 
 def held_counts(r: redis.Redis, run_id: str) -> dict[str, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ import redis
 from worker.core.errors import Transient
 from worker.core.samples import SampleRef
 from worker.state import keys
+from worker.state import lease as leases
 from worker.state.lease import lease_name
 
 T = TypeVar("T")
@@ -288,6 +290,31 @@ class RunIndex:
                      keys.PARKED, *_DONE_NAMES):
             p.hdel(self.k(name), key)
         p.execute()
+
+    def sample_lease(self, key: str, ttl_s: float, deadline: float
+                     ) -> AbstractContextManager[leases.Lease | None]:
+        """Hold sample ``key``'s lease for a block (``lease.held``: None when another attempt
+        kept it until ``deadline``)."""
+        return leases.held(self.r, lease_name(self.run_id, key), ttl_s, deadline)
+
+    @redis_errors
+    def try_sample_lease(self, key: str, ttl_s: float) -> leases.Lease | str:
+        """Sample ``key``'s lease now, or who holds it (``lease.try_acquire``)."""
+        return leases.try_acquire(self.r, lease_name(self.run_id, key), ttl_s)
+
+    def run_lock(self, name: str, ttl_s: float, deadline: float
+                 ) -> AbstractContextManager[leases.Lease | None]:
+        """Hold the run's lock ``name`` (``keys.ENQUEUE_LOCK``, ...) for a block."""
+        return leases.held(self.r, self.k(name), ttl_s, deadline)
+
+    @redis_errors
+    def try_run_lock(self, name: str, ttl_s: float) -> leases.Lease | str:
+        """The run's lock ``name`` now, or who holds it."""
+        return leases.try_acquire(self.r, self.k(name), ttl_s)
+
+    @redis_errors
+    def run_lock_taken(self, name: str) -> bool:
+        return bool(self.r.exists(self.k(name)))
 
     @redis_errors
     def leased(self, sample_keys: list[str]) -> list[bool]:

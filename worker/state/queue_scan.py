@@ -15,6 +15,7 @@ import redis
 
 from worker.core.run import QUEUE_PREFIX, message_task_id, sample_key_of, task_id
 from worker.state import keys
+from worker.state.index import RunIndex
 
 __all__ = ["broker_depth", "broker_sample_keys", "broker_sample_keys_at_once", "broker_task_ids",
            "delivered_at", "is_unacked", "sample_key_of", "task_id", "unacked_older_than"]
@@ -79,10 +80,11 @@ def sharing_warning(queue: str, run: str, others: list[str]) -> str:
             f"{', '.join(others)}: each worker takes the other runs' messages and hands them "
             "back untouched (nothing is lost, but work slows down). Unset FARM_QUEUE so each "
             f"run gets its own queue ({QUEUE_PREFIX}<run id>), or give each run its own name")
-def broker_sample_keys_at_once(r: redis.Redis, queue: str, run_id: str) -> set[str]:
-    """Sample keys of run ``run_id`` with a message queued on ``queue`` or unacknowledged,
+def broker_sample_keys_at_once(index: RunIndex, queue: str) -> set[str]:
+    """Sample keys of the index's run with a message queued on ``queue`` or unacknowledged,
     read at one instant (one MULTI: no message is missed moving between the two)."""
-    p = r.pipeline(transaction=True)
+    run_id = index.run_id
+    p = index.r.pipeline(transaction=True)
     p.lrange(queue, 0, -1)
     p.hvals(keys.KOMBU_UNACKED)
     queued, unacked = p.execute()

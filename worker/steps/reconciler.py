@@ -70,7 +70,7 @@ def in_no_state(index: RunIndex, queue: str) -> dict[str, Registered]:
     candidates = {k: reg for k, reg in index.iter_registered() if k not in settled}
     if not candidates:
         return {}
-    busy = broker_sample_keys_at_once(index.r, queue, index.run_id)
+    busy = broker_sample_keys_at_once(index, queue)
     names = [k for k in candidates if k not in busy]
     free = [k for k, held in zip(names, index.leased(names), strict=True) if not held]
     settled = _settled(index)
@@ -99,8 +99,7 @@ class Reconciler:
     def run_pass(self, sleep: Sleep = time.sleep) -> Pass | None:
         """One pass, if no other reconciler runs one now (None: another does). ``sleep``
         waits between the two reads; a true return ends the pass (the worker stops)."""
-        got = leases.try_acquire(self.r, self.index.k(keys.RECONCILE_LOCK),
-                                 self.settings.lease_ttl_s)
+        got = self.index.try_run_lock(keys.RECONCILE_LOCK, self.settings.lease_ttl_s)
         if not isinstance(got, leases.Lease):
             return None
         try:
@@ -116,7 +115,7 @@ class Reconciler:
         files' headers, registers the file's samples and publishes what is missing.
         """
         lost = ledger.not_in_redis(self.r, self.run_id, self.settings.output_dir)
-        if not lost or self.r.exists(self.index.k(keys.ENQUEUE_LOCK)):
+        if not lost or self.index.run_lock_taken(keys.ENQUEUE_LOCK):
             return  # an enqueue running now writes its record when it is done
         for entry in lost:
             path = entry.path
@@ -140,9 +139,8 @@ class Reconciler:
                  self.settings.reconcile_confirm_s)
         if sleep(self.settings.reconcile_confirm_s):  # the worker stops
             return result
-        lock = self.index.k(keys.ENQUEUE_LOCK)
-        with leases.held(self.r, lock, self.settings.lease_ttl_s,
-                         deadline=time.monotonic() + self.settings.reconcile_interval_s) as held:
+        with self.index.run_lock(keys.ENQUEUE_LOCK, self.settings.lease_ttl_s,
+                                 time.monotonic() + self.settings.reconcile_interval_s) as held:
             if held is None:  # an enqueue runs: it publishes what it finds missing itself
                 return result
             again = in_no_state(self.index, self.queue)
