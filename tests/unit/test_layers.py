@@ -177,9 +177,9 @@ def _index_internals(tree: ast.AST) -> list[int]:
     """Lines that reach a run index's Redis client or key builder (``index.r``,
     ``rt.index.k(...)``): what only worker/state may touch."""
     return sorted(n.lineno for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and n.attr in ("r", "k")
-            and ((isinstance(n.value, ast.Name) and n.value.id == "index")
-                 or (isinstance(n.value, ast.Attribute) and n.value.attr == "index")))
+                  if isinstance(n, ast.Attribute) and n.attr in ("r", "k")
+                  and ((isinstance(n.value, ast.Name) and n.value.id == "index")
+                       or (isinstance(n.value, ast.Attribute) and n.value.attr == "index")))
 
 
 def test_only_the_state_layer_reaches_the_run_indexs_redis() -> None:
