@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from producer.localfarm.farm import wait_until
-from worker.core.dp_routing import LEAST_BYTES, LEAST_TOKENS, NO_GROUP, SERVER, choose_group
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 from worker.server.admission import Admission, Holding, Limits
+from worker.server.dp_routing import LEAST_BYTES, LEAST_TOKENS, NO_GROUP, SERVER, choose_group
 
 
 def test_the_rules_pick_the_group_with_the_least_waiting_tokens_or_held_bytes() -> None:

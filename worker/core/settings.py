@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from worker.core.dp_routing import RULES
 from worker.core.errors import ConfigError
 from worker.core.redis_url import is_tls, masked
 
@@ -21,6 +20,8 @@ _DUMP_DIR = Path("/dev/shm/hsfarm-dumps")
 _OUTPUT_DIR = Path("hsfarm-out")
 
 
+# FARM_DP_ROUTING's values, the rules of worker/server/dp_routing.py
+DP_ROUTING_RULES = ("server", "least-tokens", "least-bytes")
 # FARM_STORE_DTYPE's values -> the fingerprint's dtype (dumpfile.STORE_DTYPES)
 STORE_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8_e4m3": "fp8_e4m3"}
 
@@ -143,8 +144,8 @@ class Settings:
         out = []
         if self.overlong not in ("reject", "truncate"):
             out.append(f"FARM_OVERLONG must be 'reject' or 'truncate', not {self.overlong!r}")
-        if self.dp_routing not in RULES:
-            out.append(f"FARM_DP_ROUTING must be one of {', '.join(RULES)}, not "
+        if self.dp_routing not in DP_ROUTING_RULES:
+            out.append(f"FARM_DP_ROUTING must be one of {', '.join(DP_ROUTING_RULES)}, not "
                        f"{self.dp_routing!r}")
         if self.store_dtype not in STORE_DTYPE_NAMES:
             out.append(f"FARM_STORE_DTYPE must be 'bf16' or 'fp8_e4m3', not {self.store_dtype!r}")

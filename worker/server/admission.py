@@ -23,11 +23,11 @@ from typing import Any
 
 from engine_dump import dumpfile
 from engine_dump.engines import dp_groups
-from worker.core.dp_routing import NO_GROUP, SERVER, choose_group
 from worker.core.errors import BadInput, NoSpace, Transient
 from worker.core.settings import Settings
 from worker.core.units import size_text
 from worker.server.client import ServerClient
+from worker.server.dp_routing import NO_GROUP, SERVER, choose_group
 
 SLOT_DIR = ".hsfarm-slots"
 MAX_SLOTS = 256  # worker processes per host that may hold a ticket at once

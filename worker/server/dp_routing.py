@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-SERVER, LEAST_TOKENS, LEAST_BYTES = "server", "least-tokens", "least-bytes"
-RULES = (SERVER, LEAST_TOKENS, LEAST_BYTES)
+from worker.core.settings import DP_ROUTING_RULES
+
+RULES = DP_ROUTING_RULES  # the setting's values, named in settings.py
+SERVER, LEAST_TOKENS, LEAST_BYTES = RULES
 NO_GROUP = -1  # a request not pinned to a group
 
 
