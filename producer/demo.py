@@ -9,7 +9,6 @@ Test: tests/farm/test_demo.py::test_the_demo_keeps_to_its_own_redis_and_its_prin
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -23,8 +22,9 @@ from tqdm import tqdm
 from engine_dump.fingerprint import Fingerprint
 from producer.localfarm.farm import LocalFarm, wait_until
 from producer.status import Status, read_status
-from worker.core import outdir
+from worker.core import manifest as manifests
 from worker.core import run as runs
+from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 from worker.server.fingerprint import run_fingerprint
 from worker.state import broker
@@ -176,9 +176,8 @@ def look_commands(farm: LocalFarm, shared: Settings | None) -> list[str]:
 def _model_path(out_dir: Path) -> str:
     """The model path the run's manifest records ("" when it does not)."""
     try:
-        manifest = json.loads((out_dir / outdir.MANIFEST).read_text())
-        return str(manifest["versions"]["model_path"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return manifests.model_path(manifests.read(out_dir))
+    except (OSError, ConfigError):
         return ""
 
 

@@ -10,7 +10,6 @@ line says FAIL, 1 otherwise.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ from engine_dump.live_check import check_marker
 from engine_dump.rids import NO_RUN
 from sglang_patch.verify import sglang_missing
 from worker.core import canary, dumps, outdir, weights
+from worker.core import manifest as manifests
 from worker.core import run as runs
 from worker.core.diskio import free_bytes
 from worker.core.errors import ConfigError, FarmError
@@ -121,15 +121,15 @@ def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
                        run_id=runs.run_id_of(settings.output_dir)), ""
         except FarmError as e:
             return None, str(e)
-    manifest = settings.output_dir / outdir.MANIFEST
+    where = manifests.path(settings.output_dir)
     try:
-        fp = Fingerprint.from_json(json.loads(manifest.read_text())["fingerprint"])
-        return Run(fp, f"the manifest {manifest}", run_id=runs.run_id_of(settings.output_dir)), ""
+        fp = manifests.fingerprint(manifests.read(settings.output_dir), where)
+        return Run(fp, f"the manifest {where}", run_id=runs.run_id_of(settings.output_dir)), ""
     except FileNotFoundError:
         return None, ("FARM_MODEL_PATH is not set, the server does not answer and "
-                      f"{manifest} does not exist yet")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return None, f"{manifest} is unreadable ({e})"
+                      f"{where} does not exist yet")
+    except ConfigError as e:
+        return None, str(e)
 
 
 def with_counts(run: Run, r: redis.Redis, settings: Settings) -> Run:
@@ -381,14 +381,13 @@ def check_plugin(sglang_python: str | None) -> list[Line]:
 def check_weights(settings: Settings) -> Line:
     """The checkpoint in FARM_MODEL_PATH against the identity the run recorded (the check a
     worker makes before it sends anything), so a swapped or truncated checkpoint shows here."""
-    manifest = settings.output_dir / outdir.MANIFEST
     try:
-        recorded = json.loads(manifest.read_text()).get("weights")
+        recorded = manifests.recorded_weights(manifests.read(settings.output_dir))
     except FileNotFoundError:
         return ok(f"weights: no run in {settings.output_dir} yet; the first worker records "
                   "the checkpoint's identity")
-    except (OSError, ValueError, AttributeError) as e:
-        return fail(f"weights: {manifest} is unreadable ({e})")
+    except ConfigError as e:
+        return fail(f"weights: {e}")
     if not isinstance(recorded, dict):
         return warn("weights: the run records no weights identity (started by an older "
                     "hsfarm); only the canary guards the served model")
@@ -430,7 +429,7 @@ def check_served_weights(settings: Settings) -> Line:
     try:
         local = (weights.weights_identity(Path(settings.model_path)) if settings.model_path
                  else None)
-        recorded = json.loads((settings.output_dir / outdir.MANIFEST).read_text()).get("weights")
+        recorded = manifests.recorded_weights(manifests.read(settings.output_dir))
     except FileNotFoundError:
         recorded = None
     except (ConfigError, OSError, ValueError, AttributeError) as e:

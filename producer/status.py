@@ -6,7 +6,6 @@ manifest (which names the run): ``status`` is what a person runs while the serve
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ import redis
 from engine_dump.fingerprint import Fingerprint
 from producer import stall as stalls
 from worker.core import liveness, outdir
+from worker.core import manifest as manifests
 from worker.core import run as runs
 from worker.core.errors import ConfigError, environmental_rejection
 from worker.core.settings import Settings
@@ -131,10 +131,7 @@ def manifest_fingerprint(settings: Settings) -> Fingerprint:
     path = Path(settings.output_dir) / outdir.MANIFEST
     if not path.is_file():
         raise ConfigError(no_run(settings))
-    try:
-        return Fingerprint.from_json(json.loads(path.read_text())["fingerprint"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: unreadable manifest ({e})") from e
+    return manifests.fingerprint(manifests.read(settings.output_dir), path)
 
 
 def run_settings(settings: Settings, fingerprint: Fingerprint) -> Settings:

@@ -6,7 +6,6 @@ dtypes and shapes (T >= 2, [T, H], [T, 3H]; fp8 runs: e4m3 and their scales [T, 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from engine_dump.dumpfile import DTYPE_FP8, T_INPUT_IDS
 from engine_dump.fingerprint import Fingerprint
 from training.sample_file import SampleFile
 from worker.core import checksums, final_norm, outdir
+from worker.core import manifest as manifests
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.finalfile import M_FINGERPRINT, M_KEY, final_layout
 
@@ -82,15 +82,14 @@ class RunInfo:
 
 def load_run_info(out_dir: Path) -> RunInfo:
     """Read ``<out>/manifest.json``. Raises ConfigError with what is wrong."""
-    path = out_dir / outdir.MANIFEST
+    path = manifests.path(out_dir)
     try:
-        manifest = json.loads(path.read_text())
-        fp = Fingerprint.from_json(manifest["fingerprint"])
+        manifest = manifests.read(out_dir)
     except FileNotFoundError:
         raise ConfigError(f"{out_dir} is not an hsfarm output dir: no {outdir.MANIFEST}") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: unreadable manifest ({e})") from e
-    if manifest.get("fingerprint_id") != fp.id:
-        raise ConfigError(f"{path}: fingerprint_id {manifest.get('fingerprint_id')} does not "
-                          f"match its fingerprint ({fp.id})")
+    fp = manifests.fingerprint(manifest, path)
+    recorded_id = manifest.get(manifests.M_FINGERPRINT_ID)
+    if recorded_id != fp.id:
+        raise ConfigError(f"{path}: fingerprint_id {recorded_id} does not match its "
+                          f"fingerprint ({fp.id})")
     return RunInfo(out_dir, fp, manifest)

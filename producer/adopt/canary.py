@@ -11,12 +11,12 @@ same server the check used.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
 from engine_dump.fingerprint import Fingerprint
 from worker.core import canary as cn
+from worker.core import manifest as manifests
 from worker.core import outdir, weights
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
@@ -64,10 +64,9 @@ def served_check(settings: Settings, fingerprint: Fingerprint, model_path: Path)
 def _recorded_weights(manifest: Path) -> dict[str, Any] | None:
     """The manifest's weights identity; None when there is no manifest or it records none."""
     try:
-        entry = json.loads(manifest.read_text()).get("weights")
-    except (OSError, ValueError, AttributeError):
+        return manifests.recorded_weights(manifests.read(manifest.parent))
+    except (OSError, ConfigError):
         return None
-    return entry if isinstance(entry, dict) else None
 
 
 def canary_outcome(settings: Settings, store: OutputStore, model_path: Path,

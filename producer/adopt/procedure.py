@@ -32,7 +32,8 @@ from producer.adopt import rows as ar
 from producer.adopt.canary import canary_outcome, served_check
 from producer.adopt.formats import detect, list_files, open_sample
 from producer.adopt.write import write_adopted
-from worker.core import durable, finalfile, outdir, tensorfile
+from worker.core import finalfile, outdir, tensorfile
+from worker.core import manifest as manifests
 from worker.core import store as st
 from worker.core.errors import BadInput, ConfigError, Corrupt, SourceFileRefused, StaleRecord
 from worker.core.finalfile import M_ADOPTED_CHECK, M_ADOPTED_FORMAT, M_ADOPTED_FROM, M_WEIGHTS_ID
@@ -45,7 +46,6 @@ from worker.state import lease as leases
 from worker.state.enqueue import open_run, run_lock_name
 from worker.state.index import RunIndex
 
-MANIFEST_ADOPTIONS = "adoptions"
 # a Hugging Face fast tokenizer is not safe to call from two threads at once (--jobs)
 _ENCODE = threading.Lock()
 
@@ -400,12 +400,9 @@ def fp8_problem(settings: Settings) -> str | None:
 def _record(out_dir: Path, source: Path, fmt: str, data: Path, report: Report) -> None:
     """Add this adoption to the manifest (temp file, fsync, rename, fsync dir). The run id
     does not depend on this entry (worker/core/run.py); the enqueue lock is held."""
-    path = out_dir / outdir.MANIFEST
-    body = json.loads(path.read_text())
-    body.setdefault(MANIFEST_ADOPTIONS, []).append({
+    manifests.append(out_dir, manifests.M_ADOPTIONS, {
         "at": time.time(), "source": str(source.resolve()), "format": fmt,
         "data": str(data.resolve()), "adopted": report.adopted, "already_done": report.done,
         "refused": report.refused_files(), "copies": len(report.duplicates),
         "mask_differs": report.mask_differs,
         "check": report.check.to_json() if report.check else None})
-    durable.write_json(path, body)

@@ -11,18 +11,18 @@ from worker.core.settings import Settings
 from worker.state.queue_scan import task_id
 
 MANIFEST = {"fingerprint_id": "a" * 16, "weights": {"id": "b" * 16},
-            run.M_RUN_NONCE: "c" * 32, "created_at": 1.5}
+            "run_nonce": "c" * 32, "created_at": 1.5}
 
 
 def test_the_run_id_tells_apart_checkpoints_output_dirs_and_fingerprints() -> None:
     ids = {run.run_id(MANIFEST),
            run.run_id({**MANIFEST, "weights": {"id": "d" * 16}}),  # another checkpoint
-           run.run_id({**MANIFEST, run.M_RUN_NONCE: "e" * 32}),  # another output dir
+           run.run_id({**MANIFEST, "run_nonce": "e" * 32}),  # another output dir
            run.run_id({**MANIFEST, "fingerprint_id": "f" * 16})}
     assert len(ids) == 4 and all(RUN_ID_RE.match(i) for i in ids)
     assert run.run_id(dict(MANIFEST)) == run.run_id(MANIFEST)  # stable
     # a manifest written before the nonce existed: its creation time tells it apart
-    old = {k: v for k, v in MANIFEST.items() if k != run.M_RUN_NONCE}
+    old = {k: v for k, v in MANIFEST.items() if k != "run_nonce"}
     assert run.run_id(old) != run.run_id({**old, "created_at": 2.5})
 
 
@@ -33,7 +33,7 @@ def test_the_run_id_comes_from_the_output_dir(tmp_path: Path) -> None:
 
 
 def test_each_run_has_its_own_queue_unless_one_is_named() -> None:
-    a, b = run.run_id(MANIFEST), run.run_id({**MANIFEST, run.M_RUN_NONCE: "x"})
+    a, b = run.run_id(MANIFEST), run.run_id({**MANIFEST, "run_nonce": "x"})
     unset = Settings()
     assert run.queue_for(unset, a) == f"hsfarm.{a}" != run.queue_for(unset, b)
     named = Settings(queue="mine")

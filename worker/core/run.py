@@ -18,11 +18,11 @@ from typing import Any
 import orjson
 
 from engine_dump.rids import NO_RUN, RUN_ID_LEN, RUN_ID_RE
-from worker.core import outdir
+from worker.core import manifest as manifests
+from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 
 TASK_NAME = "hsfarm.extract"  # the one task; its name is in every queued message
-M_RUN_NONCE = "run_nonce"  # manifest key: random, written once with the manifest
 QUEUE_PREFIX = "hsfarm."
 TASK_PREFIX = "hsd"  # task ids: hsd-<run id>-<publication>:<sample key> (task_id)
 TASK_NAME = "hsfarm.extract"  # the one task; its name and message body outlive upgrades
@@ -33,20 +33,19 @@ def run_id(manifest: Mapping[str, Any]) -> str:
 
     Manifests written before the nonce existed are told apart by their creation time.
     """
-    weights = manifest.get("weights")
-    weights_id = str(weights.get("id", "")) if isinstance(weights, Mapping) else ""
-    nonce = manifest.get(M_RUN_NONCE) or repr(manifest.get("created_at"))
-    blob = json.dumps([str(manifest.get("fingerprint_id")), weights_id, str(nonce)])
+    weights = manifests.recorded_weights(manifest)
+    weights_id = str(weights.get("id", "")) if weights is not None else ""
+    nonce = manifest.get(manifests.M_RUN_NONCE) or repr(manifest.get(manifests.M_CREATED))
+    blob = json.dumps([str(manifest.get(manifests.M_FINGERPRINT_ID)), weights_id, str(nonce)])
     return hashlib.sha256(blob.encode()).hexdigest()[: RUN_ID_LEN]
 
 
 def read_run_id(out_dir: Path) -> str | None:
     """The run id of ``out_dir``; None while it has no readable manifest (no run began)."""
     try:
-        manifest = json.loads((out_dir / outdir.MANIFEST).read_text())
-    except (OSError, ValueError):
+        return run_id(manifests.read(out_dir))
+    except (OSError, ConfigError):
         return None
-    return run_id(manifest) if isinstance(manifest, dict) else None
 
 
 def run_id_of(out_dir: Path) -> str:

@@ -1,16 +1,15 @@
 """The output directory: manifest, durable final files, verification from disk, cleanup.
 
-``<out>/manifest.json`` and ``<out>/samples/<shard>/<key>.safetensors`` (docs/output.md; the
-file's format: ``finalfile``). A write is temp file → fsync → read back from the device →
-rename → fsync(dir), so a file that does not read back whole never takes a final path. Data
-streams through ``finalbytes`` in bounded chunks; no step holds a whole tensor.
+``<out>/manifest.json`` (``manifest``) and ``<out>/samples/<shard>/<key>.safetensors``
+(docs/output.md; the file's format: ``finalfile``). A write is temp file → fsync → read back
+from the device → rename → fsync(dir), so a file that does not read back whole never takes a
+final path. Data streams through ``finalbytes`` in bounded chunks; no step holds a whole tensor.
 Test: tests/unit/test_store.py::
 test_a_file_that_does_not_read_back_whole_never_takes_its_final_path."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from worker.core import (
     tensorfile,
     weights,
 )
+from worker.core import manifest as manifests
 from worker.core.errors import (
     ConfigError,
     Corrupt,
@@ -100,19 +100,13 @@ class OutputStore:
 
     def _open(self) -> None:
         (self.out_dir / outdir.SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / outdir.MANIFEST
         identity = None if self.model_path is None else weights.weights_identity(self.model_path)
-        if not path.exists():
-            body = {"fingerprint_id": self.fingerprint.id,
-                    "fingerprint": self.fingerprint.to_json(),
-                    run.M_RUN_NONCE: uuid.uuid4().hex,
-                    "versions": self.versions, "created_at": time.time(),
-                    "tensors": finalfile.tensor_semantics(self.fingerprint),
-                    "final_norm": self._write_final_norm()}
-            if identity is not None:
-                body["weights"] = identity
-            durable.write_new_json(path, body)  # another worker's first: then compare
-        manifest = self._check_manifest(path)
+        if not manifests.path(self.out_dir).exists():  # another worker's first: then compare
+            manifests.create(self.out_dir, self.fingerprint, uuid.uuid4().hex, self.versions,
+                             finalfile.tensor_semantics(self.fingerprint),
+                             self._write_final_norm(), identity)
+        manifest = manifests.read(self.out_dir)
+        manifests.check(manifest, self.fingerprint, self.out_dir)
         if identity is not None:
             self._check_weights(manifest, identity)
         self.run_id = run.run_id(manifest)
@@ -132,7 +126,7 @@ class OutputStore:
         return ""
 
     def _check_recorded(self, manifest: dict[str, object], identity: dict[str, object]) -> None:
-        recorded = manifest.get("weights")
+        recorded = manifests.recorded_weights(manifest)
         self.weights_local = identity
         self.weights_recorded = recorded if isinstance(recorded, dict) else None
         if isinstance(recorded, dict):
@@ -161,10 +155,10 @@ class OutputStore:
     def recorded_weights_id(self) -> str | None:
         """The weights identity the manifest records (None: none recorded, or no manifest)."""
         try:
-            entry = json.loads((self.out_dir / outdir.MANIFEST).read_text()).get("weights")
-        except (OSError, ValueError, AttributeError):
+            entry = manifests.recorded_weights(manifests.read(self.out_dir))
+        except (OSError, ConfigError):
             return None
-        return str(entry["id"]) if isinstance(entry, dict) and "id" in entry else None
+        return str(entry["id"]) if entry is not None and "id" in entry else None
 
     def _write_final_norm(self) -> dict[str, object]:
         """Store the model's final-norm weight beside the manifest; the manifest's entry.
@@ -187,23 +181,6 @@ class OutputStore:
                 "source_tensor": norm.source_name, "dtype": norm.weight.dtype,
                 "rms_norm_eps": norm.rms_norm_eps,
                 checksums.M_ALGORITHM: checksums.DEFAULT_ALGORITHM, checksums.M_CHECKSUMS: sums}
-
-    def _check_manifest(self, path: Path) -> dict[str, object]:
-        try:
-            manifest = json.loads(path.read_text())
-            theirs = Fingerprint.from_json(manifest["fingerprint"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(
-                f"{path}: unreadable manifest ({e}); move it away to start anew"
-            ) from e
-        diff = self.fingerprint.differences(theirs)
-        if diff:
-            raise ConfigError(
-                f"{self.out_dir} holds hidden states of another run; refusing to mix them. "
-                f"Differences (this run != directory): {'; '.join(diff)}. "
-                "Use a new FARM_OUTPUT_DIR, or restore the original settings."
-            )
-        return dict(manifest)
 
     def final_path(self, key: str) -> Path:
         return outdir.final_path(self.out_dir, key)

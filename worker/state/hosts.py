@@ -25,7 +25,8 @@ import redis
 from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, is_temp_name
 from engine_dump.fingerprint import Fingerprint
 from worker.core import durable, finalfile, liveness, outdir, tensorfile
-from worker.core.errors import Corrupt
+from worker.core import manifest as manifests
+from worker.core.errors import ConfigError, Corrupt
 from worker.core.settings import Settings
 from worker.state import keys
 from worker.state.index import RunIndex, as_text, redis_errors
@@ -101,9 +102,8 @@ def scan(out_dir: Path, fingerprint_id: str) -> Iterator[Held]:
 def _run_fingerprint(out_dir: Path, fingerprint_id: str) -> Fingerprint | None:
     """The fingerprint the output dir's manifest records, when it is run ``fingerprint_id``'s."""
     try:
-        fp = Fingerprint.from_json(json.loads((out_dir / outdir.MANIFEST).read_text())
-                                   ["fingerprint"])
-    except (OSError, ValueError, KeyError, TypeError):
+        fp = manifests.fingerprint(manifests.read(out_dir))
+    except (OSError, ConfigError):
         return None
     return fp if fp.id == fingerprint_id else None
 
