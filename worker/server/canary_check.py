@@ -203,7 +203,7 @@ class CanaryCheck:
     fingerprint: Fingerprint
     weights_id: str
     encode: Encode
-    run_id: str = NO_RUN  # the run whose verdicts and requests these are (worker/core/run.py)
+    run_id: str = NO_RUN  # the run whose requests these are (worker/core/run.py)
     # the most tokens the server takes, where fewer than the run's FARM_MAX_TOKENS (a run that
     # truncates to it): no canary prompt is longer
     server_max_tokens: int | None = None
