@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import redis
 from tqdm import tqdm
 
 from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, T_LOSS_MASK
@@ -26,6 +25,7 @@ from worker.core.samples import SampleRef, read_sample, sample_refs
 from worker.core.store import OutputStore
 from worker.server.chat import ChatTokenizer, Tokenized
 from worker.state import hosts, ledger
+from worker.state.broker import Client
 
 ADOPTED = "adopted"
 
@@ -199,7 +199,7 @@ def enqueue_limits(out_dir: Path) -> dict[str, int]:
     return {e.path: e.limit for e in ledger.read(out_dir) if e.limit is not None}
 
 
-def place_elsewhere(report: AuditReport, r: redis.Redis, run_id: str, host: str) -> None:
+def place_elsewhere(report: AuditReport, r: Client, run_id: str, host: str) -> None:
     """Samples missing here whose file the run places on another host's output dir (not a
     dir this host shares): counted per host, no longer missing, not requeued."""
     held = hosts.holders(r, run_id, report.missing)

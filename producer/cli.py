@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import redis
 from tqdm import tqdm
 
 from engine_dump.fingerprint import Fingerprint
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataFileError, EnqueueRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    except (redis.RedisError, Transient) as e:
+    except Transient as e:
         print(f"error: Redis at {broker.where(settings)} did not answer ({e}); is it running? "
               "is REDIS_URL right?", file=sys.stderr)
         return EXIT_ERROR
@@ -258,7 +257,7 @@ def _audit(settings: Settings, fingerprint: Fingerprint, chat: ChatTokenizer,
     try:
         place_elsewhere(report, broker.client(settings), runs.run_id_of(settings.output_dir),
                         host_id(settings))
-    except redis.RedisError as e:  # the disk is checked all the same
+    except Transient as e:  # the disk is checked all the same
         print(f"note: Redis did not answer ({e}): samples on other hosts count as missing")
     if args.data is None:
         report.look_beyond(settings.output_dir)

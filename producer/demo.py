@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import redis
 from tqdm import tqdm
 
 from engine_dump.fingerprint import Fingerprint
@@ -24,30 +23,26 @@ from producer.localfarm.farm import LocalFarm, wait_until
 from producer.status import Status, read_status
 from worker.core import manifest as manifests
 from worker.core import run as runs
-from worker.core.errors import ConfigError
+from worker.core.errors import ConfigError, Transient
 from worker.core.settings import Settings
 from worker.server.fingerprint import run_fingerprint
 from worker.state import broker
+from worker.state.broker import SettingsHidden
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data.json"
 
 
 def _redis_answers(settings: Settings | None) -> bool:
-    if settings is None:
-        return False
-    try:
-        return bool(broker.client(settings, socket_timeout_s=5, connect_timeout_s=1).ping())
-    except (redis.RedisError, ValueError):
-        return False
+    return settings is not None and broker.answers(settings)
 
 
 def _keeps_nothing(settings: Settings) -> bool:
     """A Redis without AOF (or whose CONFIG is disabled: assume the worst)."""
     try:
-        aof = broker.client(settings).config_get("appendonly").get("appendonly")
-    except redis.RedisError:
+        aof = broker.config(broker.client(settings), ["appendonly"]).get("appendonly")
+    except (Transient, SettingsHidden):
         return True
-    return str(aof) != "yes"
+    return aof != "yes"
 
 
 def _redis_env(settings: Settings) -> dict[str, str]:

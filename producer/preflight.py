@@ -17,10 +17,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
-
-import redis
 
 from engine_dump import dumpdir, engines, nccl
 from engine_dump import markers as mk
@@ -34,11 +31,12 @@ from worker.core import canary, dumps, outdir, weights
 from worker.core import manifest as manifests
 from worker.core import run as runs
 from worker.core.diskio import free_bytes
-from worker.core.errors import ConfigError, FarmError
+from worker.core.errors import ConfigError, FarmError, Transient
 from worker.core.settings import Settings
 from worker.server.client import ServerClient
 from worker.server.fingerprint import compute_fingerprint, resolve_model_path
 from worker.state import broker
+from worker.state.broker import Client, SettingsHidden
 from worker.state.index import RunIndex
 
 GiB = 1 << 30
@@ -132,7 +130,7 @@ def find_run(settings: Settings, server_up: bool) -> tuple[Run | None, str]:
         return None, str(e)
 
 
-def with_counts(run: Run, r: redis.Redis, settings: Settings) -> Run:
+def with_counts(run: Run, r: Client, settings: Settings) -> Run:
     run_id = runs.run_id_of(settings.output_dir)
     n = RunIndex(r, run_id).counts()
     remaining = max(n.total - n.done - n.failed - n.rejected, 0)
@@ -213,7 +211,7 @@ def check_dump_dir_owner(d: Path) -> Line:
 
 # --- services ----------------------------------------------------------------------------------
 
-def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, redis.Redis | None]:
+def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, Client | None]:
     where = broker.where(settings)
     try:
         allowed = broker.check_auth(settings)
@@ -221,14 +219,12 @@ def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, redis.Redis
     except ConfigError as e:
         return fail(f"redis: {e}"), None
     try:
-        r.ping()
-        cfg: dict[Any, Any] = {}
-        for name in ("appendonly", "appendfsync", "maxmemory-policy"):
-            cfg.update(r.config_get(name))
-    except redis.ResponseError as e:
+        broker.ping(r)
+        cfg = broker.config(r, ["appendonly", "appendfsync", "maxmemory-policy"])
+    except SettingsHidden as e:
         return warn(f"redis at {where} answers, but its settings cannot be read ({e}); make "
                     "sure it runs with appendonly yes, appendfsync always, noeviction"), r
-    except redis.RedisError as e:
+    except Transient as e:
         hint = "" if env_loaded else f"; REDIS_URL is not set: {LOAD_ENV}"
         return fail(f"redis at {where}: {e}: start it (systemctl start hsfarm-redis) or fix "
                     f"REDIS_URL{hint}"), None
@@ -477,7 +473,7 @@ def run_checks(settings: Settings, env: Mapping[str, str]) -> list[Line]:
     if run is not None and r is not None:
         try:
             run = with_counts(run, r, settings)
-        except redis.RedisError as e:
+        except Transient as e:
             why, run = f"the run index cannot be read ({e})", None
     lines.append(check_run(run, why))
     lines.append(check_weights(settings))

@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from engine_dump.fingerprint import Fingerprint
 from producer import stall as stalls
 from worker.core import liveness, outdir
@@ -23,6 +21,7 @@ from worker.core.settings import Settings
 from worker.server.admission import Admission, limits_for_host
 from worker.server.fingerprint import run_fingerprint
 from worker.state import broker, hosts, keys
+from worker.state.broker import Client
 from worker.state.corpus import Corpus
 from worker.state.index import RunIndex
 from worker.state.queue_scan import broker_depth
@@ -236,7 +235,7 @@ def _last_outcome_at(index: RunIndex) -> float | None:
     return max(ends, default=None)
 
 
-def files_gone(settings: Settings, r: redis.Redis, index: RunIndex) -> list[str]:
+def files_gone(settings: Settings, r: Client, index: RunIndex) -> list[str]:
     """Samples the index calls done whose final file is not in this host's output dir (deleted
     since), and that no other host's dir holds instead. One ``stat`` per done sample: 37k take
     a fraction of a second from the page cache; the files' data is ``audit``'s to read."""
@@ -269,14 +268,6 @@ def failures(settings: Settings) -> list[str]:
     """One line per failed, rejected, stale or retrying sample: kind, key, reason."""
     return [f"{e['kind']:8} {e['key']}: {e.get('reason')}"
             for e in failure_entries(settings)]
-
-
-def worker_heartbeats(r: redis.Redis) -> list[str]:
-    """Identities of the worker main processes whose heartbeat is alive (every run's)."""
-    prefix = f"{keys.HEARTBEAT}:"
-    found = (k.decode() if isinstance(k, bytes) else str(k)
-             for k in r.scan_iter(f"{prefix}*", count=1000))
-    return sorted(k[len(prefix):] for k in found)
 
 
 # --- is the run stalled? (the rule is producer/stall.py's) ------------------------------------

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import redis
 from celery.worker.request import Request
 
 from worker.core import time_limits
+from worker.core.errors import Transient
 from worker.state import owners
 
 log = logging.getLogger("hsfarm.reaper")
@@ -56,5 +56,5 @@ class OwnedRequest(Request):
             return
         try:
             fn(owners.client_for(self.task.app.settings), tag)
-        except redis.RedisError as e:  # the visibility timeout still covers this message
+        except Transient as e:  # the visibility timeout still covers this message
             log.warning("cannot record the owner of message %s: %s", tag, e)

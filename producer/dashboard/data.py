@@ -18,15 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from engine_dump.fingerprint import Fingerprint
 from producer.stall import redis_stall, run_state
-from producer.status import Status, read_status, worker_heartbeats
+from producer.status import Status, read_status
 from worker.core import run as runs
 from worker.core.diskio import free_bytes
 from worker.core.settings import Settings
-from worker.state import broker, keys
+from worker.state import broker, keys, owners
+from worker.state.broker import Client
 from worker.state.index import RunIndex
 
 HISTORY_POINTS = 300  # points of the progress and throughput plots, whatever the run's length
@@ -156,7 +155,7 @@ class Sampler:
     def __init__(self, settings: Settings, fingerprint: Fingerprint) -> None:
         self.settings = settings
         self.fingerprint = fingerprint
-        self.r: redis.Redis = broker.client(settings, socket_timeout_s=10.0)
+        self.r: Client = broker.client(settings, socket_timeout_s=10.0)
         self.index = RunIndex(self.r, runs.run_id_of(settings.output_dir))
         self.done = DoneHistory()
         self.samples: deque[dict[str, Any]] = deque(maxlen=MAX_SAMPLES)
@@ -172,7 +171,7 @@ class Sampler:
         self.index = RunIndex(self.r, runs.run_id_of(self.settings.output_dir))
         self.done.refresh(self.index)
         out_dir, dump_dir = Path(self.settings.output_dir), Path(self.settings.dump_dir)
-        heartbeats = worker_heartbeats(self.r)
+        heartbeats = owners.alive(self.r)
         point = {"t": now, "eta_s": st.eta_s, "output_free_bytes": _free(out_dir),
                  "dump_free_bytes": _free(dump_dir), "dump_used_bytes": _used(dump_dir),
                  "server_up": 1 if server.get("up") else 0,

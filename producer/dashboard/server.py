@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import redis
 from aiohttp import web
 
 from engine_dump.fingerprint import Fingerprint
@@ -159,7 +158,7 @@ async def sample_forever(app: web.Application) -> None:
             server = await server_health(session, sampler.settings.server_url)
             try:
                 await asyncio.to_thread(sampler.sample, server)
-            except (redis.RedisError, Transient) as e:
+            except Transient as e:
                 sampler.redis_away(e)
                 log.warning("%s", sampler.error)
             await asyncio.sleep(period_s)

@@ -19,11 +19,11 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-
 from worker.core.run import queue_for, run_id_of
 from worker.core.settings import Settings
-from worker.state import broker, keys
+from worker.state import broker
+from worker.state.broker import Client
+from worker.state.index import every_runs_outcomes
 
 NOTORCH = str(Path(__file__).resolve().parent / "notorch")
 
@@ -178,16 +178,12 @@ class LocalFarm:
         """The queue of this farm's run."""
         return queue_for(self.settings(), self.run_id())
 
-    def redis(self) -> redis.Redis:
+    def redis(self) -> Client:
         return broker.client(self.settings())
 
     def outcomes(self) -> tuple[int, int]:
         """(samples done, samples failed or rejected), over every run in this farm's Redis."""
-        r = self.redis()
-        runs = [k.decode().rsplit(":", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:*:{keys.META}")]
-        done = sum(int(r.zcard(f"{run}:{keys.DONE}")) for run in runs)
-        bad = sum(int(r.hlen(f"{run}:{n}")) for run in runs for n in (keys.FAILED, keys.REJECTED))
-        return done, bad
+        return every_runs_outcomes(self.redis())
 
     def start_redis(self, appendonly: bool = True, extra_args: list[str] | None = None) -> Proc:
         """A private redis-server with AOF (``appendfsync always``), as ops/redis.conf sets
@@ -206,10 +202,7 @@ class LocalFarm:
         return proc
 
     def _redis_up(self) -> bool:
-        try:
-            return bool(self.redis().ping())
-        except redis.RedisError:
-            return False
+        return broker.answers(self.settings())
 
     def start_server(self, extra: list[str] | None = None) -> Proc:
         argv = [sys.executable, "-m", "sglang_patch.reference_server",

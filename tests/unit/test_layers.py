@@ -135,6 +135,10 @@ VIOLATIONS = {
         "worker.core needs no Celery"),
     "a module imports by name": (
         "worker/core/units.py", "_m = __import__('producer.status')", "__import__"),
+    "a step issues Redis commands itself": (
+        "worker/steps/janitor.py", "import redis", "reach Redis only through worker.state"),
+    "the producer issues Redis commands itself": (
+        "producer/status.py", "from redis import Redis", "reach Redis only through worker.state"),
     "the worker runs the producer as a process": (
         "worker/steps/reconciler.py", "_cmd = [sys.executable, '-m', 'producer', 'enqueue']",
         "runs -m producer"),

@@ -9,21 +9,45 @@ Test: tests/unit/test_redis_auth.py::test_which_urls_need_a_password."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import redis
 
 from worker.core import redis_url
-from worker.core.errors import ConfigError
+from worker.core.errors import ConfigError, FarmError, Transient
 from worker.core.settings import Settings
 
 log = logging.getLogger("hsfarm.broker")
 
+T = TypeVar("T")
+# The farm's handle on its Redis, as the modules outside worker/state name it: they pass it to
+# this layer's functions and never issue a command or import redis themselves (make lint).
+Client = redis.Redis
+
+
+class SettingsHidden(FarmError):
+    """Redis answers but refuses to show its settings (CONFIG renamed or disabled: a managed
+    Redis). Not a fault of Redis's state: the operator is told what to make sure of."""
+
+
+def redis_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """Translate ``redis.RedisError`` into ``Transient``: the farm's one boundary for Redis.
+    Every function of this layer that outside modules call is wrapped in it."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except redis.RedisError as e:
+            raise Transient(f"redis: {type(e).__name__}: {e}") from e
+    return wrapper
+
 
 def client(settings: Settings, socket_timeout_s: float = 30.0,
-           connect_timeout_s: float = 5.0) -> redis.Redis:
+           connect_timeout_s: float = 5.0) -> Client:
     """The farm's Redis client (never ``redis.Redis`` directly).
 
     Raises:
@@ -78,17 +102,56 @@ def where(settings: Settings) -> str:
     return redis_url.masked(settings.redis_url)
 
 
-def check_persistence(r: redis.Redis, settings: Settings) -> None:
+@redis_errors
+def ping(r: Client) -> None:
+    """Raises ``Transient`` when Redis does not answer."""
+    r.ping()
+
+
+def answers(settings: Settings, timeout_s: float = 5.0) -> bool:
+    """Whether the Redis of ``settings`` answers a PING within ``timeout_s`` (False for a URL
+    ``client`` refuses)."""
+    try:
+        ping(client(settings, socket_timeout_s=timeout_s, connect_timeout_s=min(timeout_s, 1.0)))
+    except (Transient, ConfigError, ValueError):
+        return False
+    return True
+
+
+@redis_errors
+def config(r: Client, names: Iterable[str]) -> dict[str, str]:
+    """Redis's settings ``names`` (a name Redis does not know is left out).
+
+    Raises:
+        SettingsHidden: Redis refuses CONFIG GET.
+        Transient: Redis does not answer.
+    """
+    found: dict[str, str] = {}
+    for name in names:
+        try:
+            got = r.config_get(name)
+        except redis.ResponseError as e:
+            raise SettingsHidden(str(e)) from e
+        found.update({_text(k): _text(v) for k, v in got.items() if v is not None})
+    return found
+
+
+def _text(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+@redis_errors
+def check_persistence(r: Client, settings: Settings) -> None:
     """Refuse a Redis that keeps nothing on disk, or that drops transactions when it replays
     its AOF (``replay_loss``), unless ``FARM_ALLOW_VOLATILE_REDIS`` is set.
 
     Raises:
         ConfigError: appendonly is off and volatility was not allowed.
-        redis.RedisError: Redis does not answer.
+        Transient: Redis does not answer.
     """
     try:
-        aof = str(r.config_get("appendonly").get("appendonly", "")).lower()
-    except redis.ResponseError as e:  # CONFIG renamed or disabled (managed Redis)
+        aof = config(r, ["appendonly"]).get("appendonly", "").lower()
+    except SettingsHidden as e:  # CONFIG renamed or disabled (managed Redis)
         log.warning("cannot read the persistence settings of Redis at %s (%s); make sure it "
                     "runs with appendonly yes, or a restart loses the queue", where(settings), e)
         return
@@ -107,7 +170,8 @@ def check_persistence(r: redis.Redis, settings: Settings) -> None:
     log.warning("%s (allowed by FARM_ALLOW_VOLATILE_REDIS)", message.split(": a restart")[0])
 
 
-def replay_loss(r: redis.Redis) -> str | None:
+@redis_errors
+def replay_loss(r: Client) -> str | None:
     """Why a restart of this Redis would lose writes its AOF holds, or None.
 
     With its ``default`` user off, Redis (7.0.15 measured) replays every MULTI/EXEC of its AOF

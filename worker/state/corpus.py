@@ -20,7 +20,8 @@ import orjson
 from worker.core.errors import MalformedMessage, RecordRemoved
 from worker.core.samples import SampleRef
 from worker.state import keys
-from worker.state.index import RunIndex, as_text, bounded, redis_errors
+from worker.state.broker import redis_errors
+from worker.state.index import RunIndex, as_text, bounded
 
 log = logging.getLogger("hsfarm.corpus")
 MAX_FORMER_PATHS = 20  # former paths remembered per data file

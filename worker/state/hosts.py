@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, is_temp_name
 from engine_dump.fingerprint import Fingerprint
 from worker.core import durable, finalfile, liveness, outdir, tensorfile
@@ -29,7 +27,8 @@ from worker.core import manifest as manifests
 from worker.core.errors import ConfigError, Corrupt
 from worker.core.settings import Settings
 from worker.state import keys
-from worker.state.index import RunIndex, as_text, redis_errors
+from worker.state.broker import Client, redis_errors
+from worker.state.index import RunIndex, as_text
 
 BATCH = 1000
 HEADER_THREADS = 8
@@ -116,7 +115,8 @@ class Registration:
     set_aside: int = 0  # of those, the same record, done there: moved to done-elsewhere/ here
 
 
-def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_id: str,
+@redis_errors
+def register(r: Client, run_id: str, host: str, out_dir: Path, fingerprint_id: str,
              settings: Settings) -> Registration:
     """Say in Redis what this host's output dir holds: each file's key is held by this host
     (unless another host claimed it first: then it is held twice), done in the run's index.
@@ -139,7 +139,7 @@ def register(r: redis.Redis, run_id: str, host: str, out_dir: Path, fingerprint_
     return reg
 
 
-def _announce(r: redis.Redis, run_id: str, host: str, out_dir: Path) -> None:
+def _announce(r: Client, run_id: str, host: str, out_dir: Path) -> None:
     """The host's output dir in its entry before its files are registered: a host that shares
     this mount with one registered before is then seen as the same output (``same_output``),
     and the files they share are never taken for a second copy and set aside."""
@@ -148,7 +148,7 @@ def _announce(r: redis.Redis, run_id: str, host: str, out_dir: Path) -> None:
            json.dumps({**old, "output_dir": str(out_dir), "root_id": root_id(out_dir)}))
 
 
-def _register_batch(r: redis.Redis, index: RunIndex, run_id: str, host: str, batch: list[Held],
+def _register_batch(r: Client, index: RunIndex, run_id: str, host: str, batch: list[Held],
                     reg: Registration, out_dir: Path) -> None:
     if not batch:
         return
@@ -199,7 +199,8 @@ def _set_aside(out_dir: Path, path: Path) -> Path:
     return dest
 
 
-def same_output(r: redis.Redis, run_id: str, a: str, b: str) -> bool:
+@redis_errors
+def same_output(r: Client, run_id: str, a: str, b: str) -> bool:
     """Hosts ``a`` and ``b`` write to one output dir (a shared mount: one root id)."""
     ea, eb = entry(r, run_id, a), entry(r, run_id, b)
     return bool(ea and eb and ea.get("root_id") and ea.get("root_id") == eb.get("root_id"))
@@ -215,18 +216,21 @@ def root_id(out_dir: Path) -> str:
         return path.read_text().strip()
 
 
-def entry(r: redis.Redis, run_id: str, host: str) -> dict[str, Any] | None:
+@redis_errors
+def entry(r: Client, run_id: str, host: str) -> dict[str, Any] | None:
     raw = r.hget(_k(run_id, keys.HOSTS), host)
     return None if raw is None else dict(json.loads(raw))
 
 
-def hosts(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
+@redis_errors
+def hosts(r: Client, run_id: str) -> dict[str, dict[str, Any]]:
     """Every host the run's Redis knows: host id -> entry."""
     raw: dict[bytes, bytes] = r.hgetall(_k(run_id, keys.HOSTS))  # type: ignore[assignment]
     return {as_text(k): json.loads(v) for k, v in raw.items()}
 
 
-def beat(r: redis.Redis, run_id: str, host: str, out_dir: Path, settings: Settings,
+@redis_errors
+def beat(r: Client, run_id: str, host: str, out_dir: Path, settings: Settings,
          registered_files: int | None = None) -> bool:
     """Refresh this host's entry (its heartbeat and its server's state). Returns False when
     the entry was never registered (Redis lost it, or this is the first start): then the
@@ -242,7 +246,8 @@ def beat(r: redis.Redis, run_id: str, host: str, out_dir: Path, settings: Settin
     return "registered_at" in new
 
 
-def mark_stopped(r: redis.Redis, run_id: str, host: str) -> None:
+@redis_errors
+def mark_stopped(r: Client, run_id: str, host: str) -> None:
     """A worker of ``host`` stopped cleanly: the host shows as stopped, not lost, until a
     process of it beats again (another worker of the host, within one reaper interval)."""
     old = entry(r, run_id, host)
@@ -261,7 +266,8 @@ def server_state(url: str, timeout_s: float = 2.0) -> str:
         return f"down ({type(e).__name__})"
 
 
-def claim(r: redis.Redis, run_id: str, host: str, shas: dict[str, str]) -> None:
+@redis_errors
+def claim(r: Client, run_id: str, host: str, shas: dict[str, str]) -> None:
     """``host`` holds these keys' files (key -> content sha), unless another claimed them."""
     items = list(shas.items())
     for i in range(0, len(items), BATCH):
@@ -271,7 +277,8 @@ def claim(r: redis.Redis, run_id: str, host: str, shas: dict[str, str]) -> None:
         p.execute()
 
 
-def holders(r: redis.Redis, run_id: str, sample_keys: list[str]) -> list[tuple[str, str] | None]:
+@redis_errors
+def holders(r: Client, run_id: str, sample_keys: list[str]) -> list[tuple[str, str] | None]:
     """(host, content sha) holding each key's file, or None."""
     if not sample_keys:
         return []
@@ -286,7 +293,8 @@ def holder(index: RunIndex, key: str) -> tuple[str, str] | None:
     return holders(index.r, index.run_id, [key])[0]
 
 
-def held_counts(r: redis.Redis, run_id: str) -> dict[str, int]:
+@redis_errors
+def held_counts(r: Client, run_id: str) -> dict[str, int]:
     """Host -> how many samples' files it holds."""
     counts: dict[str, int] = {}
     for _, v in r.hscan_iter(_k(run_id, keys.HELD), count=5000):
@@ -295,7 +303,8 @@ def held_counts(r: redis.Redis, run_id: str) -> dict[str, int]:
     return counts
 
 
-def held_twice(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
+@redis_errors
+def held_twice(r: Client, run_id: str) -> dict[str, dict[str, Any]]:
     raw: dict[bytes, bytes] = r.hgetall(_k(run_id, keys.HELD_TWICE))  # type: ignore[assignment]
     return {as_text(k): json.loads(v) for k, v in raw.items()}
 
@@ -303,7 +312,8 @@ def held_twice(r: redis.Redis, run_id: str) -> dict[str, dict[str, Any]]:
 # --- what survives a Redis that lost everything: hosts.json in each output dir -------------
 
 
-def remember_hosts(r: redis.Redis, run_id: str, out_dir: Path) -> None:
+@redis_errors
+def remember_hosts(r: Client, run_id: str, out_dir: Path) -> None:
     """Write the run's hosts (as Redis knows them now, and as this dir knew them) into
     ``out_dir/hosts.json``, durably, when that changes what it says."""
     known = read_known(out_dir)
@@ -332,7 +342,8 @@ def forget_hosts(out_dir: Path, names: Iterable[str]) -> None:
     durable.write_json(out_dir / outdir.HOSTS_JSON, known)
 
 
-def unheard(r: redis.Redis, run_id: str, out_dir: Path) -> dict[str, dict[str, Any]]:
+@redis_errors
+def unheard(r: Client, run_id: str, out_dir: Path) -> dict[str, dict[str, Any]]:
     """Hosts ``out_dir`` knows in this run that have not registered their files in this
     Redis (Redis lost them, and their workers have not started since): host -> what is known."""
     registered = {h for h, e in hosts(r, run_id).items() if "registered_at" in e}
@@ -350,7 +361,8 @@ def rate_window(first_done_at: float, until: float, window_s: float) -> tuple[fl
     return since, max(until - since, 1.0)
 
 
-def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
+@redis_errors
+def per_host(r: Client, run_id: str, heartbeat_ttl_s: float,
              window_s: float = 300.0, until: float | None = None) -> list[dict[str, Any]]:
     """Per host: output dir, state, heartbeat age, server state, done there, running, rate,
     when a worker of it last started.
@@ -384,7 +396,7 @@ def per_host(r: redis.Redis, run_id: str, heartbeat_ttl_s: float,
     return out
 
 
-def _done_per_host(r: redis.Redis, run_id: str, window_s: float,
+def _done_per_host(r: Client, run_id: str, window_s: float,
                    until: float) -> tuple[dict[str, int], float]:
     """Samples done per host in the rate's window (``rate_window``), and its span."""
     first = r.zrange(_k(run_id, keys.DONE), 0, 0, withscores=True)

@@ -10,23 +10,21 @@ broken record must not fill Redis.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 import redis
 
-from worker.core.errors import Transient
 from worker.core.samples import SampleRef
 from worker.state import keys
 from worker.state import lease as leases
+from worker.state.broker import redis_errors
 from worker.state.lease import lease_name
 
-T = TypeVar("T")
 # Delete a ``running`` entry only while it is still the one judged stale and its sample's lease
 # is free or still held by the holder seen gone: a new attempt takes the lease before it marks
 # itself running, so its entry is never removed.
@@ -75,17 +73,6 @@ def bounded(text: object, limit: int = MAX_TEXT_CHARS) -> str:
     """``text`` as a string of at most ``limit`` characters, saying how much was cut."""
     s = str(text)
     return s if len(s) <= limit else f"{s[:limit]}… [{len(s) - limit} more characters]"
-
-
-def redis_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """Translate ``redis.RedisError`` into ``Transient`` (the farm's one boundary for Redis)."""
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except redis.RedisError as e:
-            raise Transient(f"redis: {type(e).__name__}: {e}") from e
-    return wrapper
 
 
 def as_text(x: bytes | str) -> str:
@@ -583,3 +570,13 @@ class RunIndex:
                       stale=stale, retrying=retrying, running=running,
                       bytes=sum(int(x) for x in sizes), tokens=sum(int(x) for x in tokens),
                       parked=parked, removed=removed)
+
+
+@redis_errors
+def every_runs_outcomes(r: redis.Redis) -> tuple[int, int]:
+    """(samples done, samples failed or rejected) over every run this Redis holds."""
+    runs = [as_text(k).rsplit(":", 1)[0] for k in r.scan_iter(keys.run_key("*", keys.META))]
+    done = sum(int(r.zcard(f"{run}:{keys.DONE}")) for run in runs)
+    bad = sum(int(r.hlen(f"{run}:{n}")) for run in runs
+              for n in (keys.FAILED, keys.REJECTED))
+    return done, bad

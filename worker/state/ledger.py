@@ -14,10 +14,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
-
 from worker.core import durable, outdir
 from worker.state import keys
+from worker.state.broker import Client, redis_errors
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,8 @@ def read(out_dir: Path) -> list[Entry]:
         return []  # unreadable: nothing to restore from (enqueue writes it anew)
 
 
-def record(r: redis.Redis, run_id: str, out_dir: Path, path: str,
+@redis_errors
+def record(r: Client, run_id: str, out_dir: Path, path: str,
            limit: int | None = None) -> None:
     """After a complete enqueue of ``path`` (of its first ``limit`` records, if given): its
     token into Redis, then onto the disk."""
@@ -66,7 +66,8 @@ def _widest(before: Entry | None, limit: int | None) -> int | None:
     return max(before.limit, limit)
 
 
-def not_in_redis(r: redis.Redis, run_id: str, out_dir: Path) -> list[Entry]:
+@redis_errors
+def not_in_redis(r: Client, run_id: str, out_dir: Path) -> list[Entry]:
     """Data files whose last complete enqueue Redis no longer holds in full."""
     entries = read(out_dir)
     if not entries:

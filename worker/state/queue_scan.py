@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import time
 
-import redis
-
 from worker.core.run import QUEUE_PREFIX, message_task_id, sample_key_of, task_id
 from worker.state import keys
+from worker.state.broker import Client, redis_errors
 from worker.state.index import RunIndex
 
 __all__ = ["broker_depth", "broker_sample_keys", "broker_sample_keys_at_once", "broker_task_ids",
@@ -23,7 +22,8 @@ __all__ = ["broker_depth", "broker_sample_keys", "broker_sample_keys_at_once", "
 _PAGE = 2000
 
 
-def broker_task_ids(r: redis.Redis, queue: str) -> set[str]:
+@redis_errors
+def broker_task_ids(r: Client, queue: str) -> set[str]:
     """Task ids queued on ``queue`` or unacknowledged anywhere (~34 MB read for 37k tasks)."""
     ids: set[str] = set()
     # to the end of the list as it is now: publishing (LPUSH) moves messages toward its end
@@ -42,13 +42,15 @@ def broker_task_ids(r: redis.Redis, queue: str) -> set[str]:
     return ids
 
 
-def broker_sample_keys(r: redis.Redis, queue: str, run_id: str) -> set[str]:
+@redis_errors
+def broker_sample_keys(r: Client, queue: str, run_id: str) -> set[str]:
     """Sample keys of run ``run_id`` with a task queued or unacknowledged."""
     found = (sample_key_of(t, run_id) for t in broker_task_ids(r, queue))
     return {k for k in found if k is not None}
 
 
-def broker_depth(r: redis.Redis, queue: str) -> tuple[int, int]:
+@redis_errors
+def broker_depth(r: Client, queue: str) -> tuple[int, int]:
     """(messages waiting in the queue, messages delivered but not acknowledged)."""
     p = r.pipeline()
     p.llen(queue)
@@ -60,7 +62,8 @@ def broker_depth(r: redis.Redis, queue: str) -> tuple[int, int]:
 QUEUE_SEEN_S = 7 * 24 * 3600.0  # a run seen on a queue this recently counts as sharing it
 
 
-def note_queue(r: redis.Redis, queue: str, run: str, now: float | None = None) -> list[str]:
+@redis_errors
+def note_queue(r: Client, queue: str, run: str, now: float | None = None) -> list[str]:
     """Record that ``run`` uses ``queue``; the other runs seen on it lately (sharing it).
 
     Runs that share a queue lose nothing (a worker hands another run's message back
@@ -80,6 +83,7 @@ def sharing_warning(queue: str, run: str, others: list[str]) -> str:
             f"{', '.join(others)}: each worker takes the other runs' messages and hands them "
             "back untouched (nothing is lost, but work slows down). Unset FARM_QUEUE so each "
             f"run gets its own queue ({QUEUE_PREFIX}<run id>), or give each run its own name")
+@redis_errors
 def broker_sample_keys_at_once(index: RunIndex, queue: str) -> set[str]:
     """Sample keys of the index's run with a message queued on ``queue`` or unacknowledged,
     read at one instant (one MULTI: no message is missed moving between the two)."""
@@ -94,18 +98,21 @@ def broker_sample_keys_at_once(index: RunIndex, queue: str) -> set[str]:
     return {k for k in found if k is not None}
 
 
-def is_unacked(r: redis.Redis, tag: str) -> bool:
+@redis_errors
+def is_unacked(r: Client, tag: str) -> bool:
     """The message of delivery tag ``tag`` is delivered and not acknowledged."""
     return bool(r.hexists(keys.KOMBU_UNACKED, tag))
 
 
-def delivered_at(r: redis.Redis, tag: str) -> float | None:
+@redis_errors
+def delivered_at(r: Client, tag: str) -> float | None:
     """When kombu delivered the unacknowledged message ``tag`` (None: it is not)."""
     at = r.zscore(keys.KOMBU_UNACKED_INDEX, tag)
     return None if at is None else float(at)
 
 
-def unacked_older_than(r: redis.Redis, age_s: float) -> list[str]:
+@redis_errors
+def unacked_older_than(r: Client, age_s: float) -> list[str]:
     """Delivery tags of unacknowledged messages delivered more than ``age_s`` ago."""
     old: list[bytes] = r.zrange(  # type: ignore[assignment]
         keys.KOMBU_UNACKED_INDEX, 0, time.time() - age_s, byscore=True)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from worker.core import liveness
 from worker.state import keys
 from worker.state import lease as leases
-from worker.state.index import RunIndex, redis_errors
+from worker.state.broker import redis_errors
+from worker.state.index import RunIndex
 
 OK, MISMATCH = b"ok", b"mismatch"
 MISMATCH_TTL_S = 86400

@@ -11,17 +11,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
 from worker.core import outdir
+from worker.core.errors import Transient
 from worker.core.settings import Settings
 from worker.state import hosts, owners
+from worker.state.broker import Client
 from worker.steps.base import Farm, ThreadStep, farm_of
 
 log = logging.getLogger("hsfarm.hosts")
 
 
-def register_host(r: redis.Redis, settings: Settings, run_id: str, fingerprint_id: str) -> None:
+def register_host(r: Client, settings: Settings, run_id: str, fingerprint_id: str) -> None:
     """Register what this host's output dir holds, and say so in the log."""
     name = hosts.host_id(settings)
     got = hosts.register(r, run_id, name, settings.output_dir, fingerprint_id, settings)
@@ -57,7 +57,7 @@ class HostBeat(ThreadStep):
             hosts.remember_hosts(r, run_id, settings.output_dir)
             if not registered:  # Redis lost this host's entry: register its files again
                 register_host(r, settings, run_id, ctx.fingerprint.id)
-        except (redis.RedisError, OSError) as e:
+        except (Transient, OSError) as e:
             log.warning("host heartbeat: %s", e)
 
     def stop(self, worker: Any) -> None:
@@ -69,5 +69,5 @@ class HostBeat(ThreadStep):
         try:  # a clean stop: the host shows as stopped, not lost, once no process of it beats
             hosts.mark_stopped(owners.client_for(settings), ctx.store.run_id,
                                hosts.host_id(settings))
-        except redis.RedisError as e:
+        except Transient as e:
             log.warning("host heartbeat: cannot say this host stopped: %s", e)

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery.worker import state as worker_state
 
 from worker.core import run as runs
 from worker.core.errors import Transient
 from worker.state import broker, hosts, keys
+from worker.state.broker import Client
 from worker.state.index import RunIndex
 from worker.steps.base import ThreadStep, farm_of
 
@@ -49,7 +49,7 @@ class Watch:
     ``running`` entries (``host:pid``), so an attempt begun after the last tick that saw Redis
     (up to ``PING_EVERY_S`` before it went) is refunded too; ``running``: ``running_here``."""
 
-    def __init__(self, r: redis.Redis, run_id: str, host: str = "",
+    def __init__(self, r: Client, run_id: str, host: str = "",
                  pool_pids: Callable[[], set[int]] = set,
                  running: Callable[[str], set[str]] = running_here) -> None:
         self.r, self.run_id, self.host = r, run_id, host
@@ -63,11 +63,11 @@ class Watch:
     def tick(self) -> int:
         """One PING; returns the attempts refunded (after an outage), else 0."""
         try:
-            self.r.ping()
+            broker.ping(self.r)
             mine = self.running(self.run_id)
             bodies = self.index.running_bodies(sorted(mine))
             refunded = self._refund(mine) if self.away else 0
-        except (redis.RedisError, Transient):
+        except Transient:
             if not self.away:
                 log.warning("Redis does not answer: tasks in flight are cancelled and handed "
                             "back when it does; their attempts are refunded")

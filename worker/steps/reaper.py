@@ -14,13 +14,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery import Celery
 from celery.worker import state as worker_state
 
 from worker.core import liveness
+from worker.core.errors import Transient
 from worker.core.settings import Settings
 from worker.state import owners, queue_scan
+from worker.state.broker import Client
 from worker.steps.base import TimerStep, farm_of
 
 log = logging.getLogger("hsfarm.reaper")
@@ -35,7 +36,7 @@ def held_tags() -> set[str]:
             if getattr(r, "message", None) is not None}
 
 
-def reap(app: Celery, r: redis.Redis, held: set[str]) -> int:
+def reap(app: Celery, r: Client, held: set[str]) -> int:
     """Return to the queue the messages of gone owners, and this worker's own messages that
     it no longer holds (``held``); forget acknowledged ones. Returns how many came back."""
     me = liveness.identity()
@@ -62,7 +63,7 @@ def reap(app: Celery, r: redis.Redis, held: set[str]) -> int:
     return returned
 
 
-def _return_orphans(app: Celery, r: redis.Redis, held_by: dict[str, str]) -> int:
+def _return_orphans(app: Celery, r: Client, held_by: dict[str, str]) -> int:
     """Unacknowledged messages older than ``ORPHAN_AGE_S`` that nobody owns (their receiver died
     between kombu recording the delivery and recording itself as their owner): back."""
     old = queue_scan.unacked_older_than(r, ORPHAN_AGE_S)
@@ -74,9 +75,13 @@ def _return_orphans(app: Celery, r: redis.Redis, held_by: dict[str, str]) -> int
 
 
 def _restore(app: Celery, tag: str) -> None:
-    """kombu's own restore: atomic against a concurrent acknowledgement."""
+    """kombu's own restore: atomic against a concurrent acknowledgement. Raises ``Transient``
+    when the broker does not answer (kombu's own client, so its own error classes)."""
     with app.connection_for_write() as conn:
-        conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
+        try:
+            conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
+        except conn.connection_errors + conn.channel_errors as e:
+            raise Transient(f"broker: {type(e).__name__}: {e}") from e
 
 
 class Reaper(TimerStep):
@@ -91,10 +96,10 @@ class Reaper(TimerStep):
         try:
             owners.beat(r, settings)
             reap(app, r, held_tags())
-        except redis.RedisError as e:
-            log.warning("reaper: redis: %s", e)
+        except Transient as e:
+            log.warning("reaper: %s", e)
 
     def stop(self, worker: Any) -> None:
         super().stop(worker)
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(Transient):
             owners.stop_beating(owners.client_for(farm_of(worker).settings))

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
 from celery import Celery
 
 from worker.core import run as runs
@@ -200,7 +199,7 @@ class ReconcilerStep(ThreadStep):
         def tick() -> None:
             try:
                 rec.run_pass(sleep=self.stopping.wait)
-            except (redis.RedisError, FarmError, OSError) as e:  # the next pass tries again
+            except (FarmError, OSError) as e:  # the next pass tries again
                 log.warning("reconciler: %s: %s", type(e).__name__, e)
             except Exception:  # never let the thread die: a run would stop healing
                 log.exception("reconciler pass failed")
