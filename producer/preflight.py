@@ -226,7 +226,9 @@ def check_redis(settings: Settings, env_loaded: bool) -> tuple[Line, Client | No
                     "sure it runs with appendonly yes, appendfsync always, noeviction"), r
     except Transient as e:
         hint = "" if env_loaded else f"; REDIS_URL is not set: {LOAD_ENV}"
-        return fail(f"redis at {where}: {e}: start it (systemctl start hsfarm-redis) or fix "
+        # redis-py's own words ("Error 111 connecting to ..."): the line already names Redis
+        why = e.__cause__ if e.__cause__ is not None else e
+        return fail(f"redis at {where}: {why}: start it (systemctl start hsfarm-redis) or fix "
                     f"REDIS_URL{hint}"), None
     want = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
     wrong = {k: cfg.get(k) for k, v in want.items() if cfg.get(k) != v}
