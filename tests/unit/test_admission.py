@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from producer.localfarm.farm import wait_until
-from worker.core.errors import NoSpace, Transient
+from worker.core.errors import NoSpace, ServerMisconfigured, Transient
 from worker.core.settings import Settings
 from worker.server.admission import Admission, Holding, Limits, resolve_limits
 
@@ -93,6 +94,27 @@ def test_a_killed_holder_frees_its_place_at_once(tmp_path: Path) -> None:
     at_once = Admission(tmp_path, _limits(in_flight=1), wait_s=0)
     with at_once.admit(1):
         assert at_once.usage() == Holding(1, PER_TOKEN)
+
+
+def test_a_dump_dir_gone_at_admission_is_the_servers_not_the_samples(tmp_path: Path) -> None:
+    # Given an admission over a dump dir that was used, then deleted (someone cleaned /dev/shm
+    # between a sample's tokenizing and its admission)
+    dump_dir = tmp_path / "dumps"
+    dump_dir.mkdir()
+    admission = Admission(dump_dir, _limits(), wait_s=0)
+    with admission.admit(5):
+        pass
+    shutil.rmtree(dump_dir)
+    # When a request asks for a place, Then the worker pauses on the server's fault, saying
+    # what is gone and the fix (no attempt spent), and makes no dump dir of its own
+    with pytest.raises(ServerMisconfigured, match=r"is gone .*mkdir -m 0700"), \
+            admission.admit(5):
+        pass
+    assert not dump_dir.exists()
+    # And once the dir is made again, its slots come back with it
+    dump_dir.mkdir()
+    with admission.admit(5):
+        assert admission.usage().requests == 1
 
 
 def test_an_answered_request_keeps_its_dump_bytes(tmp_path: Path) -> None:

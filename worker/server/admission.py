@@ -23,7 +23,8 @@ from typing import Any
 
 from engine_dump import dumpfile
 from engine_dump.engines import dp_groups
-from worker.core.errors import BadInput, NoSpace, Transient
+from worker.core import dumps
+from worker.core.errors import BadInput, NoSpace, ServerMisconfigured, Transient
 from worker.core.settings import Settings
 from worker.core.units import size_text
 from worker.server.client import ServerClient
@@ -246,14 +247,25 @@ class Admission:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
+        """The slots' lock. The dump dir gone (deleted, its tmpfs unmounted), before or while
+        it is held, is the server's fault: ``ServerMisconfigured``, which pauses the worker
+        and spends no attempt; its slot dir is made again with the dump dir (never the dump
+        dir itself: that is the server's user's to make)."""
         try:
-            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:  # the dump dir was made again: its slot dir too (not itself)
-            self.dir.mkdir(exist_ok=True)
-            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:  # the dump dir was made again: its slot dir too
+                self.dir.mkdir(exist_ok=True)
+                fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError as e:
+            raise ServerMisconfigured(dumps.dump_dir_gone(self.dir.parent)) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
+        except FileNotFoundError as e:
+            if self.dir.parent.is_dir():
+                raise
+            raise ServerMisconfigured(dumps.dump_dir_gone(self.dir.parent)) from e
         finally:
             os.close(fd)
 
