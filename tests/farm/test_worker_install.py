@@ -24,9 +24,7 @@ def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     no more."""
     venv = tmp_path_factory.mktemp("worker-venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    # --no-compile: as make's venvs (the CPU of byte-compiling all it installs, not the worker)
-    res = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile",
-                          f"{ROOT}[worker]"],
+    res = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"{ROOT}[worker]"],
                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     assert res.returncode == 0, res.stdout + res.stderr
     return venv / "bin" / "python"
