@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,22 @@ def running_pids(farm: LocalFarm) -> dict[int, str]:
     """pid → sample key of the tasks running now."""
     return {int(json.loads(v)["worker"].rsplit(":", 1)[1]): k
             for k, v in run_hash(farm, keys.RUNNING).items()}
+
+
+def settled(value: Callable[[], int], quiet_s: float, timeout_s: float) -> int:
+    """``value()`` once it has not changed for ``quiet_s`` seconds (e.g. the samples done, once
+    the requests already sent have ended)."""
+    last, since = value(), time.monotonic()
+
+    def quiet() -> bool:
+        nonlocal last, since
+        now = value()
+        if now != last:
+            last, since = now, time.monotonic()
+        return time.monotonic() - since >= quiet_s
+
+    wait_until(quiet, timeout_s, f"a value that stays put for {quiet_s:g} s", poll_s=0.5)
+    return last
 
 
 def busy_child(farm: LocalFarm, worker: str, timeout_s: float = 60) -> tuple[int, str]:
