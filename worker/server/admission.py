@@ -249,25 +249,26 @@ class Admission:
     def locked(self) -> Iterator[None]:
         """The slots' lock. The dump dir gone (deleted, its tmpfs unmounted), before or while
         it is held, is the server's fault: ``ServerMisconfigured``, which pauses the worker
-        and spends no attempt; its slot dir is made again with the dump dir (never the dump
-        dir itself: that is the server's user's to make)."""
+        and spends no attempt."""
         try:
+            fd = self._open_lock()
             try:
-                fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except FileNotFoundError:  # the dump dir was made again: its slot dir too
-                self.dir.mkdir(exist_ok=True)
-                fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError as e:
-            raise ServerMisconfigured(dumps.dump_dir_gone(self.dir.parent)) from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
         except FileNotFoundError as e:
             if self.dir.parent.is_dir():
                 raise
             raise ServerMisconfigured(dumps.dump_dir_gone(self.dir.parent)) from e
-        finally:
-            os.close(fd)
+
+    def _open_lock(self) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            return os.open(self.dir / "lock", flags, 0o600)
+        except FileNotFoundError:  # the dump dir was made again: its slot dir too (never the
+            self.dir.mkdir(exist_ok=True)  # dump dir itself: that is the server's user's)
+            return os.open(self.dir / "lock", flags, 0o600)
 
     def _try_take(self, want: Holding, line: _Place) -> Ticket | None:
         """A ticket if ``want`` fits beside what is held and the oldest waiter before it;
