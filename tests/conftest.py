@@ -62,9 +62,14 @@ def tokenizer(tiny_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def write_samples(path: Path, n: int, start: int = 0) -> list[dict[str, object]]:
-    """The first ``n`` example samples (from ``start``) as a JSON array file."""
-    samples = json.loads(EXAMPLES.read_text())[start : start + n]
+def write_samples(path: Path, n: int, start: int = 0,
+                  max_chars: int | None = None) -> list[dict[str, object]]:
+    """The first ``n`` example samples (from ``start``; of those at most ``max_chars`` long as
+    JSON, when given) as a JSON array file."""
+    samples = json.loads(EXAMPLES.read_text())
+    if max_chars is not None:
+        samples = [s for s in samples if len(json.dumps(s, ensure_ascii=False)) <= max_chars]
+    samples = samples[start : start + n]
     path.write_text(json.dumps(samples, ensure_ascii=False))
     return samples
 

@@ -4,7 +4,6 @@ unacked set, nothing failed that should have succeeded)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -14,8 +13,8 @@ import pytest
 
 from engine_dump.dumpfile import TMP_MARK, is_temp_name
 from engine_dump.rids import make_rid
-from producer.localfarm.farm import LocalFarm, wait_until
-from tests.conftest import EXAMPLES, assert_farm_invariants, wait_finished
+from producer.localfarm.farm import wait_until
+from tests.conftest import assert_farm_invariants, wait_finished
 from tests.support.faults import (
     attempts,
     busy_child,
@@ -83,7 +82,7 @@ def test_hung_server_spends_no_attempts(tmp_path: Path, tiny_model: Path) -> Non
     env = {"FARM_REQUEST_TIMEOUT_S": "3", "FARM_MAX_ATTEMPTS": "2"}
     with running_farm(tmp_path, ["--forward-delay-s", "0.05"], env=env, chunk=512) as farm:
         farm.start_worker("w1", concurrency=2)
-        keys = _enqueue_short(farm, tmp_path, 20, max_chars=1500)
+        keys = enqueue(farm, tmp_path, 20, max_chars=1500)
         busy_child(farm, "w1")
         # When the server hangs (SIGSTOP: connections accepted, nothing answered) for 12 s,
         # long enough for each process to time out several requests
@@ -97,16 +96,6 @@ def test_hung_server_spends_no_attempts(tmp_path: Path, tiny_model: Path) -> Non
         wait_finished(farm, 20, timeout_s=120)
         assert_farm_invariants(farm, keys)
         assert set(attempts(farm).values()) == {1}
-
-
-def _enqueue_short(farm: LocalFarm, tmp_path: Path, n: int, max_chars: int) -> list[str]:
-    """Enqueue the first ``n`` examples of at most ``max_chars`` characters (as JSON)."""
-    samples = [s for s in json.loads(EXAMPLES.read_text()) if len(json.dumps(s)) <= max_chars]
-    data = tmp_path / "short.json"
-    data.write_text(json.dumps(samples[:n]))
-    res = farm.cli("enqueue", str(data), "--no-progress")
-    assert res.returncode == 0, res.stdout + res.stderr
-    return [str(s["id"]) for s in samples[:n]]
 
 
 def test_hung_write_is_ended_by_the_time_limit(tmp_path: Path, tiny_model: Path) -> None:

@@ -61,10 +61,12 @@ def running_farm(tmp_path: Path, server_args: list[str] | None = None,
         yield farm
 
 
-def enqueue(farm: LocalFarm, tmp_path: Path, n: int, start: int = 0) -> list[str]:
-    """Enqueue ``n`` example samples from ``start``, each start in a data file of its own."""
+def enqueue(farm: LocalFarm, tmp_path: Path, n: int, start: int = 0,
+            max_chars: int | None = None) -> list[str]:
+    """Enqueue ``n`` example samples from ``start`` (``max_chars``: see ``write_samples``),
+    each start in a data file of its own."""
     data = tmp_path / ("data.json" if start == 0 else f"data-{start}.json")
-    samples = write_samples(data, n, start)
+    samples = write_samples(data, n, start, max_chars)
     res = farm.cli("enqueue", str(data), "--no-progress")
     assert res.returncode == 0, res.stdout + res.stderr
     return [str(s["id"]) for s in samples]
