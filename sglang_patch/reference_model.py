@@ -24,6 +24,7 @@ class ChunkOutput:
     hidden: torch.Tensor  # [t, H] final, post-norm
     aux: torch.Tensor  # [t, 3H] the capture layers, concatenated in order
     next_token: int  # argmax after the chunk's last position
+    logits: torch.Tensor | None = None  # [V] float32, after the chunk's last position
 
 
 class ReferenceModel:
@@ -77,7 +78,8 @@ class ReferenceModel:
         aux = torch.cat([hs[i][0] for i in self.layers_to_capture], dim=-1)
         final = out.last_hidden_state[0]
         logits = self.model.lm_head(final[-1:])
-        return ChunkOutput(hidden=final, aux=aux, next_token=int(logits.argmax(-1)))
+        return ChunkOutput(hidden=final, aux=aux, next_token=int(logits.argmax(-1)),
+                           logits=logits[0].float())
 
     @torch.inference_mode()
     def token_logprobs(self, hidden: torch.Tensor, next_ids: list[int]) -> list[float]:

@@ -1,10 +1,12 @@
 """Reference server: SGLang's HTTP subset over a transformers model, through the same dump code.
 
 ``python -m sglang_patch.reference_server --dump-dir D [--model tiny|synthetic|PATH]`` serves
-``POST /generate`` and ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info``
-(and their ``/get_`` aliases). As SGLang, it batches concurrent requests, splits a prompt over
-the chunk budget across passes, runs health checks as real forwards (``HEALTH_CHECK_*`` rids)
-and may answer before the dump is renamed into place. What tests, the demo and CPU-only users
+``POST /generate`` (a prefill, ``max_new_tokens`` 0, as the farm's extraction asks; or a
+generation with SGLang's ``sampling_params``, sampling.py) and ``GET /health``,
+``/health_generate``, ``/model_info``, ``/server_info`` (and their ``/get_`` aliases). As
+SGLang, it batches concurrent requests, splits a prompt over the chunk budget across passes,
+runs health checks as real forwards (``HEALTH_CHECK_*`` rids) and may answer before the dump
+is renamed into place. What tests, the demo and CPU-only users
 run; SGLang itself is checked in tests/live/. Test: tests/farm/test_reference_server.py.
 """
 
@@ -40,9 +42,11 @@ from engine_dump.dumpfile import (
     STORE_DTYPES,
 )
 from engine_dump.markers import write_ready_marker
+from sglang_patch import sampling
 from sglang_patch.dp_groups import DPGroups, routed_rank_error
 from sglang_patch.faults import Fault, FaultyWriter
 from sglang_patch.reference_model import ReferenceModel
+from sglang_patch.sampling import Sampling
 from sglang_patch.synthetic import (
     KIMI_HIDDEN_SIZE,
     KIMI_LAYERS,
@@ -63,8 +67,8 @@ class BadRequest(Exception):
 @dataclass(eq=False)
 class _Req:
     rid: str
-    ids: list[int]
-    max_new_tokens: int
+    ids: list[int]  # the prompt, then each generated token but the last (the next pass's input)
+    sampling: Sampling
     future: asyncio.Future[dict[str, Any]]
     cache: Any = None
     pos: int = 0
@@ -72,6 +76,14 @@ class _Req:
     aborted: bool = False
     logprob_start: int | None = None  # return_logprob: from this position on
     logprobs: list[float | None] = field(default_factory=list)  # of positions 0.. so far
+    prompt_len: int = 0
+    out_ids: list[int] = field(default_factory=list)  # generated so far
+    matched: int | None = None  # the stop or EOS token that ended it
+    last_logits: torch.Tensor | None = None  # after its last position (a decoding request)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.ids)
 
 
 @dataclass
@@ -85,8 +97,9 @@ class Scheduler:
 
     def __init__(self, model: ReferenceModel | SyntheticModel, collector: DumpCollector,
                  chunk_size: int, wake: asyncio.Event, max_batch_tokens: int = 16384,
-                 dp_rank: int | None = None) -> None:
+                 dp_rank: int | None = None, eos_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
+        self.eos_ids = eos_ids  # what ends a generation unless it asks ``ignore_eos``
         self.dp_rank = dp_rank  # the attention-DP group this scheduler is (None: no groups)
         self.collector = collector
         self.budget = chunk_size if chunk_size > 0 else max_batch_tokens
@@ -119,11 +132,33 @@ class Scheduler:
             self._finish(req, error=error)
 
     def finish_done(self, batch: _Batch) -> list[_Req]:
-        """Answer the requests whose last chunk ran in ``batch``; returns them."""
-        done = [req for req, _, _ in batch.items if req.pos == len(req.ids)]
+        """Answer the requests whose last position ran in ``batch`` and that want no further
+        token (a decoding request's next token is the next pass's input); returns them."""
+        done = [req for req, _, _ in batch.items
+                if req.pos == len(req.ids) and not self._decoded(req)]
         for req in done:
             self._finish(req)
         return done
+
+    def _decoded(self, req: _Req) -> bool:
+        """Draw a request's next token when it asks for one; True while it wants another."""
+        s = req.sampling
+        if len(req.out_ids) >= s.max_new_tokens:
+            return False
+        if req.last_logits is None:  # the synthetic model has no LM head
+            token = req.next_token
+        else:
+            if req.generator is None:
+                req.generator = s.generator()
+            token = sampling.next_token(req.last_logits, s, req.generator)
+        req.out_ids.append(token)
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_ids):
+            req.matched = token
+            return False
+        if len(req.out_ids) >= s.max_new_tokens:
+            return False
+        req.ids.append(token)
+        return True
 
     def _next_batch(self) -> _Batch:
         batch, budget = _Batch(), self.budget
@@ -169,6 +204,8 @@ class Scheduler:
                 req.cache = self.model.new_cache()
             chunk = req.ids[prefix : prefix + take]
             out = self.model.forward_chunk(req.cache, chunk, prefix)
+            if req.sampling.max_new_tokens and prefix + take == len(req.ids):
+                req.last_logits = out.logits
             if req.logprob_start is not None:
                 self._add_logprobs(req, out.hidden, prefix, take)
             ids.append(torch.tensor(chunk, dtype=torch.int64))
@@ -195,21 +232,24 @@ class Scheduler:
         if error is not None:
             req.future.set_exception(error)
             return
-        out_ids = [req.next_token] if req.max_new_tokens else []
+        out_ids = req.out_ids
+        prompt = req.ids[: req.prompt_len]
         logprobs = {} if req.logprob_start is None else {
             "input_token_logprobs": [[lp, t, None] for lp, t in
-                                     list(zip(req.logprobs, req.ids, strict=True))
-                                     [req.logprob_start :]],
+                                     list(zip(req.logprobs[: req.prompt_len], prompt,
+                                              strict=True))[req.logprob_start :]],
             "output_token_logprobs": []}
+        finish = ({"type": "stop", "matched": req.matched} if req.matched is not None
+                  else {"type": "length", "length": req.sampling.max_new_tokens})
         req.future.set_result({
-            "text": "",
+            "text": "",  # the server's handler decodes it
             "output_ids": out_ids,
             "meta_info": {
                 "id": req.rid,
-                "prompt_tokens": len(req.ids),
+                "prompt_tokens": req.prompt_len,
                 "completion_tokens": len(out_ids),
                 "cached_tokens": 0,
-                "finish_reason": {"type": "length", "length": req.max_new_tokens},
+                "finish_reason": finish,
                 **({"dp_rank": self.dp_rank} if self.dp_rank is not None else {}),
                 **logprobs,
             },
@@ -217,7 +257,7 @@ class Scheduler:
 
 
 def _parse_generate(body: Any, vocab_size: int, context_len: int,
-                    tokenizer: Any) -> tuple[str, list[int], int, int | None]:
+                    tokenizer: Any) -> tuple[str, list[int], Sampling, int | None]:
     """SGLang's checks of a request, with its messages (400s with its JSON error body)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -247,13 +287,19 @@ def _parse_generate(body: Any, vocab_size: int, context_len: int,
             f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
             f"({max_input} tokens). Use a shorter input or enable --allow-auto-truncate."
         )
-    sp = body.get("sampling_params") or {}
-    if not isinstance(sp, dict):
-        raise BadRequest("sampling_params must be an object")
-    mnt = sp.get("max_new_tokens", 0)
-    if type(mnt) is not int or mnt not in (0, 1):
-        raise BadRequest("the reference server supports sampling_params.max_new_tokens 0 or 1")
-    return rid, ids, mnt, _logprob_start(body, len(ids))
+    try:
+        sp = sampling.parse(body.get("sampling_params"))
+    except sampling.SamplingError as e:
+        raise BadRequest(str(e)) from e
+    total = len(ids) + sp.max_new_tokens
+    if sp.max_new_tokens and total >= context_len:  # TokenizerManager._validate_one_request
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of "
+            f"{context_len} tokens. You requested a total of {total} tokens: {len(ids)} "
+            f"tokens from the input messages and {sp.max_new_tokens} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit.")
+    return rid, ids, sp, _logprob_start(body, len(ids))
 
 
 def _logprob_start(body: dict[str, Any], n: int) -> int | None:
@@ -322,6 +368,7 @@ class ReferenceServer:
         self.collector = DumpCollector(self.writer, stager=stager, ttl_s=args.dump_ttl_s)
         self.scheduler: DPGroups | None = None
         self.server_id = f"reference-{uuid.uuid4().hex[:12]}"
+        self.generated_tokens = 0  # by requests that decode (max_new_tokens > 1)
 
     def ready_info(self) -> dict[str, object]:
         return {
@@ -362,22 +409,31 @@ class ReferenceServer:
                  self.model.layers_to_capture, self.args.chunked_prefill_size,
                  self.args.attn_dp_size, stale)
 
+    def _eos_ids(self) -> frozenset[int]:
+        """What ends a generation, as SGLang reads it: the model config's ``eos_token_id``
+        (an id or a list) and the tokenizer's."""
+        said = getattr(self.model.config, "eos_token_id", None)
+        ids = set(said if isinstance(said, list) else [said])
+        ids.add(getattr(self.tokenizer, "eos_token_id", None))
+        return frozenset(i for i in ids if isinstance(i, int))
+
     def _scheduler(self) -> DPGroups:
         """One scheduler, or one per attention-DP group stepping together (``dp_groups``)."""
         a = self.args
         wake = asyncio.Event()
         n = max(1, a.attn_dp_size)
         groups = [Scheduler(self.model, self.collector, a.chunked_prefill_size, wake,
-                            dp_rank=g if n > 1 else None) for g in range(n)]
+                            dp_rank=g if n > 1 else None, eos_ids=self._eos_ids())
+                  for g in range(n)]
         return DPGroups(list(groups), wake, a.tokens_per_s, self.dump_dir,
                         forward_delay_s=a.forward_delay_s)
 
-    async def _run(self, rid: str, ids: list[int], max_new_tokens: int,
+    async def _run(self, rid: str, ids: list[int], sp: Sampling,
                    routed_dp_rank: int | None = None,
                    logprob_start: int | None = None) -> dict[str, Any]:
         sch = self.scheduler
         assert sch is not None
-        req = _Req(rid, ids, max_new_tokens, asyncio.get_running_loop().create_future(),
+        req = _Req(rid, ids, sp, asyncio.get_running_loop().create_future(),
                    logprob_start=logprob_start)
         sch.submit(req, sch.pick(rid, routed_dp_rank))
         try:
@@ -392,19 +448,28 @@ class ReferenceServer:
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"invalid JSON body: {e}")
         try:
-            rid, ids, mnt, logprob_start = _parse_generate(
+            rid, ids, sp, logprob_start = _parse_generate(
                 body, self.model.vocab_size, self.context_len, self.tokenizer)
             if logprob_start is not None and isinstance(self.model, SyntheticModel):
                 raise BadRequest("the synthetic model has no LM head: no logprobs")
+            if sp.max_new_tokens > 1 and isinstance(self.model, SyntheticModel):
+                raise BadRequest("the synthetic model has no LM head: it generates no text")
             # SGLang's name, and its deprecated alias (managers/io_struct.py:419-429)
             rank = body.get("routed_dp_rank", body.get("data_parallel_rank"))
             refusal = routed_rank_error(rank, self.args.attn_dp_size)
             if refusal:
                 raise BadRequest(refusal)
-            result = await self._run(rid, ids, mnt, rank if self.args.attn_dp_size > 1 else None,
+            result = await self._run(rid, ids, sp, rank if self.args.attn_dp_size > 1 else None,
                                      logprob_start)
         except BadRequest as e:
             return _error(400, str(e))
+        if result["output_ids"]:  # SGLang's default: skip_special_tokens
+            result["text"] = self.tokenizer.decode(result["output_ids"],
+                                                   skip_special_tokens=True)
+        if sp.max_new_tokens > 1:  # a generation (a regenerated turn): for people and tests
+            self.generated_tokens += len(result["output_ids"])
+            log.info("generated rid=%s prompt=%d output=%d finish=%s", rid, len(ids),
+                     len(result["output_ids"]), result["meta_info"]["finish_reason"]["type"])
         return web.json_response(result)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -412,7 +477,8 @@ class ReferenceServer:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         try:
-            await asyncio.wait_for(self._run(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], 1), 20)
+            await asyncio.wait_for(self._run(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0],
+                                             Sampling(max_new_tokens=1, temperature=0)), 20)
         except Exception as e:
             return _error(503, f"health check failed: {e}")
         return web.Response(status=200)
@@ -439,6 +505,7 @@ class ReferenceServer:
             "forward_passes": self.scheduler.forward_passes if self.scheduler else 0,
             "dumps_written": self.writer.written,
             "dump_errors": self.writer.errors,
+            "generated_tokens": self.generated_tokens,
             # as SGLang 0.5.23 resolves --attn-dp-size N (or --dp-size N --enable-dp-attention)
             "attn_dp_size": self.args.attn_dp_size, "dp_size": 1,
             "load_balance_method": "round_robin",

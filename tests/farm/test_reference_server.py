@@ -69,8 +69,16 @@ def _ids(tokenizer: Any, n_samples: int) -> list[list[int]]:
     ({"rid": "x", "input_ids": []}, 400, "non-empty list"),
     ({"rid": "x", "input_ids": ["a"]}, 400, "non-empty list"),
     ({"rid": "x", "input_ids": [1] * 40000}, 400, "longer than the model's context length"),
-    ({"rid": "x", "input_ids": [1], "sampling_params": {"max_new_tokens": 5}}, 400,
-     "max_new_tokens 0 or 1"),
+    ({"rid": "x", "input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 400,
+     "max_new_tokens must be at least 0"),
+    ({"rid": "x", "input_ids": [1], "sampling_params": {"temperature": -0.5}}, 400,
+     "temperature must be non-negative"),
+    ({"rid": "x", "input_ids": [1], "sampling_params": {"top_p": 0}}, 400,
+     "top_p must be in (0, 1]"),
+    ({"rid": "x", "input_ids": [1], "sampling_params": {"top_k": 0}}, 400,
+     "top_k must be -1"),
+    ({"rid": "x", "input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 10**6}}, 400,
+     "Requested token count exceeds the model's maximum context length"),
     ({"rid": ["a", "b"], "input_ids": [1]}, 400, "rid must be a string"),
     ([1, 2], 400, "must be a JSON object"),
 ])
@@ -173,3 +181,54 @@ def test_aborted_requests_do_not_strand_the_others(servers: tuple[LocalFarm, Loc
         codes = list(pool.map(lambda i: send(i, 0.01 if i % 2 else 60), range(8)))
     # Then every client that waited got its answer (none stranded behind an abort)
     assert [codes[i] for i in range(0, 8, 2)] == [200] * 4
+
+
+def _decode(port: int, ids: list[int], **sampling: Any) -> dict[str, Any]:
+    code, answer = _http(port, "/generate", {"rid": f"gen-{len(ids)}-{sorted(sampling.items())}",
+                                             "input_ids": ids, "sampling_params": sampling})
+    assert code == 200, answer
+    return answer
+
+
+def test_greedy_decoding_is_the_models_own_greedy_continuation(
+        servers: tuple[LocalFarm, LocalFarm], tokenizer: Any, tiny_model: Path) -> None:
+    """A generation of 12 tokens, one pass per token on its cache beside other requests, is
+    token for token what transformers' own greedy loop over the whole sequence gives; nothing
+    of it is dumped (its rid is not the farm's)."""
+    from transformers import AutoModelForCausalLM
+
+    farm = servers[0]
+    prompt = _ids(tokenizer, 1)[0][:40]
+    before = set(farm.dump_dir.iterdir())
+    with ThreadPoolExecutor(2) as pool:  # a second request shares its passes
+        other = pool.submit(_decode, servers[0].server_port, prompt[:20], max_new_tokens=5,
+                            temperature=0)
+        answer = _decode(farm.server_port, prompt, max_new_tokens=12, temperature=0,
+                         ignore_eos=True)
+        assert len(other.result()["output_ids"]) == 5
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64).eval()
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(12):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert answer["output_ids"] == seq[len(prompt):]
+    meta = answer["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12
+    assert answer["text"] == tokenizer.decode(seq[len(prompt):], skip_special_tokens=True)
+    assert set(farm.dump_dir.iterdir()) == before
+
+
+def test_a_stop_token_ends_a_generation_and_a_seed_repeats_one(
+        servers: tuple[LocalFarm, LocalFarm], tokenizer: Any) -> None:
+    port = servers[0].server_port
+    prompt = _ids(tokenizer, 2)[1][:30]
+    sampled = dict(max_new_tokens=16, temperature=1.5, top_p=0.9, top_k=50, ignore_eos=True)
+    first = _decode(port, prompt, sampling_seed=7, **sampled)["output_ids"]
+    assert _decode(port, prompt, sampling_seed=7, **sampled)["output_ids"] == first
+    assert _decode(port, prompt, sampling_seed=8, **sampled)["output_ids"] != first
+    stop = first[3]
+    cut = _decode(port, prompt, sampling_seed=7, stop_token_ids=[stop], **sampled)
+    at = first.index(stop)
+    assert cut["output_ids"] == first[: at + 1]  # the stop token itself is output, as SGLang's
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
