@@ -77,6 +77,67 @@ class Engine:
             body["routed_dp_rank"] = dp_rank
         return "/generate", body, {}
 
+    def decode(self, rid: str, input_ids: list[int], sampling: Sampling,
+               dp_rank: int | None) -> tuple[str, dict[str, Any], dict[str, str]]:
+        """(path, body, headers) of a generation from ``input_ids`` (a regenerated turn):
+        SGLang's ``/generate`` with its ``sampling_params``, vLLM's ``/v1/completions`` with
+        the prompt as token ids and the output's ids returned. No hook dumps it: its rid is
+        not one of ours (``rids.parse_rid``) and vLLM's carries no ``kv_transfer_params``.
+        The seed goes to both; SGLang honours it only under
+        ``--enable-deterministic-inference`` (``Sampling.seed``)."""
+        if self.name == VLLM:
+            body: dict[str, Any] = {
+                "prompt": input_ids, "max_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "seed": sampling.seed,  # vLLM honours it
+                "stop_token_ids": list(sampling.stop_token_ids), "return_token_ids": True}
+            headers = {"X-Request-Id": rid}
+            if dp_rank is not None:
+                headers[VLLM_DP_RANK_HEADER] = str(dp_rank)
+            return "/v1/completions", body, headers
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "stop_token_ids": list(sampling.stop_token_ids)}
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        body = {"rid": rid, "input_ids": input_ids, "sampling_params": params}
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
+        return "/generate", body, {}
+
+    def decoded(self, answer: Any) -> Decoded:
+        """What a generation's answer says: the output's token ids, why it ended, the prompt's
+        length the engine counted.
+
+        Raises:
+            ValueError: the answer is not a generation's (no token ids, an unknown end).
+        """
+        if self.name == VLLM:
+            choices = answer.get("choices") if isinstance(answer, dict) else None
+            choice = choices[0] if isinstance(choices, list) and choices else None
+            if not isinstance(choice, dict):
+                raise ValueError(f"no choices in the answer: {answer!r:.200}")
+            ids, why = choice.get("token_ids"), choice.get("finish_reason")
+            matched = choice.get("stop_reason")
+            usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+            prompt = usage.get("prompt_tokens")
+        else:
+            meta = answer.get("meta_info") if isinstance(answer, dict) else None
+            if not isinstance(meta, dict):
+                raise ValueError(f"no meta_info in the answer: {answer!r:.200}")
+            ids = answer.get("output_ids")
+            finish = meta.get("finish_reason")
+            why = finish.get("type") if isinstance(finish, dict) else None
+            matched = finish.get("matched") if isinstance(finish, dict) else None
+            prompt = meta.get("prompt_tokens")
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise ValueError(f"the answer holds no output token ids: {answer!r:.200}")
+        if why not in (FINISH_STOP, FINISH_LENGTH):
+            raise ValueError(f"the generation ended as {why!r}, neither stop nor length")
+        return Decoded(ids, why, matched if type(matched) is int else None,
+                       prompt if type(prompt) is int else None)
+
     def server_info(self, dump_dir: Path | None, writer: str | None = None) -> dict[str, Any]:
         """vLLM's limits in SGLang's ``/server_info`` names (what admission, the canary and
         the length check read): the context from /v1/models, the batch budget, the most
@@ -98,6 +159,33 @@ class Engine:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 info[ours] = value
         return info
+
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"  # why a generation ended, in both engines' words
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A generation's settings, as both engines take them (``Engine.decode``)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: every token
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's end of sequence
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A generation's answer: the output's token ids as the engine returned them (a stop or
+    end-of-sequence token that ended it included), ``finish`` (``FINISH_STOP`` or
+    ``FINISH_LENGTH``), the token it stopped at where the engine says, the prompt's length."""
+
+    output_ids: list[int]
+    finish: str
+    matched: int | None = None
+    prompt_tokens: int | None = None
 
 
 def vllm_marker(dump_dir: Path | None, writer: str | None = None) -> dict[str, Any]:

@@ -120,3 +120,32 @@ def test_two_vllm_servers_in_one_dump_dir_each_reads_its_own_marker(tmp_path: Pa
         for p, _ in procs:
             p.kill()
             p.wait()
+
+
+def test_a_generation_goes_to_each_engines_own_api_and_neither_hook_dumps_it() -> None:
+    sglang = engines.sglang_engine({"model_path": "/models/kimi"}, "0.5.23")
+    vllm = engines.vllm_engine(VLLM_MODELS, "0.32.0")
+    assert vllm is not None
+    sampling = engines.Sampling(256, 0.7, 0.95, 40, (7,), seed=1234)
+    s_path, s_body, _ = sglang.decode("hsgen-x-t0-r1", [5, 6], sampling, 1)
+    assert s_path == "/generate" and s_body == {
+        "rid": "hsgen-x-t0-r1", "input_ids": [5, 6], "routed_dp_rank": 1,
+        "sampling_params": {"max_new_tokens": 256, "temperature": 0.7, "top_p": 0.95,
+                            "top_k": 40, "stop_token_ids": [7], "sampling_seed": 1234}}
+    v_path, v_body, v_headers = vllm.decode("hsgen-x-t0-r1", [5, 6], sampling, None)
+    assert v_path == "/v1/completions" and v_headers == {"X-Request-Id": "hsgen-x-t0-r1"}
+    assert v_body == {"prompt": [5, 6], "max_tokens": 256, "temperature": 0.7, "top_p": 0.95,
+                      "top_k": 40, "seed": 1234, "stop_token_ids": [7],
+                      "return_token_ids": True}
+    assert engines.VLLM_KV_PARAMS not in v_body  # the vLLM hook dumps only what carries it
+    # each engine's answer, as it gives it: the output's ids, why it ended, the stop token
+    said = sglang.decoded({"text": "hi", "output_ids": [8, 9, 2], "meta_info": {
+        "prompt_tokens": 2, "finish_reason": {"type": "stop", "matched": 2}}})
+    assert said == engines.Decoded([8, 9, 2], engines.FINISH_STOP, 2, 2)
+    cut = vllm.decoded({"choices": [{"text": "hi", "token_ids": [8, 9], "finish_reason": "length",
+                                     "stop_reason": None}], "usage": {"prompt_tokens": 2}})
+    assert cut == engines.Decoded([8, 9], engines.FINISH_LENGTH, None, 2)
+    with pytest.raises(ValueError, match="neither stop nor length"):
+        sglang.decoded({"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"}}})
+    with pytest.raises(ValueError, match="no output token ids"):
+        vllm.decoded({"choices": [{"text": "hi", "finish_reason": "stop"}]})

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from engine_dump import engines, markers
-from engine_dump.engines import Engine
+from engine_dump.engines import Decoded, Engine, Sampling
 from engine_dump.markers import SharedDumpDir
 from worker.core.errors import ConfigError, FarmError, ServerBusy, ServerUnavailable, Transient
 from worker.core.settings import Settings
@@ -150,8 +150,17 @@ class ServerClient:
             BadInput: the engine refused the request for its content."""
         path, body, headers = (await self.engine()).generate(rid, input_ids, dp_rank,
                                                              prompt_logprobs)
+        result = await self._checked(path, body, headers)
+        if not isinstance(result, dict):
+            raise Transient(f"unexpected {path} answer: {result!r:.200}")
+        return result
+
+    async def _checked(self, path: str, body: Any, headers: dict[str, str],
+                       timeout_s: float | None = None) -> Any:
+        """POST a request of a sample's, its failure told apart by the server's health."""
         try:
-            result = await self._request("POST", path, body, headers=headers)
+            return await self._request("POST", path, body, timeout_s=timeout_s,
+                                       headers=headers)
         except ServerUnavailable:
             raise
         except Transient as e:
@@ -163,9 +172,20 @@ class ServerClient:
                 raise ServerBusy(f"{e}; the server itself is healthy: the network or a "
                                  "gateway in front of it dropped the request") from e
             raise  # a timeout while the server is healthy: a counted attempt
-        if not isinstance(result, dict):
-            raise Transient(f"unexpected {path} answer: {result!r:.200}")
-        return result
+
+    async def decode(self, rid: str, input_ids: list[int], sampling: Sampling,
+                     timeout_s: float, dp_rank: int | None = None) -> Decoded:
+        """A generation from ``input_ids`` (``Engine.decode``), within ``timeout_s``.
+
+        Raises as ``generate`` (a timeout while the server is healthy is ``Transient``, a
+        counted attempt), and ``Transient`` for an answer that is not a generation's."""
+        engine = await self.engine()
+        path, body, headers = engine.decode(rid, input_ids, sampling, dp_rank)
+        result = await self._checked(path, body, headers, timeout_s)
+        try:
+            return engine.decoded(result)
+        except ValueError as e:
+            raise Transient(f"{path}: {e}") from e
 
     async def model_info(self) -> dict[str, Any]:
         """SGLang's ``/model_info``; for vLLM the same keys from ``/v1/models``."""
