@@ -31,11 +31,18 @@ class Fingerprint:
     dtype: str
     max_tokens: int
     overlong: str
+    # A run that regenerates its assistant turns first: its generation settings as canonical
+    # JSON (worker/core/generation.py); "" for a run that extracts the conversations given.
+    generation: str = ""
 
     @cached_property
     def id(self) -> str:
-        """A short stable id, used in task ids and Redis keys (computed once)."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """A short stable id, used in task ids and Redis keys (computed once). A run that does
+        not regenerate has the id it had before ``generation`` existed."""
+        fields = asdict(self)
+        if not self.generation:
+            del fields["generation"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def to_json(self) -> dict[str, object]:

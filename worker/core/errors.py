@@ -45,6 +45,11 @@ class MalformedMessage(FarmError):
     """A task message that fails validation (crafted, corrupted, or for another run)."""
 
 
+class OutOfTime(FarmError):
+    """The delivery has too little time left for its next step (a regenerated turn): the
+    message goes back for a whole delivery, no attempt spent; what was done is kept."""
+
+
 class StaleRecord(FarmError):
     """The record a message points at is no longer in its data file as it was enqueued."""
 

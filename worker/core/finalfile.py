@@ -32,6 +32,10 @@ M_SOURCE_ID = "source_id"  # the record's own id, as JSON
 M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_TRUNCATED = "truncated_from"  # the token count before a cut to FARM_MAX_TOKENS ("None": none)
 M_WEIGHTS_ID = "weights_id"  # the weights identity the file was written under (``weights``)
+# a regenerating run's (worker/core/generation.py): the conversation the states are of, as
+# JSON messages, and its generation (settings, each turn's output ids, finish, seed)
+M_MESSAGES = "messages"
+M_GENERATION = "generation"
 M_ADOPTED_FROM = "adopted_from"  # the source file ``adopt`` took the states from
 M_ADOPTED_FORMAT = "adopted_format"  # its format (producer/adopt/formats.py)
 M_ADOPTED_CHECK = "adopted_check"  # how its states were checked against the server's

@@ -26,6 +26,11 @@ DP_ROUTING_RULES = ("server", "least-tokens", "least-bytes")
 STORE_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8_e4m3": "fp8_e4m3"}
 
 
+# FARM_GEN_REASONING's values (worker/core/generation.py) and FARM_GEN_ON_*'s
+REASONING_POLICIES = ("keep", "drop", "field")
+TURN_POLICIES = ("reject", "keep")
+
+
 def _doc(default: Any, doc: str) -> Any:
     """A field's default and its one-line meaning (``Settings.reference()``, docs/settings.md)."""
     return field(default=default, metadata={"doc": doc})
@@ -127,6 +132,30 @@ class Settings:
                                   "tmpfs)")
     dp_routing: str = _doc("server", "under DP attention, which group each request goes to: "
                            "`server` (SGLang's choice), `least-tokens` or `least-bytes`")
+    regenerate: bool = _doc(False, "regenerate each sample's assistant turns with the served "
+                            "model before extracting the regenerated conversation "
+                            "(docs/regeneration.md); it and the `FARM_GEN_*` settings are part "
+                            "of the run's fingerprint")
+    gen_max_new_tokens: int = _doc(2048, "regeneration: the most tokens of one assistant turn")
+    gen_temperature: float = _doc(1.0, "regeneration: sampling temperature (1.0: the model's "
+                                  "own distribution; 0: greedy); set the one you serve at")
+    gen_top_p: float = _doc(1.0, "regeneration: nucleus sampling's top-p (1.0: off)")
+    gen_top_k: int = _doc(-1, "regeneration: top-k (-1: off)")
+    gen_stop_token_ids: tuple[int, ...] = _doc((), "regeneration: token ids that end a turn "
+                                               "besides the model's end of sequence")
+    gen_reasoning: str = _doc("keep", "regeneration, a thinking model's `<think>...</think>`: "
+                              "`keep` it in the reply, `drop` it, or `field` (the reply's "
+                              "`reasoning_content`, placed by the chat template)")
+    gen_on_length: str = _doc("reject", "regeneration, a turn cut at `FARM_GEN_MAX_NEW_TOKENS`: "
+                              "`reject` the sample (recorded with the reason) or `keep` the cut "
+                              "turn")
+    gen_on_empty: str = _doc("reject", "regeneration, an empty reply: `reject` the sample or "
+                             "`keep` it")
+    gen_max_in_flight: int = _doc(0, "regeneration: generations per host at the server at once "
+                                  "(0: the server's `max_running_requests`, else 64)")
+    gen_min_tokens_per_s: float = _doc(12.0, "regeneration: the floor decode rate of one "
+                                       "request; a turn may take `FARM_GEN_MAX_NEW_TOKENS` at "
+                                       "it, and a delivery's time limit grows by one turn")
     debug_write_delay_s: float = _doc(0.0, "crash tests only: a sleep between a final file's "
                                       "temp file and its rename; never set it in production")
 
@@ -188,12 +217,34 @@ class Settings:
                        f"{self.proof_rate} and {self.proof_rows}")
         if self.dump_timeout_s + 10 > self.task_time_limit_s:
             out.append("FARM_TASK_TIME_LIMIT_S must exceed FARM_DUMP_TIMEOUT_S by 10 s or more")
+        out += self._generation_problems()
         tls_files = [f for f in ("redis_ca_file", "redis_cert_file", "redis_key_file")
                      if getattr(self, f)]
         if tls_files and not is_tls(self.redis_url):
             out.append(f"{', '.join(_env_name(f) for f in tls_files)} need a rediss:// REDIS_URL")
         if bool(self.redis_cert_file) != bool(self.redis_key_file):
             out.append("FARM_REDIS_CERT_FILE and FARM_REDIS_KEY_FILE go together")
+        return out
+
+    def _generation_problems(self) -> list[str]:
+        out = []
+        if self.gen_max_new_tokens < 1:
+            out.append(f"FARM_GEN_MAX_NEW_TOKENS must be >= 1, not {self.gen_max_new_tokens}")
+        if self.gen_temperature < 0:
+            out.append(f"FARM_GEN_TEMPERATURE must be >= 0, not {self.gen_temperature}")
+        if not 0 < self.gen_top_p <= 1:
+            out.append(f"FARM_GEN_TOP_P must be within (0, 1], not {self.gen_top_p}")
+        if self.gen_top_k != -1 and self.gen_top_k < 1:
+            out.append(f"FARM_GEN_TOP_K must be -1 (off) or >= 1, not {self.gen_top_k}")
+        for name, value, allowed in (("FARM_GEN_REASONING", self.gen_reasoning,
+                                      REASONING_POLICIES),
+                                     ("FARM_GEN_ON_LENGTH", self.gen_on_length, TURN_POLICIES),
+                                     ("FARM_GEN_ON_EMPTY", self.gen_on_empty, TURN_POLICIES)):
+            if value not in allowed:
+                out.append(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+        if self.gen_max_in_flight < 0 or self.gen_min_tokens_per_s <= 0:
+            out.append("FARM_GEN_MAX_IN_FLIGHT must be >= 0 (0 = auto) and "
+                       "FARM_GEN_MIN_TOKENS_PER_S > 0")
         return out
 
     @classmethod

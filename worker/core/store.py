@@ -208,7 +208,7 @@ class OutputStore:
             raise Corrupt(f"{final}: not this run's layout: " + "; ".join(problems))
         tmp = outdir.temp_path(final)
         meta = {**metadata, finalfile.M_KEY: key, finalfile.M_FINGERPRINT: self.fingerprint.id}
-        with _io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
+        with io_errors(f"writing {final}", sum(p.nbytes for p in parts.values())):
             final.parent.mkdir(parents=True, exist_ok=True)
             self._remove_other_temps(final)
             try:
@@ -304,8 +304,8 @@ class OutputStore:
 
 
 @contextmanager
-def _io_errors(what: str, need_bytes: int) -> Iterator[None]:
-    """The store's one boundary for I/O errors: no space → NoSpace, the rest (read-only,
+def io_errors(what: str, need_bytes: int) -> Iterator[None]:
+    """The output disk's one boundary for I/O errors: no space → NoSpace, the rest (read-only,
     EIO, a stale NFS handle, permissions) → OutputUnavailable: the disk's fault, never the
     sample's, so neither spends an attempt."""
     try:

@@ -37,9 +37,29 @@ def io_s(settings: Settings, dump_bytes: int) -> float:
     return dump_bytes / settings.min_sample_bytes_per_s
 
 
+GEN_PREFILL_S = 30.0  # a generation's wait for its batch and its prompt's prefill
+
+
+def turn_s(settings: Settings, max_new_tokens: int) -> float:
+    """How long a regenerated turn of at most ``max_new_tokens`` may take: its tokens at the
+    floor rate ``FARM_GEN_MIN_TOKENS_PER_S``, and its prompt's prefill."""
+    return max_new_tokens / settings.gen_min_tokens_per_s + GEN_PREFILL_S
+
+
+def generation_turn_s(settings: Settings) -> float:
+    """The longest one regenerated turn may take (``turn_s`` of ``FARM_GEN_MAX_NEW_TOKENS``;
+    0 when the run does not regenerate). A delivery has room for one turn beyond its
+    extraction's; a sample of more turns may take more deliveries, each resuming at its
+    first turn not yet generated (worker/regenerate.py)."""
+    if not settings.regenerate:
+        return 0.0
+    return turn_s(settings, settings.gen_max_new_tokens)
+
+
 def for_tokens(settings: Settings, tokens: int, bytes_per_token: int) -> TimeLimits:
     """The limits of a delivery whose sample has at most ``tokens`` tokens."""
-    hard_s = settings.task_time_limit_s + io_s(settings, tokens * bytes_per_token)
+    hard_s = (settings.task_time_limit_s + io_s(settings, tokens * bytes_per_token)
+              + generation_turn_s(settings))
     return TimeLimits(soft_for(hard_s), hard_s)
 
 
@@ -61,7 +81,17 @@ def check_visibility(settings: Settings, bytes_per_token: int) -> None:
         f"a sample of FARM_MAX_TOKENS={settings.max_tokens} tokens "
         f"({size_text(settings.max_tokens * bytes_per_token)} of hidden states) gets a time "
         f"limit of {longest.hard_s:.0f}s (FARM_TASK_TIME_LIMIT_S={settings.task_time_limit_s:g}"
-        f" + its bytes at FARM_MIN_SAMPLE_BYTES_PER_S={settings.min_sample_bytes_per_s:g}); "
+        f" + its bytes at FARM_MIN_SAMPLE_BYTES_PER_S={settings.min_sample_bytes_per_s:g}"
+        f"{_generation_words(settings)}); "
         f"with FARM_RETRY_BACKOFF_MAX_S that is {need_s:.0f}s, not under "
         f"FARM_VISIBILITY_TIMEOUT_S={settings.visibility_timeout_s:g}: set "
         f"FARM_VISIBILITY_TIMEOUT_S={int(need_s) + 60} or more")
+
+
+def _generation_words(settings: Settings) -> str:
+    turn_s = generation_turn_s(settings)
+    if not turn_s:
+        return ""
+    return (f" + one regenerated turn, {turn_s:.0f}s: FARM_GEN_MAX_NEW_TOKENS="
+            f"{settings.gen_max_new_tokens} at FARM_GEN_MIN_TOKENS_PER_S="
+            f"{settings.gen_min_tokens_per_s:g}")

@@ -1,0 +1,190 @@
+"""A regenerating run's pieces without a server: which turns it answers, a turn from an engine's
+answer, the policies, the durable record, the settings and the fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine_dump.engines import FINISH_LENGTH, FINISH_STOP, Decoded
+from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
+from worker.core import generation as gen
+from worker.core import time_limits
+from worker.core.errors import ConfigError, Corrupt
+from worker.core.settings import Settings
+
+SYS = {"role": "system", "content": "Be brief."}
+U1, U2 = {"role": "user", "content": "Hi"}, {"role": "user", "content": "And then?"}
+A1, A2 = {"role": "assistant", "content": "Hello."}, {"role": "assistant", "content": "Then."}
+TOOL = {"role": "tool", "content": "42"}
+GS = gen.GenSettings(64, 0.7, 0.9, 20, (7,), "keep", "reject", "reject")
+# token id -> text, for a tokenizer's decode without one
+VOCAB = {1: "<think>", 2: "plan", 3: "</think>", 4: "\n\n", 5: "Answer", 6: ".", 9: "<eos>"}
+
+
+def _decode(ids: list[int]) -> str:
+    return "".join(VOCAB[i] for i in ids)
+
+
+@pytest.mark.parametrize(("messages", "positions"), [
+    ([SYS, U1, A1, U2, A2], [2, 4]),  # each assistant turn after a user turn
+    ([U1], [1]),  # a conversation ending with the user's: the reply is appended
+    ([U1, A1, U2], [1, 3]),
+    ([A1, U1, A2], [2]),  # the assistant's opening greeting is kept
+    ([U1, U2, A1], [2]),  # two user turns in a row: one reply, after the second
+    ([U1, A1, TOOL, A2], [1]),  # a reply to a tool's output is kept
+    ([SYS, A1], []),
+])
+def test_which_turns_are_regenerated(messages: list[dict[str, str]],
+                                     positions: list[int]) -> None:
+    assert gen.reply_positions(messages) == positions
+
+
+@pytest.mark.parametrize(("policy", "content", "message_keys"), [
+    ("keep", "<think>plan</think>\n\nAnswer.", {"role", "content"}),
+    ("drop", "Answer.", {"role", "content"}),
+    ("field", "Answer.", {"role", "content", "reasoning_content"}),
+])
+def test_a_thinking_reply_is_split_at_its_think_tag_per_the_policy(
+        policy: str, content: str, message_keys: set[str]) -> None:
+    out = Decoded([1, 2, 3, 4, 5, 6, 9], FINISH_STOP, 9, 11)
+    turn = gen.make_turn(3, 11, out, seed=5, reasoning_policy=policy, end_ids=frozenset({9}),
+                         decode=_decode)
+    assert turn.output_ids == [1, 2, 3, 4, 5, 6, 9]  # as the engine said, the EOS included
+    assert (turn.content, turn.reasoning) == (content, "plan")
+    msg = turn.message(policy)
+    assert set(msg) == message_keys and msg["content"] == content
+    if policy == "field":
+        assert msg["reasoning_content"] == "plan"
+
+
+def test_a_turn_cut_at_length_keeps_its_last_token_and_is_rejected_unless_kept() -> None:
+    cut = gen.make_turn(1, 4, Decoded([5, 6, 9], FINISH_LENGTH, None, 4), 1, "keep",
+                        frozenset({9}), _decode)
+    assert cut.content == "Answer.<eos>"  # a cut turn's last token is text, not its end
+    problem = gen.policy_problem(GS, cut, 0)
+    assert problem is not None and "cut at 3 tokens" in problem
+    assert "FARM_GEN_ON_LENGTH=keep" in problem
+    assert gen.policy_problem(replace(GS, on_length="keep"), cut, 0) is None
+    empty = gen.make_turn(1, 4, Decoded([9], FINISH_STOP, 9, 4), 1, "keep", frozenset({9}),
+                          _decode)
+    assert empty.content == ""
+    assert "empty reply" in (gen.policy_problem(GS, empty, 1) or "")
+    assert gen.policy_problem(replace(GS, on_empty="keep"), empty, 1) is None
+    # a reply that is all reasoning is empty once the reasoning is dropped
+    thought = gen.make_turn(1, 4, Decoded([1, 2, 3, 9], FINISH_STOP, 9, 4), 1, "drop",
+                            frozenset({9}), _decode)
+    assert thought.content == "" and gen.policy_problem(GS, thought, 0)
+
+
+def _turn(position: int, content: str) -> gen.Turn:
+    return gen.Turn(position, 3, [5, 6], FINISH_STOP, None, 11, content, None)
+
+
+def test_the_record_places_its_turns_and_survives_only_whole(tmp_path: Path) -> None:
+    rec = gen.Record("0123456789abcdef", "k1", "sha", GS.identity(),
+                     [_turn(2, "Hi back."), _turn(5, "Appended.")])
+    conv = rec.conversation([SYS, U1, A1, U2, A2], [2, 4, 5], "keep")
+    assert [m["content"] for m in conv] == ["Be brief.", "Hi", "Hi back.", "And then?",
+                                            "Then.", "Appended."]
+    gen.save(tmp_path, rec)
+    path = gen.record_path(tmp_path, "k1")
+    assert path.parent.parent.name == "generated" and not list(path.parent.glob(".*"))
+    assert gen.load(tmp_path, rec.run, "k1", "sha", GS.identity()) == rec
+    # another run, another version of the record, other settings: not this sample's
+    assert gen.load(tmp_path, "f" * 16, "k1", "sha", GS.identity()).turns == []
+    assert gen.load(tmp_path, rec.run, "k1", "sha2", GS.identity()).turns == []
+    assert gen.load(tmp_path, rec.run, "k1", "sha", replace(GS, top_k=5).identity()).turns == []
+    # a record damaged on disk is not trusted: its checksum no longer matches
+    body = json.loads(path.read_text())
+    body["turns"][0]["output_ids"] = [5, 5]
+    path.write_text(json.dumps(body))
+    assert gen.load(tmp_path, rec.run, "k1", "sha", GS.identity()).turns == []
+    path.write_bytes(b"{\"version\": 1, \"tur")
+    assert gen.load(tmp_path, rec.run, "k1", "sha", GS.identity()).turns == []
+
+
+def test_a_record_that_does_not_read_back_is_corrupt(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = gen.Record("0123456789abcdef", "k1", "sha", GS.identity(), [_turn(1, "x")])
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes",
+                        lambda p: real(p).replace(b"\"x\"", b"\"y\"") if p.suffix == ".json"
+                        else real(p))
+    with pytest.raises(Corrupt, match="does not read back as written"):
+        gen.save(tmp_path, rec)
+
+
+def test_seeds_are_the_runs_and_the_samples_and_fit_every_engine() -> None:
+    seed = gen.seed_for("0123456789abcdef", "k1", 0)
+    assert seed == gen.seed_for("0123456789abcdef", "k1", 0) and 0 <= seed < 2**31
+    assert len({seed, gen.seed_for("0123456789abcdef", "k1", 1),
+                gen.seed_for("0123456789abcdef", "k2", 0),
+                gen.seed_for("fedcba9876543210", "k1", 0)}) == 4
+
+
+def test_settings_refuse_what_generation_cannot_run() -> None:
+    with pytest.raises(ConfigError) as e:
+        Settings(regenerate=True, gen_max_new_tokens=0, gen_temperature=-1, gen_top_p=0,
+                 gen_top_k=0, gen_reasoning="hide", gen_on_length="truncate",
+                 gen_on_empty="drop", gen_min_tokens_per_s=0)
+    for name in ("FARM_GEN_MAX_NEW_TOKENS", "FARM_GEN_TEMPERATURE", "FARM_GEN_TOP_P",
+                 "FARM_GEN_TOP_K", "FARM_GEN_REASONING must be one of keep, drop, field",
+                 "FARM_GEN_ON_LENGTH must be one of reject, keep", "FARM_GEN_ON_EMPTY",
+                 "FARM_GEN_MIN_TOKENS_PER_S"):
+        assert name in str(e.value)
+    s = Settings.from_env({"FARM_REGENERATE": "1", "FARM_GEN_STOP_TOKEN_IDS": "7, 8"})
+    given = gen.GenSettings.of(s)
+    assert given is not None and given.stop_token_ids == (7, 8)
+    assert gen.GenSettings.of(Settings()) is None
+
+
+def test_regeneration_is_part_of_the_fingerprint_and_a_plain_run_keeps_its_id() -> None:
+    base = Fingerprint("cfg", "tok", "tpl", (2, 4, 5), LAYER_CONVENTION, 64, "bfloat16", 8192,
+                       "reject")
+    # the id a run had before regeneration existed: the same fields, hashed the same way
+    old = {k: v for k, v in base.to_json().items() if k != "generation"}
+    old["layers_to_capture"] = [2, 4, 5]
+    legacy = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    assert base.id == legacy
+    regen = replace(base, generation=GS.identity())
+    other = replace(base, generation=replace(GS, temperature=0.0).identity())
+    assert len({base.id, regen.id, other.id}) == 3
+    assert Fingerprint.from_json(regen.to_json()) == regen
+    assert Fingerprint.from_json(old) == base  # a manifest written before it
+
+
+def test_a_regenerating_delivery_has_room_for_one_turn_more() -> None:
+    plain = Settings()
+    regen = Settings(regenerate=True, gen_max_new_tokens=1200, gen_min_tokens_per_s=12)
+    extra = (time_limits.for_tokens(regen, 2048, 100).hard_s
+             - time_limits.for_tokens(plain, 2048, 100).hard_s)
+    assert extra == pytest.approx(1200 / 12 + time_limits.GEN_PREFILL_S)
+    slow = Settings(regenerate=True, gen_max_new_tokens=8192, gen_min_tokens_per_s=4)
+    with pytest.raises(ConfigError, match="one regenerated turn, 2078s"):
+        time_limits.check_visibility(slow, 100)
+
+
+def test_a_runs_generation_settings_come_back_from_its_fingerprint() -> None:
+    s = Settings.from_env({"FARM_REGENERATE": "1", "FARM_GEN_TOP_K": "5",
+                           "FARM_GEN_STOP_TOKEN_IDS": "3", "FARM_GEN_REASONING": "field"})
+    back = gen.with_identity(Settings(), gen.identity_of(s))
+    assert gen.identity_of(back) == gen.identity_of(s) and back.regenerate
+    assert not gen.with_identity(s, "").regenerate
+
+
+def test_a_files_conversation_must_be_its_records_regenerated() -> None:
+    record = [SYS, U1, A1, U2]  # a reply to U2 is appended
+    good = [SYS, U1, {"role": "assistant", "content": "x"}, U2,
+            {"role": "assistant", "content": "y", "reasoning_content": "z"}]
+    assert gen.file_conversation(json.dumps(good), record) == good
+    for bad, why in ((None, "no regenerated conversation"), ("{", "not JSON"),
+                     (json.dumps(good[:4]), "has 4 messages"),
+                     (json.dumps([*good[:3], U1, good[4]]), "message 3 differs"),
+                     (json.dumps([*good[:2], U1, *good[3:]]), "message 2 is not")):
+        with pytest.raises(ValueError, match=why):
+            gen.file_conversation(bad, record)
