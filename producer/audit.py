@@ -2,7 +2,8 @@
 
 Per sample: the file parses, its tensors, dtypes, shapes and checksums are right, its
 fingerprint, weights identity and content hash are this run's, and its input_ids and
-loss_mask equal a fresh tokenization of the record. It also names output files no record of
+loss_mask equal a fresh tokenization of the record (a regenerating run's: of the conversation
+the file holds, checked against the record). It also names output files no record of
 the corpus holds and counts those kept aside in ``<out>/removed/``.
 Test: tests/farm/test_audit.py::test_audit_finds_and_requeue_repairs.
 """
@@ -10,7 +11,7 @@ Test: tests/farm/test_audit.py::test_audit_finds_and_requeue_repairs.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,16 @@ from tqdm import tqdm
 
 from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, T_LOSS_MASK
 from training.roots import sample_files
-from worker.core import outdir, setaside, tensorfile
+from worker.core import generation, outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord
-from worker.core.finalfile import M_ADOPTED_FROM, M_FINGERPRINT, M_TRUNCATED, M_WEIGHTS_ID
-from worker.core.samples import SampleRef, read_sample, sample_refs
+from worker.core.finalfile import (
+    M_ADOPTED_FROM,
+    M_FINGERPRINT,
+    M_MESSAGES,
+    M_TRUNCATED,
+    M_WEIGHTS_ID,
+)
+from worker.core.samples import Sample, SampleRef, read_sample, sample_refs
 from worker.core.store import OutputStore
 from worker.server.chat import ChatTokenizer, Tokenized
 from worker.state import hosts, ledger
@@ -112,9 +119,13 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
     "invalid": the record is one the worker rejects (too long, no assistant tokens, ...), so
     no file is expected for it.
     """
+    regenerated = bool(store.fingerprint.generation)
     try:
         sample, _ = read_sample(ref)
-        tok = chat.encode(sample)
+        if regenerated:  # the file's conversation is checked against the record below
+            generation.needs_messages(sample.input_ids)
+        else:
+            tok = chat.encode(sample)
     except (BadInput, StaleRecord) as e:
         return "invalid", str(e), 0, 0
     path = store.final_path(ref.key)
@@ -122,6 +133,8 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
         return "missing", "", 0, 0
     try:
         meta = tensorfile.header_metadata(path)
+        if regenerated:
+            tok = _regenerated_tokens(chat, sample, meta)
         if meta.get(M_FINGERPRINT) != store.fingerprint.id:
             return "incompatible", (f"fingerprint {meta.get(M_FINGERPRINT)}, this audit's "
                                     f"{store.fingerprint.id}"), 0, 0
@@ -139,6 +152,22 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
     if not np.array_equal(mask, np.asarray(tok.loss_mask[:n])):
         return "corrupt", "loss_mask differs from a fresh tokenization of the record", 0, 0
     return "whole", ADOPTED if M_ADOPTED_FROM in v.file.metadata else "", v.tokens, v.size_bytes
+
+
+def _regenerated_tokens(chat: ChatTokenizer, sample: Sample,
+                        meta: dict[str, str]) -> Tokenized:
+    """A regenerating run's file: the tokenization of the conversation it says its states are
+    of, that conversation checked against the record (``generation.file_conversation``).
+
+    Raises:
+        Corrupt: the file's conversation is not the record's regenerated, or does not
+            tokenize (the worker would not have written it).
+    """
+    try:
+        conv = generation.file_conversation(meta.get(M_MESSAGES), sample.messages)
+        return chat.encode(replace(sample, messages=tuple(conv)))
+    except (ValueError, BadInput) as e:
+        raise Corrupt(f"its regenerated conversation: {e}") from e
 
 
 def _cut_to_server(meta: dict[str, str], tok: Tokenized, n: int) -> int:

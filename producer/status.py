@@ -13,7 +13,7 @@ from typing import Any
 
 from engine_dump.fingerprint import Fingerprint
 from producer import stall as stalls
-from worker.core import liveness, outdir
+from worker.core import generation, liveness, outdir
 from worker.core import manifest as manifests
 from worker.core import run as runs
 from worker.core.errors import ConfigError, environmental_rejection
@@ -71,6 +71,9 @@ class Status:
     # counted in ``done`` (``enqueue`` publishes them again); how many, and the first few keys
     files_gone: int = 0
     files_gone_samples: list[str] = field(default_factory=list)
+    # a regenerating run's generation in all (``RunIndex.generated``): turns, tokens, seconds
+    # (its requests', summed), first_at, last_at; None for a run that does not regenerate
+    generation: dict[str, float] | None = None
 
     @property
     def remaining(self) -> int:
@@ -135,10 +138,13 @@ def manifest_fingerprint(settings: Settings) -> Fingerprint:
 
 def run_settings(settings: Settings, fingerprint: Fingerprint) -> Settings:
     """``settings`` with the run's own storage choices from its fingerprint (dtype, layers,
-    max tokens, overlong): what its files are checked against, whatever the environment says."""
-    return replace(settings, store_dtype=fingerprint.dtype, max_tokens=fingerprint.max_tokens,
-                   overlong=fingerprint.overlong,
-                   layers_to_capture=tuple(fingerprint.layers_to_capture))
+    max tokens, overlong, generation): what its files are checked against, whatever the
+    environment says."""
+    return generation.with_identity(
+        replace(settings, store_dtype=fingerprint.dtype, max_tokens=fingerprint.max_tokens,
+                overlong=fingerprint.overlong,
+                layers_to_capture=tuple(fingerprint.layers_to_capture)),
+        fingerprint.generation)
 
 
 def read_status(settings: Settings, fingerprint: Fingerprint,
@@ -182,7 +188,8 @@ def read_status(settings: Settings, fingerprint: Fingerprint,
                 unreadable=unreadable_files(index),
                 files_gone=len(gone), files_gone_samples=gone[:SHOW_KEYS],
                 hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
-                                     until=until))
+                                     until=until),
+                generation=index.generated() if fingerprint.generation else None)
     stall = run_stall(index, st, settings, fingerprint)
     return st if stall is None else replace(st, stall=stall.to_json(), eta_s=None)
 

@@ -40,6 +40,8 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
         f"speed     {_speed(st)}; {size_text(st.bytes)} written",
         f"time      elapsed {duration(st.elapsed_s)}, ETA {_eta(st)}",
     ]
+    if st.generation is not None:
+        lines.insert(4, f"generate  {_generation_text(st.generation)}")
     lines += stall_lines(st)
     if st.admission:
         lines.append(f"host      {_admission_text(st.admission)}")
@@ -89,6 +91,19 @@ def _speed(st: Status) -> str:
         return "no sample done yet"
     return (f"{st.rate_per_s:.2f} samples/s, {size_text(st.bytes_per_s)}/s "
             f"(over the last {duration(st.rate_window_s)})")
+
+
+def _generation_text(g: dict[str, float]) -> str:
+    """A regenerating run's turns and decode speed: in all, since its first turn, and per
+    request (its tokens over the seconds its requests took)."""
+    turns, tokens = int(g.get("turns", 0)), int(g.get("tokens", 0))
+    if not turns:
+        return "no turn regenerated yet"
+    span_s = g.get("last_at", 0.0) - g.get("first_at", 0.0)
+    per_request = tokens / g["seconds"] if g.get("seconds") else 0.0
+    overall = f"{tokens / span_s:.1f} tokens/s decoded, " if span_s > 0 else ""
+    return (f"{turns} turns regenerated, {tokens} tokens ({overall}{per_request:.1f} tokens/s "
+            "per request)")
 
 
 def _eta(st: Status) -> str:

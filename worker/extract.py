@@ -1,4 +1,5 @@
-"""One sample, start to finish: read → tokenize → request → collect → validate → write → verify.
+"""One sample, start to finish: read → (regenerate) → tokenize → request → collect → validate →
+write → verify.
 
 Pure orchestration over the runtime's parts; the Celery task (tasks.py) maps its errors to
 retry / reject / fail. Every step that can fail raises one of the farm's errors.
@@ -30,6 +31,7 @@ from worker.core import store as st
 from worker.core.dumps import Dump, discard_dumps, open_dump, wait_for_dump
 from worker.core.errors import Corrupt, KeyTaken
 from worker.core.samples import SampleRef, read_sample
+from worker.regenerate import regenerate
 from worker.runtime import Runtime
 from worker.state.hosts import holder
 from worker.state.lease import Lease
@@ -100,15 +102,21 @@ def done_elsewhere(rt: Runtime, ref: SampleRef) -> str | None:
     return held[0] if rt.index.are_done([ref.key])[0] else None
 
 
-def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int) -> Result:
-    """Raises BadInput, StaleRecord, Transient or Corrupt.
+def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int,
+            deadline: float, budget_s: float) -> Result:
+    """Raises BadInput, StaleRecord, Transient or Corrupt; a regenerating run's turns also
+    ``OutOfTime`` (worker/regenerate.py).
 
     Args:
         attempt: the counted attempt (for the logs); ``try_no`` numbers the request's rid.
         lease: this sample's lease, held by the caller.
+        deadline, budget_s: this delivery's (``time.monotonic``), and all of its time.
     """
     t0 = time.monotonic()
     sample, ref = read_sample(ref)
+    generated = None
+    if rt.generation is not None:
+        sample, generated = regenerate(rt, ref, sample, deadline, budget_s, try_no)
     tok = rt.chat.encode(sample)
     n = len(tok.input_ids)
     rid = make_rid(ref.key, try_no, n, run=rt.run_id)
@@ -131,6 +139,9 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
                 M_LAYERS: json.dumps(list(rt.fingerprint.layers_to_capture)),
                 finalfile.M_WEIGHTS_ID: rt.store.weights_id,
             }
+            if generated is not None:  # the conversation these states are of, and its turns
+                meta[finalfile.M_MESSAGES] = json.dumps(list(sample.messages))
+                meta[finalfile.M_GENERATION] = generated.metadata()
             v = store_dump(rt.store, dump, tok.input_ids, tok.loss_mask, ref.key, ref.sha256,
                            meta, before_write=lease.check,  # lost the lease: write nothing
                            prove=_prover(rt, answer, tok.input_ids, rid) if prove else None)

@@ -20,10 +20,17 @@ from engine_dump import dumpdir
 from engine_dump.dumpfile import M_WRITER, PATCH_VERSION
 from engine_dump.fingerprint import Fingerprint
 from worker.core.errors import ConfigError
+from worker.core.generation import GenSettings
 from worker.core.run import queue_for as run_queue
 from worker.core.settings import Settings
 from worker.core.store import OutputStore
-from worker.server.admission import Admission, Limits, limits_for_host
+from worker.server.admission import (
+    GEN_SLOT_DIR,
+    Admission,
+    Limits,
+    generation_limits,
+    limits_for_host,
+)
 from worker.server.canary_check import CanaryCheck, chat_encoder
 from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
@@ -50,6 +57,8 @@ class RunContext:
     # what the hook probe's dump said (``engine_dump.probe``); its ``M_WRITER`` names the
     # server start whose ready marker is read where a dump dir is shared
     probe_meta: dict[str, str] = field(default_factory=dict)
+    generation: GenSettings | None = None  # a regenerating run's settings (FARM_REGENERATE)
+    gen_limits: Limits | None = None  # and its places for generations
 
     @property
     def writer(self) -> str | None:
@@ -80,7 +89,13 @@ class RunContext:
                             encode=chat_encoder(chat), run_id=store.run_id,
                             server_max_tokens=chat.server_max_tokens)
         prover = Prover.for_run(settings, model_path, fp.hidden_size)
-        return cls(settings, model_path, chat, fp, store, limits, check, prover, probe_meta)
+        gen = GenSettings.of(settings)
+        gen_limits = None
+        if gen is not None:
+            gen_limits = generation_limits(settings, info)
+            log.info("regenerating: %s; %s", gen.identity(), gen_limits.describe())
+        return cls(settings, model_path, chat, fp, store, limits, check, prover, probe_meta,
+                   gen, gen_limits)
 
 
 def check_dump_dir(settings: Settings) -> None:
@@ -107,6 +122,8 @@ class Runtime:
     admission: Admission
     canary: CanaryCheck
     prover: Prover | None = None
+    generation: GenSettings | None = None
+    gen_admission: Admission | None = None
 
     @property
     def run_id(self) -> str:
@@ -129,7 +146,10 @@ class Runtime:
                    hostname=host_id(s),
                    admission=Admission(s.dump_dir, ctx.limits, wait_s=s.task_time_limit_s / 2,
                                        dp_routing=s.dp_routing),
-                   canary=ctx.canary, prover=ctx.prover)
+                   canary=ctx.canary, prover=ctx.prover, generation=ctx.generation,
+                   gen_admission=None if ctx.gen_limits is None else Admission(
+                       s.dump_dir, ctx.gen_limits, wait_s=s.task_time_limit_s / 2,
+                       dp_routing=s.dp_routing, slot_dir=GEN_SLOT_DIR))
 
     def close(self) -> None:
         try:

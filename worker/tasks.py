@@ -30,6 +30,7 @@ from worker.core.errors import (
     KeyTaken,
     MalformedMessage,
     NoSpace,
+    OutOfTime,
     OutputUnavailable,
     RecordRemoved,
     ServerBusy,
@@ -200,13 +201,19 @@ def _attempts(rt: Runtime, ref: SampleRef, lease: leases.Lease, deadline: float,
         rt.index.mark_running(key, f"{rt.hostname}:{os.getpid()}", attempt)
         t0 = time.monotonic()
         try:
-            result = ex.extract(rt, ref, attempt, lease, rt.index.next_try(key))
+            result = ex.extract(rt, ref, attempt, lease, rt.index.next_try(key), deadline,
+                                budget_s)
             _set_aside_if_removed(rt, key)
             return {"status": result.status, "key": key, "tokens": result.tokens}
         except BadInput as e:
             rt.index.mark_rejected(key, str(e), f"record {ref.index}", sha=ref.sha256)
             log.warning("%s a%d rejected: %s", key, attempt, e)
             raise SampleRejected(str(e)) from e
+        except OutOfTime as e:  # a regenerated turn needs a whole delivery: kept turns stay
+            rt.index.refund_attempt(key)
+            rt.index.clear_running(key)
+            log.info("%s a%d %s", key, attempt, e)
+            raise Reject(str(e), requeue=True) from e
         except StaleRecord as e:
             rt.index.refund_attempt(key)
             rt.index.mark_stale(key, str(e))

@@ -31,10 +31,16 @@ from worker.server.client import ServerClient
 from worker.server.dp_routing import NO_GROUP, SERVER, choose_group
 
 SLOT_DIR = ".hsfarm-slots"
+GEN_SLOT_DIR = ".hsfarm-gen-slots"  # a regenerating run's generations: their own places
+DEFAULT_GEN_IN_FLIGHT = 64  # generations at once where the server does not say its most
 MAX_SLOTS = 256  # worker processes per host that may hold a ticket at once
 TYPICAL_SAMPLE_TOKENS = 2048  # the reference run's samples: 1.5–2k tokens
 DEFAULT_MAX_IN_FLIGHT = 8  # the least, and what applies when the server does not tell
 _POLL_S = (0.005, 0.01, 0.02, 0.05)
+
+
+class NoPlace(Transient):
+    """No ticket within the wait: the host's places were all taken for that long."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,20 @@ async def host_limits(settings: Settings, hidden_size: int, client: ServerClient
     return resolve_limits(settings, hidden_size, info, fs_bytes)
 
 
+def generation_limits(settings: Settings, server_info: dict[str, Any] | None) -> Limits:
+    """A regenerating run's places for generations, apart from the prefills' (they dump
+    nothing): decode wants many requests at once where prefill wants few. From
+    ``FARM_GEN_MAX_IN_FLIGHT``, else the server's ``max_running_requests``, else 64."""
+    info = server_info or {}
+    in_flight, source = settings.gen_max_in_flight, "settings"
+    cap = info.get("max_running_requests")
+    if in_flight <= 0 and isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+        in_flight, source = cap, "generations from /server_info's max_running_requests"
+    elif in_flight <= 0:
+        in_flight, source = DEFAULT_GEN_IN_FLIGHT, "generations default"
+    return Limits(min(in_flight, MAX_SLOTS), 0, 0, source, dp_groups(info))
+
+
 @dataclass(frozen=True)
 class Holding:
     """What one slot holds: a request place (0/1), dump bytes, and the DP group its request
@@ -191,8 +211,9 @@ class Admission:
     """The host's slots in ``dump_dir``; ``admit`` waits for a ticket."""
 
     def __init__(self, dump_dir: Path, limits: Limits, wait_s: float,
-                 slots: int = MAX_SLOTS, dp_routing: str = SERVER) -> None:
-        self.dir = dump_dir / SLOT_DIR
+                 slots: int = MAX_SLOTS, dp_routing: str = SERVER,
+                 slot_dir: str = SLOT_DIR) -> None:
+        self.dir = dump_dir / slot_dir
         self.limits = limits
         self.wait_s = wait_s
         self.slots = slots
@@ -237,7 +258,7 @@ class Admission:
                 if ticket is not None:
                     return ticket
                 if time.monotonic() > deadline:
-                    raise Transient(f"no admission within {self.wait_s:.0f}s "
+                    raise NoPlace(f"no admission within {self.wait_s:.0f}s "
                                     f"({self.limits.describe()}; in use: {self.usage()})")
                 time.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
         except BaseException:

@@ -9,8 +9,10 @@ Test: tests/unit/test_chat.py::test_tokenizers_without_offsets_get_the_same_mask
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from worker.core.errors import SERVER_CONTEXT, BadInput, ConfigError
@@ -52,6 +54,10 @@ class ChatTokenizer:
         # The server's own limit when it takes fewer (truncate only: server_limits.py)
         self.server_max_tokens: int | None = None
         self.vocab_size = len(tokenizer)
+        # what ends a generated turn: the tokenizer's end of sequence, and the model's
+        # (``from_pretrained`` adds its config's and generation config's)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.end_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else [])
         self._check_template()
 
     def _check_template(self) -> None:
@@ -79,7 +85,9 @@ class ChatTokenizer:
                               f"lacks: {e}") from e
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load the tokenizer from {path}: {e}") from e
-        return cls(tok, max_tokens, overlong)
+        chat = cls(tok, max_tokens, overlong)
+        chat.end_ids = chat.end_ids | _model_eos_ids(Path(path))
+        return chat
 
     def encode(self, sample: Sample) -> Tokenized:
         """Raises BadInput (template refusal, length, vocabulary) with the reason, or
@@ -103,6 +111,20 @@ class ChatTokenizer:
             ConfigError: the template engine or the template is broken.
         """
         return self._encode_messages(messages)[0]
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The ids that ask the model for the next assistant turn of ``messages``: the chat
+        template with its generation prompt, tokenized as a sample is (no length policy).
+
+        Raises:
+            BadInput: the template refuses the conversation.
+            ConfigError: the template engine or the template is broken.
+        """
+        return self._ids(self._render(messages, gen_prompt=True))
+
+    def decode(self, ids: list[int]) -> str:
+        """A generated turn's text, every token kept (``<think>`` may be a special token)."""
+        return str(self.tok.decode(ids, skip_special_tokens=False))
 
     def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
         """Raises ConfigError (engine missing, template broken) or BadInput (refused)."""
@@ -186,6 +208,19 @@ class ChatTokenizer:
             raise BadInput(f"sample has {n} tokens; truncated to {limit} it has no "
                            "assistant tokens left")
         return _at_least_two(Tokenized(ids, mask, truncated_from=n))
+
+
+def _model_eos_ids(model_path: Path) -> frozenset[int]:
+    """``eos_token_id`` (an id or a list) of the model's config.json and
+    generation_config.json, as the engines read it; what a file lacks adds nothing."""
+    out: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            said = json.loads((model_path / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        out.update(i for i in (said if isinstance(said, list) else [said]) if type(i) is int)
+    return frozenset(out)
 
 
 def _at_least_two(tok: Tokenized) -> Tokenized:
