@@ -22,6 +22,7 @@ from training.manifest import load_run_info
 from training.sample_file import SampleFile
 from worker.core import checksums
 from worker.core.errors import ConfigError, Corrupt
+from worker.core.finalfile import conversation_of
 
 
 class HiddenStates(Dataset[dict[str, Any]]):
@@ -53,6 +54,13 @@ class HiddenStates(Dataset[dict[str, Any]]):
 
     def __len__(self) -> int:
         return len(self.paths)
+
+    def conversation(self, i: int) -> dict[str, Any] | None:
+        """The conversation sample ``i``'s states are of, when its run regenerated it
+        (docs/regeneration.md): ``messages`` (the regenerated conversation) and
+        ``generation`` (the settings and each turn's output ids, finish and seed); None for a
+        sample extracted from the conversation given."""
+        return conversation_of(SampleFile.open(self.paths[i]).metadata)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """One sample. Raises Corrupt (wrong run, shapes, or with verify a checksum)."""

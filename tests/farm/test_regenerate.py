@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import FarmFactory, assert_farm_invariants, wait_finished
 from tests.support.faults import enqueue, run_hash, write_jsonl
+from training.loader import HiddenStates
 from training.sample_file import SampleFile
 from worker.core import generation as gen
 from worker.core.finalfile import M_GENERATION, M_MESSAGES
@@ -117,6 +120,26 @@ def test_a_regenerating_run_generates_each_turn_once_across_a_worker_sigkill(
     answer = _post(farm.server_port, {"input_ids": prompt, "sampling_params": {
         "max_new_tokens": 16, "temperature": 0.8, "sampling_seed": turn["seed"]}})
     assert answer["output_ids"] == turn["output_ids"]
+
+    # And the loader and every trainer's container say which conversation each sample's
+    # states are of: the loader from the file, the export's ledger line beside each file
+    ds = HiddenStates(farm.output_dir)
+    by_key = {k: ds.conversation(i) for i, k in enumerate(ds.keys)}
+    assert set(by_key) == set(keys)
+    for key, conv in by_key.items():
+        assert conv is not None and conv["generation"]["turns"]
+        f = SampleFile.open(farm.output_dir / "samples" / _shard(key) / f"{key}.safetensors")
+        assert conv["messages"] == json.loads(f.metadata[M_MESSAGES])
+    for fmt in ("specforge", "modelopt", "speculators"):
+        dest = tmp_path / fmt
+        res = subprocess.run([sys.executable, "-m", "producer", "export", "--to", fmt,
+                              str(dest), "--from", str(farm.output_dir)],  # with torch
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        lines = [json.loads(x) for x in (dest / "hsfarm-export.jsonl").read_text().splitlines()]
+        assert {x["key"]: x["messages"] for x in lines} == {
+            k: c["messages"] for k, c in by_key.items() if c is not None}
+        assert all(x["generation"]["turns"] for x in lines)
 
     # And status shows the run's generation beside its extraction
     res = farm.cli("status")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from training.sample_file import SampleFile
 from worker.core import checksums, diskio, durable, outdir
 from worker.core.diskio import free_bytes, is_no_space
 from worker.core.errors import ConfigError, Corrupt
+from worker.core.finalfile import conversation_of
 from worker.core.setaside import removed_by_key
 from worker.core.units import size_text
 
@@ -299,7 +301,8 @@ def _one(job: _Job, src_path: Path) -> _Outcome | str:
         _verify_from_disk(job.fmt, tmp, want, derived_sums)
         if job.throttle_s:
             time.sleep(job.throttle_s)
-        size = _commit(job, key, tmp, src_sums, derived_sums, entry, want)
+        size = _commit(job, key, tmp, src_sums, derived_sums, entry, want,
+                       conversation_of(src.metadata))
         return _Outcome(size, job.delete_source and _delete_if_same(src_path, seen))
     except (Corrupt, OSError, ValueError, KeyError, RuntimeError) as e:
         if no_space(e):
@@ -355,9 +358,11 @@ def _verify_from_disk(fmt: Format, tmp: Path, src_sums: checksums.Recorded,
 
 def _commit(job: _Job, key: str, tmp: Path, src_sums: checksums.Recorded,
             derived_sums: dict[str, str], entry: dict[str, object] | None,
-            exported: checksums.Recorded) -> int:
+            exported: checksums.Recorded, conversation: dict[str, Any] | None) -> int:
     """Rename into place and record it in the ledger; the size written. ``exported``: the
-    checksums the copies were compared with (an fp8 run's: of the bf16 tensors)."""
+    checksums the copies were compared with (an fp8 run's: of the bf16 tensors);
+    ``conversation``: a regenerated sample's (``messages``, ``generation``), which its line
+    carries, so every trainer's container says what conversation each file's states are of."""
     size = tmp.stat().st_size
     with job.lock:  # numbered files: a number is given only to a verified file
         number = _number(job, entry)
@@ -368,7 +373,8 @@ def _commit(job: _Job, key: str, tmp: Path, src_sums: checksums.Recorded,
                         "source_checksums": src_sums.to_json(),
                         "output_checksums": derived_sums,
                         **({"exported_checksums": exported.to_json()}
-                           if exported != src_sums else {})})
+                           if exported != src_sums else {}),
+                        **(conversation or {})})
     return size
 
 

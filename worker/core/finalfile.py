@@ -8,7 +8,9 @@ makes one final. Test: tests/unit/test_store.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from typing import Any
 
 from engine_dump.dumpfile import (
     DTYPE_BF16,
@@ -46,6 +48,16 @@ FINAL_TENSORS = {  # name -> dtype of a bf16 run's final file (``final_layout`` 
 }
 SCALES = (T_HIDDEN_SCALE, T_AUX_SCALE)  # an fp8 run's: checked by value at verify
 SMALL = {T_INPUT_IDS, T_LOSS_MASK, *SCALES}  # read into memory at verify; the states are not
+
+
+def conversation_of(meta: Mapping[str, str]) -> dict[str, Any] | None:
+    """A regenerating run's file: the conversation its states are of (``messages``) and its
+    generation (``generation``: the settings, each turn's output ids, finish and seed), from
+    its metadata; None for a file extracted from the conversation given."""
+    if M_MESSAGES not in meta:
+        return None
+    return {"messages": json.loads(meta[M_MESSAGES]),
+            "generation": json.loads(meta.get(M_GENERATION, "null"))}
 
 
 def final_layout(fp: Fingerprint, n: int, found: Mapping[str, tuple[int, ...]] | None = None
