@@ -188,3 +188,60 @@ def test_a_files_conversation_must_be_its_records_regenerated() -> None:
                      (json.dumps([*good[:2], U1, *good[3:]]), "message 2 is not")):
         with pytest.raises(ValueError, match=why):
             gen.file_conversation(bad, record)
+
+
+# A Qwen3-style template: a reply's <think> part is placed before its answer in the turns after
+# the last user message, and dropped from earlier ones; ``reasoning_content`` is read as well.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is defined else '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and reasoning %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content"
+    " + '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_thinking_template_places_the_reasoning_per_the_policy(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from worker.core.errors import BadInput
+    from worker.core.samples import Sample
+    from worker.server.chat import ChatTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = THINKING_TEMPLATE
+    chat = ChatTokenizer(tok, 8192, "reject")
+    reply = tok("<think>\nadd them\n</think>\n\n4", add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    # the generation prompt is where the reply starts: the template's, as the engine is asked
+    prompt = chat.prompt_ids([U1])
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
+
+    def turn(policy: str, position: int) -> dict[str, str]:
+        return gen.make_turn(position, len(prompt), Decoded([*reply, eos], FINISH_STOP, eos),
+                             1, policy, chat.end_ids, chat.decode).message(policy)
+
+    # one turn: keep and field both render the reasoning where the template puts it
+    for policy in ("keep", "field"):
+        encoded = chat.encode(Sample(None, (U1, turn(policy, 1))))
+        masked = tok.decode([t for t, m in zip(encoded.input_ids, encoded.loss_mask,
+                                               strict=True) if m])
+        assert masked == "<think>\nadd them\n</think>\n\n4<|im_end|>\n", policy
+    assert "think" not in tok.decode(chat.encode(Sample(None, (U1, turn("drop", 1)))).input_ids)
+    # two turns: the first turn's reasoning is dropped once a user turn follows it, so kept in
+    # the content the conversation is not prefix-stable: rejected, naming the turn
+    with pytest.raises(BadInput, match="not prefix-stable at message 1"):
+        chat.encode(Sample(None, (U1, turn("keep", 1), U2, turn("keep", 3))))
+    two = chat.encode(Sample(None, (U1, turn("drop", 1), U2, turn("drop", 3))))
+    assert sum(two.loss_mask) > 0
