@@ -15,12 +15,14 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from engine_dump import engines
 from engine_dump import fp8 as codec
 from engine_dump.checkpoint import weights_identity
 from engine_dump.dumpfile import (
@@ -122,6 +124,39 @@ def test_requests_not_ours_write_nothing(plain: LiveVllm) -> None:
     time.sleep(1)
     # Then only ours is in the dump dir
     assert set(os.listdir(plain.dumps)) - before == {f"{rid}.safetensors"}
+
+
+def test_a_regenerated_turn_goes_through_vllms_own_api_and_dumps_nothing(
+        plain: LiveVllm) -> None:
+    """What a regenerating farm sends (``Engine.decode``) and reads back (``Engine.decoded``):
+    the output's token ids and why it ended; the hook dumps none of it."""
+    with urllib.request.urlopen(f"{plain.url}/v1/models", timeout=60) as r:
+        engine = engines.vllm_engine(json.loads(r.read()), "0.32.0")
+    assert engine is not None
+    before = set(os.listdir(plain.dumps))
+    ids = prompt(60, 41, vocab(plain.model))
+    answers = []
+    for n, seed in enumerate((7, 7, 8)):
+        path, body, headers = engine.decode(f"hsgen-{n}", ids,
+                                            engines.Sampling(12, 1.0, 1.0, -1, (), seed), None)
+        req = urllib.request.Request(f"{plain.url}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **headers})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            answers.append(engine.decoded(json.loads(r.read())))
+    for out in answers:
+        assert 1 <= len(out.output_ids) <= 12 and out.prompt_tokens == len(ids)
+        assert out.finish in (engines.FINISH_STOP, engines.FINISH_LENGTH)
+        assert out.finish == engines.FINISH_STOP or len(out.output_ids) == 12
+    # vLLM takes the seed, but its draws are only as repeatable as its numerics: the second
+    # request hits the prefix cache, and at temperature 1 a bf16 difference flips a draw
+    first, again, _ = answers
+    same = next((i for i, (a, b) in enumerate(zip(first.output_ids, again.output_ids,
+                                                  strict=False)) if a != b),
+                min(len(first.output_ids), len(again.output_ids)))
+    measured(f"a generation asked twice with one seed: the first {same} of "
+             f"{len(first.output_ids)} tokens the same")
+    time.sleep(1)
+    assert set(os.listdir(plain.dumps)) == before
 
 
 def test_a_prompt_other_than_its_rid_declares_is_an_err(plain: LiveVllm) -> None:
