@@ -14,7 +14,7 @@ from typing import Any
 
 from producer.localfarm.farm import LocalFarm, wait_until
 from tests.conftest import FarmFactory, assert_farm_invariants, wait_finished
-from tests.support.faults import enqueue, run_hash, write_jsonl
+from tests.support.faults import dashboard_metrics, enqueue, run_hash, write_jsonl
 from training.loader import HiddenStates
 from training.sample_file import SampleFile
 from worker.core import generation as gen
@@ -141,10 +141,14 @@ def test_a_regenerating_run_generates_each_turn_once_across_a_worker_sigkill(
             k: c["messages"] for k, c in by_key.items() if c is not None}
         assert all(x["generation"]["turns"] for x in lines)
 
-    # And status shows the run's generation beside its extraction
+    # And status and the dashboard's metrics show the run's generation beside its extraction
     res = farm.cli("status")
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"^generate  \d+ turns regenerated, \d+ tokens", res.stdout, re.M), res.stdout
+    snapshot, metrics = dashboard_metrics(farm.settings())
+    assert snapshot["status"]["generation"]["turns"] == _generated(index) > 0
+    assert re.search(rf"^hsfarm_generated_turns_total{{run=\"{farm.run_id()}\"}} "
+                     rf"{_generated(index)}$", metrics, re.M), metrics
 
 
 def _messages(sample: dict[str, Any]) -> list[dict[str, str]]:

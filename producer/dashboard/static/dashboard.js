@@ -99,6 +99,14 @@ function fill(snap) {
   set("v-rate", st.rate_window_s ? `${st.rate_per_s.toFixed(2)}/s` : "-");
   set("v-bytes-rate", st.rate_window_s ? `${(st.bytes_per_s / MB).toFixed(1)} MB/s` : "");
   set("v-elapsed", duration(st.elapsed_s)); set("v-eta", duration(st.eta_s));
+  // a regenerating run: its turns and decode speed beside the samples extracted
+  const gen = st.generation;
+  document.getElementById("regenerated").hidden = !gen;
+  if (gen) {
+    const span = (gen.last_at || 0) - (gen.first_at || 0);
+    set("v-turns", gen.turns || 0);
+    set("v-decode-rate", span > 0 ? `${(gen.tokens / span).toFixed(1)} tokens/s decoded` : "");
+  }
   // a finished run needs no server: one that is gone then was stopped, not lost
   set("v-server", snap.server.up ? "up" : st.finished ? "stopped" : "DOWN");
   set("v-server-detail", !snap.server.up && st.finished ?
