@@ -121,7 +121,7 @@ def _check_one(store: OutputStore, chat: ChatTokenizer, ref: SampleRef,
     """
     regenerated = bool(store.fingerprint.generation)
     try:
-        sample, _ = read_sample(ref)
+        sample, _ = read_sample(ref, prompts=regenerated)
         if regenerated:  # the file's conversation is checked against the record below
             generation.needs_messages(sample.input_ids)
         else:
@@ -193,7 +193,8 @@ def audit(store: OutputStore, chat: ChatTokenizer, data_file: Path, max_record_b
     weights_id = store.recorded_weights_id()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rejected: list[tuple[str, str]] = []
-        refs = list(sample_refs(data_file, max_record_bytes, rejected, [], limit=limit))
+        refs = list(sample_refs(data_file, max_record_bytes, rejected, [], limit=limit,
+                                prompts=bool(store.fingerprint.generation)))
         report.invalid_records += len(rejected)
         if bar is not None:
             bar.total = (bar.total or 0) + len(refs)

@@ -113,7 +113,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
         deadline, budget_s: this delivery's (``time.monotonic``), and all of its time.
     """
     t0 = time.monotonic()
-    sample, ref = read_sample(ref)
+    sample, ref = read_sample(ref, prompts=rt.generation is not None)
     generated = None
     if rt.generation is not None:
         sample, generated = regenerate(rt, ref, sample, deadline, budget_s, try_no)

@@ -48,14 +48,20 @@ def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
 def test_a_regenerating_run_generates_each_turn_once_across_a_worker_sigkill(
         farm_factory: FarmFactory, tmp_path: Path, tokenizer: Any) -> None:
     # Given a farm that regenerates (16 new tokens a turn, sampled), its server slowed so a
-    # turn takes a while, and 10 samples of 1 to 4 user turns, plus a pre-tokenized record
+    # turn takes a while, and 10 samples of 1 to 4 user turns, a prompt without a reply (the
+    # run answers it) and a pre-tokenized record (it has no turns to answer)
     farm: LocalFarm = farm_factory("farm", env=GEN_ENV,
                                    server_args=["--forward-delay-s", "0.03"])
     keys = enqueue(farm, tmp_path, 10)
-    tokens_only = write_jsonl(tmp_path / "ids.jsonl", [{"id": "ids-only", "input_ids": [1, 2, 3],
-                                                        "loss_mask": [0, 1, 1]}])
-    assert farm.cli("enqueue", str(tokens_only), "--no-progress").returncode == 0
+    prompt_only = {"id": "prompt-only", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]}
+    others = write_jsonl(tmp_path / "more.jsonl", [
+        prompt_only, {"id": "ids-only", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    res = farm.cli("enqueue", str(others), "--no-progress")
+    assert res.returncode == 0, res.stdout + res.stderr
+    keys.append("prompt-only")
     originals = {s["id"]: s for s in json.loads((tmp_path / "data.json").read_text())}
+    originals["prompt-only"] = prompt_only
     turns_in_all = sum(len(gen.reply_positions(_messages(s))) for s in originals.values())
     index = RunIndex(farm.redis(), farm.run_id())
     server_log = farm.procs["server"].log
@@ -70,7 +76,7 @@ def test_a_regenerating_run_generates_each_turn_once_across_a_worker_sigkill(
     assert sum(kept.values()) >= 4
     # and another worker takes the run over
     farm.start_worker("w2", concurrency=2)
-    wait_finished(farm, total=11, timeout_s=300)
+    wait_finished(farm, total=12, timeout_s=300)
 
     # Then every sample is done but the pre-tokenized one, rejected with the reason
     assert_farm_invariants(farm, keys)

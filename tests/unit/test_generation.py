@@ -245,3 +245,13 @@ def test_a_thinking_template_places_the_reasoning_per_the_policy(tiny_model: Pat
         chat.encode(Sample(None, (U1, turn("keep", 1), U2, turn("keep", 3))))
     two = chat.encode(Sample(None, (U1, turn("drop", 1), U2, turn("drop", 3))))
     assert sum(two.loss_mask) > 0
+
+
+def test_a_prompt_without_a_reply_is_a_record_of_a_regenerating_run_only() -> None:
+    from worker.core.errors import BadInput
+    from worker.core.samples import validate_record
+
+    record = {"id": "p", "messages": [SYS, U1]}
+    with pytest.raises(BadInput, match="no assistant turn.*FARM_REGENERATE=1"):
+        validate_record(record)
+    assert validate_record(record, prompts=True).messages == (SYS, U1)

@@ -123,8 +123,8 @@ def content_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-def parse_record(raw: bytes) -> Sample:
-    """Parse and validate one record's bytes.
+def parse_record(raw: bytes, prompts: bool = False) -> Sample:
+    """Parse and validate one record's bytes (``prompts``: as ``validate_record``).
 
     Raises:
         BadInput: with a reason a person can act on.
@@ -133,11 +133,14 @@ def parse_record(raw: bytes) -> Sample:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise BadInput(f"malformed JSON: {e}") from e
-    return validate_record(obj)
+    return validate_record(obj, prompts)
 
 
-def validate_record(obj: Any) -> Sample:
-    """Check a decoded record and normalise it. Raises BadInput."""
+def validate_record(obj: Any, prompts: bool = False) -> Sample:
+    """Check a decoded record and normalise it. Raises BadInput.
+
+    ``prompts``: a regenerating run's (docs/regeneration.md), whose records may hold no
+    assistant turn: the served model's replies are generated."""
     if not isinstance(obj, dict):
         raise BadInput(f"record is {type(obj).__name__}, expected a JSON object")
     source_id = obj.get("id")
@@ -152,8 +155,9 @@ def validate_record(obj: Any) -> Sample:
     if not isinstance(msgs, list) or not msgs:
         raise BadInput("'messages' must be a non-empty list")
     messages = tuple(_message(m, i) for i, m in enumerate(msgs))
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadInput("no assistant turn: nothing to train the drafter on")
+    if not prompts and not any(m["role"] == "assistant" for m in messages):
+        raise BadInput("no assistant turn: nothing to train the drafter on (a prompt-only "
+                       "record is for a run with FARM_REGENERATE=1: docs/regeneration.md)")
     return Sample(source_id=source_id, messages=messages)
 
 
@@ -184,9 +188,10 @@ def _pretokenized(obj: dict[str, Any], source_id: object) -> Sample:
     return Sample(source_id=source_id, input_ids=tuple(ids), loss_mask=tuple(mask))
 
 
-def read_sample(ref: SampleRef) -> tuple[Sample, SampleRef]:
+def read_sample(ref: SampleRef, prompts: bool = False) -> tuple[Sample, SampleRef]:
     """Re-read a record from its data file, checking it is the one enqueued; a record whose bytes
-    moved is found again by its content hash, and the returned ref says where it is now.
+    moved is found again by its content hash, and the returned ref says where it is now
+    (``prompts``: a regenerating run's, ``validate_record``).
 
     Raises:
         DataFileUnavailable: the file cannot be read (the environment's fault: wait for it).
@@ -204,7 +209,7 @@ def read_sample(ref: SampleRef) -> tuple[Sample, SampleRef]:
         raw = _read_span(ref.file, ref.offset, ref.length)
         if content_hash(raw) != ref.sha256:
             raise StaleRecord(f"{ref.file} is changing while it is read; re-run enqueue")
-    return parse_record(raw), ref
+    return parse_record(raw, prompts), ref
 
 
 def _read_span(path: str, offset: int, length: int) -> bytes:
@@ -252,8 +257,10 @@ def key_digest(key: str) -> int:
 def sample_refs(path: Path, max_record_bytes: int, rejected: list[tuple[str, str]],
                 problems: list[tuple[str, str]], limit: int | None = None,
                 progress: Callable[[int], None] | None = None,
-                notes: list[tuple[str, str]] | None = None) -> Iterator[SampleRef]:
-    """The valid records of ``path`` as task references, in file order.
+                notes: list[tuple[str, str]] | None = None,
+                prompts: bool = False) -> Iterator[SampleRef]:
+    """The valid records of ``path`` as task references, in file order (``prompts``: a
+    regenerating run's, ``validate_record``).
 
     Invalid or oversized records go to ``rejected`` and broken stretches of the file to
     ``problems``, each as (where, reason); a record whose key repeats an earlier record's is
@@ -279,7 +286,7 @@ def sample_refs(path: Path, max_record_bytes: int, rejected: list[tuple[str, str
             continue
         sha = content_hash(item.raw)
         try:
-            sample = parse_record(item.raw)
+            sample = parse_record(item.raw, prompts)
         except BadInput as e:
             rejected.append((item.where, str(e)))
             continue

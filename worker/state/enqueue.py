@@ -381,14 +381,16 @@ def _check_hosts(r: redis.Redis, run_id: str, settings: Settings, redo: tuple[st
             "extract their samples again. Nothing was published.")
 def _first_keys(settings: Settings, path: Path, n: int = 64) -> list[str]:
     """The sample keys of the first ``n`` valid records of ``path``."""
-    return [ref.key for ref in sample_refs(path, settings.max_record_bytes, [], [], limit=n)]
+    return [ref.key for ref in sample_refs(path, settings.max_record_bytes, [], [], limit=n,
+                                           prompts=settings.regenerate)]
 
 
 def _refs(settings: Settings, path: Path, limit: int | None, meter: Meter, desc: str,
           summary: Summary) -> Iterator[SampleRef]:
     with meter(desc, path.stat().st_size) as reached:
         yield from sample_refs(path, settings.max_record_bytes, summary.rejected,
-                               summary.problems, limit, progress=reached, notes=summary.notes)
+                               summary.problems, limit, progress=reached, notes=summary.notes,
+                               prompts=settings.regenerate)
 
 
 def _rejected_for_content(body: dict[str, Any] | None, sha256: str) -> bool:
