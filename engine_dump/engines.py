@@ -89,7 +89,7 @@ class Engine:
             body: dict[str, Any] = {
                 "prompt": input_ids, "max_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "top_k": sampling.top_k, "seed": sampling.seed,  # vLLM honours it
+                "top_k": sampling.top_k, "seed": sampling.seed,  # vLLM takes it
                 "stop_token_ids": list(sampling.stop_token_ids), "return_token_ids": True}
             headers = {"X-Request-Id": rid}
             if dp_rank is not None:

@@ -116,7 +116,7 @@ def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int
     sample, ref = read_sample(ref, prompts=rt.generation is not None)
     generated = None
     if rt.generation is not None:
-        sample, generated = regenerate(rt, ref, sample, deadline, budget_s, try_no)
+        sample, generated = regenerate(rt, ref, sample, lease, deadline, budget_s, try_no)
     tok = rt.chat.encode(sample)
     n = len(tok.input_ids)
     rid = make_rid(ref.key, try_no, n, run=rt.run_id)

@@ -23,6 +23,7 @@ from worker.core.errors import BadInput, OutOfTime, ServerBusy
 from worker.core.samples import Sample, SampleRef
 from worker.runtime import Runtime
 from worker.server.admission import NoPlace
+from worker.state.lease import Lease
 
 log = logging.getLogger("hsfarm.regenerate")
 # A generation's rid: never the hooks' ``hsd-`` (nothing of it is dumped), unique per request
@@ -34,14 +35,16 @@ def gen_rid(run_id: str, key: str, turn: int, try_no: int) -> str:
     return f"{GEN_RID_PREFIX}{run_id}-{key}-t{turn}-r{try_no}"
 
 
-def regenerate(rt: Runtime, ref: SampleRef, sample: Sample, deadline: float, budget_s: float,
-               try_no: int) -> tuple[Sample, gen.Record]:
-    """``sample`` with its assistant turns the served model's, and the record of them.
+def regenerate(rt: Runtime, ref: SampleRef, sample: Sample, lease: Lease, deadline: float,
+               budget_s: float, try_no: int) -> tuple[Sample, gen.Record]:
+    """``sample`` with its assistant turns the served model's, and the record of them; each
+    turn is recorded only while ``lease`` (the sample's, held by the caller) is still held.
 
     Raises:
         BadInput: the record cannot be regenerated (pre-tokenized, no user turn), the template
             refuses a conversation, or a turn breaks a policy (``FARM_GEN_ON_*``).
         OutOfTime: too little of this delivery is left for the next turn (turns so far kept).
+        LeaseLost: another attempt holds the sample now: this one records nothing more.
         ServerBusy: no place for a generation within the wait (the host's generations are
             all in flight): the environment's, no attempt spent.
         Transient, ServerUnavailable, OSError: as a request or the output disk fail.
@@ -75,6 +78,7 @@ def regenerate(rt: Runtime, ref: SampleRef, sample: Sample, deadline: float, bud
         turn = gen.make_turn(positions[number], len(ids), out, seed, gs.reasoning,
                              rt.chat.end_ids | frozenset(gs.stop_token_ids), rt.chat.decode)
         record.turns.append(turn)
+        lease.check()  # lost: the attempt holding it now records its own turns
         gen.save(out_dir, record)
         rt.index.count_generated(len(out.output_ids), took_s)
         log.info("%s turn %d/%d generated: %d tokens (%s) in %.2fs", ref.key, number + 1,

@@ -91,8 +91,9 @@ def identity_of(s: Settings) -> str:
 
 
 def seed_for(run_id: str, key: str, turn: int) -> int:
-    """A turn's seed, from the run and the sample: a lost record regenerates the same tokens
-    where the engine honours seeds (vLLM; SGLang under --enable-deterministic-inference)."""
+    """A turn's seed, from the run and the sample: a lost record is regenerated from the same
+    random draws where the engine takes seeds (vLLM; SGLang only under
+    --enable-deterministic-inference), the same tokens only where its numerics repeat too."""
     digest = hashlib.sha256(f"{run_id}/{key}/{turn}".encode()).digest()
     return int.from_bytes(digest[:4], "big") >> 1  # 31 bits: every engine's seed type takes it
 
