@@ -2,13 +2,10 @@
 
     python bench/regeneration.py [--samples 16] [--max-new-tokens 64] [--procs 4] [--json out]
 
-One reference server (tiny model, CPU) and private Redis serve three phases, one after the
-other, after a warm-up: (a) ``direct``: each sample's one turn asked straight of the server, ``--procs`` at
-once (aiohttp), greedy so that every phase decodes the same tokens; (b) ``farm``: a
-regenerating run of the same samples with one worker of ``--procs`` processes, which
-generates each turn, records it durably, then extracts the regenerated conversation; (c)
-``extract``: a plain run extracting the conversations (b) regenerated. The farm's overhead
-per generated token is (b) - (a) - (c) over the tokens. Results: docs/benchmarks.md.
+On one reference server (tiny model, greedy: every phase decodes the same tokens), after a
+warm-up: (a) each one-turn sample's generation sent straight, (b) a regenerating run of them,
+(c) a plain run extracting what (b) regenerated; overhead per token = ((b) - (a) - (c)) /
+tokens. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

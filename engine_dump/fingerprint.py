@@ -32,7 +32,7 @@ class Fingerprint:
     max_tokens: int
     overlong: str
     # A run that regenerates its assistant turns first: its generation settings as canonical
-    # JSON (worker/core/generation.py); "" for a run that extracts the conversations given.
+    # JSON (worker/core/settings.py, GenSettings); "" for a run that extracts those given.
     generation: str = ""
 
     @cached_property

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from engine_dump.dumpfile import DUMP_SUFFIX, T_INPUT_IDS, T_LOSS_MASK
 from training.roots import sample_files
-from worker.core import generation, outdir, setaside, tensorfile
+from worker.core import outdir, setaside, tensorfile
 from worker.core.errors import BadInput, Corrupt, StaleRecord
 from worker.core.finalfile import (
     M_ADOPTED_FROM,
@@ -30,6 +30,7 @@ from worker.core.finalfile import (
 )
 from worker.core.samples import Sample, SampleRef, read_sample, sample_refs
 from worker.core.store import OutputStore
+from worker.regen import record as generation
 from worker.server.chat import ChatTokenizer, Tokenized
 from worker.state import hosts, ledger
 from worker.state.broker import Client

@@ -13,11 +13,11 @@ from typing import Any
 
 from engine_dump.fingerprint import Fingerprint
 from producer import stall as stalls
-from worker.core import generation, liveness, outdir
+from worker.core import liveness, outdir
 from worker.core import manifest as manifests
 from worker.core import run as runs
 from worker.core.errors import ConfigError, environmental_rejection
-from worker.core.settings import Settings
+from worker.core.settings import Settings, with_generation
 from worker.server.admission import Admission, limits_for_host
 from worker.server.fingerprint import run_fingerprint
 from worker.state import broker, hosts, keys
@@ -140,7 +140,7 @@ def run_settings(settings: Settings, fingerprint: Fingerprint) -> Settings:
     """``settings`` with the run's own storage choices from its fingerprint (dtype, layers,
     max tokens, overlong, generation): what its files are checked against, whatever the
     environment says."""
-    return generation.with_identity(
+    return with_generation(
         replace(settings, store_dtype=fingerprint.dtype, max_tokens=fingerprint.max_tokens,
                 overlong=fingerprint.overlong,
                 layers_to_capture=tuple(fingerprint.layers_to_capture)),

@@ -1,13 +1,11 @@
 """Reference server: SGLang's HTTP subset over a transformers model, through the same dump code.
 
 ``python -m sglang_patch.reference_server --dump-dir D [--model tiny|synthetic|PATH]`` serves
-``POST /generate`` (a prefill, ``max_new_tokens`` 0, as the farm's extraction asks; or a
-generation with SGLang's ``sampling_params``, sampling.py) and ``GET /health``,
-``/health_generate``, ``/model_info``, ``/server_info`` (and their ``/get_`` aliases). As
-SGLang, it batches concurrent requests, splits a prompt over the chunk budget across passes,
-runs health checks as real forwards (``HEALTH_CHECK_*`` rids) and may answer before the dump
-is renamed into place. What tests, the demo and CPU-only users
-run; SGLang itself is checked in tests/live/. Test: tests/farm/test_reference_server.py.
+``POST /generate`` (prefills, and generations: sampling.py), ``GET /health``,
+``/health_generate``, ``/model_info``, ``/server_info`` (and ``/get_`` aliases). As SGLang, it
+batches requests, splits a prompt over the chunk budget, runs health checks as real forwards
+and may answer before the dump is renamed. For tests, the demo and CPU-only users (SGLang
+itself: tests/live/). Test: tests/farm/test_reference_server.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The reference server's decoding: SGLang's ``sampling_params`` as its ``/generate`` checks them,
-and the next token drawn from a request's logits.
-
-The subset a regenerating farm sends (``engine_dump.engines.Engine.decode``): ``max_new_tokens``,
-``temperature`` (SGLang's default 1.0; under 1e-5 greedy), ``top_p``, ``top_k`` (-1: all),
-``stop_token_ids``, ``ignore_eos`` and ``sampling_seed``. SGLang honours a seed only with
-``--enable-deterministic-inference``; the reference server always does (one request's draws
-come from its own generator), so a regeneration here is reproducible token for token.
-Test: tests/unit/test_reference_decode.py.
+"""The reference server's decoding: the ``sampling_params`` a regenerating farm sends
+(``Engine.decode``) checked as SGLang's ``/generate`` checks them, and the next token drawn from
+a request's logits: temperature (default 1.0; under 1e-5 greedy), top-p, top-k, stop tokens,
+``ignore_eos``, and ``sampling_seed``, which it always honours (SGLang only under
+``--enable-deterministic-inference``). Test: tests/farm/test_reference_server.py.
 """
 
 from __future__ import annotations

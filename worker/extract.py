@@ -31,7 +31,7 @@ from worker.core import store as st
 from worker.core.dumps import Dump, discard_dumps, open_dump, wait_for_dump
 from worker.core.errors import Corrupt, KeyTaken
 from worker.core.samples import SampleRef, read_sample
-from worker.regenerate import regenerate
+from worker.regen.step import regenerate
 from worker.runtime import Runtime
 from worker.state.hosts import holder
 from worker.state.lease import Lease
@@ -105,7 +105,7 @@ def done_elsewhere(rt: Runtime, ref: SampleRef) -> str | None:
 def extract(rt: Runtime, ref: SampleRef, attempt: int, lease: Lease, try_no: int,
             deadline: float, budget_s: float) -> Result:
     """Raises BadInput, StaleRecord, Transient or Corrupt; a regenerating run's turns also
-    ``OutOfTime`` (worker/regenerate.py).
+    ``OutOfTime`` (worker/regen/step.py).
 
     Args:
         attempt: the counted attempt (for the logs); ``try_no`` numbers the request's rid.

@@ -20,9 +20,8 @@ from engine_dump import dumpdir
 from engine_dump.dumpfile import M_WRITER, PATCH_VERSION
 from engine_dump.fingerprint import Fingerprint
 from worker.core.errors import ConfigError
-from worker.core.generation import GenSettings
 from worker.core.run import queue_for as run_queue
-from worker.core.settings import Settings
+from worker.core.settings import GenSettings, Settings
 from worker.core.store import OutputStore
 from worker.server.admission import (
     GEN_SLOT_DIR,

@@ -17,8 +17,9 @@ from tests.conftest import FarmFactory, assert_farm_invariants, wait_finished
 from tests.support.faults import dashboard_metrics, enqueue, run_hash, write_jsonl
 from training.loader import HiddenStates
 from training.sample_file import SampleFile
-from worker.core import generation as gen
 from worker.core.finalfile import M_GENERATION, M_MESSAGES
+from worker.core.settings import generation_identity
+from worker.regen import record as gen
 from worker.state import keys as state_keys
 from worker.state.index import RunIndex
 
@@ -53,7 +54,7 @@ def test_a_regenerating_run_generates_each_turn_once_across_a_worker_sigkill(
     farm: LocalFarm = farm_factory("farm", env=GEN_ENV,
                                    server_args=["--forward-delay-s", "0.03"])
     keys = enqueue(farm, tmp_path, 10)
-    prompt_only = {"id": "prompt-only", "messages": [
+    prompt_only: dict[str, object] = {"id": "prompt-only", "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]}
     others = write_jsonl(tmp_path / "more.jsonl", [
         prompt_only, {"id": "ids-only", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
@@ -177,4 +178,4 @@ def _sha(farm: LocalFarm, key: str) -> str:
 
 
 def _identity(farm: LocalFarm) -> str:
-    return gen.identity_of(farm.settings())
+    return generation_identity(farm.settings())

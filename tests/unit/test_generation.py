@@ -12,16 +12,16 @@ import pytest
 
 from engine_dump.engines import FINISH_LENGTH, FINISH_STOP, Decoded
 from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
-from worker.core import generation as gen
 from worker.core import time_limits
 from worker.core.errors import ConfigError, Corrupt
-from worker.core.settings import Settings
+from worker.core.settings import GenSettings, Settings, generation_identity, with_generation
+from worker.regen import record as gen
 
 SYS = {"role": "system", "content": "Be brief."}
 U1, U2 = {"role": "user", "content": "Hi"}, {"role": "user", "content": "And then?"}
 A1, A2 = {"role": "assistant", "content": "Hello."}, {"role": "assistant", "content": "Then."}
 TOOL = {"role": "tool", "content": "42"}
-GS = gen.GenSettings(64, 0.7, 0.9, 20, (7,), "keep", "reject", "reject")
+GS = GenSettings(64, 0.7, 0.9, 20, (7,), "keep", "reject", "reject")
 # token id -> text, for a tokenizer's decode without one
 VOCAB = {1: "<think>", 2: "plan", 3: "</think>", 4: "\n\n", 5: "Answer", 6: ".", 9: "<eos>"}
 
@@ -138,9 +138,9 @@ def test_settings_refuse_what_generation_cannot_run() -> None:
                  "FARM_GEN_MIN_TOKENS_PER_S"):
         assert name in str(e.value)
     s = Settings.from_env({"FARM_REGENERATE": "1", "FARM_GEN_STOP_TOKEN_IDS": "7, 8"})
-    given = gen.GenSettings.of(s)
+    given = GenSettings.of(s)
     assert given is not None and given.stop_token_ids == (7, 8)
-    assert gen.GenSettings.of(Settings()) is None
+    assert GenSettings.of(Settings()) is None
 
 
 def test_regeneration_is_part_of_the_fingerprint_and_a_plain_run_keeps_its_id() -> None:
@@ -172,9 +172,9 @@ def test_a_regenerating_delivery_has_room_for_one_turn_more() -> None:
 def test_a_runs_generation_settings_come_back_from_its_fingerprint() -> None:
     s = Settings.from_env({"FARM_REGENERATE": "1", "FARM_GEN_TOP_K": "5",
                            "FARM_GEN_STOP_TOKEN_IDS": "3", "FARM_GEN_REASONING": "field"})
-    back = gen.with_identity(Settings(), gen.identity_of(s))
-    assert gen.identity_of(back) == gen.identity_of(s) and back.regenerate
-    assert not gen.with_identity(s, "").regenerate
+    back = with_generation(Settings(), generation_identity(s))
+    assert generation_identity(back) == generation_identity(s) and back.regenerate
+    assert not with_generation(s, "").regenerate
 
 
 def test_a_files_conversation_must_be_its_records_regenerated() -> None:
@@ -252,6 +252,6 @@ def test_a_prompt_without_a_reply_is_a_record_of_a_regenerating_run_only() -> No
     from worker.core.samples import validate_record
 
     record = {"id": "p", "messages": [SYS, U1]}
-    with pytest.raises(BadInput, match="no assistant turn.*FARM_REGENERATE=1"):
+    with pytest.raises(BadInput, match=r"no assistant turn.*FARM_REGENERATE=1"):
         validate_record(record)
     assert validate_record(record, prompts=True).messages == (SYS, U1)

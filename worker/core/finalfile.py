@@ -34,7 +34,7 @@ M_SOURCE_ID = "source_id"  # the record's own id, as JSON
 M_SOURCE_FILE = "source_file"  # the data file the record was read from (absolute path)
 M_TRUNCATED = "truncated_from"  # the token count before a cut to FARM_MAX_TOKENS ("None": none)
 M_WEIGHTS_ID = "weights_id"  # the weights identity the file was written under (``weights``)
-# a regenerating run's (worker/core/generation.py): the conversation the states are of, as
+# a regenerating run's (worker/regen/record.py): the conversation the states are of, as
 # JSON messages, and its generation (settings, each turn's output ids, finish, seed)
 M_MESSAGES = "messages"
 M_GENERATION = "generation"

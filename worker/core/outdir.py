@@ -26,7 +26,7 @@ TOKEN_COUNTS = "token_counts.safetensors"
 SAMPLES_DIR = "samples"
 REMOVED_DIR = "removed"  # samples that left the run (worker/core/setaside.py)
 DONE_ELSEWHERE_DIR = "done-elsewhere"  # files the run holds on another host
-GENERATED_DIR = "generated"  # a regenerating run's turns per sample (worker/core/generation.py)
+GENERATED_DIR = "generated"  # a regenerating run's turns per sample (worker/regen/record.py)
 TMP_MARK = dumpfile.TMP_MARK
 
 

@@ -6,12 +6,14 @@ machine; ``Settings.describe()`` lists them (``python -m producer settings``).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine_dump.engines import Sampling
 from worker.core.errors import ConfigError
 from worker.core.redis_url import is_tls, masked
 
@@ -26,7 +28,7 @@ DP_ROUTING_RULES = ("server", "least-tokens", "least-bytes")
 STORE_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8_e4m3": "fp8_e4m3"}
 
 
-# FARM_GEN_REASONING's values (worker/core/generation.py) and FARM_GEN_ON_*'s
+# FARM_GEN_REASONING's values (worker/regen/record.py) and FARM_GEN_ON_*'s
 REASONING_POLICIES = ("keep", "drop", "field")
 TURN_POLICIES = ("reject", "keep")
 
@@ -134,8 +136,8 @@ class Settings:
                            "`server` (SGLang's choice), `least-tokens` or `least-bytes`")
     regenerate: bool = _doc(False, "regenerate each sample's assistant turns with the served "
                             "model before extracting the regenerated conversation "
-                            "(docs/regeneration.md); it and the `FARM_GEN_*` settings are part "
-                            "of the run's fingerprint")
+                            "(docs/regeneration.md); it and the generation settings below are "
+                            "part of the run's fingerprint")
     gen_max_new_tokens: int = _doc(2048, "regeneration: the most tokens of one assistant turn")
     gen_temperature: float = _doc(1.0, "regeneration: sampling temperature (1.0: the model's "
                                   "own distribution; 0: greedy); set the one you serve at")
@@ -325,3 +327,58 @@ def _parse(default: object, raw: str) -> Any:
         if isinstance(default, kind):
             return parse(raw)
     raise ValueError(f"no parser for {type(default).__name__}")
+
+
+GEN_VERSION = 1  # of the generation settings' identity and of the records (worker/regen)
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    """The run's generation settings (``FARM_GEN_*``): part of its fingerprint."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: tuple[int, ...]
+    reasoning: str  # keep | drop | field
+    on_length: str  # reject | keep
+    on_empty: str  # reject | keep
+
+    @classmethod
+    def of(cls, s: Settings) -> GenSettings | None:
+        """The run's, or None when it does not regenerate."""
+        if not s.regenerate:
+            return None
+        return cls(s.gen_max_new_tokens, s.gen_temperature, s.gen_top_p, s.gen_top_k,
+                   tuple(s.gen_stop_token_ids), s.gen_reasoning, s.gen_on_length,
+                   s.gen_on_empty)
+
+    def identity(self) -> str:
+        """Canonical JSON: the fingerprint's ``generation`` (any change is another run)."""
+        return json.dumps({"version": GEN_VERSION, **asdict(self),
+                           "stop_token_ids": list(self.stop_token_ids)},
+                          sort_keys=True, separators=(",", ":"))
+
+    def sampling(self, max_new_tokens: int, seed: int | None) -> Sampling:
+        return Sampling(max_new_tokens, self.temperature, self.top_p, self.top_k,
+                        self.stop_token_ids, seed)
+
+
+def with_generation(s: Settings, identity: str) -> Settings:
+    """``s`` with the generation settings a run's fingerprint records (``identity``; "":
+    a run that does not regenerate), whatever the environment says."""
+    if not identity:
+        return replace(s, regenerate=False)
+    said = json.loads(identity)
+    return replace(s, regenerate=True, gen_max_new_tokens=said["max_new_tokens"],
+                   gen_temperature=said["temperature"], gen_top_p=said["top_p"],
+                   gen_top_k=said["top_k"], gen_stop_token_ids=tuple(said["stop_token_ids"]),
+                   gen_reasoning=said["reasoning"], gen_on_length=said["on_length"],
+                   gen_on_empty=said["on_empty"])
+
+
+def generation_identity(s: Settings) -> str:
+    """The fingerprint's ``generation`` for settings ``s`` ("" when it does not regenerate)."""
+    gs = GenSettings.of(s)
+    return gs.identity() if gs is not None else ""

@@ -50,7 +50,7 @@ def generation_turn_s(settings: Settings) -> float:
     """The longest one regenerated turn may take (``turn_s`` of ``FARM_GEN_MAX_NEW_TOKENS``;
     0 when the run does not regenerate). A delivery has room for one turn beyond its
     extraction's; a sample of more turns may take more deliveries, each resuming at its
-    first turn not yet generated (worker/regenerate.py)."""
+    first turn not yet generated (worker/regen/step.py)."""
     if not settings.regenerate:
         return 0.0
     return turn_s(settings, settings.gen_max_new_tokens)

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint, default_layers_to_capture
-from worker.core import generation
 from worker.core.errors import ConfigError, Transient
-from worker.core.settings import Settings
+from worker.core.settings import Settings, generation_identity
 from worker.server.chat import ChatTokenizer
 from worker.server.client import ServerClient
 
@@ -126,7 +125,7 @@ def compute_fingerprint(settings: Settings, model_path: Path) -> Fingerprint:
         dtype=settings.hidden_dtype,
         max_tokens=settings.max_tokens,
         overlong=settings.overlong,
-        generation=generation.identity_of(settings),
+        generation=generation_identity(settings),
     )
 
 

@@ -1,18 +1,7 @@
-"""A regenerating run's generation: its settings, which turns it answers, each turn's seed, and the
-record of what the served model said, kept durably so that no finished turn is decoded twice.
-
-Which turns (``reply_positions``): every assistant message that follows a user message is
-replaced by the model's reply to the conversation before it; a conversation that ends with a
-user message gets the reply appended. Everything else is kept as given: system prompts, user
-turns, tool messages, and an assistant message with no user message right before it (a
-conversation that opens with the assistant's greeting, a reply to a tool's output).
-
-The record (``Record``, ``generated/<shard>/<key>.json`` in the output dir) holds the run, the
-sample, the record's content hash, the generation settings and each finished turn: the output
-token ids as the engine returned them, why it ended, its seed, and its text split into content
-and reasoning. It is rewritten durably after every turn (temp file, fsync, rename, read back);
-a delivery after any crash resumes at the first turn it does not hold. A record of another run,
-another version of the sample or other settings is not this sample's: it is replaced.
+"""A sample's regeneration: which turns are answered, each turn's seed and policies, and the
+record of what the served model said, rewritten durably after every turn
+(``generated/<shard>/<key>.json``): a delivery after any crash resumes at the first turn it
+lacks; a record of another run, record version or settings is replaced. docs/regeneration.md.
 Test: tests/unit/test_generation.py.
 """
 
@@ -22,72 +11,19 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_dump.engines import FINISH_LENGTH, Decoded, Sampling
+from engine_dump.engines import FINISH_LENGTH, Decoded
 from worker.core import durable, outdir
 from worker.core.errors import BadInput, Corrupt
-from worker.core.settings import Settings
+from worker.core.settings import GEN_VERSION, GenSettings
 from worker.core.store import io_errors
 
-log = logging.getLogger("hsfarm.generation")
+log = logging.getLogger("hsfarm.regen")
 
-RECORD_VERSION = 1
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # Qwen3's and Kimi-K2.5's reasoning tags
-
-
-@dataclass(frozen=True)
-class GenSettings:
-    """The run's generation settings (``FARM_GEN_*``): part of its fingerprint."""
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop_token_ids: tuple[int, ...]
-    reasoning: str  # keep | drop | field
-    on_length: str  # reject | keep
-    on_empty: str  # reject | keep
-
-    @classmethod
-    def of(cls, s: Settings) -> GenSettings | None:
-        """The run's, or None when it does not regenerate."""
-        if not s.regenerate:
-            return None
-        return cls(s.gen_max_new_tokens, s.gen_temperature, s.gen_top_p, s.gen_top_k,
-                   tuple(s.gen_stop_token_ids), s.gen_reasoning, s.gen_on_length,
-                   s.gen_on_empty)
-
-    def identity(self) -> str:
-        """Canonical JSON: the fingerprint's ``generation`` (any change is another run)."""
-        return json.dumps({"version": RECORD_VERSION, **asdict(self),
-                           "stop_token_ids": list(self.stop_token_ids)},
-                          sort_keys=True, separators=(",", ":"))
-
-    def sampling(self, max_new_tokens: int, seed: int | None) -> Sampling:
-        return Sampling(max_new_tokens, self.temperature, self.top_p, self.top_k,
-                        self.stop_token_ids, seed)
-
-
-def with_identity(s: Settings, identity: str) -> Settings:
-    """``s`` with the generation settings a run's fingerprint records (``identity``; "":
-    a run that does not regenerate), whatever the environment says."""
-    if not identity:
-        return replace(s, regenerate=False)
-    said = json.loads(identity)
-    return replace(s, regenerate=True, gen_max_new_tokens=said["max_new_tokens"],
-                   gen_temperature=said["temperature"], gen_top_p=said["top_p"],
-                   gen_top_k=said["top_k"], gen_stop_token_ids=tuple(said["stop_token_ids"]),
-                   gen_reasoning=said["reasoning"], gen_on_length=said["on_length"],
-                   gen_on_empty=said["on_empty"])
-
-
-def identity_of(s: Settings) -> str:
-    """The fingerprint's ``generation`` for settings ``s`` ("" when it does not regenerate)."""
-    gs = GenSettings.of(s)
-    return gs.identity() if gs is not None else ""
 
 
 def seed_for(run_id: str, key: str, turn: int) -> int:
@@ -174,7 +110,7 @@ class Record:
     turns: list[Turn] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        body = {"version": RECORD_VERSION, "run": self.run, "key": self.key,
+        body = {"version": GEN_VERSION, "run": self.run, "key": self.key,
                 "content_sha256": self.content_sha256, "generation": self.generation,
                 "turns": [asdict(t) for t in self.turns]}
         return {**body, "sha256": _digest(body)}
@@ -182,7 +118,7 @@ class Record:
     @classmethod
     def from_json(cls, d: Any) -> Record:
         """Raises ValueError for anything but an intact record."""
-        if not isinstance(d, dict) or d.get("version") != RECORD_VERSION:
+        if not isinstance(d, dict) or d.get("version") != GEN_VERSION:
             raise ValueError("not a generation record of this version")
         body = {k: v for k, v in d.items() if k != "sha256"}
         if d.get("sha256") != _digest(body):
