@@ -72,8 +72,10 @@ class Status:
     files_gone: int = 0
     files_gone_samples: list[str] = field(default_factory=list)
     # a regenerating run's generation in all (``RunIndex.generated``): turns, tokens, seconds
-    # (its requests', summed), first_at, last_at; None for a run that does not regenerate
+    # (its requests', summed), first_at, last_at, samples, sample_turns; None for a run that
+    # does not regenerate; and when its last turn is expected (``generation_eta``)
     generation: dict[str, float] | None = None
+    generation_eta_s: float | None = None
 
     @property
     def remaining(self) -> int:
@@ -190,8 +192,25 @@ def read_status(settings: Settings, fingerprint: Fingerprint,
                 hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
                                      until=until),
                 generation=index.generated() if fingerprint.generation else None)
+    st = replace(st, generation_eta_s=generation_eta(st))
     stall = run_stall(index, st, settings, fingerprint)
     return st if stall is None else replace(st, stall=stall.to_json(), eta_s=None)
+
+
+def generation_eta(st: Status) -> float | None:
+    """Seconds until a regenerating run's last turn is generated: the turns left (the samples
+    whose generation has not ended, at the turns per sample of those whose has, less the
+    turns already made of the unfinished) at the run's turns per second since its first;
+    None before a sample's generation ended, or when nothing is left."""
+    g = st.generation or {}
+    samples, turns = g.get("samples", 0.0), g.get("turns", 0.0)
+    span_s = g.get("last_at", 0.0) - g.get("first_at", 0.0)
+    if not samples or span_s <= 0 or st.finished:
+        return None
+    per_sample = g.get("sample_turns", 0.0) / samples
+    left_samples = max(st.total - samples - st.failed - st.rejected, 0.0)
+    left_turns = max(left_samples * per_sample - (turns - g.get("sample_turns", 0.0)), 0.0)
+    return left_turns / (turns / span_s) if left_turns else None
 
 
 def unreadable_files(index: RunIndex) -> dict[str, dict[str, Any]]:

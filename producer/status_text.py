@@ -41,7 +41,9 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
         f"time      elapsed {duration(st.elapsed_s)}, ETA {_eta(st)}",
     ]
     if st.generation is not None:
-        lines.insert(4, f"generate  {_generation_text(st.generation)}")
+        eta = (f"; ETA {duration(st.generation_eta_s)}" if st.generation_eta_s is not None
+               else "")
+        lines.insert(4, f"generate  {_generation_text(st.generation)}{eta}")
     lines += stall_lines(st)
     if st.admission:
         lines.append(f"host      {_admission_text(st.admission)}")

@@ -154,6 +154,9 @@ def test_a_regenerating_run_generates_each_turn_once_across_a_worker_sigkill(
     assert re.search(r"^generate  \d+ turns regenerated, \d+ tokens", res.stdout, re.M), res.stdout
     snapshot, metrics = dashboard_metrics(farm.settings())
     assert snapshot["status"]["generation"]["turns"] == _generated(index) > 0
+    ended = index.generated()  # samples whose last turn was generated, and their turns
+    assert 0 < ended["samples"] <= len(keys)
+    assert ended["samples"] <= ended["sample_turns"] <= 4 * ended["samples"]
     assert re.search(rf"^hsfarm_generated_turns_total{{run=\"{farm.run_id()}\"}} "
                      rf"{_generated(index)}$", metrics, re.M), metrics
 

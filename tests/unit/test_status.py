@@ -31,3 +31,24 @@ def test_failures_group_by_reason_whatever_the_sample_keys() -> None:
                "NaN/Inf values" for n, key in enumerate(["ex-0001", "rec-3fa9c01b2e7d",
                                                           "2024-01-x", "a_b.c"], 1)]
     assert len({reason_class(r) for r in reasons}) == 1, {reason_class(r) for r in reasons}
+
+
+def test_a_regenerating_runs_eta_counts_the_turns_left_at_its_turn_rate() -> None:
+    from producer.status import generation_eta
+    from producer.status_text import render
+
+    # Given 100 samples, 10 of which ended their generation with 30 turns between them, 6
+    # turns made of samples still generating, all 36 in 72 s (0.5 turns/s)
+    st = Status(total=100, done=8, queued=80, unacked=2, running=2, retrying=0, failed=1,
+                rejected=1, stale=0, bytes=0, tokens=0, rate_per_s=0.1, eta_s=920.0,
+                generation={"turns": 36, "tokens": 3600, "seconds": 300, "first_at": 1000,
+                            "last_at": 1072, "samples": 10, "sample_turns": 30})
+    # Then the turns left are 88 samples at 3 turns each, less the 6 made: 258, at 0.5/s
+    assert generation_eta(st) == 516.0
+    line = next(x for x in render(dataclasses.replace(st, generation_eta_s=516.0), "r", "m")
+                if x.startswith("generate"))
+    assert line == ("generate  36 turns regenerated, 3600 tokens (50.0 tokens/s decoded, "
+                    "12.0 tokens/s per request); ETA 8m36s")
+    # And before any sample's generation has ended, no turns per sample are known: no ETA
+    assert generation_eta(dataclasses.replace(st, generation={"turns": 3, "first_at": 1,
+                                                              "last_at": 5})) is None

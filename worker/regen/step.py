@@ -69,7 +69,8 @@ def regenerate(rt: Runtime, ref: SampleRef, sample: Sample, lease: Lease, deadli
         record.turns.append(turn)
         lease.check()  # lost: the attempt holding it now records its own turns
         gen.save(out_dir, record)
-        rt.index.count_generated(len(out.output_ids), took_s)
+        last = number + 1 == len(positions)
+        rt.index.count_generated(len(out.output_ids), took_s, len(positions) if last else 0)
         log.info("%s turn %d/%d generated: %d tokens (%s) in %.2fs", ref.key, number + 1,
                  len(positions), len(out.output_ids), out.finish, took_s)
         _check(gs, turn, number)

@@ -147,20 +147,26 @@ class RunIndex:
         return int(self.r.hincrby(self.k(keys.TRIES), key, 1))
 
     @redis_errors
-    def count_generated(self, tokens: int, seconds: float) -> None:
-        """One regenerated turn of ``tokens`` tokens, decoded in ``seconds`` (its request's)."""
+    def count_generated(self, tokens: int, seconds: float, sample_turns: int = 0) -> None:
+        """One regenerated turn of ``tokens`` tokens, decoded in ``seconds`` (its request's);
+        ``sample_turns``: it was its sample's last, of that many (what the generation's ETA
+        learns turns per sample from)."""
         p = self.r.pipeline(transaction=True)
         p.hsetnx(self.k(keys.GENERATED), "first_at", time.time())
         p.hset(self.k(keys.GENERATED), "last_at", time.time())
         p.hincrby(self.k(keys.GENERATED), "turns", 1)
         p.hincrby(self.k(keys.GENERATED), "tokens", tokens)
         p.hincrbyfloat(self.k(keys.GENERATED), "seconds", seconds)
+        if sample_turns:
+            p.hincrby(self.k(keys.GENERATED), "samples", 1)
+            p.hincrby(self.k(keys.GENERATED), "sample_turns", sample_turns)
         p.execute()
 
     @redis_errors
     def generated(self) -> dict[str, float]:
         """The run's generation in all (``count_generated``): turns, tokens, seconds (its
-        requests' summed), first_at and last_at (unix time); {} before the first turn."""
+        requests' summed), first_at and last_at (unix time), samples whose last turn was
+        generated and their turns; {} before the first turn."""
         raw = self.r.hgetall(self.k(keys.GENERATED))
         return {k.decode() if isinstance(k, bytes) else str(k): float(v) for k, v in raw.items()}
 

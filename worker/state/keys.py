@@ -41,7 +41,8 @@ ENQUEUE_LOCK = "enqueue-lock"
 RECONCILE_LOCK = "reconcile-lock"  # held by the one reconciler pass of the run (reconciler.py)
 ENQUEUED = "enqueued"  # data file path -> token of its last complete enqueue (ledger.py)
 REPUBLISHED = "republished"  # sample_key -> times the reconciler published it again
-# a regenerating run's generation, in all: turns, tokens, requests' seconds (summed), first_at
+# a regenerating run's generation, in all: turns, tokens, requests' seconds (summed), first_at,
+# last_at, samples (whose last turn was generated) and sample_turns (theirs)
 GENERATED = "generated"
 # The run's hosts (worker/state/hosts.py):
 #   host id -> JSON {output_dir, server, at, registered_at...};

@@ -105,7 +105,8 @@ function fill(snap) {
   if (gen) {
     const span = (gen.last_at || 0) - (gen.first_at || 0);
     set("v-turns", gen.turns || 0);
-    set("v-decode-rate", span > 0 ? `${(gen.tokens / span).toFixed(1)} tokens/s decoded` : "");
+    set("v-decode-rate", (span > 0 ? `${(gen.tokens / span).toFixed(1)} tokens/s decoded` : "") +
+      (st.generation_eta_s != null ? `, ETA ${duration(st.generation_eta_s)}` : ""));
   }
   // a finished run needs no server: one that is gone then was stopped, not lost
   set("v-server", snap.server.up ? "up" : st.finished ? "stopped" : "DOWN");
