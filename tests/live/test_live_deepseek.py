@@ -212,7 +212,8 @@ class TestChunked:
                 answer.result()
         # Then the server prefilled them in chunks of at most 16 tokens, some chunks holding
         # rows of several requests
-        batches = log_lines_since(server, offset, PREFILL_LINE)
+        batches = log_lines_since(server, offset, PREFILL_LINE,
+                                  at_least=(150 + 101 + 9 + 3) // CHUNK)
         assert len(batches) >= (150 + 101 + 9 + 3) // CHUNK
         assert max(int(b["tokens"]) for b in batches) <= CHUNK
         assert max(int(b["seqs"]) for b in batches) >= 2, [b.group(0) for b in batches]

@@ -98,7 +98,7 @@ def test_a_32k_prompt_in_2k_chunks_equals_transformers(server: LiveServer,
     prefill_s = time.monotonic() - t0
     dump = wait_dump(server.dumps, req.rid)
     # Then it did so in sixteen chunks of exactly 2,048 tokens, one request each
-    batches = log_lines_since(server, offset, PREFILL_LINE)
+    batches = log_lines_since(server, offset, PREFILL_LINE, at_least=TOKENS // CHUNK)
     chunks = [(int(b["seqs"]), int(b["tokens"])) for b in batches]
     assert chunks == [(1, CHUNK)] * (TOKENS // CHUNK), [b.group(0) for b in batches]
     # And the dump holds the ids and transformers' states for them at the same layers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -58,10 +59,21 @@ def wait_dump(dump_dir: Path, rid: str, timeout_s: float = 120) -> Path:
     return dump
 
 
-def log_lines_since(server: LiveServer, offset: int, pattern: str) -> list[re.Match[str]]:
-    """Matches of ``pattern`` in the server's log after byte ``offset``."""
-    text = server.log.read_bytes()[offset:].decode(errors="replace")
-    return list(re.finditer(pattern, text))
+def log_lines_since(server: LiveServer, offset: int, pattern: str,
+                    at_least: int = 0, timeout_s: float = 30.0) -> list[re.Match[str]]:
+    """Matches of ``pattern`` in the server's log after byte ``offset``; with ``at_least``,
+    once there are that many (or ``timeout_s`` passed): SGLang may log a batch after its
+    forward, so its last line can land after the dump it made (a clean-clone run read 15 of a
+    32k prompt's 16 chunk lines the moment its dump was there)."""
+    def found() -> list[re.Match[str]]:
+        text = server.log.read_bytes()[offset:].decode(errors="replace")
+        return list(re.finditer(pattern, text))
+
+    if at_least:
+        with contextlib.suppress(TimeoutError):  # the caller's assertion says what is missing
+            wait_until(lambda: len(found()) >= at_least, timeout_s, f"{at_least} log lines",
+                       poll_s=0.2)
+    return found()
 
 
 PREFILL_LINE = (r"Prefill batch, #new-seq: (?P<seqs>\d+), #new-token: (?P<tokens>\d+).*?"
