@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.localfarm.farm import LocalFarm, wait_until
-from tests.conftest import FarmFactory, assert_farm_invariants, wait_finished
+from tests.conftest import EXAMPLES, FarmFactory, assert_farm_invariants, wait_finished
 from tests.support.faults import dashboard_metrics, enqueue, run_hash, write_jsonl
 from training.loader import HiddenStates
 from training.sample_file import SampleFile
@@ -182,3 +183,63 @@ def _sha(farm: LocalFarm, key: str) -> str:
 
 def _identity(farm: LocalFarm) -> str:
     return generation_identity(farm.settings())
+
+
+def _kept(farm: LocalFarm, keys: list[str]) -> dict[str, int]:
+    """Each sample's turns recorded on disk now."""
+    return {k: len(gen.load(farm.output_dir, farm.run_id(), k, _sha(farm, k), _identity(farm)
+                            ).turns) for k in keys}
+
+
+def _check_point(farm: LocalFarm, keys: list[str], log: Path) -> tuple[int, dict[str, int]]:
+    """The turns recorded now, then the server log's end: a turn's log line is written before
+    its answer leaves the server, so every recorded turn's line is before that offset."""
+    kept = _kept(farm, keys)
+    return log.stat().st_size, kept
+
+
+def test_a_server_restart_and_a_redis_that_lost_the_run_decode_no_recorded_turn_again(
+        farm_factory: FarmFactory, tmp_path: Path) -> None:
+    # Given a regenerating run of 6 samples of 2 to 4 user turns, its Redis's AOF saved before
+    # the enqueue, and the reconciler quick
+    env = {**GEN_ENV, "FARM_RECONCILE_INTERVAL_S": "2", "FARM_RECONCILE_CONFIRM_S": "2"}
+    farm = farm_factory("farm", env=env, server_args=["--forward-delay-s", "0.03"])
+    aof = farm.work_dir / "redis" / "appendonlydir"
+    farm.start_worker("w1", concurrency=2)
+    wait_until(lambda: any(aof.glob("*.incr.aof")), 10, "the AOF")
+    shutil.copytree(aof, tmp_path / "aof-before")
+    data = tmp_path / "multi.json"
+    samples = [s for s in json.loads(EXAMPLES.read_text())
+               if len(gen.reply_positions(_messages(s))) >= 2][:6]
+    data.write_text(json.dumps(samples))
+    assert farm.cli("enqueue", str(data), "--no-progress").returncode == 0
+    keys = [str(s["id"]) for s in samples]
+    index = RunIndex(farm.redis(), farm.run_id())
+    log = farm.procs["server"].log
+    checks: list[tuple[int, dict[str, int]]] = []  # (server log offset, turns recorded then)
+
+    # When the server is SIGKILLed after a few turns and started again
+    wait_until(lambda: _generated(index) >= 3, 120, "three regenerated turns", poll_s=0.1)
+    farm.procs["server"].kill_group()
+    checks.append(_check_point(farm, keys, log))
+    farm.start_server(["--forward-delay-s", "0.03"])
+    # And later Redis is SIGKILLed and comes back with the AOF of before the enqueue: the
+    # run's index and queue are gone, and the run's reconciler enqueues its data file again
+    wait_until(lambda: _generated(index) >= 6, 120, "three more turns", poll_s=0.1)
+    checks.append(_check_point(farm, keys, log))
+    farm.procs["redis"].kill_group()
+    shutil.rmtree(aof)
+    shutil.copytree(tmp_path / "aof-before", aof)
+    farm.start_redis()
+    wait_finished(farm, total=len(keys), timeout_s=300)
+
+    # Then every sample is done once, and no turn recorded before either fault was asked of
+    # the server after it
+    assert_farm_invariants(farm, keys)
+    assert "re-enqueued " in farm.procs["w1"].log.read_text()
+    for offset, kept in checks:
+        again = [(k, t) for k, t in _requests(log, offset) if t < kept[k]]
+        assert not again, (f"recorded turns decoded again: {again}\n" + "\n".join(
+            line for line in farm.procs["w1"].log.read_text().splitlines()
+            if any(f" {k} " in line for k, _ in again)))
+    assert sum(checks[-1][1].values()) >= 6
