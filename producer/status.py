@@ -6,6 +6,7 @@ manifest (which names the run): ``status`` is what a person runs while the serve
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -76,6 +77,7 @@ class Status:
     # does not regenerate; and when its last turn is expected (``generation_eta``)
     generation: dict[str, float] | None = None
     generation_eta_s: float | None = None
+    generation_settings: dict[str, Any] | None = None  # the fingerprint's (docs/regeneration.md)
 
     @property
     def remaining(self) -> int:
@@ -191,7 +193,9 @@ def read_status(settings: Settings, fingerprint: Fingerprint,
                 files_gone=len(gone), files_gone_samples=gone[:SHOW_KEYS],
                 hosts=hosts.per_host(r, run_id, settings.heartbeat_ttl_s, window_s,
                                      until=until),
-                generation=index.generated() if fingerprint.generation else None)
+                generation=index.generated() if fingerprint.generation else None,
+                generation_settings=(json.loads(fingerprint.generation)
+                                     if fingerprint.generation else None))
     st = replace(st, generation_eta_s=generation_eta(st))
     stall = run_stall(index, st, settings, fingerprint)
     return st if stall is None else replace(st, stall=stall.to_json(), eta_s=None)

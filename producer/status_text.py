@@ -44,6 +44,8 @@ def render(st: Status, run_id: str, source: str) -> list[str]:
         eta = (f"; ETA {duration(st.generation_eta_s)}" if st.generation_eta_s is not None
                else "")
         lines.insert(4, f"generate  {_generation_text(st.generation)}{eta}")
+        if st.generation_settings:
+            lines.insert(5, f"          {_generation_settings_text(st.generation_settings)}")
     lines += stall_lines(st)
     if st.admission:
         lines.append(f"host      {_admission_text(st.admission)}")
@@ -106,6 +108,15 @@ def _generation_text(g: dict[str, float]) -> str:
     overall = f"{tokens / span_s:.1f} tokens/s decoded, " if span_s > 0 else ""
     return (f"{turns} turns regenerated, {tokens} tokens ({overall}{per_request:.1f} tokens/s "
             "per request)")
+
+
+def _generation_settings_text(g: dict[str, Any]) -> str:
+    """A regenerating run's settings, as its fingerprint holds them."""
+    stops = ", stop ids " + " ".join(map(str, g["stop_token_ids"])) if g.get("stop_token_ids") \
+        else ""
+    return (f"at most {g['max_new_tokens']} new tokens a turn, temperature {g['temperature']}, "
+            f"top-p {g['top_p']}, top-k {g['top_k']}{stops}; reasoning {g['reasoning']}, a cut "
+            f"turn {g['on_length']}, an empty reply {g['on_empty']}")
 
 
 def _eta(st: Status) -> str:

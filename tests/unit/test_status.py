@@ -49,6 +49,15 @@ def test_a_regenerating_runs_eta_counts_the_turns_left_at_its_turn_rate() -> Non
                 if x.startswith("generate"))
     assert line == ("generate  36 turns regenerated, 3600 tokens (50.0 tokens/s decoded, "
                     "12.0 tokens/s per request); ETA 8m36s")
+    # And the run's generation settings, from its fingerprint, under it
+    said = {"max_new_tokens": 512, "temperature": 0.6, "top_p": 0.95, "top_k": -1,
+            "stop_token_ids": [7], "reasoning": "drop", "on_length": "reject",
+            "on_empty": "keep"}
+    text = render(dataclasses.replace(st, generation_settings=said, generation_eta_s=516.0),
+                  "r", "m")
+    assert text[text.index(line) + 1] == (
+        "          at most 512 new tokens a turn, temperature 0.6, top-p 0.95, top-k -1, stop "
+        "ids 7; reasoning drop, a cut turn reject, an empty reply keep")
     # And before any sample's generation has ended, no turns per sample are known: no ETA
     assert generation_eta(dataclasses.replace(st, generation={"turns": 3, "first_at": 1,
                                                               "last_at": 5})) is None
