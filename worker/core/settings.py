@@ -347,12 +347,11 @@ class GenSettings:
 
     @classmethod
     def of(cls, s: Settings) -> GenSettings | None:
-        """The run's, or None when it does not regenerate."""
+        """The run's (each field is the setting ``gen_<field>``), or None when it does not
+        regenerate."""
         if not s.regenerate:
             return None
-        return cls(s.gen_max_new_tokens, s.gen_temperature, s.gen_top_p, s.gen_top_k,
-                   tuple(s.gen_stop_token_ids), s.gen_reasoning, s.gen_on_length,
-                   s.gen_on_empty)
+        return cls(**{f.name: getattr(s, f"gen_{f.name}") for f in fields(cls)})
 
     def identity(self) -> str:
         """Canonical JSON: the fingerprint's ``generation`` (any change is another run)."""
@@ -371,11 +370,10 @@ def with_generation(s: Settings, identity: str) -> Settings:
     if not identity:
         return replace(s, regenerate=False)
     said = json.loads(identity)
-    return replace(s, regenerate=True, gen_max_new_tokens=said["max_new_tokens"],
-                   gen_temperature=said["temperature"], gen_top_p=said["top_p"],
-                   gen_top_k=said["top_k"], gen_stop_token_ids=tuple(said["stop_token_ids"]),
-                   gen_reasoning=said["reasoning"], gen_on_length=said["on_length"],
-                   gen_on_empty=said["on_empty"])
+    values: dict[str, Any] = {
+        f"gen_{f.name}": tuple(said[f.name]) if f.name == "stop_token_ids" else said[f.name]
+        for f in fields(GenSettings)}
+    return replace(s, regenerate=True, **values)
 
 
 def generation_identity(s: Settings) -> str:
