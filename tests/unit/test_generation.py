@@ -255,3 +255,29 @@ def test_a_prompt_without_a_reply_is_a_record_of_a_regenerating_run_only() -> No
     with pytest.raises(BadInput, match=r"no assistant turn.*FARM_REGENERATE=1"):
         validate_record(record)
     assert validate_record(record, prompts=True).messages == (SYS, U1)
+
+
+def test_a_turn_starts_only_with_its_time_and_half_the_extractions_left() -> None:
+    import time
+
+    from worker.core.errors import OutOfTime
+    from worker.regen import step
+
+    # a delivery of 300 s whose turn may take 100 s: it needs 100 + (300 - 100) / 2 = 200 s
+    now = time.monotonic()
+    step._time_for_a_turn("k", 0, now + 250, 300, 100)
+    with pytest.raises(OutOfTime, match=r"turn 2 and the extraction after it.*no attempt spent"):
+        step._time_for_a_turn("k", 1, now + 150, 300, 100)
+
+
+def test_generations_have_their_own_places_from_the_servers_limits() -> None:
+    from worker.server.admission import DEFAULT_GEN_IN_FLIGHT, MAX_SLOTS, generation_limits
+
+    regen = Settings(regenerate=True)
+    assert generation_limits(regen, {"max_running_requests": 128}).max_in_flight == 128
+    assert generation_limits(regen, {}).max_in_flight == DEFAULT_GEN_IN_FLIGHT
+    assert generation_limits(replace(regen, gen_max_in_flight=16),
+                             {"max_running_requests": 128}).max_in_flight == 16
+    assert generation_limits(regen, {"max_running_requests": 4096}).max_in_flight == MAX_SLOTS
+    two = generation_limits(regen, {"max_running_requests": 64, "attn_dp_size": 2})
+    assert two.dp_groups == 2 and two.dump_budget_bytes == 0
