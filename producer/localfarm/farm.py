@@ -18,6 +18,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from worker.core.run import queue_for, run_id_of
 from worker.core.settings import Settings
@@ -56,6 +57,25 @@ def _answers(proc: Proc, port: int, path: str) -> bool:
         return False
 
 
+class Child(Protocol):
+    """A started process: ``subprocess.Popen``, or what a ``launcher`` gives."""
+
+    pid: int
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# How a process is started when not by a plain Popen: ``launcher(argv, env, log)`` returns the
+# started child, in its own session, its output appended to ``log``, or None for a command it
+# does not start. The test suite sets one that forks reference servers from a process that has
+# imported torch and transformers once (tests/support/forkserver.py); the demo sets none.
+Launcher = Callable[[list[str], dict[str, str], Path], Child | None]
+launcher: Launcher | None = None
+
+
 @dataclass
 class Proc:
     """A started subprocess with its log file."""
@@ -64,13 +84,15 @@ class Proc:
     argv: list[str]
     log: Path
     env: dict[str, str]
-    popen: subprocess.Popen[bytes] | None = None
+    popen: Child | None = None
 
     def start(self) -> Proc:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                          env=self.env, start_new_session=True)
+        self.popen = launcher(self.argv, self.env, self.log) if launcher else None
+        if self.popen is None:
+            with open(self.log, "ab") as out:
+                self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                              env=self.env, start_new_session=True)
         return self
 
     @property

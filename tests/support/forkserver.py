@@ -1,0 +1,311 @@
+"""A fork server for the suite's reference servers: torch and transformers imported once.
+
+The suite starts the reference server (``python -m sglang_patch.reference_server``) about a
+hundred times, and each start spent ~6 s of CPU importing torch and transformers before any of
+hsfarm's code ran: some ten minutes of a 2-core machine's suite. A test process's farms
+(``producer.localfarm.farm.launcher``) now ask this server instead: one process per pytest
+process that has imported those libraries (nothing of hsfarm's, and no torch computation, so
+no thread pool is forked), and forks a child per start, which becomes exactly what the command
+would have been: its own session (the harness kills its process group), its log on stdout and
+stderr, the command's environment, working directory and ``sys.argv``, and the module run as
+``__main__``; its exit status comes back as Popen's would (a signal as its negative number).
+hsfarm's own modules are imported by each child, from the tree, as a plain start imports them.
+
+What a fork cannot give, it does not serve (the farm then starts the plain command): another
+interpreter, another module, or an environment that differs from the server's in a variable
+read at import time (``import_env``). Plain starts of the same server remain in the suite: the
+documented commands, the demo, the multi-host test (its own Popen in a network namespace) and
+the benches start it without this.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import runpy
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+MODULE = "sglang_patch.reference_server"
+ROOT = Path(__file__).resolve().parents[2]
+# Variables read when the preloaded libraries are imported (or by the interpreter at start):
+# a command whose values differ is started plainly.
+_IMPORT_ENV_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "OMP_", "MKL_",
+                        "KMP_", "CUDA", "LD_", "TOKENIZERS_", "XDG_CACHE")
+
+
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_ENV_PREFIXES)}
+
+
+def preload() -> None:
+    """What every reference server imports before hsfarm's first line: no computation."""
+    import aiohttp.web  # noqa: F401
+    import numpy  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
+    import transformers
+    import transformers.models.llama.modeling_llama
+    from transformers import (  # noqa: F401  (transformers resolves these lazily)
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DynamicCache,
+        PreTrainedTokenizerFast,
+    )
+
+    del transformers
+
+
+# --- the server process ---------------------------------------------------------------------
+
+def serve(sock_path: str, parent: int) -> None:
+    """Accept start requests on ``sock_path`` until the pytest process that started us is gone
+    (its children keep running: each is in its own session, and its harness stops it)."""
+    preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path + ".part")
+    listener.listen(64)
+    os.rename(sock_path + ".part", sock_path)  # the client waits for this name: ready
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(wake_r, selectors.EVENT_READ, "child")
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == parent:
+        for key, _ in sel.select(timeout=1.0):
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                _start(conn, children, [listener, wake_r, wake_w, *children.values()], sel)
+            else:
+                while True:
+                    try:
+                        if not wake_r.recv(512):
+                            break
+                    except BlockingIOError:
+                        break
+        _reap(children)
+
+
+def _start(conn: socket.socket, children: dict[int, socket.socket],
+           others: list[socket.socket], sel: selectors.BaseSelector) -> None:
+    try:
+        conn.settimeout(30)
+        request = json.loads(conn.makefile("rb").readline())
+    except (OSError, ValueError):
+        conn.close()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        sel.close()
+        for s in others:
+            s.close()
+        _become(request, conn)
+    children[pid] = conn
+    with contextlib.suppress(OSError):
+        conn.sendall(f"pid {pid}\n".encode())
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.close()
+
+
+def _become(request: dict[str, Any], conn: socket.socket) -> None:
+    """The forked child: become the requested command, then exit as its interpreter would."""
+    code = 1
+    try:
+        conn.close()
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        argv = request["argv"]
+        sys.path[0] = os.getcwd()  # as ``python -m`` sets it
+        sys.argv = [argv[2], *argv[3:]]
+        try:
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter exits:
+        atexit._run_exitfuncs()  # non-daemon threads joined, then the atexit functions
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+# --- the client, in the pytest process ------------------------------------------------------
+
+class ForkedChild:
+    """A started child, as much of ``subprocess.Popen`` as the farm uses."""
+
+    def __init__(self, args: list[str], pid: int, conn: socket.socket) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn: socket.socket | None = conn
+        self._buf = b""
+
+    def poll(self) -> int | None:
+        self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def _read(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if self._conn is None:  # the fork server went first: the pid's own fate
+                if _gone(self.pid):
+                    self.returncode = -signal.SIGKILL
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                time.sleep(0.05)
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._conn.settimeout(left)
+            try:
+                data = self._conn.recv(64)
+            except (TimeoutError, BlockingIOError):
+                return
+            if not data:
+                self._conn.close()
+                self._conn = None
+                continue
+            self._buf += data
+            if b"\n" in self._buf:
+                word, value = self._buf.split(b"\n", 1)[0].split()
+                assert word == b"exit", self._buf
+                self.returncode = int(value)
+                self._conn.close()
+                self._conn = None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+class ForkServer:
+    """The client: starts the server process at its first request (with that request's
+    environment), then asks it for every start it can serve."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+        self._env: dict[str, str] | None = None
+        self._broken = False
+
+    def __call__(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedChild | None:
+        if self._broken or argv[:3] != [sys.executable, "-m", MODULE]:
+            return None
+        if self._proc is None:
+            self._begin(env)
+            if self._broken:
+                return None
+        elif import_env(env) != self._env:
+            return None
+        assert self._dir is not None
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(30)
+            conn.connect(os.path.join(self._dir, "sock"))
+            conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
+                                     "log": str(log)}).encode() + b"\n")
+            line = conn.makefile("rb").readline().split()
+            return ForkedChild(argv, int(line[1]), conn)
+        except (OSError, ValueError, IndexError) as e:
+            self._fail(f"a start failed ({e!r})")
+            return None
+
+    def _begin(self, env: dict[str, str]) -> None:
+        self._dir = tempfile.mkdtemp(prefix="hsfarm-forkserver-")
+        sock = os.path.join(self._dir, "sock")
+        log = open(os.path.join(self._dir, "log"), "ab")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.forkserver", sock, str(os.getpid())],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        log.close()
+        self._env = import_env(env)
+        atexit.register(self.close)
+        deadline = time.monotonic() + 180
+        while not os.path.exists(sock):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._fail("it did not start")
+                return
+            time.sleep(0.05)
+
+    def _fail(self, why: str) -> None:
+        log = Path(self._dir or "", "log")
+        tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
+        print(f"forkserver: {why}; reference servers start plainly from now on\n{tail}",
+              file=sys.stderr)
+        self._broken = True
+        self.close()
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))
