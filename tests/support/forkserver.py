@@ -71,10 +71,11 @@ def preload() -> None:
 
 # --- the server process ---------------------------------------------------------------------
 
-def serve(sock_path: str, parent: int) -> None:
+def serve(sock_path: str, parent: int, with_preload: bool = True) -> None:
     """Accept start requests on ``sock_path`` until the pytest process that started us is gone
     (its children keep running: each is in its own session, and its harness stops it)."""
-    preload()
+    if with_preload:
+        preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path + ".part")
     listener.listen(64)
@@ -243,16 +244,19 @@ def _gone(pid: int) -> bool:
 
 class ForkServer:
     """The client: starts the server process at its first request (with that request's
-    environment), then asks it for every start it can serve."""
+    environment), then asks it for every start of ``module`` it can serve (``preload``: False
+    for a module that needs nothing imported first: this file's own test)."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str = MODULE, preload: bool = True) -> None:
+        self.module = module
+        self.preload = preload
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
         self._env: dict[str, str] | None = None
         self._broken = False
 
     def __call__(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedChild | None:
-        if self._broken or argv[:3] != [sys.executable, "-m", MODULE]:
+        if self._broken or argv[:3] != [sys.executable, "-m", self.module]:
             return None
         if self._proc is None:
             self._begin(env)
@@ -278,7 +282,8 @@ class ForkServer:
         sock = os.path.join(self._dir, "sock")
         log = open(os.path.join(self._dir, "log"), "ab")  # noqa: SIM115
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.forkserver", sock, str(os.getpid())],
+            [sys.executable, "-m", "tests.support.forkserver", sock, str(os.getpid()),
+             "preload" if self.preload else "bare"],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
@@ -299,6 +304,11 @@ class ForkServer:
         self._broken = True
         self.close()
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's pid, once started."""
+        return None if self._proc is None else self._proc.pid
+
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
@@ -308,4 +318,4 @@ class ForkServer:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), with_preload=sys.argv[3] == "preload")
