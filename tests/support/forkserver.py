@@ -47,7 +47,22 @@ _IMPORT_ENV_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH",
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_IMPORT_ENV_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_ENV_PREFIXES) and k != "PYTHON"}
+
+
+def serves(given: dict[str, str], before: dict[str, str], after: dict[str, str]) -> bool:
+    """Whether a command of environment ``given`` may fork from a server that was started with
+    ``before`` and whose preload left ``after`` (import environments): each variable is as the
+    server began, or is what the preload itself set it to (torch sets TORCHINDUCTOR_CACHE_DIR
+    at import; a plain start's import would have found it so, and left it)."""
+    for key in given.keys() | before.keys() | after.keys():
+        value = given.get(key)
+        if value == before.get(key):
+            continue
+        if before.get(key) != after.get(key) and value == after.get(key):
+            continue
+        return False
+    return True
 
 
 def preload() -> None:
@@ -74,8 +89,13 @@ def preload() -> None:
 def serve(sock_path: str, parent: int, with_preload: bool = True) -> None:
     """Accept start requests on ``sock_path`` until the pytest process that started us is gone
     (its children keep running: each is in its own session, and its harness stops it)."""
+    before = import_env(dict(os.environ))
     if with_preload:
         preload()
+    after = import_env(dict(os.environ))
+    added = {k: v for k, v in after.items() if before.get(k) != v}
+    with open(sock_path + ".env", "w") as f:  # the client's check of each command's variables
+        json.dump({"before": before, "after": after}, f)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path + ".part")
     listener.listen(64)
@@ -93,7 +113,8 @@ def serve(sock_path: str, parent: int, with_preload: bool = True) -> None:
         for key, _ in sel.select(timeout=1.0):
             if key.data == "accept":
                 conn, _ = listener.accept()
-                _start(conn, children, [listener, wake_r, wake_w, *children.values()], sel)
+                _start(conn, children, [listener, wake_r, wake_w, *children.values()], sel,
+                       added)
             else:
                 while True:
                     try:
@@ -105,7 +126,8 @@ def serve(sock_path: str, parent: int, with_preload: bool = True) -> None:
 
 
 def _start(conn: socket.socket, children: dict[int, socket.socket],
-           others: list[socket.socket], sel: selectors.BaseSelector) -> None:
+           others: list[socket.socket], sel: selectors.BaseSelector,
+           added: dict[str, str]) -> None:
     try:
         conn.settimeout(30)
         request = json.loads(conn.makefile("rb").readline())
@@ -119,7 +141,7 @@ def _start(conn: socket.socket, children: dict[int, socket.socket],
         sel.close()
         for s in others:
             s.close()
-        _become(request, conn)
+        _become(request, conn, added)
     children[pid] = conn
     with contextlib.suppress(OSError):
         conn.sendall(f"pid {pid}\n".encode())
@@ -140,8 +162,9 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _become(request: dict[str, Any], conn: socket.socket) -> None:
-    """The forked child: become the requested command, then exit as its interpreter would."""
+def _become(request: dict[str, Any], conn: socket.socket, added: dict[str, str]) -> None:
+    """The forked child: become the requested command, then exit as its interpreter would
+    (``added``: what the preload set in the environment, as a plain start's import would)."""
     code = 1
     try:
         conn.close()
@@ -158,6 +181,8 @@ def _become(request: dict[str, Any], conn: socket.socket) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        for key, value in added.items():
+            os.environ.setdefault(key, value)
         argv = request["argv"]
         sys.path[0] = os.getcwd()  # as ``python -m`` sets it
         sys.argv = [argv[2], *argv[3:]]
@@ -252,17 +277,18 @@ class ForkServer:
         self.preload = preload
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
-        self._env: dict[str, str] | None = None
+        self.env_before: dict[str, str] = {}
+        self.env_after: dict[str, str] = {}
         self._broken = False
+        self.forked = self.plain = 0  # starts of ``module``: forked, and left to a plain start
 
     def __call__(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedChild | None:
-        if self._broken or argv[:3] != [sys.executable, "-m", self.module]:
+        if argv[:3] != [sys.executable, "-m", self.module]:
             return None
-        if self._proc is None:
+        if self._proc is None and not self._broken:
             self._begin(env)
-            if self._broken:
-                return None
-        elif import_env(env) != self._env:
+        if self._broken or not serves(import_env(env), self.env_before, self.env_after):
+            self.plain += 1
             return None
         assert self._dir is not None
         try:
@@ -272,10 +298,13 @@ class ForkServer:
             conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
                                      "log": str(log)}).encode() + b"\n")
             line = conn.makefile("rb").readline().split()
-            return ForkedChild(argv, int(line[1]), conn)
+            child = ForkedChild(argv, int(line[1]), conn)
         except (OSError, ValueError, IndexError) as e:
             self._fail(f"a start failed ({e!r})")
+            self.plain += 1
             return None
+        self.forked += 1
+        return child
 
     def _begin(self, env: dict[str, str]) -> None:
         self._dir = tempfile.mkdtemp(prefix="hsfarm-forkserver-")
@@ -287,7 +316,6 @@ class ForkServer:
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
-        self._env = import_env(env)
         atexit.register(self.close)
         deadline = time.monotonic() + 180
         while not os.path.exists(sock):
@@ -295,6 +323,9 @@ class ForkServer:
                 self._fail("it did not start")
                 return
             time.sleep(0.05)
+        with open(sock + ".env") as f:
+            seen = json.load(f)
+        self.env_before, self.env_after = seen["before"], seen["after"]
 
     def _fail(self, why: str) -> None:
         log = Path(self._dir or "", "log")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.forkserver import ROOT, ForkedChild, ForkServer
+from tests.support.forkserver import ROOT, ForkedChild, ForkServer, serves
 
 PROBE = "tests.support.forkprobe"
 # every start's environment: the probe importable from any working directory
@@ -93,6 +93,24 @@ def test_what_a_fork_cannot_give_is_left_to_a_plain_start(server: ForkServer,
                   {**env, "PYTHONHASHSEED": "7"}, log) is None
     assert server([sys.executable, "-m", PROBE, "exit", "0"],
                   {**env, "OMP_NUM_THREADS": "13"}, log) is None
+    # not another interpreter's or module's: those were never its to start
+    assert (server.forked, server.plain) == (1, 2)
+
+
+def test_a_variable_the_preload_set_itself_does_not_stop_a_fork() -> None:
+    # Given a fork server begun with OMP_NUM_THREADS=1, whose torch import set its own variable
+    before = {"OMP_NUM_THREADS": "1"}
+    after = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
+    # Then a command with the variables it began with, or with what the import set, forks
+    assert serves({"OMP_NUM_THREADS": "1"}, before, after)
+    assert serves({"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"},
+                  before, after)
+    # and one with another value of either, or without one it began with, does not
+    assert not serves({"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"},
+                      before, after)
+    assert not serves({"OMP_NUM_THREADS": "2"}, before, after)
+    assert not serves({}, before, after)
+    assert not serves({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, before, after)
 
 
 def _ppid(pid: int) -> int | None:
