@@ -267,85 +267,118 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+class Zygote:
+    """One server process: begun with one environment, it forks the starts it ``serves``."""
+
+    def __init__(self, env: dict[str, str], preload: bool) -> None:
+        self.dir = tempfile.mkdtemp(prefix="hsfarm-forkserver-")
+        self.sock = os.path.join(self.dir, "sock")
+        with open(os.path.join(self.dir, "log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.forkserver", self.sock,
+                 str(os.getpid()), "preload" if preload else "bare"],
+                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        self.env_before: dict[str, str] = {}
+        self.env_after: dict[str, str] = {}
+
+    def ready(self) -> bool:
+        """Wait until it listens (its preload done); False: it did not start."""
+        deadline = time.monotonic() + 180
+        while not os.path.exists(self.sock):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        with open(self.sock + ".env") as f:
+            seen = json.load(f)
+        self.env_before, self.env_after = seen["before"], seen["after"]
+        return True
+
+    def serves(self, env: dict[str, str]) -> bool:
+        return serves(import_env(env), self.env_before, self.env_after)
+
+    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedChild:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(30)
+        conn.connect(self.sock)
+        conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
+                                 "log": str(log)}).encode() + b"\n")
+        line = conn.makefile("rb").readline().split()
+        return ForkedChild(argv, int(line[1]), conn)
+
+    def log_tail(self) -> str:
+        log = Path(self.dir, "log")
+        return log.read_text(errors="replace")[-2000:] if log.is_file() else ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class ForkServer:
-    """The client: starts the server process at its first request (with that request's
-    environment), then asks it for every start of ``module`` it can serve (``preload``: False
-    for a module that needs nothing imported first: this file's own test)."""
+    """The client: asks a server process for every start of ``module`` (``preload``: False for
+    a module that needs nothing imported first: this file's own test). A start whose
+    environment no running server ``serves`` begins another with it (a test may set, in this
+    process, a variable the preload never reads: chat.py sets TRANSFORMERS_NO_ADVISORY_WARNINGS
+    for its own warnings), up to ``MAX_ZYGOTES``; past that it is left to a plain start."""
+
+    MAX_ZYGOTES = 4
 
     def __init__(self, module: str = MODULE, preload: bool = True) -> None:
         self.module = module
         self.preload = preload
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: str | None = None
-        self.env_before: dict[str, str] = {}
-        self.env_after: dict[str, str] = {}
+        self.zygotes: list[Zygote] = []
         self._broken = False
         self.forked = self.plain = 0  # starts of ``module``: forked, and left to a plain start
+        atexit.register(self.close)
 
     def __call__(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedChild | None:
         if argv[:3] != [sys.executable, "-m", self.module]:
             return None
-        if self._proc is None and not self._broken:
-            self._begin(env)
-        if self._broken or not serves(import_env(env), self.env_before, self.env_after):
+        zygote = self._zygote(env)
+        if zygote is None:
             self.plain += 1
             return None
-        assert self._dir is not None
         try:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.settimeout(30)
-            conn.connect(os.path.join(self._dir, "sock"))
-            conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
-                                     "log": str(log)}).encode() + b"\n")
-            line = conn.makefile("rb").readline().split()
-            child = ForkedChild(argv, int(line[1]), conn)
+            child = zygote.fork(argv, env, log)
         except (OSError, ValueError, IndexError) as e:
-            self._fail(f"a start failed ({e!r})")
+            self._fail(f"a start failed ({e!r})", zygote)
             self.plain += 1
             return None
         self.forked += 1
         return child
 
-    def _begin(self, env: dict[str, str]) -> None:
-        self._dir = tempfile.mkdtemp(prefix="hsfarm-forkserver-")
-        sock = os.path.join(self._dir, "sock")
-        log = open(os.path.join(self._dir, "log"), "ab")  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.forkserver", sock, str(os.getpid()),
-             "preload" if self.preload else "bare"],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        log.close()
-        atexit.register(self.close)
-        deadline = time.monotonic() + 180
-        while not os.path.exists(sock):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self._fail("it did not start")
-                return
-            time.sleep(0.05)
-        with open(sock + ".env") as f:
-            seen = json.load(f)
-        self.env_before, self.env_after = seen["before"], seen["after"]
+    def _zygote(self, env: dict[str, str]) -> Zygote | None:
+        if self._broken:
+            return None
+        for zygote in self.zygotes:
+            if zygote.serves(env):
+                return zygote
+        if len(self.zygotes) >= self.MAX_ZYGOTES:
+            return None
+        zygote = Zygote(env, self.preload)
+        self.zygotes.append(zygote)
+        if not zygote.ready():
+            self._fail("it did not start", zygote)
+            return None
+        return zygote if zygote.serves(env) else None
 
-    def _fail(self, why: str) -> None:
-        log = Path(self._dir or "", "log")
-        tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
-        print(f"forkserver: {why}; reference servers start plainly from now on\n{tail}",
-              file=sys.stderr)
+    def _fail(self, why: str, zygote: Zygote) -> None:
+        print(f"forkserver: {why}; reference servers start plainly from now on\n"
+              f"{zygote.log_tail()}", file=sys.stderr)
         self._broken = True
         self.close()
 
     @property
     def pid(self) -> int | None:
-        """The server process's pid, once started."""
-        return None if self._proc is None else self._proc.pid
+        """The first server process's pid, once started."""
+        return self.zygotes[0].proc.pid if self.zygotes else None
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        for zygote in self.zygotes:
+            zygote.close()
 
 
 if __name__ == "__main__":

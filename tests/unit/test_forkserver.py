@@ -80,21 +80,26 @@ def test_a_killed_or_failing_command_reports_as_popen_does(server: ForkServer,
     assert "RuntimeError: the probe's own error" in (tmp_path / "raise.log").read_text()
 
 
-def test_what_a_fork_cannot_give_is_left_to_a_plain_start(server: ForkServer,
-                                                          tmp_path: Path) -> None:
+def test_each_import_environment_forks_from_a_server_begun_with_it(server: ForkServer,
+                                                                     tmp_path: Path) -> None:
     log = tmp_path / "x.log"
-    env = dict(ENV)
     assert start(server, log, "exit", "0").wait(30) == 0
-    # another module, another interpreter
-    assert server([sys.executable, "-m", "json.tool"], env, log) is None
-    assert server(["/usr/bin/python3", "-m", PROBE, "exit", "0"], env, log) is None
-    # a variable read at import time that differs from the fork server's
+    # another module, another interpreter: never the fork server's to start
+    assert server([sys.executable, "-m", "json.tool"], ENV, log) is None
+    assert server(["/usr/bin/python3", "-m", PROBE, "exit", "0"], ENV, log) is None
+    # a variable read at import time that differs: a server begun with it forks the start
+    hashed = start(server, log, "exit", "0", env={"PYTHONHASHSEED": "7"})
+    assert hashed.wait(30) == 0 and len(server.zygotes) == 2
+    assert server.zygotes[1].env_before["PYTHONHASHSEED"] == "7"
+    # and the next start with it too, from that same server
+    assert start(server, log, "exit", "0", env={"PYTHONHASHSEED": "7"}).wait(30) == 0
+    assert len(server.zygotes) == 2
+    # past MAX_ZYGOTES servers, a start no server serves is left to a plain start
+    for n in range(3, ForkServer.MAX_ZYGOTES + 1):
+        assert start(server, log, "exit", "0", env={"OMP_NUM_THREADS": str(n)}).wait(30) == 0
     assert server([sys.executable, "-m", PROBE, "exit", "0"],
-                  {**env, "PYTHONHASHSEED": "7"}, log) is None
-    assert server([sys.executable, "-m", PROBE, "exit", "0"],
-                  {**env, "OMP_NUM_THREADS": "13"}, log) is None
-    # not another interpreter's or module's: those were never its to start
-    assert (server.forked, server.plain) == (1, 2)
+                  {**ENV, "OMP_NUM_THREADS": "99"}, log) is None
+    assert (server.forked, server.plain) == (ForkServer.MAX_ZYGOTES + 1, 1)
 
 
 def test_a_variable_the_preload_set_itself_does_not_stop_a_fork() -> None:
