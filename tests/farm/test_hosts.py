@@ -43,7 +43,7 @@ pytestmark = [
     pytest.mark.timeout(420),
 ]
 
-TAG = f"{os.getpid() % 100000}"
+TAG = str(os.getpid())  # names of this run: a 7-digit pid still fits a veth name (15)
 PASSWORD = "hosts-test-pw"
 REDIS_PORT = 6390
 N_SAMPLES = 16
@@ -179,6 +179,24 @@ def _make_network(ns: dict[str, str]) -> None:
         sh(*ip, "link", "set", veth, "up")
 
 
+def _drop_stale_networks() -> None:
+    """Remove what a test run killed before its teardown (SIGKILL) left: its namespaces, their
+    processes, and its veth end here, which holds the fixed 10.213.3.2 this run needs."""
+    def dead(tag: str) -> bool:
+        return tag != TAG and not Path(f"/proc/{tag}").exists()
+
+    for line in sh("ip", "netns", "list").stdout.splitlines():
+        m = re.fullmatch(r"hs[rab](\d+)", line.split()[0]) if line.strip() else None
+        if m and dead(m.group(1)):
+            for pid in sh("ip", "netns", "pids", line.split()[0], check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            sh("ip", "netns", "del", line.split()[0], check=False)
+    for m in re.finditer(r"^\d+: hv(\d+)t[@:]", sh("ip", "-o", "link").stdout, re.M):
+        if dead(m.group(1)):
+            sh("ip", "link", "del", f"hv{m.group(1)}t", check=False)
+
+
 def _drop_network(ns: dict[str, str]) -> None:
     for name in ns.values():
         sh("ip", "netns", "del", name, check=False)  # its veth ends go with it
@@ -212,6 +230,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
     started: list[Host] = []
     redis_proc = None
     try:
+        _drop_stale_networks()
         _make_network(ns)
         redis_proc = _start_redis(ns["redis"], work)
         r = redis.Redis(host="10.213.3.1", port=REDIS_PORT, password=PASSWORD)
