@@ -12,8 +12,9 @@ stderr, the command's environment, working directory and ``sys.argv``, and the m
 hsfarm's own modules are imported by each child, from the tree, as a plain start imports them.
 
 What a fork cannot give, it does not serve (the farm then starts the plain command): another
-interpreter, another module, or an environment that differs from the server's in a variable
-read at import time (``import_env``). Plain starts of the same server remain in the suite: the
+interpreter or another module. A command whose environment differs in a variable read at import
+time (``import_env``) forks from another server begun with that environment, up to four a
+process. Plain starts of the same server remain in the suite: the
 documented commands, the demo, the multi-host test (its own Popen in a network namespace) and
 the benches start it without this.
 """
@@ -41,7 +42,7 @@ from typing import Any
 MODULE = "sglang_patch.reference_server"
 ROOT = Path(__file__).resolve().parents[2]
 # Variables read when the preloaded libraries are imported (or by the interpreter at start):
-# a command whose values differ is started plainly.
+# a command whose values differ forks from a server begun with them (``ForkServer``).
 _IMPORT_ENV_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "OMP_", "MKL_",
                         "KMP_", "CUDA", "LD_", "TOKENIZERS_", "XDG_CACHE")
 
