@@ -209,6 +209,8 @@ def _become(request: dict[str, Any], conn: socket.socket, added: dict[str, str])
 
 
 # --- the client, in the pytest process ------------------------------------------------------
+# (hsfarm's helpers are imported inside it: the server process runs this module, and imports
+# nothing of hsfarm's before it forks)
 
 class ForkedChild:
     """A started child, as much of ``subprocess.Popen`` as the farm uses."""
@@ -219,6 +221,7 @@ class ForkedChild:
         self.returncode: int | None = None
         self._conn: socket.socket | None = conn
         self._buf = b""
+        self._ticks = _start_ticks(pid)  # the pid's start time: a reused pid is another process
 
     def poll(self) -> int | None:
         self._read(0.0)
@@ -234,7 +237,7 @@ class ForkedChild:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             if self._conn is None:  # the fork server went first: the pid's own fate
-                if _gone(self.pid):
+                if self._ticks is None or _start_ticks(self.pid) != self._ticks:
                     self.returncode = -signal.SIGKILL
                     return
                 if deadline is not None and time.monotonic() >= deadline:
@@ -260,12 +263,10 @@ class ForkedChild:
                 self._conn = None
 
 
-def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+def _start_ticks(pid: int) -> str | None:
+    from engine_dump.process_identity import start_ticks
+
+    return start_ticks(pid)
 
 
 class Zygote:
@@ -285,15 +286,21 @@ class Zygote:
 
     def ready(self) -> bool:
         """Wait until it listens (its preload done); False: it did not start."""
-        deadline = time.monotonic() + 180
-        while not os.path.exists(self.sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
+        from producer.localfarm.farm import wait_until
+
+        try:
+            wait_until(self._listening, 180, "the fork server", poll_s=0.05)
+        except (TimeoutError, RuntimeError):
+            return False
         with open(self.sock + ".env") as f:
             seen = json.load(f)
         self.env_before, self.env_after = seen["before"], seen["after"]
         return True
+
+    def _listening(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError("the fork server exited")
+        return os.path.exists(self.sock)
 
     def serves(self, env: dict[str, str]) -> bool:
         return serves(import_env(env), self.env_before, self.env_after)
@@ -371,11 +378,6 @@ class ForkServer:
               f"{zygote.log_tail()}", file=sys.stderr)
         self._broken = True
         self.close()
-
-    @property
-    def pid(self) -> int | None:
-        """The first server process's pid, once started."""
-        return self.zygotes[0].proc.pid if self.zygotes else None
 
     def close(self) -> None:
         for zygote in self.zygotes:

@@ -66,7 +66,7 @@ def test_a_killed_or_failing_command_reports_as_popen_does(server: ForkServer,
     log = tmp_path / "sleep.log"
     child = start(server, log, "sleep")
     # Then it is the fork server's child, and runs until stopped
-    assert server.pid is not None and _ppid(child.pid) == server.pid
+    assert _ppid(child.pid) == server.zygotes[0].proc.pid
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(0.5)
     assert child.poll() is None
