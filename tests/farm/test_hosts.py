@@ -185,13 +185,13 @@ def _drop_stale_networks() -> None:
     def dead(tag: str) -> bool:
         return tag != TAG and not Path(f"/proc/{tag}").exists()
 
-    for line in sh("ip", "netns", "list").stdout.splitlines():
-        m = re.fullmatch(r"hs[rab](\d+)", line.split()[0]) if line.strip() else None
-        if m and dead(m.group(1)):
-            for pid in sh("ip", "netns", "pids", line.split()[0], check=False).stdout.split():
+    for m in re.finditer(r"^(hs[rab](\d+))\b", sh("ip", "netns", "list").stdout, re.M):
+        name, tag = m.groups()
+        if dead(tag):
+            for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
-            sh("ip", "netns", "del", line.split()[0], check=False)
+            sh("ip", "netns", "del", name, check=False)
     for m in re.finditer(r"^\d+: hv(\d+)t[@:]", sh("ip", "-o", "link").stdout, re.M):
         if dead(m.group(1)):
             sh("ip", "link", "del", f"hv{m.group(1)}t", check=False)
