@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,9 +14,11 @@ import pytest
 from engine_dump.engines import FINISH_LENGTH, FINISH_STOP, Decoded
 from engine_dump.fingerprint import LAYER_CONVENTION, Fingerprint
 from worker.core import time_limits
-from worker.core.errors import ConfigError, Corrupt
+from worker.core.errors import ConfigError, Corrupt, OutOfTime
 from worker.core.settings import GenSettings, Settings, generation_identity, with_generation
 from worker.regen import record as gen
+from worker.regen import step
+from worker.server.admission import DEFAULT_GEN_IN_FLIGHT, MAX_SLOTS, generation_limits
 
 SYS = {"role": "system", "content": "Be brief."}
 U1, U2 = {"role": "user", "content": "Hi"}, {"role": "user", "content": "And then?"}
@@ -258,11 +261,6 @@ def test_a_prompt_without_a_reply_is_a_record_of_a_regenerating_run_only() -> No
 
 
 def test_a_turn_starts_only_with_its_time_and_half_the_extractions_left() -> None:
-    import time
-
-    from worker.core.errors import OutOfTime
-    from worker.regen import step
-
     # a delivery of 300 s whose turn may take 100 s: it needs 100 + (300 - 100) / 2 = 200 s
     now = time.monotonic()
     step._time_for_a_turn("k", 0, now + 250, 300, 100)
@@ -271,8 +269,6 @@ def test_a_turn_starts_only_with_its_time_and_half_the_extractions_left() -> Non
 
 
 def test_generations_have_their_own_places_from_the_servers_limits() -> None:
-    from worker.server.admission import DEFAULT_GEN_IN_FLIGHT, MAX_SLOTS, generation_limits
-
     regen = Settings(regenerate=True)
     assert generation_limits(regen, {"max_running_requests": 128}).max_in_flight == 128
     assert generation_limits(regen, {}).max_in_flight == DEFAULT_GEN_IN_FLIGHT
