@@ -118,20 +118,54 @@ def private_redis(root: Path) -> Iterator[LocalFarm]:
 
 
 FarmFactory = Callable[..., LocalFarm]
+LOG_TAIL_LINES = 40
+_FARMS = pytest.StashKey[list[LocalFarm]]()  # a test's farms, for its report if it fails
 
 
-def _factory(stack: contextlib.ExitStack, root: Callable[[str], Path]) -> FarmFactory:
+def _factory(stack: contextlib.ExitStack, root: Callable[[str], Path],
+             made: list[LocalFarm] | None = None) -> FarmFactory:
     def make(name: str = "farm", **options: Any) -> LocalFarm:
-        return stack.enter_context(served_farm(root(name), **options))
+        farm = stack.enter_context(served_farm(root(name), **options))
+        if made is not None:
+            made.append(farm)
+        return farm
     return make
 
 
 @pytest.fixture
-def farm_factory(tmp_path: Path, tiny_model: Path) -> Iterator[FarmFactory]:
+def farm_factory(request: pytest.FixtureRequest, tmp_path: Path,
+                 tiny_model: Path) -> Iterator[FarmFactory]:
     """``farm_factory(name, **options)``: a ``served_farm`` in this test's temp dir, torn down
-    after the test."""
+    after the test; if the test fails, its report shows each farm process's state and log."""
+    made: list[LocalFarm] = []
+    request.node.stash[_FARMS] = made
     with contextlib.ExitStack() as stack:
-        yield _factory(stack, lambda name: tmp_path / name)
+        yield _factory(stack, lambda name: tmp_path / name, made)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed farm test's report carries what its processes did: a farm's logs are in a temp
+    dir that CI does not keep, and a timeout's traceback says only what the test waited for."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call" and report.failed:
+        for farm in item.stash.get(_FARMS, []):
+            for name, proc in farm.procs.items():
+                report.sections.append((f"farm {farm.work_dir.name}: {name}", _proc_report(proc)))
+
+
+def _proc_report(proc: localfarm.Proc) -> str:
+    """A farm process's state now (running, or its exit status) and its log's last lines."""
+    state = "never started"
+    if proc.popen is not None:
+        code = proc.popen.poll()
+        state = f"pid {proc.pid} " + ("running" if code is None else f"exited with {code}")
+    try:
+        lines = proc.log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    except OSError as e:
+        lines = [f"(no log: {e})"]
+    return "\n".join([f"{' '.join(proc.argv[:4])} ...: {state}; {proc.log}:", *lines])
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def test_a_server_restart_and_a_redis_that_lost_the_run_decode_no_recorded_turn_
     shutil.rmtree(aof)
     shutil.copytree(tmp_path / "aof-before", aof)
     farm.start_redis()
-    wait_finished(farm, total=len(keys), timeout_s=300)
+    wait_finished(farm, total=len(keys), timeout_s=150)
 
     # Then every sample is done once, and no turn recorded before either fault was asked of
     # the server after it
