@@ -1,9 +1,9 @@
 """The Redis the farm runs on: one way to connect, who may connect, whether it survives a restart.
 
-Every farm client comes from ``client`` and the broker's from ``celery_tls``, so both share the
-TLS settings and the refusal of an open door: whoever reaches an off-machine Redis can read the
-corpus or publish tasks, so a non-local ``REDIS_URL`` needs a password unless
-``FARM_ALLOW_UNAUTHENTICATED_REDIS``. A Redis without ``appendonly`` loses the queue on a
+Farm clients come from ``client``, Celery's TLS from ``tls_options`` and its transport from
+``Transport`` (kombu's, its channels safe to close after Redis went away). A non-local
+``REDIS_URL`` needs a password unless ``FARM_ALLOW_UNAUTHENTICATED_REDIS``: whoever reaches it
+can read the corpus or publish tasks. A Redis without ``appendonly`` loses the queue on a
 restart, so it is refused unless ``FARM_ALLOW_VOLATILE_REDIS`` (docs/deployment.md).
 Test: tests/unit/test_redis_auth.py::test_which_urls_need_a_password."""
 
@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import redis
+from kombu.transport import redis as kombu_redis
 
 from worker.core import redis_url
 from worker.core.errors import ConfigError, FarmError, Transient
@@ -58,6 +59,32 @@ def client(settings: Settings, socket_timeout_s: float = 30.0,
                                 socket_connect_timeout=connect_timeout_s,
                                 health_check_interval=30,
                                 **(tls_options(settings) or {}))
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel, failing as a lost connection once its connection let go of it.
+
+    After losing Redis, Celery collects the connection, then closes it. If a connection error
+    stops the channel's first close half-way, ``collect()`` still detaches the transport; the
+    second close, handing back unacknowledged messages, then read the detached connection's
+    address: ``AttributeError``, "Unrecoverable error", the worker main process gone. Now a
+    ``redis.ConnectionError``, which kombu and Celery handle (an ack there too: logged); the
+    messages return with the reaper. Test: tests/state/test_broker_channel.py."""
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        if self.connection.client is None:
+            raise redis.ConnectionError("this channel's broker connection was closed")
+        params: dict[str, Any] = super()._connparams(asynchronous=asynchronous)
+        return params
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with ``Channel``: Celery's ``broker_transport``."""
+
+    Channel = Channel
+
+
+TRANSPORT = f"{__name__}:Transport"
 
 
 def tls_options(settings: Settings) -> dict[str, Any] | None:
