@@ -20,7 +20,7 @@ from kombu.serialization import register
 from worker.core.errors import ConfigError
 from worker.core.settings import Settings
 from worker.core.time_limits import soft_for
-from worker.state.broker import TRANSPORT, tls_options
+from worker.state.broker import tls_options, use_transport
 from worker.steps import STEPS
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ def celery_config(s: Settings) -> dict[str, object]:
     tls = tls_options(s)
     return {
         "broker_url": s.redis_url,
-        "broker_transport": TRANSPORT,  # kombu's, closing a lost connection's channels safely
         **({"broker_use_ssl": tls} if tls else {}),
         "task_serializer": SERIALIZER,
         "accept_content": [SERIALIZER, "json"],
@@ -86,6 +85,7 @@ class FarmApp(Celery):
 
     def __init__(self, settings: Settings, main: str = "hsfarm", **kwargs: Any) -> None:
         super().__init__(main, **kwargs)
+        use_transport()  # kombu's Redis transport, closing a lost connection's channels safely
         self.settings = settings
         self.context: RunContext | None = None  # built in worker_init; inherited by the pool
         self.conf.update(celery_config(settings))

@@ -18,6 +18,7 @@ import redis
 from kombu import Connection
 from kombu.common import ignore_errors
 from kombu.message import Message
+from kombu.transport import redis as kombu_redis
 
 from producer.localfarm.farm import LocalFarm
 from tests.conftest import CACHE
@@ -51,6 +52,7 @@ def test_a_channel_closed_after_its_connection_let_go_fails_as_a_lost_connection
     # Given a worker's broker connection, on the farm's transport, holding one message
     conn = app.connection_for_read()
     assert isinstance(conn.transport, broker.Transport)
+    assert conn.as_uri().startswith("redis://")  # as Celery logs it and Flower reads it
     message = _held_message(app, conn)
     r = broker.client(app.settings)
     assert r.hexists(keys.KOMBU_UNACKED, message.delivery_tag)
@@ -72,7 +74,7 @@ def test_a_channel_closed_after_its_connection_let_go_fails_as_a_lost_connection
 
 def test_kombu_s_own_channel_still_fails_there_with_an_attribute_error(app: FarmApp) -> None:
     # Given kombu's own Redis transport (not the farm's) holding one message
-    conn = Connection(app.settings.redis_url)
+    conn = Connection(app.settings.redis_url, transport=kombu_redis.Transport)
     message = _held_message(app, conn)
     # When its connection lets go of the transport with the channel open
     _let_go(conn)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import redis
+from kombu import transport as kombu_transport
 from kombu.transport import redis as kombu_redis
 
 from worker.core import redis_url
@@ -79,12 +80,20 @@ class Channel(kombu_redis.Channel):
 
 
 class Transport(kombu_redis.Transport):
-    """kombu's Redis transport with ``Channel``: Celery's ``broker_transport``."""
+    """kombu's Redis transport with ``Channel`` (``use_transport``)."""
 
     Channel = Channel
 
 
-TRANSPORT = f"{__name__}:Transport"
+def use_transport() -> None:
+    """Have kombu build ``Transport`` for ``redis://`` and ``rediss://`` URLs in this process.
+
+    Through kombu's registry of URL schemes, so a connection's URL still reads ``redis://``:
+    Celery's ``broker_transport`` would make it ``worker.state.broker:Transport://``, which
+    Flower's broker page cannot show."""
+    for scheme in ("redis", "rediss"):
+        kombu_transport.TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
+        kombu_transport._transport_cache.pop(scheme, None)  # resolved already: resolve again
 
 
 def tls_options(settings: Settings) -> dict[str, Any] | None:
